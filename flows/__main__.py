@@ -1,0 +1,107 @@
+"""Command line of the pipeline: ``python -m flows {run,compare,clean-cache,schedule}``.
+The Makefile targets (``make demo``, ``make stage-<id>``, ...) call these."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from flows.workspace import configure_environment
+
+configure_environment()  # before Prefect is imported
+
+from stages.contract import KibidangoError  # noqa: E402
+
+
+def _run(args: argparse.Namespace) -> None:
+    from flows.plan import describe_plan
+    from flows.preset import load_preset
+
+    plan = load_preset(args.preset, args.set)
+    if args.dry_run:
+        print(describe_plan(plan, args.force))
+        return
+    # Preflight: missing or empty sources fail here, with a plain message, before Prefect starts.
+    describe_plan(plan, args.force)
+
+    from flows.pipeline import preset_flows, pipeline
+    from flows.workspace import home, tracking_uri
+
+    flow_fn = preset_flows().get(plan.name, pipeline)
+    artifacts = flow_fn(preset=args.preset, force=args.force, overrides=args.set)
+    print("\n== where things are ==")
+    print(f"workspace       {home()}")
+    for sid, a in artifacts.items():
+        print(f"stage {sid:<9} {a.path}")
+        card = Path(a.path) / "data_card.md"
+        if card.is_file():
+            print(f"  data card     {card}")
+    print(f"MLflow          {tracking_uri()}  experiment '{plan.experiment}'  (make mlflow-ui; make compare)")
+
+
+def _compare(args: argparse.Namespace) -> None:
+    from flows.compare import compare_table
+
+    print(compare_table(args.experiment, args.metrics.split(","), args.stage, args.limit))
+
+
+def _clean(args: argparse.Namespace) -> None:
+    from flows.clean_cache import clean_cache
+    from flows.workspace import store
+
+    print(clean_cache(store(), args.dry_run, args.stage, args.older_than_days))
+
+
+def _schedule(args: argparse.Namespace) -> None:
+    from flows.preset import load_preset
+    from flows.pipeline import preset_flows
+
+    plan = load_preset(args.preset)
+    flow_fn = preset_flows()[plan.name]
+    print(f"serving flow kibidango-{plan.name} on cron '{args.cron}' (Ctrl-C stops)")
+    flow_fn.serve(name=f"{plan.name}-scheduled", cron=args.cron, parameters={"preset": args.preset})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a preset's flow")
+    run.add_argument("--preset", default="tiny", help="preset name (recipes/presets/NAME.yaml) or a .yaml path")
+    run.add_argument("--force", action="append", default=[], metavar="STAGE", help="recompute this stage id even if cached")
+    run.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override one config value")
+    run.add_argument("--dry-run", action="store_true", help="resolve and print the stage plan; run nothing")
+    run.set_defaults(func=_run)
+
+    cmp_ = sub.add_parser("compare", help="table of metrics across an experiment's stage runs")
+    cmp_.add_argument("--experiment", default="kibidango-tiny")
+    cmp_.add_argument("--stage", default=None, help="only this stage id")
+    cmp_.add_argument("--metrics", default="rows_in,rows_out,duplicate_rate,english_share")
+    cmp_.add_argument("--limit", type=int, default=20)
+    cmp_.set_defaults(func=_compare)
+
+    clean = sub.add_parser("clean-cache", help="delete cached artifacts (list them with --dry-run)")
+    clean.add_argument("--dry-run", action="store_true")
+    clean.add_argument("--stage", default=None)
+    clean.add_argument("--older-than-days", type=float, default=None)
+    clean.set_defaults(func=_clean)
+
+    sched = sub.add_parser("schedule", help="serve a preset's flow on a cron schedule")
+    sched.add_argument("--preset", default="tiny")
+    sched.add_argument("--cron", default="0 3 * * *")
+    sched.set_defaults(func=_schedule)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        args.func(args)
+    except KibidangoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The Prefect flow: one task per stage of a preset, wired by the preset's ``needs``. Only
+wiring lives here; stages do the work, the runner does caching and lineage."""
+
+from __future__ import annotations
+
+import subprocess
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from flows.preset import PRESETS_DIR, REPO_ROOT, load_preset
+from flows.runner import RunContext, stage_task
+from flows.tracking import TAG, Tracker
+from flows.workspace import store, tracking_uri
+from stages.store import Artifact
+
+__all__ = ["pipeline", "preset_flows"]
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+@flow(name="kibidango", log_prints=True)
+def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: list[str] | None = None) -> dict[str, Artifact]:
+    """Run a preset's stages; ``force`` recomputes those stage ids even on a cache hit, and
+    ``overrides`` (``STAGE.KEY=VALUE``) change single config values for this run."""
+    plan = load_preset(preset, overrides)
+    tracker = Tracker(plan.experiment)
+    prefect_id = str(flow_run.get_id() or "")
+    parent = tracker.start_run(
+        f"{plan.name}-{flow_run.get_name() or 'run'}",
+        {f"{TAG}preset": plan.name, f"{TAG}prefect_flow_run_id": prefect_id, f"{TAG}git_sha": _git_sha(),
+         f"{TAG}force": ",".join(force or []), f"{TAG}overrides": ";".join(overrides or [])},
+    )  # fmt: skip
+    ctx = RunContext(plan.name, plan.experiment, str(store().root), parent, prefect_id, tuple(force or ()))
+    ok = False
+    try:
+        futures = {}
+        for sid in plan.order():
+            inputs = {name: futures[up] for name, up in plan.needs(sid).items()}
+            futures[sid] = stage_task.submit(sid, plan.configs[sid], inputs, ctx)
+        artifacts = {sid: f.result() for sid, f in futures.items()}
+        ok = True
+    finally:
+        tracker.end_run(parent, ok)
+    print(f"MLflow: {tracking_uri()}  experiment '{plan.experiment}'  parent run {parent}  (browse: make mlflow-ui)")
+    for sid, a in artifacts.items():
+        print(f"stage {sid}: {a.path}")
+    return artifacts
+
+
+def preset_flows() -> dict:
+    """One named flow per shipped preset (``kibidango-tiny``, ...), for deployments and the UI."""
+    return {p.stem: pipeline.with_options(name=f"kibidango-{p.stem}") for p in sorted(PRESETS_DIR.glob("*.yaml"))}

@@ -1,0 +1,41 @@
+"""``--dry-run``: resolve a preset's stage plan and print it without running anything."""
+
+from __future__ import annotations
+
+import yaml
+
+from flows.preset import Preset
+from flows.runner import stage_key
+from flows.workspace import store
+from stages import load_stage
+from stages.store import Artifact
+
+__all__ = ["describe_plan"]
+
+
+def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
+    """The stages in run order with their inputs, cache keys (where every input is known without
+    running anything) and whether each would be a cache hit, and each validated config."""
+    lines = [f"preset {plan.name} ({plan.path})  experiment '{plan.experiment}'", ""]
+    known: dict[str, Artifact | None] = {}
+    for sid in plan.order():
+        module = load_stage(sid)
+        cfg = plan.configs[sid]
+        needs = plan.needs(sid)
+        ups = {name: known.get(up) for name, up in needs.items()}
+        if all(a is not None for a in ups.values()):
+            key, digests = stage_key(sid, cfg, ups)  # type: ignore[arg-type]
+            hit = store().get(sid, key)
+            known[sid] = hit
+            status = "forced" if sid in (force or []) else ("cache hit" if hit else "would run")
+            lines.append(f"stage {sid} ({module.NAME}): key {key}  [{status}]")
+            for name, digest in digests.items():
+                lines.append(f"  input {name}: {digest}")
+        else:
+            known[sid] = None
+            lines.append(f"stage {sid} ({module.NAME}): key known once {', '.join(needs.values())} ran  [would run]")
+        for name, up in needs.items():
+            lines.append(f"  needs {name} <- stage {up}")
+        body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip()
+        lines += ["  config:", *("    " + line for line in body.splitlines()), ""]
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""Presets (``recipes/presets/<name>.yaml``): which stages run, what each reads from which, and
+each stage's config (inline, or a recipe file merged under the inline keys).
+
+    name: tiny
+    experiment: kibidango-tiny
+    stages:
+      "0":
+        needs: {}                      # input name -> upstream stage id
+        recipe: recipes/stage0/x.yaml  # optional, relative to the repository root
+        config: {...}                  # validated against the stage's Config
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stages import load_stage
+from stages.contract import KibidangoError, StageConfig
+
+__all__ = ["Preset", "load_preset", "PRESETS_DIR", "REPO_ROOT"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PRESETS_DIR = REPO_ROOT / "recipes" / "presets"
+
+
+class StagePlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    needs: dict[str, str] = Field(default_factory=dict, description="Input name -> id of the stage that produces it.")
+    recipe: str | None = Field(None, description="YAML file with the stage's config, relative to the repository root.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The stage's config (overrides the recipe's keys).")
+
+
+class PresetFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    experiment: str = Field(description="MLflow experiment that records this preset's runs.")
+    stages: dict[str, StagePlan]
+
+
+class Preset:
+    """A validated preset: every stage's config has passed its stage's Config model."""
+
+    def __init__(self, path: Path, spec: PresetFile, configs: dict[str, StageConfig]):
+        self.path, self.spec, self.configs = path, spec, configs
+        self.name, self.experiment = spec.name, spec.experiment
+
+    def needs(self, stage_id: str) -> dict[str, str]:
+        return self.spec.stages[stage_id].needs
+
+    def order(self) -> list[str]:
+        """Stage ids in an order where every stage comes after the stages it needs."""
+        done: list[str] = []
+
+        def visit(sid: str, path: tuple[str, ...]) -> None:
+            if sid in done:
+                return
+            if sid in path:
+                raise KibidangoError(f"{self.path}: stage dependencies form a cycle: {' -> '.join(path + (sid,))}")
+            for up in self.needs(sid).values():
+                visit(up, path + (sid,))
+            done.append(sid)
+
+        for sid in self.spec.stages:
+            visit(sid, ())
+        return done
+
+
+def _resolve_path(preset: str) -> Path:
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise KibidangoError(f"preset file not found: {path}")
+        return path
+    path = PRESETS_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+        raise KibidangoError(f"unknown preset {preset!r}; known presets: {known} (or give a path to a .yaml file)")
+    return path
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise KibidangoError(f"{path}: not valid YAML: {e}") from e
+
+
+def _explain(e: ValidationError, where: str) -> KibidangoError:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key '{loc}'")
+        else:
+            lines.append(f"{where}: '{loc}': {err['msg']}")
+    return KibidangoError("\n".join(lines))
+
+
+def set_override(config: dict, dotted: str, value: Any) -> None:
+    """``set_override(cfg, "dedup.threshold", 0.6)``; integer parts index lists."""
+    *parents, last = dotted.split(".")
+    node: Any = config
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def load_preset(preset: str, overrides: list[str] | None = None) -> Preset:
+    """Load and validate a preset by name or path. ``overrides`` are ``STAGE.KEY.PATH=VALUE``
+    strings (VALUE parsed as YAML), applied on top of the file."""
+    path = _resolve_path(preset)
+    raw = _read_yaml(path)
+    try:
+        spec = PresetFile.model_validate(raw)
+    except ValidationError as e:
+        raise _explain(e, str(path)) from e
+    configs: dict[str, StageConfig] = {}
+    for sid, plan in spec.stages.items():
+        config: dict[str, Any] = {}
+        if plan.recipe:
+            recipe = REPO_ROOT / plan.recipe
+            if not recipe.is_file():
+                raise KibidangoError(f"{path}: stage {sid}: recipe file not found: {recipe}")
+            config.update(_read_yaml(recipe) or {})
+        config.update(plan.config)
+        for item in overrides or []:
+            target, eq, value = item.partition("=")
+            stage, _, key = target.partition(".")
+            if not eq or not key:
+                raise KibidangoError(f"override {item!r}: expected STAGE.KEY=VALUE, e.g. 0.dedup.threshold=0.6")
+            if stage == sid:
+                set_override(config, key, yaml.safe_load(value))
+        try:
+            configs[sid] = load_stage(sid).Config.model_validate(config)
+        except ValidationError as e:
+            raise _explain(e, f"{path}: stage {sid}") from e
+    for item in overrides or []:
+        if item.partition(".")[0] not in spec.stages:
+            raise KibidangoError(f"override {item!r}: preset {spec.name!r} has no stage {item.partition('.')[0]!r}")
+    preset_obj = Preset(path, spec, configs)
+    for sid in spec.stages:
+        for up in preset_obj.needs(sid).values():
+            if up not in spec.stages:
+                raise KibidangoError(f"{path}: stage {sid} needs stage {up!r}, which the preset does not run")
+    preset_obj.order()
+    return preset_obj

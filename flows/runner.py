@@ -1,0 +1,113 @@
+"""Run one stage through the cache: key -> store lookup -> (run into a staging dir -> publish),
+with an MLflow child run either way. ``execute_stage`` is plain Python (tests call it
+directly); ``stage_task`` is the Prefect task the flows use."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from flows.tracking import TAG, Tracker
+from stages import load_stage
+from stages.contract import StageConfig, code_version, config_to_dict
+from stages.store import Artifact, ArtifactStore, cache_key
+
+__all__ = ["RunContext", "execute_stage", "stage_task"]
+
+log = logging.getLogger("kibidango.runner")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every stage of one flow run shares."""
+
+    preset: str
+    experiment: str
+    store_root: str
+    parent_run_id: str | None = None
+    prefect_flow_run_id: str = ""
+    force: tuple[str, ...] = field(default_factory=tuple)
+
+
+def stage_key(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact]) -> tuple[str, dict[str, str]]:
+    """The cache key of a stage and the input digests it was computed from."""
+    module = load_stage(stage_id)
+    digests = {name: a.digest for name, a in inputs.items()}
+    if hasattr(module, "external_inputs"):
+        digests.update(module.external_inputs(cfg))
+    return cache_key(stage_id, code_version(module), config_to_dict(cfg), digests), digests
+
+
+def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], ctx: RunContext) -> Artifact:
+    module = load_stage(stage_id)
+    key, digests = stage_key(stage_id, cfg, inputs)
+    store = ArtifactStore(ctx.store_root)
+    tracker = Tracker(ctx.experiment)
+    tags = {
+        f"{TAG}stage_id": stage_id,
+        f"{TAG}stage_name": module.NAME,
+        f"{TAG}cache_key": key,
+        f"{TAG}input_keys": json.dumps({name: a.key for name, a in inputs.items()}, sort_keys=True),
+        f"{TAG}input_digests": json.dumps(digests, sort_keys=True),
+        f"{TAG}code_version": code_version(module),
+        f"{TAG}prefect_flow_run_id": ctx.prefect_flow_run_id,
+        f"{TAG}preset": ctx.preset,
+    }
+    run_name = f"{stage_id}-{module.NAME}"
+    params = config_to_dict(cfg)
+
+    cached = store.get(stage_id, key)
+    if cached is not None and stage_id not in ctx.force:
+        manifest = cached.manifest
+        run_id = tracker.start_run(
+            run_name,
+            {**tags, f"{TAG}cached": "yes", f"{TAG}source_run_id": manifest.get("mlflow_run_id") or "", f"{TAG}artifact": cached.path},
+            params,
+            ctx.parent_run_id,
+        )
+        tracker.log_metrics(run_id, manifest.get("metrics", {}))
+        tracker.end_run(run_id, ok=True)
+        log.info(f"stage {stage_id} ({module.NAME}): cache hit {key} -> {cached.path}")
+        return cached
+
+    reason = "forced" if cached is not None else "no cached artifact"
+    log.info(f"stage {stage_id} ({module.NAME}): running ({reason}), key {key}")
+    run_id = tracker.start_run(run_name, {**tags, f"{TAG}cached": "no"}, params, ctx.parent_run_id)
+    staging = store.new_staging_dir(stage_id, key)
+    try:
+        result = module.run(cfg, {name: Path(a.path) for name, a in inputs.items()}, staging)
+        artifact = store.publish(
+            stage_id,
+            key,
+            staging,
+            {
+                "stage_name": module.NAME,
+                "code_version": code_version(module),
+                "config": params,
+                "inputs": {name: {"key": a.key, "digest": a.digest} for name, a in inputs.items()},
+                "external_inputs": {k: v for k, v in digests.items() if k not in inputs},
+                "mlflow_run_id": run_id,
+                "metrics": result.metrics,
+            },
+        )
+    except BaseException:
+        store.discard(staging)
+        tracker.end_run(run_id, ok=False)
+        raise
+    tracker.set_tags(run_id, {f"{TAG}artifact": artifact.path, f"{TAG}digest": artifact.digest})
+    tracker.log_metrics(run_id, result.metrics)
+    tracker.log_files(run_id, Path(artifact.path), [*result.files_to_log, "manifest.json"])
+    tracker.end_run(run_id, ok=True)
+    if result.summary:
+        log.info(result.summary)
+    return artifact
+
+
+@task(name="stage", task_run_name="stage-{stage_id}", cache_policy=NO_CACHE)
+def stage_task(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], ctx: RunContext) -> Artifact:
+    return execute_stage(stage_id, cfg, inputs, ctx)

@@ -1,0 +1,78 @@
+"""MLflow lineage: the flow run is a parent run, each stage a child run.
+
+Uses ``MlflowClient`` with explicit run ids rather than the fluent API's thread-local active
+run, because Prefect runs tasks in worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+from mlflow.utils.time import get_current_time_millis
+
+from flows.workspace import default_artifact_location, tracking_uri
+
+__all__ = ["Tracker", "flatten_params", "TAG"]
+
+TAG = "kibidango."
+PARENT_TAG = "mlflow.parentRunId"
+_SECRET = re.compile(r"(api_?key|secret|password|passwd|access_token|auth_token|bearer)", re.I)
+_BATCH = 100  # MLflow's limit of params per log_batch call
+
+
+def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
+    """Nested config -> ``{"dedup.threshold": "0.5", "sources.0.name": ...}``. Values of keys
+    that look like secrets are masked: API keys never reach MLflow."""
+    out: dict[str, str] = {}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = f"{prefix}{k}"
+            out.update({key: "***"} if _SECRET.search(str(k)) and v else flatten_params(v, key + "."))
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        for i, v in enumerate(value):
+            out.update(flatten_params(v, f"{prefix}{i}."))
+    else:
+        out[prefix.rstrip(".")] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+class Tracker:
+    def __init__(self, experiment: str):
+        self.client = MlflowClient(tracking_uri())
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=default_artifact_location())
+        else:
+            self.experiment_id = exp.experiment_id
+
+    def start_run(self, name: str, tags: dict[str, str], params: dict[str, Any] | None = None, parent: str | None = None) -> str:
+        all_tags = {**tags, **({PARENT_TAG: parent} if parent else {})}
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        if params:
+            items = [Param(k, v[:6000]) for k, v in flatten_params(params).items()]
+            for i in range(0, len(items), _BATCH):
+                self.client.log_batch(run.info.run_id, params=items[i : i + _BATCH])
+        return run.info.run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        now = get_current_time_millis()
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(run_id, metrics=items[i : i + 1000])
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+    def log_files(self, run_id: str, root: Path, files: list[str]) -> None:
+        for rel in files:
+            path = root / rel
+            if path.is_file():
+                self.client.log_artifact(run_id, str(path), artifact_path=str(Path(rel).parent) if "/" in rel else None)
+
+    def end_run(self, run_id: str, ok: bool) -> None:
+        self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")

@@ -1,0 +1,44 @@
+"""Where a run keeps its state: ``$KIBIDANGO_HOME`` (default ``./.kibidango``) holds the artifact
+store, the MLflow sqlite database and its artifacts, and Prefect's home."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stages.store import ArtifactStore
+
+__all__ = ["home", "store", "tracking_uri", "configure_environment"]
+
+
+def home() -> Path:
+    return Path(os.environ.get("KIBIDANGO_HOME", ".kibidango")).resolve()
+
+
+def store() -> ArtifactStore:
+    return ArtifactStore(home() / "store")
+
+
+def tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set (a server with Postgres/S3 works unchanged), else a sqlite
+    file in the workspace. (MLflow's plain file store is deprecated and now errors.)"""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
+
+
+def default_artifact_location() -> str | None:
+    """Artifact root for a new experiment when tracking to the default sqlite file; a tracking
+    server decides its own."""
+    return None if os.environ.get("MLFLOW_TRACKING_URI") else (home() / "mlartifacts").as_uri()
+
+
+def configure_environment() -> None:
+    """Defaults that must be in place before Prefect is imported."""
+    home().mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_HOME", str(home() / "prefect"))
+    # Stage modules log to `kibidango.*` with plain logging; Prefect forwards those to its UI.
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "kibidango")
+    # The ephemeral server's telemetry write races its own start-up on sqlite ("database is
+    # locked"); nothing here needs it.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

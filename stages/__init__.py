@@ -1,0 +1,21 @@
+"""Pipeline stages. Each module follows the contract in :mod:`stages.contract`; this registry maps
+the plan's stage ids (PLAN.md) to modules, imported only when a flow needs them."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["STAGES", "load_stage"]
+
+STAGES: dict[str, str] = {
+    "0": "stages.s0_curate",
+}
+
+
+def load_stage(stage_id: str) -> ModuleType:
+    from stages.contract import KibidangoError
+
+    if stage_id not in STAGES:
+        raise KibidangoError(f"unknown stage id {stage_id!r}; known: {', '.join(STAGES)}")
+    return importlib.import_module(STAGES[stage_id])

@@ -1,0 +1,101 @@
+"""The stage contract (ARCHITECTURE.md §2).
+
+A stage is a module that defines
+
+- ``STAGE_ID`` (the plan's id, e.g. ``"0"`` or ``"2B"``) and ``NAME``;
+- ``Config``: a :class:`StageConfig` (pydantic, ``extra="forbid"``, every field documented);
+- ``run(cfg, inputs, out_dir) -> StageResult``: a pure function of its config and input
+  artifacts. It reads only ``inputs`` (and files its config names), writes only under
+  ``out_dir`` and never talks to Prefect or MLflow;
+- optionally ``external_inputs(cfg) -> dict[str, str]``: digests of files outside the artifact
+  store that the stage reads (raw data sources), so that they enter the cache key;
+- optionally ``LIBRARIES``: distributions whose version changes the stage's output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "KibidangoError",
+    "Stage",
+    "StageConfig",
+    "StageResult",
+    "code_version",
+]
+
+PROJECT_PACKAGES = ("stages", "eval")
+
+
+class KibidangoError(Exception):
+    """An error whose message is meant for the user as-is: it names the file, row or key at
+    fault and, where there is one, the remedy. The CLI prints it without a traceback."""
+
+
+class StageConfig(BaseModel):
+    """Base of every stage config: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class StageResult:
+    """What a stage returns besides the files it wrote under ``out_dir``."""
+
+    metrics: dict[str, float]
+    """Numbers logged as MLflow metrics and stored in the manifest."""
+    files_to_log: list[str] = field(default_factory=list)
+    """Small files (paths relative to ``out_dir``) logged as MLflow artifacts: cards, plots."""
+    summary: str = ""
+    """A few human lines printed by the flow after the stage."""
+
+
+class Stage(Protocol):
+    STAGE_ID: str
+    NAME: str
+    Config: type[StageConfig]
+
+    def run(self, cfg: StageConfig, inputs: dict[str, Path], out_dir: Path) -> StageResult: ...
+
+
+def _project_modules(module: ModuleType, seen: dict[str, ModuleType]) -> None:
+    """Collect ``module`` and every project module it references, transitively."""
+    if module.__name__ in seen:
+        return
+    seen[module.__name__] = module
+    for value in vars(module).values():
+        if isinstance(value, ModuleType):
+            dep = value
+        else:
+            dep = sys.modules.get(getattr(value, "__module__", None) or "")
+        if dep is not None and dep.__name__.split(".")[0] in PROJECT_PACKAGES:
+            _project_modules(dep, seen)
+
+
+def code_version(stage: ModuleType) -> str:
+    """Hash of the stage's source, of every project module it uses, and of the versions of the
+    libraries it declares in ``LIBRARIES``. Editing any of them changes every cache key of the
+    stage; editing an unrelated stage does not."""
+    modules: dict[str, ModuleType] = {}
+    _project_modules(stage, modules)
+    h = hashlib.sha256()
+    for name in sorted(modules):
+        h.update(name.encode())
+        h.update(inspect.getsource(modules[name]).encode())
+    for dist in sorted(getattr(stage, "LIBRARIES", ())):
+        h.update(f"{dist}=={importlib.metadata.version(dist)}".encode())
+    return h.hexdigest()[:16]
+
+
+def config_to_dict(cfg: StageConfig) -> dict[str, Any]:
+    """The canonical JSON-able form of a config (what enters the cache key)."""
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,184 @@
+"""Content-addressed artifact store (ARCHITECTURE.md §2).
+
+Layout: ``<root>/<stage_id>/<cache_key>/`` holds a stage's files and a ``manifest.json``.
+A stage writes into ``<root>/<stage_id>/.tmp-<key>-<pid>-<nonce>/`` and the store publishes it
+with one ``os.rename``: a killed run leaves at most a ``.tmp-*`` directory, which no lookup ever
+reads and the next run of the store sweeps away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+__all__ = ["Artifact", "ArtifactStore", "cache_key", "file_sha256", "MANIFEST"]
+
+MANIFEST = "manifest.json"
+MANIFEST_SCHEMA = 1
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def cache_key(stage_id: str, code_version: str, config: dict, input_digests: dict[str, str]) -> str:
+    """sha256 over the stage id, its code version, its canonical config and its inputs' digests."""
+    payload = canonical_json(
+        {"stage": stage_id, "code": code_version, "config": config, "inputs": input_digests}
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _content_digest(files: list[dict]) -> str:
+    """Digest of an artifact's content: its files' paths and hashes (not the manifest, whose
+    run id and timestamp differ between two runs that produce the same bytes)."""
+    return hashlib.sha256(canonical_json([[f["path"], f["sha256"]] for f in files]).encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A published artifact: what Prefect tasks pass to each other (paths and digests)."""
+
+    stage_id: str
+    key: str
+    path: str
+    digest: str
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads((Path(self.path) / MANIFEST).read_text())
+
+
+class ArtifactStore:
+    def __init__(self, root: Path | str):
+        self.root = Path(root).resolve()
+
+    def _stage_dir(self, stage_id: str) -> Path:
+        return self.root / stage_id
+
+    def path(self, stage_id: str, key: str) -> Path:
+        return self._stage_dir(stage_id) / key
+
+    def get(self, stage_id: str, key: str) -> Artifact | None:
+        """The published artifact for ``key``, or None. An artifact whose files are missing or
+        have the wrong size (a tampered or damaged store) counts as absent."""
+        path = self.path(stage_id, key)
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        for f in manifest["files"]:
+            p = path / f["path"]
+            if not p.is_file() or p.stat().st_size != f["size"]:
+                return None
+        return Artifact(stage_id, key, str(path), manifest["digest"])
+
+    def new_staging_dir(self, stage_id: str, key: str) -> Path:
+        """A fresh private directory to write a stage's output into."""
+        self._sweep(stage_id)
+        tmp = self._stage_dir(stage_id) / f"{_TMP_PREFIX}{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def publish(self, stage_id: str, key: str, staging: Path, manifest_fields: dict) -> Artifact:
+        """Hash every file in ``staging``, write the manifest, fsync, and rename it into place.
+        A previously published artifact with the same key (a forced rerun) is replaced."""
+        files = []
+        for p in sorted(staging.rglob("*")):
+            if p.is_file() and p.name != MANIFEST:
+                files.append(
+                    {"path": p.relative_to(staging).as_posix(), "size": p.stat().st_size, "sha256": file_sha256(p)}
+                )
+        digest = _content_digest(files)
+        manifest = {
+            "schema": MANIFEST_SCHEMA,
+            "stage_id": stage_id,
+            "key": key,
+            "digest": digest,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **manifest_fields,
+            "files": files,
+        }
+        _write_durably(staging / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+        final = self.path(stage_id, key)
+        if final.exists():
+            # Forced rerun: move the old one aside first (rename cannot replace a non-empty
+            # directory). A concurrent reader sees the key missing for an instant and recomputes.
+            final.rename(self._stage_dir(stage_id) / f"{_TRASH_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
+        os.rename(staging, final)
+        _fsync_dir(final.parent)
+        self._sweep(stage_id)
+        return Artifact(stage_id, key, str(final), digest)
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def artifacts(self, stage_id: str | None = None) -> Iterator[Path]:
+        """Published artifact directories (optionally of one stage)."""
+        stages = [self._stage_dir(stage_id)] if stage_id else sorted(self.root.glob("*"))
+        for stage_dir in stages:
+            if stage_dir.is_dir():
+                for p in sorted(stage_dir.iterdir()):
+                    if p.is_dir() and not p.name.startswith("."):
+                        yield p
+
+    def leftovers(self) -> Iterator[Path]:
+        """Staging directories of dead processes and replaced artifacts."""
+        for stage_dir in sorted(self.root.glob("*")):
+            for p in sorted(stage_dir.glob(".*")):
+                if p.name.startswith(_TRASH_PREFIX) or (p.name.startswith(_TMP_PREFIX) and not _owner_alive(p)):
+                    yield p
+
+    def _sweep(self, stage_id: str) -> None:
+        for p in self.leftovers():
+            if p.parent.name == stage_id:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _owner_alive(tmp: Path) -> bool:
+    """True if the process that created staging dir ``tmp`` is still running."""
+    try:
+        pid = int(tmp.name[len(_TMP_PREFIX) :].split("-")[1])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
