@@ -20,6 +20,7 @@ def _run(args: argparse.Namespace) -> None:
     from flows.preset import load_preset
 
     plan = load_preset(args.preset, args.set)
+    args.force = [_stage_id(plan.order(), sid) for sid in args.force]
     if args.dry_run:
         print(describe_plan(plan, args.force))
         return
@@ -39,6 +40,14 @@ def _run(args: argparse.Namespace) -> None:
         if card.is_file():
             print(f"  data card     {card}")
     print(f"MLflow          {tracking_uri()}  experiment '{plan.experiment}'  (make mlflow-ui; make compare)")
+
+
+def _stage_id(known: list[str], given: str) -> str:
+    """`make stage-2b` passes "2b": stage ids match case-insensitively."""
+    for sid in known:
+        if sid.lower() == given.lower():
+            return sid
+    raise KibidangoError(f"stage {given!r} is not in this preset; its stages: {', '.join(known)}")
 
 
 def _compare(args: argparse.Namespace) -> None:
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     sched.set_defaults(func=_schedule)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("kibidango").setLevel(logging.INFO)
     try:
         args.func(args)
     except KibidangoError as e:

@@ -29,7 +29,7 @@ class DedupConfig(BaseModel):
     exact: bool = Field(True, description="Drop rows whose normalised text equals an earlier row's.")
     near: bool = Field(True, description="Drop near-duplicates with MinHash LSH.")
     shingle: Literal["word", "char"] = Field("word", description="Shingle words or characters.")
-    shingle_size: int = Field(3, ge=1, le=16, description="Words (or characters) per shingle.")
+    shingle_size: int = Field(2, ge=1, le=16, description="Words (or characters) per shingle.")
     num_perm: int = Field(128, ge=16, le=1024, description="MinHash permutations (signature length).")
     threshold: float = Field(0.5, gt=0, lt=1, description="Jaccard similarity at or above which two rows are near-duplicates.")
     seed: int = Field(1, description="MinHash permutation seed.")

@@ -200,11 +200,13 @@ def _json_array_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, di
     text = _decode_whole(spec, data)
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
+    line, counted = 1, 0  # line number of `counted`, advanced incrementally (not O(n^2))
     while True:
         pos = _skip_ws(text, pos)
         if pos < len(text) and text[pos] == "]":
             return
-        line = text.count("\n", 0, pos) + 1
+        line += text.count("\n", counted, pos)
+        counted = pos
         try:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
@@ -217,7 +219,7 @@ def _json_array_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, di
         if pos < len(text) and text[pos] == ",":
             pos += 1
         elif pos >= len(text) or text[pos] != "]":
-            line = text.count("\n", 0, pos) + 1
+            line += text.count("\n", counted, pos)
             raise SourceError(f"{spec.path}:{line}: malformed JSON: expected ',' or ']' after an array element")
 
 

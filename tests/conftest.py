@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval.shared_data import SHARED, shared_available
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch) -> Path:
+    """A private KIBIDANGO_HOME (store + MLflow sqlite) for one test."""
+    home = tmp_path / "ws"
+    monkeypatch.setenv("KIBIDANGO_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return home
+
+
+def needs_shared() -> None:
+    if not shared_available():
+        pytest.skip(f"needs the shared data at {SHARED}/data (absent on this machine)")
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    """Environment for running `python -m flows` in a subprocess against workspace ``home``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(KIBIDANGO_HOME=str(home), PYTHONUNBUFFERED="1")
+    return env

@@ -1,0 +1,104 @@
+"""Cache keys and the artifact store: atomic publish, partial artifacts never read."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+from stages import load_stage
+from stages.contract import _project_modules, code_version
+from stages.store import MANIFEST, ArtifactStore, cache_key
+
+
+def test_cache_key_changes_with_config_input_and_code():
+    base = cache_key("0", "code-a", {"threshold": 0.5, "seed": 1}, {"source:x": "d1"})
+    assert cache_key("0", "code-a", {"seed": 1, "threshold": 0.5}, {"source:x": "d1"}) == base  # canonical JSON
+    assert cache_key("0", "code-a", {"threshold": 0.6, "seed": 1}, {"source:x": "d1"}) != base  # config
+    assert cache_key("0", "code-a", {"threshold": 0.5, "seed": 1}, {"source:x": "d2"}) != base  # input digest
+    assert cache_key("0", "code-b", {"threshold": 0.5, "seed": 1}, {"source:x": "d1"}) != base  # code version
+    assert cache_key("1A", "code-a", {"threshold": 0.5, "seed": 1}, {"source:x": "d1"}) != base  # stage id
+
+
+def test_code_version_changes_when_the_stage_source_changes(tmp_path, monkeypatch):
+    module_file = tmp_path / "kb_fake_stage.py"
+    module_file.write_text("STAGE_ID = 'Z'\nNAME = 'fake'\n\ndef run(cfg, inputs, out_dir):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("kb_fake_stage")
+    before = code_version(module)
+    assert code_version(module) == before
+    module_file.write_text(module_file.read_text() + "\n# a changed comment is a changed stage\n")
+    module = importlib.reload(module)
+    assert code_version(module) != before
+    sys.modules.pop("kb_fake_stage", None)
+
+
+def test_code_version_covers_the_helpers_a_stage_uses_and_nothing_else():
+    modules: dict = {}
+    _project_modules(load_stage("0"), modules)
+    assert {"stages.s0_curate", "stages.curation.dedup", "stages.curation.ingest", "stages.store"} <= modules.keys()
+    assert not any(name.startswith("flows") for name in modules)
+
+
+def _stage_files(store: ArtifactStore, key: str, text: str = "hello"):
+    staging = store.new_staging_dir("0", key)
+    (staging / "data").mkdir()
+    (staging / "data" / "rows.txt").write_text(text)
+    return staging
+
+
+def test_publish_writes_manifest_and_is_found(tmp_path):
+    store = ArtifactStore(tmp_path)
+    staging = _stage_files(store, "k1")
+    assert store.get("0", "k1") is None  # a staging dir is never a hit
+    artifact = store.publish("0", "k1", staging, {"mlflow_run_id": "r1"})
+    assert not staging.exists()
+    manifest = json.loads((tmp_path / "0" / "k1" / MANIFEST).read_text())
+    assert manifest["key"] == "k1" and manifest["mlflow_run_id"] == "r1"
+    assert manifest["files"] == [
+        {"path": "data/rows.txt", "size": 5, "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"}
+    ]
+    assert store.get("0", "k1") == artifact
+    # The digest is the content's: same bytes under another key, another run id -> same digest.
+    other = store.publish("0", "k2", _stage_files(store, "k2"), {"mlflow_run_id": "r2"})
+    assert other.digest == artifact.digest
+    changed = store.publish("0", "k3", _stage_files(store, "k3", "hello!"), {})
+    assert changed.digest != artifact.digest
+
+
+def test_partial_or_damaged_artifacts_are_never_read(tmp_path):
+    store = ArtifactStore(tmp_path)
+    # A directory at the final path without a manifest (e.g. copied by hand, half-written).
+    (tmp_path / "0" / "nomanifest").mkdir(parents=True)
+    (tmp_path / "0" / "nomanifest" / "rows.txt").write_text("x")
+    assert store.get("0", "nomanifest") is None
+    # A published artifact whose file was truncated afterwards.
+    store.publish("0", "k1", _stage_files(store, "k1"), {})
+    (tmp_path / "0" / "k1" / "data" / "rows.txt").write_text("he")
+    assert store.get("0", "k1") is None
+    # A corrupt manifest.
+    store.publish("0", "k2", _stage_files(store, "k2"), {})
+    (tmp_path / "0" / "k2" / MANIFEST).write_text("{not json")
+    assert store.get("0", "k2") is None
+
+
+def test_leftovers_of_dead_processes_are_swept(tmp_path):
+    store = ArtifactStore(tmp_path)
+    dead = tmp_path / "0" / ".tmp-k1-999999999-deadbeef"  # no such pid
+    dead.mkdir(parents=True)
+    (dead / "half.bin").write_bytes(b"\0" * 10)
+    alive = tmp_path / "0" / f".tmp-k2-{os.getppid()}-cafebabe"  # a live process (our parent)
+    alive.mkdir()
+    assert list(store.leftovers()) == [dead]
+    store.new_staging_dir("0", "k3")
+    assert not dead.exists() and alive.exists()
+
+
+def test_forced_republish_replaces_the_artifact(tmp_path):
+    store = ArtifactStore(tmp_path)
+    store.publish("0", "k1", _stage_files(store, "k1", "old"), {"mlflow_run_id": "r1"})
+    again = store.publish("0", "k1", _stage_files(store, "k1", "new"), {"mlflow_run_id": "r2"})
+    assert (tmp_path / "0" / "k1" / "data" / "rows.txt").read_text() == "new"
+    assert again.manifest["mlflow_run_id"] == "r2"
+    assert [p.name for p in (tmp_path / "0").iterdir()] == ["k1"]  # nothing left aside
