@@ -5,7 +5,7 @@ Near: datasketch MinHash signatures of word or character shingles, indexed in a 
 Jaccard threshold. Rows are visited in order (sources in recipe order, then file order); a row
 is kept unless it matches a row kept before it, so every cluster keeps its first member and the
 result does not depend on chance. LSH candidates are confirmed with the estimated Jaccard
-similarity, which removes most of the banding's false candidates.
+similarity, which removes the banding's false candidates.
 """
 
 from __future__ import annotations
@@ -82,7 +82,11 @@ def find_duplicates(
         signatures = MinHash.bulk(
             [_shingles(normalized[i], cfg.shingle, cfg.shingle_size) for i in todo], num_perm=cfg.num_perm, seed=cfg.seed
         )
-        lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
+        # Candidates are confirmed with the estimated Jaccard below, so a false LSH candidate costs
+        # one comparison while a missed one is a duplicate kept: weight the banding towards few
+        # false negatives (128 perms at 0.5: b=32, r=4 instead of b=25, r=5; a pair at Jaccard 0.7
+        # is missed 0.02% of the time instead of 1%).
+        lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9))
         kept: dict[int, MinHash] = {}
         for n, (i, sig) in enumerate(zip(todo, signatures)):
             match = max(((sig.jaccard(kept[c]), c) for c in lsh.query(sig)), default=None)
