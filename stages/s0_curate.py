@@ -224,12 +224,15 @@ def _save_dataset(splits: dict[str, list[Example]], path: Path) -> None:
     schema = pa.schema([(f, pa.string()) for f in ("id", "source", "domain", "instruction", "input", "output")])
     dd = datasets.DatasetDict()
     for name, rows in splits.items():
-        table = pa.Table.from_pylist([ex.to_dict() for ex in rows], schema=schema)
+        # One explicit record batch (even when empty) and one shard per split: datasets writes
+        # an empty split as zero shards otherwise, which load_from_disk cannot read back.
+        batch = pa.RecordBatch.from_pylist([ex.to_dict() for ex in rows], schema=schema)
+        table = pa.Table.from_batches([batch], schema=schema)
         # An explicit fingerprint keeps the saved files byte-identical between identical runs,
         # so the artifact digest (and every downstream cache key) is stable.
         fingerprint = hashlib.sha256(json.dumps([name, table.to_pylist()]).encode()).hexdigest()[:16]
         dd[name] = datasets.Dataset(table, fingerprint=fingerprint)
-    dd.save_to_disk(str(path))
+    dd.save_to_disk(str(path), num_shards={name: 1 for name in dd})
 
 
 def _reject_reasons(path: Path) -> dict[str, int]:

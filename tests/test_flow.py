@@ -1,0 +1,124 @@
+"""The Prefect flow through the real CLI (ephemeral Prefect server, sqlite MLflow), in a
+subprocess as a user runs it: cache hits on a rerun, kill -9 recovery, schedules, errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import yaml
+
+from flows.tracking import TAG
+from stages.store import ArtifactStore
+from tests.conftest import REPO, cli_env, write_jsonl
+
+
+def _cli(home: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows", *args], cwd=REPO, env=cli_env(home),
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _preset(tmp_path: Path, source: Path, **stage0) -> Path:
+    path = tmp_path / "preset.yaml"
+    config = {"sources": [{"name": "src", "path": str(source), "format": "alpaca", "license": "MIT"}], **stage0}
+    path.write_text(yaml.safe_dump({"name": "flowtest", "experiment": "kibidango-flowtest", "stages": {"0": {"config": config}}}))
+    return path
+
+
+def _stage_runs(home: Path) -> list:
+    mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
+    return mlflow.search_runs(experiment_names=["kibidango-flowtest"], filter_string=f"tags.`{TAG}stage_id` = '0'",
+                              order_by=["attributes.start_time ASC"], output_format="list")  # fmt: skip
+
+
+def test_second_run_is_all_cache_hits(tmp_path):
+    rows = [{"instruction": f"Describe the colour number {i} of a sunset.", "output": f"It is shade {i} of orange."} for i in range(50)]
+    preset = _preset(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows))
+    home = tmp_path / "home"
+    first = _cli(home, "run", "--preset", str(preset))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "running (no cached artifact)" in first.stderr
+    assert "data card" in first.stdout and "MLflow" in first.stdout
+    second = _cli(home, "run", "--preset", str(preset))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "cache hit" in second.stderr and "running (" not in second.stderr
+    runs = _stage_runs(home)
+    assert [r.data.tags[f"{TAG}cached"] for r in runs] == ["no", "yes"]
+    prefect_ids = [r.data.tags[f"{TAG}prefect_flow_run_id"] for r in runs]
+    assert all(prefect_ids) and prefect_ids[0] != prefect_ids[1]
+    parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
+    assert len(parents) == 2  # one parent run per flow run
+
+
+def test_kill_9_in_the_middle_of_stage_0_then_rerun(tmp_path):
+    rng = random.Random(0)
+    words = [f"w{n}" for n in range(5000)]
+    rows = [{"instruction": " ".join(rng.choices(words, k=12)), "output": " ".join(rng.choices(words, k=30))} for _ in range(30000)]
+    preset = _preset(tmp_path, write_jsonl(tmp_path / "big.jsonl", rows), language={"enabled": False})
+    home = tmp_path / "home"
+    stage_dir = home / "store" / "0"
+    proc = subprocess.Popen([sys.executable, "-m", "flows", "run", "--preset", str(preset)], cwd=REPO,
+                            env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not (stage_dir.is_dir() and any(p.name.startswith(".tmp-") for p in stage_dir.iterdir())):
+            assert proc.poll() is None, "the flow ended before stage 0 started writing"
+            assert time.monotonic() < deadline, "stage 0 never started"
+            time.sleep(0.2)
+        time.sleep(1.0)  # well inside stage 0: it ingests, then deduplicates 30k rows
+        assert proc.poll() is None, "stage 0 finished before the kill; make the input larger"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    leftovers = [p.name for p in stage_dir.iterdir()]
+    assert leftovers and all(name.startswith(".tmp-") for name in leftovers)  # nothing published
+    key = leftovers[0][len(".tmp-"):].split("-")[0]
+    assert ArtifactStore(home / "store").get("0", key) is None  # the half artifact is never read
+
+    rerun = _cli(home, "run", "--preset", str(preset))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "running (no cached artifact)" in rerun.stderr
+    assert [p.name for p in stage_dir.iterdir()] == [key]  # the killed run's staging dir is gone
+    artifact = ArtifactStore(home / "store").get("0", key)
+    assert artifact is not None and artifact.manifest["metrics"]["rows_in"] == 30000
+
+
+def test_schedule_builds_a_cron_deployment():
+    from flows.pipeline import preset_flows
+
+    deployment = preset_flows()["tiny"].to_deployment(name="tiny-scheduled", cron="0 3 * * *", parameters={"preset": "tiny"})
+    (schedule,) = deployment.schedules
+    assert schedule.schedule.cron == "0 3 * * *" and deployment.parameters == {"preset": "tiny"}
+    assert deployment.flow_name == "kibidango-tiny"
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    home = tmp_path / "home"
+    bad_key = _preset(tmp_path, tmp_path / "x.jsonl", dedupp={"threshold": 0.5})
+    r = _cli(home, "run", "--preset", str(bad_key))
+    assert r.returncode == 2 and "stage 0: unknown key 'dedupp'" in r.stderr and "Traceback" not in r.stderr
+    missing = _preset(tmp_path, tmp_path / "nowhere.jsonl")
+    r = _cli(home, "run", "--preset", str(missing))
+    assert r.returncode == 2 and f"source 'src': file not found: {tmp_path}/nowhere.jsonl" in r.stderr
+    (tmp_path / "empty.jsonl").write_text("")
+    r = _cli(home, "run", "--preset", str(_preset(tmp_path, tmp_path / "empty.jsonl")))
+    assert r.returncode == 2 and "is empty (0 bytes)" in r.stderr and "Traceback" not in r.stderr
+    r = _cli(home, "run", "--preset", "tiny", "--force", "2x")
+    assert r.returncode == 2 and "stage '2x' is not in this preset" in r.stderr
+
+
+def test_clean_cache_lists_before_it_deletes(tmp_path):
+    store = ArtifactStore(tmp_path / "home" / "store")
+    staging = store.new_staging_dir("0", "abc")
+    (staging / "f.txt").write_text("data")
+    store.publish("0", "abc", staging, {})
+    dry = _cli(tmp_path / "home", "clean-cache", "--dry-run")
+    assert "would delete 0/abc" in dry.stdout and (tmp_path / "home" / "store" / "0" / "abc").is_dir()
+    real = _cli(tmp_path / "home", "clean-cache")
+    assert "deleted 0/abc" in real.stdout and not (tmp_path / "home" / "store" / "0" / "abc").exists()

@@ -1,0 +1,72 @@
+"""Presets and recipes: every shipped YAML validates against its stage config; bad keys are
+named; the GPU preset resolves its plan in a dry run."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from flows.plan import describe_plan
+from flows.preset import PRESETS_DIR, REPO_ROOT, load_preset
+from stages import load_stage
+from stages.contract import KibidangoError
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+def test_every_shipped_preset_validates(preset):
+    plan = load_preset(preset)
+    assert plan.order() and set(plan.configs) == set(plan.spec.stages)
+
+
+def test_every_stage_recipe_is_used_by_a_preset_and_validates():
+    used = {plan.recipe for p in PRESETS_DIR.glob("*.yaml") for plan in load_preset(p.stem).spec.stages.values()}
+    for recipe in REPO_ROOT.glob("recipes/stage*/*.yaml"):
+        rel = recipe.relative_to(REPO_ROOT).as_posix()
+        assert rel in used, f"{rel} is not referenced by any preset"
+        stage_id = recipe.parent.name.removeprefix("stage").upper()
+        load_stage(stage_id).Config.model_validate(yaml.safe_load(recipe.read_text()))
+
+
+def _preset(tmp_path, stage0: dict) -> str:
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "experiment": "e", "stages": {"0": {"config": stage0}}}))
+    return str(path)
+
+
+SRC = [{"name": "s", "path": "x.jsonl", "format": "alpaca", "license": "MIT"}]
+
+
+def test_unknown_key_is_rejected_with_its_name(tmp_path):
+    path = _preset(tmp_path, {"sources": SRC, "dedup": {"threshhold": 0.7}})
+    with pytest.raises(KibidangoError, match=r"p\.yaml: stage 0: unknown key 'dedup\.threshhold'"):
+        load_preset(path)
+    path = _preset(tmp_path, {"sources": [{**SRC[0], "formatt": "alpaca"}]})
+    with pytest.raises(KibidangoError, match=r"unknown key 'sources\.0\.formatt'"):
+        load_preset(path)
+    (tmp_path / "top.yaml").write_text("name: p\nexperiment: e\nstagez: {}\nstages: {}\n")
+    with pytest.raises(KibidangoError, match="unknown key 'stagez'"):
+        load_preset(str(tmp_path / "top.yaml"))
+
+
+def test_wrong_values_and_unknown_presets_are_explained(tmp_path):
+    with pytest.raises(KibidangoError, match=r"'dedup\.threshold': Input should be less than 1"):
+        load_preset(_preset(tmp_path, {"sources": SRC, "dedup": {"threshold": 1.5}}))
+    with pytest.raises(KibidangoError, match="unknown preset 'nope'; known presets: llama31-8b, tiny"):
+        load_preset("nope")
+
+
+def test_overrides_set_one_value(tmp_path):
+    path = _preset(tmp_path, {"sources": SRC})
+    plan = load_preset(path, ["0.dedup.threshold=0.7", "0.sources.0.limit=5"])
+    assert plan.configs["0"].dedup.threshold == 0.7 and plan.configs["0"].sources[0].limit == 5
+    with pytest.raises(KibidangoError, match="has no stage '9'"):
+        load_preset(path, ["9.x=1"])
+    with pytest.raises(KibidangoError, match="expected STAGE.KEY=VALUE"):
+        load_preset(path, ["0.dedup.threshold"])
+
+
+def test_gpu_preset_dry_run_prints_the_plan():
+    text = describe_plan(load_preset("llama31-8b"))
+    assert "stage 0 (curate): key " in text
+    assert "input source:dolly: hf:databricks/databricks-dolly-15k@main:None:train" in text
+    assert "hf: Open-Orca/OpenOrca" in text

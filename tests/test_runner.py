@@ -1,0 +1,81 @@
+"""The cached stage runner and its MLflow lineage, without Prefect (fast)."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pytest
+
+from flows.compare import compare_table
+from flows.runner import RunContext, execute_stage
+from flows.tracking import TAG, Tracker, flatten_params
+from flows.workspace import tracking_uri
+from stages import load_stage
+from tests.conftest import write_jsonl
+
+s0 = load_stage("0")
+
+
+@pytest.fixture
+def source(tmp_path):
+    rows = [{"instruction": f"Explain idea number {i} about gardens and water.", "output": f"Idea {i}: plants need water {i} times."} for i in range(30)]
+    return write_jsonl(tmp_path / "src.jsonl", rows)
+
+
+def _ctx(workspace, parent, force=()):
+    return RunContext("test", "exp-test", str(workspace / "store"), parent, "prefect-run-1", tuple(force))
+
+
+def _runs(stage="0"):
+    mlflow.set_tracking_uri(tracking_uri())
+    return mlflow.search_runs(experiment_names=["exp-test"], filter_string=f"tags.`{TAG}stage_id` = '{stage}'",
+                              order_by=["attributes.start_time ASC"], output_format="list")  # fmt: skip
+
+
+def test_cache_hit_miss_force_and_lineage(workspace, source):
+    parent = Tracker("exp-test").start_run("flow", {f"{TAG}preset": "test"})
+    cfg = s0.Config(sources=[{"name": "src", "path": str(source), "format": "alpaca", "license": "MIT"}])
+
+    first = execute_stage("0", cfg, {}, _ctx(workspace, parent))
+    second = execute_stage("0", cfg, {}, _ctx(workspace, parent))
+    assert second == first  # a hit returns the same artifact
+    forced = execute_stage("0", cfg, {}, _ctx(workspace, parent, force=["0"]))
+    assert forced.key == first.key and forced.digest == first.digest  # same bytes: downstream stays cached
+    changed = execute_stage("0", cfg.model_copy(update={"dedup": s0.DedupConfig(threshold=0.8)}), {}, _ctx(workspace, parent))
+    assert changed.key != first.key
+
+    runs = _runs()
+    assert [r.data.tags[f"{TAG}cached"] for r in runs] == ["no", "yes", "no", "no"]
+    for r in runs:
+        tags = r.data.tags
+        assert tags["mlflow.parentRunId"] == parent
+        assert tags[f"{TAG}prefect_flow_run_id"] == "prefect-run-1"
+        assert tags[f"{TAG}stage_name"] == "curate"
+        assert json.loads(tags[f"{TAG}input_digests"]).keys() == {"source:src"}
+        assert r.data.metrics["rows_out"] == 30
+        assert r.data.params["sources.0.name"] == "src" and "dedup.threshold" in r.data.params
+    assert runs[1].data.tags[f"{TAG}source_run_id"] == runs[0].info.run_id
+    assert {r.data.tags[f"{TAG}cache_key"] for r in runs[:3]} == {first.key}
+    assert first.manifest["mlflow_run_id"] == runs[2].info.run_id  # the forced run published last
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id)}
+    assert {"data_card.md", "length_histogram.png", "stats.json", "manifest.json"} <= artifacts
+
+    table = compare_table("exp-test", ["rows_out", "duplicate_rate"], stage="0")
+    assert len(table.splitlines()) == 2 + 4 and "rows_out" in table.splitlines()[0]
+
+
+def test_a_failing_stage_publishes_nothing_and_marks_the_run_failed(workspace, tmp_path):
+    bad = tmp_path / "src.json"
+    bad.write_text('[{"instruction": "a", "output": "b"} {"oops"}]')
+    cfg = s0.Config(sources=[{"name": "src", "path": str(bad), "format": "alpaca", "license": "MIT"}])
+    with pytest.raises(Exception, match="malformed JSON"):
+        execute_stage("0", cfg, {}, _ctx(workspace, None))
+    assert not any((workspace / "store" / "0").iterdir())  # staging discarded, nothing published
+    (run,) = _runs()
+    assert run.info.status == "FAILED"
+
+
+def test_secrets_never_reach_mlflow_params():
+    params = flatten_params({"cloud": {"api_key": "sk-live-123", "base_url": "https://x"}, "OPENAI_API_KEY": "sk-2"})
+    assert params == {"cloud.api_key": "***", "cloud.base_url": "https://x", "OPENAI_API_KEY": "***"}
