@@ -1,0 +1,21 @@
+"""Model backends. Each gives per-sequence sessions with the same small interface
+(:class:`~kibidango.backends.base.Session`): feed tokens and get one row of logits per token,
+crop the KV cache back to a prefix. Decoding code never sees a framework."""
+
+from __future__ import annotations
+
+from kibidango.backends.base import ContextLengthError, Model, Session
+
+__all__ = ["ContextLengthError", "Model", "Session", "load_model"]
+
+
+def load_model(backend: str, tier, n_ctx: int | None = None, threads: int | None = None) -> Model:
+    if backend == "torch":
+        from kibidango.backends.torch_backend import TorchModel
+
+        return TorchModel(tier.hf, name=tier.name)
+    if backend == "llamacpp":
+        from kibidango.backends.llamacpp_backend import LlamaCppModel
+
+        return LlamaCppModel(tier.gguf, name=tier.name, n_ctx=n_ctx, threads=threads)
+    raise ValueError(f"unknown backend {backend!r}: use 'torch' or 'llamacpp'")

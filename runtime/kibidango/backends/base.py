@@ -1,0 +1,44 @@
+"""The interface every backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["ContextLengthError", "Model", "Session"]
+
+
+class ContextLengthError(ValueError):
+    """The sequence would not fit in the model's context window."""
+
+
+class Session(Protocol):
+    """One sequence's KV cache on one model.
+
+    ``tokens`` are the tokens whose keys and values are cached; ``forward_calls`` and
+    ``tokens_fed`` count the work done (a rejected speculative token that is cropped away and
+    never fed again costs one fed token; a prefix is never fed twice)."""
+
+    tokens: list[int]
+    forward_calls: int
+    tokens_fed: int
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        """Append ``tokens`` in one forward pass; returns float32 logits ``[len(tokens), vocab]``,
+        row i being the next-token logits after ``tokens[i]``."""
+        ...
+
+    def crop(self, n: int) -> None:
+        """Keep only the first ``n`` cached tokens."""
+        ...
+
+
+class Model(Protocol):
+    name: str
+    vocab_size: int
+    context_length: int
+
+    def new_session(self) -> Session: ...
+
+    def parameters(self) -> int: ...

@@ -1,0 +1,72 @@
+"""transformers models with a ``DynamicCache`` that is cropped after a rejection, not rebuilt.
+The reference backend and the exactness oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kibidango.backends.base import ContextLengthError
+
+__all__ = ["TorchModel", "TorchSession"]
+
+
+class TorchSession:
+    def __init__(self, model: "TorchModel"):
+        from transformers import DynamicCache
+
+        self._model = model
+        self._cache = DynamicCache()
+        self.tokens: list[int] = []
+        self.forward_calls = 0
+        self.tokens_fed = 0
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        if not tokens:
+            raise ValueError("feed() needs at least one token")
+        if len(self.tokens) + len(tokens) > self._model.context_length:
+            raise ContextLengthError(
+                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of {self._model.context_length}"
+            )
+        ids = torch.tensor([tokens], dtype=torch.long, device=self._model.device)
+        with torch.inference_mode():
+            out = self._model.hf(input_ids=ids, past_key_values=self._cache, use_cache=True)
+        self.tokens.extend(tokens)
+        self.forward_calls += 1
+        self.tokens_fed += len(tokens)
+        return out.logits[0].float().cpu().numpy()
+
+    def crop(self, n: int) -> None:
+        drop = len(self.tokens) - n
+        if drop > 0:
+            self._cache.crop(-drop)  # negative: remove that many trailing positions
+            del self.tokens[n:]
+
+
+class TorchModel:
+    def __init__(self, path: str | Path, name: str = "", device: str | None = None, dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        self.name = name or Path(path).name
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(self.device).eval()
+        self.vocab_size = self.hf.config.vocab_size
+        self.context_length = getattr(self.hf.config, "max_position_embeddings", 2048)
+
+    @classmethod
+    def from_hf(cls, hf_model, name: str = "model") -> "TorchModel":
+        """Wrap an in-memory transformers model (tests build tiny random ones)."""
+        self = cls.__new__(cls)
+        self.name, self.hf = name, hf_model.eval()
+        self.device = next(hf_model.parameters()).device
+        self.vocab_size = hf_model.config.vocab_size
+        self.context_length = getattr(hf_model.config, "max_position_embeddings", 2048)
+        return self
+
+    def new_session(self) -> TorchSession:
+        return TorchSession(self)
+
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.hf.parameters())

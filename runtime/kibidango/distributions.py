@@ -1,0 +1,102 @@
+"""Next-token distributions, divergences between them, and the acceptance rule of speculative
+decoding (ARCHITECTURE.md §5). Float64 numpy throughout: the vocabularies involved are small
+enough, and exactness tests compare probabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Sampler", "divergence", "verify"]
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Turns logits into a distribution and draws from it. ``temperature == 0`` is greedy: the
+    distribution is one-hot on the argmax, so every rule below reduces to exact matching."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        logits = np.asarray(logits, dtype=np.float64)
+        if self.greedy:
+            p = np.zeros_like(logits)
+            p[int(np.argmax(logits))] = 1.0
+            return p
+        z = logits / self.temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if self.top_p < 1.0:
+            order = np.argsort(-p, kind="stable")
+            keep = np.cumsum(p[order]) - p[order] < self.top_p  # smallest set reaching top_p
+            mask = np.zeros_like(p, dtype=bool)
+            mask[order[keep]] = True
+            p = np.where(mask, p, 0.0)
+            p /= p.sum()
+        return p
+
+    def draw(self, p: np.ndarray, rng: np.random.Generator) -> int:
+        if self.greedy:
+            return int(np.argmax(p))
+        return int(rng.choice(len(p), p=p))
+
+
+def divergence(p: np.ndarray, q: np.ndarray, kind: str = "tv") -> float:
+    """Distance between two next-token distributions at one position.
+    ``tv`` total variation 0.5*sum|p-q| in [0, 1]; ``js`` Jensen-Shannon (nats, <= ln 2);
+    ``kl`` KL(p || q) (nats)."""
+    if kind == "tv":
+        return 0.5 * float(np.abs(p - q).sum())
+    if kind == "kl":
+        return float(np.sum(np.where(p > 0, p * (np.log(p + _EPS) - np.log(q + _EPS)), 0.0)))
+    if kind == "js":
+        m = 0.5 * (p + q)
+        return 0.5 * divergence(p, m, "kl") + 0.5 * divergence(q, m, "kl")
+    raise ValueError(f"unknown divergence {kind!r}: use tv, js or kl")
+
+
+def verify(
+    proposed: list[int],
+    q_dists: list[np.ndarray],
+    p_dists: list[np.ndarray],
+    sampler: Sampler,
+    rng: np.random.Generator,
+    tau: float = 0.0,
+    div: str = "tv",
+    bonus: np.ndarray | None = None,
+) -> tuple[int, int | None]:
+    """Verify ``proposed`` tokens (drawn from ``q_dists``) against the verifier's ``p_dists``.
+
+    Token i is accepted when ``Div(p_i, q_i) <= tau`` (fuzzy acceptance; never with tau = 0
+    unless the two distributions are equal) or when the lossless rule accepts it: in greedy mode
+    the token equals argmax p_i, in sampling mode a uniform draw is below min(1, p_i(x)/q_i(x))
+    (Leviathan et al.). At the first rejection the verifier's token replaces it: argmax p_i, or
+    a draw from norm(max(0, p_i - q_i)). If every token passes, the bonus token is drawn from
+    ``bonus`` (None: no bonus).
+
+    Returns (number accepted, the replacement or bonus token or None)."""
+    for i, (x, q, p) in enumerate(zip(proposed, q_dists, p_dists)):
+        if tau > 0 and divergence(p, q, div) <= tau:
+            continue
+        if sampler.greedy:
+            if x == int(np.argmax(p)):
+                continue
+            return i, int(np.argmax(p))
+        if rng.random() < min(1.0, p[x] / max(q[x], _EPS)):
+            continue
+        residual = np.maximum(p - q, 0.0)
+        total = residual.sum()
+        # p == q up to rounding cannot reject in exact arithmetic; fall back to p itself.
+        residual = residual / total if total > _EPS else p
+        return i, int(rng.choice(len(p), p=residual))
+    if bonus is None:
+        return len(proposed), None
+    return len(proposed), sampler.draw(bonus, rng)

@@ -1,0 +1,256 @@
+"""Target-only, 2-model speculative and Pyramid speculative decoding over backend sessions.
+
+Each session caches the tokens it has been fed. Before a model is used, it is synced to the
+committed sequence: its cache is cropped to the longest prefix it shares with the committed
+tokens, and the tokens it lacks are fed together with whatever it must score next, in one
+forward pass. So a rejection costs only the rejected positions; no prefix is ever fed twice.
+
+Modes (ARCHITECTURE.md §5):
+  ``ar``       the target alone.
+  ``sd``       the draft proposes k tokens, the target scores them in one pass (lossless).
+  ``pyramid``  the draft proposes l_D tokens, the qualifier verifies them in one pass, repeated
+               until l_Q tokens are buffered; the target verifies the buffer in one pass.
+               ``fuzzy``: a qualifier rejection ends the draft run and the buffer goes to the
+               target; acceptance at each level also passes when Div <= tau_Q / tau_T.
+               ``assisted``: at a qualifier rejection the qualifier's token joins the buffer and
+               drafting goes on; fuzzy thresholds as above.
+               ``exact``: as assisted with tau_Q = tau_T = 0: lossless at both levels, the
+               output has the target's distribution (greedy: the target's tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from kibidango.backends.base import ContextLengthError, Model, Session
+from kibidango.distributions import Sampler, verify
+
+__all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "VARIANTS"]
+
+MODES = ("ar", "sd", "pyramid")
+VARIANTS = ("fuzzy", "assisted", "exact")
+
+
+@dataclass
+class DecodeConfig:
+    mode: str = "pyramid"
+    variant: str = "fuzzy"
+    k: int = 4
+    """sd: tokens the draft proposes per target pass."""
+    l_D: int = 4
+    """pyramid: tokens the draft proposes per qualifier pass."""
+    l_Q: int = 8
+    """pyramid: tokens buffered per target pass."""
+    tau_Q: float = 0.0
+    tau_T: float = 0.0
+    divergence: str = "tv"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = 0
+    max_new_tokens: int = 64
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: use one of {', '.join(MODES)}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
+        for name in ("k", "l_D", "l_Q"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.l_D > self.l_Q:
+            raise ValueError(f"l_D ({self.l_D}) must not exceed l_Q ({self.l_Q})")
+        if self.tau_Q < 0 or self.tau_T < 0:
+            raise ValueError("tau_Q and tau_T must be >= 0")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+@dataclass
+class Metrics:
+    """Per request, named like vLLM's speculative-decoding metrics. Stage ``draft`` is the
+    draft's proposals to its verifier (the target in sd, the qualifier in pyramid); stage
+    ``qualifier`` is the qualifier's buffer offered to the target (pyramid)."""
+
+    mode: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    verify_steps: int = 0
+    forward_calls: dict[str, int] = field(default_factory=dict)
+    tokens_fed: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    finish_reason: str = "length"
+
+    def count(self, stage: str, drafted: int, accepted: int) -> None:
+        self.num_draft_tokens[stage] = self.num_draft_tokens.get(stage, 0) + drafted
+        self.num_accepted_tokens[stage] = self.num_accepted_tokens.get(stage, 0) + accepted
+
+    def acceptance_rate(self, stage: str) -> float | None:
+        drafted = self.num_draft_tokens.get(stage, 0)
+        return self.num_accepted_tokens.get(stage, 0) / drafted if drafted else None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per target verification step, the bonus or correction token included."""
+        return self.generated_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def target_forwards_per_token(self) -> float:
+        return self.forward_calls.get("target", 0) / self.generated_tokens if self.generated_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "num_draft_tokens": dict(self.num_draft_tokens),
+            "num_accepted_tokens": dict(self.num_accepted_tokens),
+            "draft_acceptance_rate": {s: self.acceptance_rate(s) for s in self.num_draft_tokens},
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "target_forward_passes": self.forward_calls.get("target", 0),
+            "target_forwards_per_token": self.target_forwards_per_token,
+            "forward_calls": dict(self.forward_calls),
+            "tokens_fed": dict(self.tokens_fed),
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "finish_reason": self.finish_reason,
+        }
+
+
+def _sync_and_feed(session: Session, committed: list[int], extra: list[int]) -> np.ndarray:
+    """Bring ``session`` to ``committed`` and score ``extra`` after it, in one forward pass.
+    Returns ``len(extra) + 1`` rows of logits: the next-token logits after the last committed
+    token, then after each extra token."""
+    shared = 0
+    for a, b in zip(session.tokens, committed):
+        if a != b:
+            break
+        shared += 1
+    # Keep at least the last committed token pending: its row is the one we need first.
+    keep = min(shared, len(committed) - 1)
+    session.crop(keep)
+    pending = committed[keep:]
+    rows = session.feed(pending + extra)
+    return rows[len(pending) - 1 :]
+
+
+class Decoder:
+    """Runs one request at a time over the given models (``target``, and ``draft`` /
+    ``qualifier`` as the mode needs), keeping a KV-cache session per model between rounds."""
+
+    def __init__(self, models: dict[str, Model]):
+        self.models = models
+
+    def _need(self, cfg: DecodeConfig) -> tuple[str, ...]:
+        return {"ar": ("target",), "sd": ("draft", "target"), "pyramid": ("draft", "qualifier", "target")}[cfg.mode]
+
+    def generate(self, prompt_ids: list[int], cfg: DecodeConfig, metrics: Metrics | None = None) -> Iterator[list[int]]:
+        """Yield the newly committed tokens of each round; fill ``metrics`` as it goes."""
+        tiers = self._need(cfg)
+        missing = [t for t in tiers if t not in self.models]
+        if missing:
+            raise ValueError(f"mode {cfg.mode} needs the {', '.join(missing)} tier(s), which are not loaded")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        context = min(self.models[t].context_length for t in tiers)
+        if len(prompt_ids) >= context:
+            raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens; the context holds {context}")
+        budget = min(cfg.max_new_tokens, context - len(prompt_ids))
+        metrics = metrics if metrics is not None else Metrics(cfg.mode)
+        metrics.prompt_tokens = len(prompt_ids)
+        sessions = {t: self.models[t].new_session() for t in tiers}
+        sampler = Sampler(cfg.temperature, cfg.top_p)
+        rng = np.random.default_rng(cfg.seed)
+        step = {"ar": self._ar_round, "sd": self._sd_round, "pyramid": self._pyramid_round}[cfg.mode]
+        committed = list(prompt_ids)
+        generated = 0
+        start = time.perf_counter()
+        try:
+            while generated < budget:
+                new = step(sessions, committed, budget - generated, cfg, sampler, rng, metrics)
+                metrics.verify_steps += 1
+                stop_at = next((i for i, t in enumerate(new) if t in cfg.stop_ids), None)
+                if stop_at is not None:
+                    new = new[:stop_at]
+                    metrics.finish_reason = "stop"
+                committed += new
+                generated += len(new)
+                metrics.generated_tokens = generated
+                if new:
+                    yield new
+                if stop_at is not None:
+                    return
+        finally:
+            metrics.seconds = time.perf_counter() - start
+            for t, s in sessions.items():
+                metrics.forward_calls[t] = s.forward_calls
+                metrics.tokens_fed[t] = s.tokens_fed
+
+    # ---- one round per mode: returns the tokens it commits --------------------------------
+
+    def _ar_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
+        row = _sync_and_feed(sessions["target"], committed, [])[0]
+        return [sampler.draw(sampler.probs(row), rng)]
+
+    def _propose(self, session: Session, committed: list[int], n: int, sampler, rng) -> tuple[list[int], list[np.ndarray]]:
+        """The draft's n tokens, each from its distribution after the previous one."""
+        tokens: list[int] = []
+        dists: list[np.ndarray] = []
+        row = _sync_and_feed(session, committed, [])[0]
+        for i in range(n):
+            q = sampler.probs(row)
+            tokens.append(sampler.draw(q, rng))
+            dists.append(q)
+            if i + 1 < n:
+                row = session.feed([tokens[-1]])[0]
+        return tokens, dists
+
+    def _sd_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
+        k = min(cfg.k, remaining - 1)  # room for the bonus token
+        if k < 1:
+            return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
+        drafts, q = self._propose(sessions["draft"], committed, k, sampler, rng)
+        rows = _sync_and_feed(sessions["target"], committed, drafts)
+        p = [sampler.probs(r) for r in rows]
+        n, token = verify(drafts, q, p[:k], sampler, rng, bonus=p[k])
+        metrics.count("draft", k, n)
+        return drafts[:n] + [token]
+
+    def _pyramid_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
+        l_q = min(cfg.l_Q, remaining - 1)
+        if l_q < 1:
+            return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
+        tau_q, tau_t = (0.0, 0.0) if cfg.variant == "exact" else (cfg.tau_Q, cfg.tau_T)
+        buffer: list[int] = []
+        buffer_q: list[np.ndarray] = []  # the qualifier's distribution at each buffered position
+        while len(buffer) < l_q:
+            n_draft = min(cfg.l_D, l_q - len(buffer))
+            drafts, d = self._propose(sessions["draft"], committed + buffer, n_draft, sampler, rng)
+            rows = _sync_and_feed(sessions["qualifier"], committed + buffer, drafts)
+            q = [sampler.probs(r) for r in rows[:n_draft]]
+            n, token = verify(drafts, d, q, sampler, rng, tau=tau_q, div=cfg.divergence)
+            metrics.count("draft", n_draft, n)
+            buffer += drafts[:n]
+            buffer_q += q[:n]
+            if n < n_draft:
+                if cfg.variant == "fuzzy":
+                    break  # the draft run ends here; the target judges what is buffered
+                buffer.append(token)  # assisted / exact: the qualifier's token, then draft on
+                buffer_q.append(q[n])
+        rows = _sync_and_feed(sessions["target"], committed, buffer)
+        p = [sampler.probs(r) for r in rows]
+        n, token = verify(buffer, buffer_q, p[: len(buffer)], sampler, rng, tau=tau_t, div=cfg.divergence, bonus=p[len(buffer)])
+        metrics.count("qualifier", len(buffer), n)
+        return buffer[:n] + [token]
