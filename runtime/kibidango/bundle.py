@@ -141,6 +141,7 @@ def write_bundle(
     root = Path(root)
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     tier_table: dict[str, dict[str, Any]] = {}
     for name, spec in tiers.items():
         entry = {k: v for k, v in spec.items() if k not in ("hf", "gguf")}

@@ -48,7 +48,9 @@ class TorchSession:
 class TorchModel:
     def __init__(self, path: str | Path, name: str = "", device: str | None = None, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # one bar per tier per load is noise in a CLI
         self.name = name or Path(path).name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(self.device).eval()

@@ -1,0 +1,70 @@
+"""Lossless modes give the target's output exactly; fuzzy acceptance behaves as specified."""
+
+from __future__ import annotations
+
+import pytest
+
+from kibidango.speculative import DecodeConfig, Decoder, Metrics
+from tests.conftest import PROMPTS
+
+
+def run(models, prompt, **kw):
+    kw.setdefault("max_new_tokens", 40)
+    m = Metrics(kw.get("mode", "pyramid"))
+    out = [t for chunk in Decoder(models).generate(prompt, DecodeConfig(**kw), m) for t in chunk]
+    return out, m
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_sd_and_pyramid_exact_equal_ar(family, prompt):
+    ar, _ = run(family, prompt, mode="ar")
+    assert len(ar) == 40
+    for k in (1, 3, 5):
+        assert run(family, prompt, mode="sd", k=k)[0] == ar
+    for l_d, l_q in ((1, 1), (2, 6), (4, 8), (3, 3)):
+        assert run(family, prompt, mode="pyramid", variant="exact", l_D=l_d, l_Q=l_q)[0] == ar
+        assert run(family, prompt, mode="pyramid", variant="assisted", l_D=l_d, l_Q=l_q)[0] == ar  # tau = 0
+        assert run(family, prompt, mode="pyramid", variant="fuzzy", l_D=l_d, l_Q=l_q)[0] == ar  # tau = 0
+
+
+def test_the_family_really_disagrees(family):
+    """Guard: exactness above would be trivial if every draft token were accepted."""
+    _, m = run(family, PROMPTS[0], mode="sd", k=4)
+    assert 0.05 < m.acceptance_rate("draft") < 0.95
+
+
+def test_larger_tau_raises_acceptance(family):
+    rates = []
+    for tau in (0.0, 0.3, 0.6, 1.0):
+        drafted = accepted = 0
+        for prompt in PROMPTS:
+            _, m = run(family, prompt, mode="pyramid", variant="fuzzy", l_D=3, l_Q=6, tau_Q=tau, tau_T=tau)
+            drafted += m.num_draft_tokens["draft"]
+            accepted += m.num_accepted_tokens["draft"]
+        rates.append(accepted / drafted)
+    assert rates == sorted(rates) and rates[0] < rates[-1]
+    assert rates[-1] == 1.0  # total variation never exceeds 1: tau = 1 accepts everything
+
+
+def test_no_prefix_is_recomputed_after_a_rejection(family):
+    """Every target token fed is either a prompt token, a committed token, or a rejected draft
+    (fed once, then cropped). A recomputing implementation feeds the prefix again each round."""
+    prompt = PROMPTS[4]
+    out, m = run(family, prompt, mode="sd", k=4)
+    rejected = m.num_draft_tokens["draft"] - m.num_accepted_tokens["draft"]
+    assert rejected > 0
+    assert m.tokens_fed["target"] == len(prompt) - 1 + len(out) + rejected
+    assert m.forward_calls["target"] == m.verify_steps  # one target pass per round, prefill included
+    out, m = run(family, prompt, mode="pyramid", variant="exact", l_D=2, l_Q=6)
+    offered = m.num_draft_tokens["qualifier"] - m.num_accepted_tokens["qualifier"]
+    assert m.tokens_fed["target"] == len(prompt) - 1 + len(out) + offered
+
+
+def test_stop_ids_and_budget(family):
+    ar, _ = run(family, PROMPTS[1], mode="ar")
+    stop = ar[10]
+    first = ar.index(stop)
+    out, m = run(family, PROMPTS[1], mode="sd", stop_ids=(stop,))
+    assert out == ar[:first] and m.finish_reason == "stop"
+    out, m = run(family, PROMPTS[1], mode="pyramid", max_new_tokens=40)
+    assert len(out) == 40 and m.finish_reason == "length"
