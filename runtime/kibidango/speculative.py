@@ -83,6 +83,7 @@ class Metrics:
     generated_tokens: int = 0
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    num_rejections: dict[str, int] = field(default_factory=dict)
     verify_steps: int = 0
     forward_calls: dict[str, int] = field(default_factory=dict)
     tokens_fed: dict[str, int] = field(default_factory=dict)
@@ -92,10 +93,36 @@ class Metrics:
     def count(self, stage: str, drafted: int, accepted: int) -> None:
         self.num_draft_tokens[stage] = self.num_draft_tokens.get(stage, 0) + drafted
         self.num_accepted_tokens[stage] = self.num_accepted_tokens.get(stage, 0) + accepted
+        self.num_rejections[stage] = self.num_rejections.get(stage, 0) + (accepted < drafted)
+
+    def add(self, other: "Metrics") -> None:
+        """Accumulate another request's counts (for aggregates across requests)."""
+        self.prompt_tokens += other.prompt_tokens
+        self.generated_tokens += other.generated_tokens
+        self.verify_steps += other.verify_steps
+        self.seconds += other.seconds
+        for mine, theirs in (
+            (self.num_draft_tokens, other.num_draft_tokens),
+            (self.num_accepted_tokens, other.num_accepted_tokens),
+            (self.num_rejections, other.num_rejections),
+            (self.forward_calls, other.forward_calls),
+            (self.tokens_fed, other.tokens_fed),
+        ):
+            for key, value in theirs.items():
+                mine[key] = mine.get(key, 0) + value
 
     def acceptance_rate(self, stage: str) -> float | None:
         drafted = self.num_draft_tokens.get(stage, 0)
         return self.num_accepted_tokens.get(stage, 0) / drafted if drafted else None
+
+    def token_acceptance_probability(self, stage: str) -> float | None:
+        """Maximum-likelihood estimate of alpha, the chance that one proposed token is accepted,
+        assuming i.i.d. acceptances (the model behind Leviathan et al.'s speedup formula):
+        accepted / (accepted + rejections). Differs from the acceptance rate, which counts the
+        tokens drafted after the first rejection of a round as not accepted."""
+        accepted = self.num_accepted_tokens.get(stage, 0)
+        trials = accepted + self.num_rejections.get(stage, 0)
+        return accepted / trials if trials else None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -118,6 +145,7 @@ class Metrics:
             "num_draft_tokens": dict(self.num_draft_tokens),
             "num_accepted_tokens": dict(self.num_accepted_tokens),
             "draft_acceptance_rate": {s: self.acceptance_rate(s) for s in self.num_draft_tokens},
+            "token_acceptance_probability": {s: self.token_acceptance_probability(s) for s in self.num_draft_tokens},
             "mean_acceptance_length": self.mean_acceptance_length,
             "target_forward_passes": self.forward_calls.get("target", 0),
             "target_forwards_per_token": self.target_forwards_per_token,

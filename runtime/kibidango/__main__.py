@@ -1,0 +1,5 @@
+import sys
+
+from kibidango.cli import main
+
+sys.exit(main())

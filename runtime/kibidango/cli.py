@@ -1,0 +1,139 @@
+"""``kibidango`` command line: generate, inspect, bench, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kibidango.backends.base import ContextLengthError
+from kibidango.bundle import BundleError, load_bundle
+
+
+def _decode_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding (defaults: the bundle's runtime_defaults)")
+    g.add_argument("--variant", choices=["fuzzy", "assisted", "exact"])
+    g.add_argument("--k", type=int, help="sd: tokens drafted per target pass")
+    g.add_argument("--l-d", dest="l_D", type=int, help="pyramid: draft tokens per qualifier pass")
+    g.add_argument("--l-q", dest="l_Q", type=int, help="pyramid: buffered tokens per target pass")
+    g.add_argument("--tau-q", dest="tau_Q", type=float)
+    g.add_argument("--tau-t", dest="tau_T", type=float)
+    g.add_argument("--divergence", choices=["tv", "js", "kl"])
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", dest="top_p", type=float)
+    g.add_argument("--seed", type=int)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    keys = ("variant", "k", "l_D", "l_Q", "tau_Q", "tau_T", "divergence", "temperature", "top_p", "seed")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from kibidango.pipeline import Pipeline
+    from kibidango.speculative import Metrics
+
+    prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
+    pipe = Pipeline.from_bundle(args.bundle, backend=args.backend, mode=args.mode, **_overrides(args))
+    metrics = Metrics(pipe.defaults.mode)
+    kw = {"max_new_tokens": args.max_new_tokens, **({"stop_ids": args.stop_id} if args.stop_id else {})}
+    if args.stream:
+        for chunk in pipe.stream(prompt, stop=args.stop, metrics=metrics, **kw):
+            print(chunk, end="", flush=True)
+        print()
+    else:
+        result = pipe.generate(prompt, stop=args.stop, **kw)
+        metrics = result.metrics
+        print(result.text)
+    if args.stats:
+        print(json.dumps(metrics.to_dict(), indent=2), file=sys.stderr)
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    bundle = load_bundle(args.bundle, verify=True)
+    meta = bundle.meta
+    print(f"bundle {bundle.root}  schema {meta['schema_version']}  created {meta.get('created', '?')}")
+    for key in ("preset", "pipeline_git_sha"):
+        if key in meta:
+            print(f"{key}: {meta[key]}")
+    print("tiers:")
+    for name, tier in bundle.tiers.items():
+        forms = ", ".join(f for f, p in (("hf", tier.hf), ("gguf", tier.gguf)) if p is not None)
+        info = ", ".join(f"{k}={v}" for k, v in tier.info.items())
+        print(f"  {name:<10} {forms:<10} {info}")
+    print(f"runtime defaults: {json.dumps(bundle.defaults, sort_keys=True)}")
+    for key in ("stage_cache_keys", "mlflow_run_ids"):
+        if meta.get(key):
+            print(f"{key}: {json.dumps(meta[key], sort_keys=True)}")
+    files = meta.get("files", [])
+    print(f"OK: {len(files)} files, {sum(f['size'] for f in files) / 1e6:.2f} MB, every sha256 verified")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from kibidango.bench import format_table, read_prompts, run_bench
+
+    result = run_bench(args.bundle, read_prompts(args.prompts), args.modes.split(","), args.max_new_tokens,
+                       args.repeats, tuple(p for p in args.peers.split(",") if p), **_overrides(args))  # fmt: skip
+    print(format_table(result))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from kibidango.server import serve
+
+    serve(args.bundle, host=args.host, port=args.port, backend=args.backend, mode=args.mode,
+          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit, **_overrides(args))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kibidango", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin)")
+    gen.add_argument("prompt", nargs="?", help="the prompt; '-' or absent: read stdin")
+    gen.add_argument("--bundle", required=True)
+    gen.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    gen.add_argument("--mode", choices=["ar", "sd", "pyramid"])
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--stop-id", action="append", type=int, help="stop token id (repeatable)")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--stats", action="store_true", help="print the request's metrics (JSON) to stderr")
+    _decode_args(gen)
+    gen.set_defaults(func=_generate)
+
+    ins = sub.add_parser("inspect", help="print a bundle's manifest and verify every file's hash")
+    ins.add_argument("bundle")
+    ins.set_defaults(func=_inspect)
+
+    bench = sub.add_parser("bench", help="compare decoding modes (and peers) on the same prompts")
+    bench.add_argument("--bundle", required=True)
+    bench.add_argument("--prompts", required=True, help="a file: one prompt per line, or JSONL with 'prompt'")
+    bench.add_argument("--modes", default="ar,sd,pyramid", help="comma list of ar, sd, pyramid, pyramid-exact, pyramid-assisted")
+    bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--peers", default="hf", help="comma list of peers to run: hf (and llamacpp with the extra)")
+    _decode_args(bench)
+    bench.set_defaults(func=_bench)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--bundle", required=True)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    srv.add_argument("--mode", choices=["ar", "sd", "pyramid"])
+    srv.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
+    srv.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
+    _decode_args(srv)
+    srv.set_defaults(func=_serve)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (BundleError, ContextLengthError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

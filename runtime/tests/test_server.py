@@ -1,0 +1,109 @@
+"""The OpenAI-compatible server, run as a user runs it (subprocess, loopback) and driven by the
+official openai client; then fuzzed with malformed and out-of-range requests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kibidango import write_bundle
+from tests.conftest import STORIES, needs_stories
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    needs_stories()
+    root = tmp_path_factory.mktemp("srv")
+    tiers = {t: {"hf": STORIES, "vocab_size": 512} for t in ("draft", "qualifier", "target")}
+    bundle = write_bundle(root / "bundle", tiers, {"mode": "pyramid", "variant": "fuzzy", "stop_ids": [1, 2]}, preset="tiny")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port),
+                             "--max-tokens-limit", "256"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
+        time.sleep(0.3)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def test_openai_client_completions_chat_streaming_models(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    (model,) = client.models.list().data
+    assert model.id == "kibidango-tiny"
+    c = client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=24, temperature=0)
+    assert c.choices[0].text.startswith(", there was a little girl named Lily")
+    assert c.usage.completion_tokens == 24 and c.usage.prompt_tokens == 5
+    extra = c.model_extra["kibidango"]
+    assert extra["mode"] == "pyramid" and extra["draft_acceptance_rate"]["draft"] == 1.0  # identical tiers
+    sd = client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=24, temperature=0, extra_body={"mode": "sd", "k": 3})
+    assert sd.choices[0].text == c.choices[0].text and sd.model_extra["kibidango"]["mode"] == "sd"
+    chunks = list(client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=24, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=16, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    stream = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Tell me a story."}],
+                                            max_tokens=16, temperature=0, stream=True)  # fmt: skip
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == chat.choices[0].message.content
+    sampled = client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=3)
+    assert sampled.choices[0].text
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", "json"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": -5}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": "lots"}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": 42}', "prompt"),
+    ("/v1/completions", b'{"prompt": ""}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["a", "b"]}', "prompt"),
+    ("/v1/completions", b'{"max_tokens": 5}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": -1}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "n": 3}', "n"),
+    ("/v1/completions", b'{"prompt": "hi", "mode": "warp"}', "mode"),
+    ("/v1/completions", b'{"prompt": "hi", "tau_Q": 7}', "tau_Q"),
+    ("/v1/completions", b'{"prompt": "hi", "l_D": 9, "l_Q": 2}', "l_D"),
+    ("/v1/completions", ("{\"prompt\": \"" + "Once upon a time " * 300 + "\"}").encode(), "prompt"),
+    ("/v1/chat/completions", b'{"messages": []}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages"),
+    ("/v1/chat/completions", b"[1, 2, 3]", ""),
+]
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    for path, body, about in BAD_REQUESTS:
+        r = httpx.post(f"{server}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert 400 <= r.status_code < 500, (body[:60], r.status_code, r.text[:200])
+        assert "error" in r.json() and about.lower() in r.json()["error"]["message"].lower(), (body[:60], r.text[:300])
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    metrics = httpx.get(f"{server}/metrics").text
+    assert 'kibidango_requests_total{model="kibidango-tiny"}' in metrics
+    assert "kibidango_spec_decode_num_draft_tokens_total" in metrics
+    errors = [line for line in metrics.splitlines() if line.startswith("kibidango_request_errors_total")]
+    assert int(errors[0].split()[-1]) >= len(BAD_REQUESTS)
