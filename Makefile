@@ -8,6 +8,7 @@
 #   make compare         metrics across the runs of PRESET's experiment (STAGE=0 METRICS=rows_out,duplicate_rate)
 #   make clean-cache     delete the artifact store (DRY_RUN=1 lists what it would delete; STAGE=0 for one stage)
 #   make bench-dedup     dedup throughput on ../shared;  make eval-dedup: precision/recall on planted duplicates
+#   make bench-runtime   ar / sd / pyramid and peers on a 3-tier tiny family (trains it the first time)
 
 PYTHON_BOOT ?= python3.11
 VENV        ?= .venv
@@ -19,18 +20,19 @@ METRICS     ?= rows_in,rows_out,duplicate_rate,english_share
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup demo test test-slow dry-run schedule mlflow-ui compare clean-cache bench-dedup eval-dedup
+.PHONY: setup demo test test-slow dry-run schedule mlflow-ui compare clean-cache bench-dedup eval-dedup bench-runtime
 
 setup: $(VENV)/.installed
 
 # torch first, pinned: a plain `torch` requirement (from any dependency) resolves to a multi-GB
 # CUDA build; with 2.13.0 (CPU) already installed, nothing else replaces it.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml runtime/pyproject.toml
 	@command -v $(PYTHON_BOOT) >/dev/null || { echo "need $(PYTHON_BOOT) (or make PYTHON_BOOT=python3)"; exit 1; }
 	$(PYTHON_BOOT) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e "./runtime[server,llamacpp,dev]"   # llama-cpp-python builds from source (~9 min, then cached)
 	touch $@
 
 demo: setup
@@ -38,6 +40,7 @@ demo: setup
 
 test: setup
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+	cd runtime && ../$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-slow: setup
 	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)
@@ -60,6 +63,16 @@ compare: setup
 
 clean-cache: setup
 	$(PY) -m flows clean-cache $(if $(DRY_RUN),--dry-run) $(if $(STAGE),--stage $(STAGE))
+
+# The runtime benchmark: trains a qualifier and a target beside stories260K (once; ~10 min on 2
+# cores), then compares ar / sd / pyramid and the peers on the same prompts.
+BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_bundle
+$(BENCH_BUNDLE)/bundle.json:
+	$(PY) -m eval.tiny_family --out $(BENCH_BUNDLE)
+
+bench-runtime: setup $(BENCH_BUNDLE)/bundle.json
+	$(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) --prompts eval/prompts/stories.txt \
+	  --modes ar,sd,pyramid,pyramid-exact,pyramid-assisted --max-new-tokens 64 $(ARGS)
 
 bench-dedup: setup
 	$(PY) -m eval.bench_dedup

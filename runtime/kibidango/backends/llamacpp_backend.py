@@ -1,0 +1,109 @@
+"""GGUF models through llama-cpp-python (the ``llamacpp`` extra).
+
+A verification is one ``Llama.eval`` of all the drafted tokens (one batch, one decode) with
+``logits_all=True``, which keeps the logits of every position; a rollback drops the rejected
+positions from the KV cache with llama.cpp's sequence-removal call (``llama_memory_seq_rm``)
+and moves ``n_tokens`` back, so the kept prefix is never evaluated again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kibidango.backends.base import ContextLengthError
+
+__all__ = ["LlamaCppModel", "LlamaCppSession", "DraftModelHook"]
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:  # the extra is optional: say how to get it
+        raise ImportError("the llamacpp backend needs llama-cpp-python: pip install 'kibidango[llamacpp]'") from e
+    return llama_cpp
+
+
+class LlamaCppSession:
+    """A llama.cpp context holds one sequence, so a model serves one session at a time; a new
+    session clears the cache of the previous one."""
+
+    def __init__(self, model: "LlamaCppModel"):
+        self._model = model
+        self._llm = model.llm
+        self._llm.reset()
+        self._llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        self.tokens: list[int] = []
+        self.forward_calls = 0
+        self.tokens_fed = 0
+        model.active = self
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        if not tokens:
+            raise ValueError("feed() needs at least one token")
+        if self._model.active is not self:
+            raise RuntimeError(f"{self._model.name}: another session has used this llama.cpp context since")
+        if len(self.tokens) + len(tokens) > self._model.context_length:
+            raise ContextLengthError(
+                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of {self._model.context_length}"
+            )
+        n0 = self._llm.n_tokens
+        self._llm.eval(tokens)  # one decode while len(tokens) <= n_batch (the context size here)
+        self.tokens.extend(tokens)
+        self.forward_calls += 1
+        self.tokens_fed += len(tokens)
+        return np.array(self._llm.scores[n0 : n0 + len(tokens)], dtype=np.float32, copy=True)
+
+    def crop(self, n: int) -> None:
+        if n < len(self.tokens):
+            self._llm._ctx.kv_cache_seq_rm(0, n, -1)  # drop cached positions >= n
+            self._llm.n_tokens = n
+            del self.tokens[n:]
+
+
+class LlamaCppModel:
+    def __init__(self, path: str | Path, name: str = "", n_ctx: int | None = None, threads: int | None = None):
+        llama_cpp = _llama_cpp()
+        self.name = name or Path(path).stem
+        probe_ctx = n_ctx or 0  # 0: the model's training context
+        self.llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=probe_ctx, n_batch=max(probe_ctx, 512), logits_all=True,
+            n_threads=threads, verbose=False, seed=0,
+        )  # fmt: skip
+        self.context_length = self.llm.n_ctx()
+        self.vocab_size = self.llm.n_vocab()
+        self.active: LlamaCppSession | None = None
+
+    def new_session(self) -> LlamaCppSession:
+        return LlamaCppSession(self)
+
+    def parameters(self) -> int:
+        return int(_llama_cpp().llama_model_n_params(self.llm.model))
+
+
+class DraftModelHook:
+    """llama-cpp-python's own speculative loop takes a ``LlamaDraftModel``: this one proposes
+    ``k`` greedy tokens from a draft GGUF (used by ``kibidango bench`` as the llama.cpp peer)."""
+
+    def __new__(cls, draft: LlamaCppModel, k: int = 4):
+        from llama_cpp.llama_speculative import LlamaDraftModel
+
+        class _Hook(LlamaDraftModel):
+            def __init__(self) -> None:
+                self.session = draft.new_session()
+
+            def __call__(self, input_ids, /, **kwargs):
+                from kibidango.speculative import _sync_and_feed
+
+                ids = [int(t) for t in input_ids]
+                out: list[int] = []
+                row = _sync_and_feed(self.session, ids, [])[0]
+                for _ in range(k):
+                    out.append(int(np.argmax(row)))
+                    if len(ids) + len(out) >= draft.context_length:
+                        break
+                    row = self.session.feed([out[-1]])[0]
+                return np.array(out, dtype=np.intc)
+
+        return _Hook()
