@@ -1,7 +1,7 @@
 """A 3-tier family for runtime benchmarks until the pipeline trains one (stage P, issue 4):
 stories260K (../shared) is the draft; a qualifier and a target, several times larger each, are
 trained here from scratch on the TinyStories sample with stories260K's 512-token tokenizer, then
-the three are written as a bundle.
+the three are converted to GGUF (F32, llama.cpp's pinned converter) and written as a bundle.
 
     python -m eval.tiny_family --out .kibidango/bench_bundle     (make bench-runtime)
 
@@ -83,6 +83,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kibidango import write_bundle
+    from stages.llama_cpp_tools import convert_hf_to_gguf
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".kibidango/bench_bundle")
@@ -100,7 +101,7 @@ def main() -> None:
     train_data, val_data = data[:split], data[split:]
     print(f"tokens: {len(data):,} (train {len(train_data):,}, validation {len(val_data):,})")
     work = Path(args.out).with_name(Path(args.out).name + ".tiers")
-    tiers = {"draft": {"hf": STORIES}}
+    tiers = {"draft": {"hf": STORIES, "gguf": convert_hf_to_gguf(STORIES, work / "draft.gguf", "f32")}}
     table = []
     draft = AutoModelForCausalLM.from_pretrained(str(STORIES))
     table.append(("draft (stories260K)", sum(p.numel() for p in draft.parameters()), perplexity(draft, val_data)))
@@ -111,7 +112,7 @@ def main() -> None:
         model.save_pretrained(str(out))
         for f in ("tokenizer.model", "tokenizer_config.json"):  # the draft's tokenizer files, byte for byte
             shutil.copy2(STORIES / f, out / f)
-        tiers[name] = {"hf": out}
+        tiers[name] = {"hf": out, "gguf": convert_hf_to_gguf(out, work / f"{name}.gguf", "f32")}
         table.append((name, sum(p.numel() for p in model.parameters()), perplexity(model, val_data)))
     for name, spec in tiers.items():
         spec["vocab_size"] = 512

@@ -53,21 +53,29 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _step_cost(model, tokens: list[int], steps: int = 24) -> float:
-    """Seconds per one-token forward step with a warm KV cache (the draft's inner loop)."""
-    s = model.new_session()
-    s.feed(tokens)
-    t = time.perf_counter()
-    for i in range(steps):
-        s.feed([tokens[i % len(tokens)]])
-    return (time.perf_counter() - t) / steps
+def _step_costs(models: dict, tokens: list[int], rounds: int = 7, steps: int = 16) -> dict[str, float]:
+    """Seconds per one-token forward step with a warm KV cache (a draft's inner loop), for each
+    model: rounds interleaved across the models, median per model, so that noise from the rest
+    of the machine falls on all of them alike."""
+    sessions = {name: m.new_session() for name, m in models.items()}
+    for s in sessions.values():
+        s.feed(tokens)
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, s in sessions.items():
+            s.crop(len(tokens))
+            t = time.perf_counter()
+            for i in range(steps):
+                s.feed([tokens[i % len(tokens)]])
+            samples[name].append((time.perf_counter() - t) / steps)
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
 def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_tokens: int = 64, repeats: int = 1,
-              peers: tuple[str, ...] = ("hf",), **decode) -> BenchResult:  # fmt: skip
+              peers: tuple[str, ...] = ("hf",), backend: str = "torch", **decode) -> BenchResult:  # fmt: skip
     specs = {m: m.split("-", 1) if m.startswith("pyramid-") else [m, None] for m in modes}
     needs = {mode for mode, _ in specs.values()}
-    base = Pipeline.from_bundle(bundle, mode="pyramid" if "pyramid" in needs else "sd" if "sd" in needs else "ar")
+    base = Pipeline.from_bundle(bundle, backend=backend, mode="pyramid" if "pyramid" in needs else "sd" if "sd" in needs else "ar")
     decoder = Decoder(base.models)
     ids = [base.encode(p) for p in prompts]
     # No stop ids: every mode generates the full budget, so token counts match across modes.
@@ -76,7 +84,8 @@ def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_
         for m, (mode, variant) in specs.items()
     }
     totals = {m: Metrics(m) for m in modes}
-    hf_peer = "hf" in peers and "draft" in base.models
+    hf_peer = "hf" in peers and "draft" in base.models and backend == "torch"
+    llama_peer = _LlamaCppPeer(base.bundle, cfgs.get("sd", next(iter(cfgs.values()))).k) if "llamacpp" in peers else None
     hf_time = hf_plain_time = 0.0
     hf_tokens = 0
     for _ in range(repeats):
@@ -91,6 +100,8 @@ def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_
                 hf_time += dt
                 hf_tokens += n
                 hf_plain_time += _hf_generate(base, prompt_ids, max_new_tokens, assistant=False)[0]
+            if llama_peer:
+                llama_peer.run(prompt_ids, max_new_tokens)
     result = BenchResult()
     ar_tps = totals["ar"].tokens_per_second if "ar" in totals else None
     for m in modes:
@@ -109,7 +120,9 @@ def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_
         result.rows.append({"mode": "HF generate(assistant_model=draft)", "tokens": hf_tokens,
                             "speed_vs_ar": (hf_plain_time / hf_time) if hf_time else None,
                             "note": "ratio to HF generate() without assistant"})  # fmt: skip
-    costs = {name: _step_cost(model, ids[0]) for name, model in base.models.items()}
+    if llama_peer:
+        result.rows.append(llama_peer.row())
+    costs = _step_costs(base.models, ids[0])
     result.cost_ratio = {name: costs[name] / costs["target"] for name in costs}
     if "sd" in totals and totals["sd"].token_acceptance_probability("draft") is not None:
         a = totals["sd"].token_acceptance_probability("draft")
@@ -124,14 +137,50 @@ def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_
 def _hf_generate(pipe: Pipeline, prompt_ids: list[int], max_new_tokens: int, assistant: bool) -> tuple[float, int]:
     import torch
 
+    from transformers import GenerationConfig
+
     target = pipe.models["target"].hf
     kwargs = {"assistant_model": pipe.models["draft"].hf} if assistant else {}
+    # min_new_tokens = max_new_tokens: generate the full budget, like the modes above.
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                              pad_token_id=0, eos_token_id=target.config.eos_token_id)  # fmt: skip
     ids = torch.tensor([prompt_ids])
     t = time.perf_counter()
     with torch.inference_mode():
-        out = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                              pad_token_id=0, **kwargs)  # fmt: skip
+        out = target.generate(ids, generation_config=config, **kwargs)
     return time.perf_counter() - t, out.shape[1] - len(prompt_ids)
+
+
+class _LlamaCppPeer:
+    """llama-cpp-python's own speculative loop (``Llama(draft_model=...)``, greedy) with the
+    bundle's draft GGUF proposing k tokens, timed against the same target GGUF without a draft."""
+
+    def __init__(self, bundle, k: int):
+        from llama_cpp import Llama
+
+        from kibidango.backends.llamacpp_backend import DraftModelHook, LlamaCppModel
+
+        target, draft = bundle.tier("target", "llamacpp"), bundle.tier("draft", "llamacpp")
+        self.k = k
+        kw = {"n_ctx": 0, "logits_all": True, "verbose": False, "seed": 0}
+        self.plain = Llama(model_path=str(target.gguf), **kw)
+        self.spec = Llama(model_path=str(target.gguf), draft_model=DraftModelHook(LlamaCppModel(draft.gguf, "draft"), k), **kw)
+        self.spec_time = self.plain_time = 0.0
+        self.tokens = 0
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        for llm, attr in ((self.plain, "plain_time"), (self.spec, "spec_time")):
+            llm.reset()
+            t = time.perf_counter()
+            out = llm.create_completion(prompt_ids, max_tokens=max_new_tokens, temperature=0.0)
+            setattr(self, attr, getattr(self, attr) + time.perf_counter() - t)
+            if llm is self.spec:
+                self.tokens += out["usage"]["completion_tokens"]
+
+    def row(self) -> dict:
+        return {"mode": f"llama-cpp-python Llama(draft_model=draft, k={self.k})", "tokens": self.tokens,
+                "speed_vs_ar": self.plain_time / self.spec_time if self.spec_time else None,
+                "note": "ratio to the same Llama without a draft"}  # fmt: skip
 
 
 def format_table(result: BenchResult) -> str:

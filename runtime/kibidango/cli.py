@@ -73,7 +73,7 @@ def _bench(args: argparse.Namespace) -> None:
     from kibidango.bench import format_table, read_prompts, run_bench
 
     result = run_bench(args.bundle, read_prompts(args.prompts), args.modes.split(","), args.max_new_tokens,
-                       args.repeats, tuple(p for p in args.peers.split(",") if p), **_overrides(args))  # fmt: skip
+                       args.repeats, tuple(p for p in args.peers.split(",") if p), args.backend, **_overrides(args))  # fmt: skip
     print(format_table(result))
 
 
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--modes", default="ar,sd,pyramid", help="comma list of ar, sd, pyramid, pyramid-exact, pyramid-assisted")
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
     bench.add_argument("--peers", default="hf", help="comma list of peers to run: hf (and llamacpp with the extra)")
     _decode_args(bench)
     bench.set_defaults(func=_bench)
