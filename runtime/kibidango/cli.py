@@ -33,7 +33,7 @@ def _generate(args: argparse.Namespace) -> None:
     from kibidango.pipeline import Pipeline
     from kibidango.speculative import Metrics
 
-    prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
+    prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read().rstrip("\n")
     pipe = Pipeline.from_bundle(args.bundle, backend=args.backend, mode=args.mode, **_overrides(args))
     metrics = Metrics(pipe.defaults.mode)
     kw = {"max_new_tokens": args.max_new_tokens, **({"stop_ids": args.stop_id} if args.stop_id else {})}

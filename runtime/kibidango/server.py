@@ -206,45 +206,41 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
     def metrics():
         return PlainTextResponse(stats.prometheus(model_name), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
-        prepared = prepare(req, req.prompt)
+    def respond(req: _Decoding, prompt: str, object_name: str, choice):
+        """The body of both endpoints: ``choice(text, finish_reason, streaming)`` builds one
+        choice of the endpoint's response or stream chunk."""
+        prepared = prepare(req, prompt)
         if isinstance(prepared, JSONResponse):
             return prepared
         ids, kw = prepared
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}[object_name]
+        head = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
         if req.stream:
             def chunk(text, reason):
-                return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                        "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]}  # fmt: skip
+                return {**head, "object": object_name + (".chunk" if object_name.startswith("chat") else ""),
+                        "choices": [choice(text, reason, True)]}  # fmt: skip
             return StreamingResponse(sse(ids, kw, req.stop, chunk), media_type="text/event-stream")
         try:
             text, m = run(ids, kw, req.stop)
         except (ContextLengthError, ValueError) as e:
             return error(400, str(e))
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": m.finish_reason, "logprobs": None}], **finish(m)}  # fmt: skip
+        return {**head, "object": object_name, "choices": [choice(text, m.finish_reason, False)], **finish(m)}
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest):
+        def choice(text, reason, streaming):
+            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+
+        return respond(req, req.prompt, "text_completion", choice)
 
     @app.post("/v1/chat/completions")
     def chat(req: ChatRequest):
-        prepared = prepare(req, _chat_prompt(pipe.tokenizer, req.messages))
-        if isinstance(prepared, JSONResponse):
-            return prepared
-        ids, kw = prepared
-        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        if req.stream:
-            def chunk(text, reason):
-                delta = {"role": "assistant", "content": text} if text else {}
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}  # fmt: skip
-            return StreamingResponse(sse(ids, kw, req.stop, chunk), media_type="text/event-stream")
-        try:
-            text, m = run(ids, kw, req.stop)
-        except (ContextLengthError, ValueError) as e:
-            return error(400, str(e))
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": m.finish_reason}],
-                **finish(m)}  # fmt: skip
+        def choice(text, reason, streaming):
+            if streaming:
+                return {"index": 0, "delta": {"role": "assistant", "content": text} if text else {}, "finish_reason": reason}
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+
+        return respond(req, _chat_prompt(pipe.tokenizer, req.messages), "chat.completion", choice)
 
     return app
 

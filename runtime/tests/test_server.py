@@ -107,3 +107,14 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
     assert "kibidango_spec_decode_num_draft_tokens_total" in metrics
     errors = [line for line in metrics.splitlines() if line.startswith("kibidango_request_errors_total")]
     assert int(errors[0].split()[-1]) >= len(BAD_REQUESTS)
+
+
+def test_response_ids_and_objects(server):
+    c = httpx.post(f"{server}/v1/completions", json={"prompt": "Once", "max_tokens": 2}, timeout=30).json()
+    assert c["id"].startswith("cmpl-") and c["object"] == "text_completion"
+    chat = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, timeout=30).json()
+    assert chat["id"].startswith("chatcmpl-") and chat["object"] == "chat.completion"
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"object": "chat.completion.chunk"' in lines[0]
+    assert '"usage"' in lines[-2] and '"kibidango"' in lines[-2]
