@@ -14,9 +14,10 @@ from stages.llama_cpp_tools import convert_hf_to_gguf
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The cat was sad because", "One day, a big dog", "Tom had a red ball."]
-# ggml's and torch's float32 kernels round differently: on stories260K the largest logit gap
-# between the backends is about 0.015 (see the note in the README); twice that is the tolerance.
-LOGIT_TOLERANCE = 0.03
+# ggml's and torch's float32 kernels round differently: over 8 prompts x 64 tokens of stories260K
+# the largest logit difference between the backends was 0.028 (`python -m eval.backend_agreement`);
+# about twice that is the tolerance.
+LOGIT_TOLERANCE = 0.06
 
 
 @pytest.fixture(scope="module")
