@@ -16,7 +16,9 @@ _EPS = 1e-12
 @dataclass(frozen=True)
 class Sampler:
     """Turns logits into a distribution and draws from it. ``temperature == 0`` is greedy: the
-    distribution is one-hot on the argmax, so every rule below reduces to exact matching."""
+    draw is the argmax, and the distribution is the plain softmax (temperature 1), so that a
+    divergence between two models measures how their next-token distributions differ (between
+    one-hot distributions it could only be 0 or 1, and fuzzy acceptance would be argmax matching)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -27,14 +29,10 @@ class Sampler:
 
     def probs(self, logits: np.ndarray) -> np.ndarray:
         logits = np.asarray(logits, dtype=np.float64)
-        if self.greedy:
-            p = np.zeros_like(logits)
-            p[int(np.argmax(logits))] = 1.0
-            return p
-        z = logits / self.temperature
+        z = logits / (1.0 if self.greedy else self.temperature)
         p = np.exp(z - z.max())
         p /= p.sum()
-        if self.top_p < 1.0:
+        if self.top_p < 1.0 and not self.greedy:
             order = np.argsort(-p, kind="stable")
             keep = np.cumsum(p[order]) - p[order] < self.top_p  # smallest set reaching top_p
             mask = np.zeros_like(p, dtype=bool)

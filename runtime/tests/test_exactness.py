@@ -35,14 +35,17 @@ def test_the_family_really_disagrees(family):
 
 def test_larger_tau_raises_acceptance(family):
     rates = []
-    for tau in (0.0, 0.3, 0.6, 1.0):
+    for tau in (0.0, 0.3, 1.0):
         drafted = accepted = 0
         for prompt in PROMPTS:
             _, m = run(family, prompt, mode="pyramid", variant="fuzzy", l_D=3, l_Q=6, tau_Q=tau, tau_T=tau)
             drafted += m.num_draft_tokens["draft"]
             accepted += m.num_accepted_tokens["draft"]
         rates.append(accepted / drafted)
-    assert rates == sorted(rates) and rates[0] < rates[-1]
+    # Fuzzy decoding is lossy, so each tau follows its own trajectory and nearby taus can swap
+    # order end to end (0.15 scored below 0 here); clearly separated taus show the trend, and
+    # test_fuzzy_acceptance_is_monotone_in_tau checks each decision on the same inputs.
+    assert rates[0] < rates[1] < rates[2], rates
     assert rates[-1] == 1.0  # total variation never exceeds 1: tau = 1 accepts everything
 
 
@@ -68,3 +71,19 @@ def test_stop_ids_and_budget(family):
     assert out == ar[:first] and m.finish_reason == "stop"
     out, m = run(family, PROMPTS[1], mode="pyramid", max_new_tokens=40)
     assert len(out) == 40 and m.finish_reason == "length"
+
+
+def test_fuzzy_acceptance_is_monotone_in_tau():
+    """On the same proposal and distributions, a larger tau never accepts fewer tokens."""
+    import numpy as np
+
+    from kibidango.distributions import Sampler, verify
+
+    rng = np.random.default_rng(0)
+    sampler = Sampler(temperature=0.0)
+    for _ in range(300):
+        p = [rng.dirichlet(np.ones(16) * 0.3) for _ in range(5)]
+        q = [rng.dirichlet(np.ones(16) * 0.3) for _ in range(5)]
+        proposed = [int(np.argmax(d)) for d in q]
+        accepted = [verify(proposed, q, p, sampler, rng, tau=tau)[0] for tau in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)]
+        assert accepted == sorted(accepted) and accepted[-1] == 5
