@@ -32,6 +32,8 @@ def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: li
     ``overrides`` (``STAGE.KEY=VALUE``) change single config values for this run."""
     plan = load_preset(preset, overrides)
     tracker = Tracker(plan.experiment)
+    for run_id in tracker.reap_orphans():
+        print(f"MLflow run {run_id} was left RUNNING by a process that is gone: marked KILLED")
     prefect_id = str(flow_run.get_id() or "")
     parent = tracker.start_run(
         f"{plan.name}-{flow_run.get_name() or 'run'}",

@@ -7,7 +7,9 @@ run, because Prefect runs tasks in worker threads.
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,8 @@ class Tracker:
             self.experiment_id = exp.experiment_id
 
     def start_run(self, name: str, tags: dict[str, str], params: dict[str, Any] | None = None, parent: str | None = None) -> str:
-        all_tags = {**tags, **({PARENT_TAG: parent} if parent else {})}
+        owner = {f"{TAG}host": socket.gethostname(), f"{TAG}pid": str(os.getpid())}
+        all_tags = {**tags, **owner, **({PARENT_TAG: parent} if parent else {})}
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         if params:
             items = [Param(k, v[:6000]) for k, v in flatten_params(params).items()]
@@ -74,5 +77,29 @@ class Tracker:
             if path.is_file():
                 self.client.log_artifact(run_id, str(path), artifact_path=str(Path(rel).parent) if "/" in rel else None)
 
+    def reap_orphans(self) -> list[str]:
+        """Mark KILLED the runs left RUNNING by a process of this host that no longer exists
+        (a flow killed with kill -9 cannot end its own runs). Returns their ids."""
+        host = socket.gethostname()
+        reaped = []
+        for run in self.client.search_runs(
+            [self.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG}host` = '{host}'", max_results=1000
+        ):
+            pid = int(run.data.tags.get(f"{TAG}pid", "0") or 0)
+            if pid and not _alive(pid):
+                self.client.set_terminated(run.info.run_id, "KILLED")
+                reaped.append(run.info.run_id)
+        return reaped
+
     def end_run(self, run_id: str, ok: bool) -> None:
         self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

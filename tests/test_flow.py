@@ -87,6 +87,8 @@ def test_kill_9_in_the_middle_of_stage_0_then_rerun(tmp_path):
     assert [p.name for p in stage_dir.iterdir()] == [key]  # the killed run's staging dir is gone
     artifact = ArtifactStore(home / "store").get("0", key)
     assert artifact is not None and artifact.manifest["metrics"]["rows_in"] == 30000
+    killed = [r for r in _stage_runs(home) if r.info.status == "KILLED"]
+    assert len(killed) == 1 and "marked KILLED" in rerun.stderr + rerun.stdout  # the killed run is not left RUNNING
 
 
 def test_schedule_builds_a_cron_deployment():
