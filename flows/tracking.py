@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
 from flows.workspace import default_artifact_location, tracking_uri
+from stages.store import pid_alive
 
 __all__ = ["Tracker", "flatten_params", "TAG"]
 
@@ -86,7 +87,7 @@ class Tracker:
             [self.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG}host` = '{host}'", max_results=1000
         ):
             pid = int(run.data.tags.get(f"{TAG}pid", "0") or 0)
-            if pid and not _alive(pid):
+            if pid and not pid_alive(pid):
                 self.client.set_terminated(run.info.run_id, "KILLED")
                 reaped.append(run.info.run_id)
         return reaped
@@ -94,12 +95,3 @@ class Tracker:
     def end_run(self, run_id: str, ok: bool) -> None:
         self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

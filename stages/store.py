@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["Artifact", "ArtifactStore", "cache_key", "file_sha256", "MANIFEST"]
+__all__ = ["Artifact", "ArtifactStore", "cache_key", "file_sha256", "pid_alive", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = 1
@@ -158,13 +158,18 @@ def _owner_alive(tmp: Path) -> bool:
         pid = int(tmp.name[len(_TMP_PREFIX) :].split("-")[1])
     except (IndexError, ValueError):
         return False
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this id runs on this machine (ours included)."""
     if pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # exists, owned by another user
         return True
     return True
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import DecodeConfig, Decoder, Metrics
+from kibidango.speculative import Decoder, Metrics
 
 __all__ = ["BenchResult", "leviathan_speedup", "read_prompts", "run_bench"]
 
