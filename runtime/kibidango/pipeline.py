@@ -11,11 +11,9 @@ from typing import Any, Iterator
 from kibidango.backends import load_model
 from kibidango.backends.base import Model
 from kibidango.bundle import Bundle, load_bundle
-from kibidango.speculative import DecodeConfig, Decoder, Metrics
+from kibidango.speculative import TIERS, DecodeConfig, Decoder, Metrics
 
 __all__ = ["GenerationResult", "Pipeline"]
-
-_TIERS_FOR = {"ar": ("target",), "sd": ("draft", "target"), "pyramid": ("draft", "qualifier", "target")}
 
 
 @dataclass
@@ -46,11 +44,11 @@ class Pipeline:
         defaults.update(overrides)
         if mode is not None:
             defaults["mode"] = mode
+        if "stop_ids" in defaults:  # JSON gives a list
+            defaults["stop_ids"] = tuple(defaults["stop_ids"])
         cfg = DecodeConfig(**defaults)
-        if not cfg.stop_ids:
-            cfg = dataclasses.replace(cfg, stop_ids=tuple(bundle.defaults.get("stop_ids", ())))
         tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
-        models = {name: load_model(backend, bundle.tier(name, backend)) for name in _TIERS_FOR[cfg.mode]}
+        models = {name: load_model(backend, bundle.tier(name, backend)) for name in TIERS[cfg.mode]}
         return cls(tokenizer, models, cfg, bundle, backend)
 
     def encode(self, prompt: str) -> list[int]:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kibidango.backends.base import ContextLengthError
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import Metrics
+from kibidango.speculative import TIERS, Metrics
 
 __all__ = ["create_app", "serve"]
 
@@ -161,7 +161,7 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
             return error(400, f"max_tokens: {max_tokens} exceeds this server's limit of {max_tokens_limit}", "max_tokens")
         kw = {k: getattr(req, k) for k in ("temperature", "top_p", "seed", "mode", "variant", "k", "l_D", "l_Q", "tau_Q", "tau_T", "divergence")}
         kw["max_new_tokens"] = max_tokens
-        if kw["mode"] and kw["mode"] != pipe.defaults.mode and any(t not in pipe.models for t in _needs(kw["mode"])):
+        if kw["mode"] and any(t not in pipe.models for t in TIERS[kw["mode"]]):
             return error(400, f"mode: {kw['mode']} needs tiers this server did not load", "mode")
         try:
             pipe.config(**kw)
@@ -245,15 +245,12 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
     return app
 
 
-def _needs(mode: str) -> tuple[str, ...]:
-    return {"ar": ("target",), "sd": ("draft", "target"), "pyramid": ("draft", "qualifier", "target")}[mode]
-
-
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, backend: str = "torch", mode: str | None = None,
           max_prompt_tokens: int | None = None, max_tokens_limit: int = 1024, **overrides: Any) -> None:  # fmt: skip
     import uvicorn
 
-    # Load every tier the bundle has for pyramid, so a request may choose ar, sd or pyramid.
+    # Loads the tiers of the default mode; a request may choose any mode those tiers serve
+    # (a pyramid server also serves sd and ar).
     pipe = Pipeline.from_bundle(bundle, backend=backend, mode=mode, **overrides)
     name = pipe.bundle.meta.get("preset", "kibidango") if pipe.bundle else "kibidango"
     app = create_app(pipe, model_name=f"kibidango-{name}", max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit)

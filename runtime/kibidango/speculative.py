@@ -29,9 +29,11 @@ import numpy as np
 from kibidango.backends.base import ContextLengthError, Model, Session
 from kibidango.distributions import Sampler, verify
 
-__all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "VARIANTS"]
+__all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "TIERS", "VARIANTS"]
 
 MODES = ("ar", "sd", "pyramid")
+TIERS = {"ar": ("target",), "sd": ("draft", "target"), "pyramid": ("draft", "qualifier", "target")}
+"""The tiers each mode runs on."""
 VARIANTS = ("fuzzy", "assisted", "exact")
 
 
@@ -181,12 +183,9 @@ class Decoder:
     def __init__(self, models: dict[str, Model]):
         self.models = models
 
-    def _need(self, cfg: DecodeConfig) -> tuple[str, ...]:
-        return {"ar": ("target",), "sd": ("draft", "target"), "pyramid": ("draft", "qualifier", "target")}[cfg.mode]
-
     def generate(self, prompt_ids: list[int], cfg: DecodeConfig, metrics: Metrics | None = None) -> Iterator[list[int]]:
         """Yield the newly committed tokens of each round; fill ``metrics`` as it goes."""
-        tiers = self._need(cfg)
+        tiers = TIERS[cfg.mode]
         missing = [t for t in tiers if t not in self.models]
         if missing:
             raise ValueError(f"mode {cfg.mode} needs the {', '.join(missing)} tier(s), which are not loaded")
