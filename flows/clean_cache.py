@@ -19,7 +19,7 @@ def _size(path: Path) -> int:
 def clean_cache(store: ArtifactStore, dry_run: bool, stage: str | None = None, older_than_days: float | None = None) -> str:
     cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else None
     targets = [p for p in store.artifacts(stage) if cutoff is None or p.stat().st_mtime < cutoff]
-    targets += [p for p in store.leftovers() if stage is None or p.parent.name == stage]
+    targets += [p for p in store.leftovers(include_work=True) if stage is None or p.parent.name == stage]
     if not targets:
         return f"nothing to delete in {store.root}"
     verb = "would delete" if dry_run else "deleted"

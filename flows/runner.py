@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.tracking import TAG, Tracker
 from stages import load_stage
 from stages.contract import StageConfig, code_version, config_to_dict
+from stages.progress import metric_sink
 from stages.store import Artifact, ArtifactStore, cache_key
 
 __all__ = ["RunContext", "execute_stage", "stage_task"]
@@ -79,8 +81,13 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
     log.info(f"stage {stage_id} ({module.NAME}): running ({reason}), key {key}")
     run_id = tracker.start_run(run_name, {**tags, f"{TAG}cached": "no"}, params, ctx.parent_run_id)
     staging = store.new_staging_dir(stage_id, key)
+    resumable = getattr(module, "RESUMABLE", False)
     try:
-        result = module.run(cfg, {name: Path(a.path) for name, a in inputs.items()}, staging)
+        args = [cfg, {name: Path(a.path) for name, a in inputs.items()}, staging]
+        if resumable:  # checkpoints of an earlier, interrupted attempt of this very key
+            args.append(store.work_dir(stage_id, key))
+        with metric_sink(lambda metrics, step: tracker.log_metrics(run_id, metrics, step)):
+            result = module.run(*args)
         artifact = store.publish(
             stage_id,
             key,
@@ -99,6 +106,8 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
         store.discard(staging)
         tracker.end_run(run_id, ok=False)
         raise
+    if resumable:
+        shutil.rmtree(store.work_dir(stage_id, key), ignore_errors=True)
     tracker.set_tags(run_id, {f"{TAG}artifact": artifact.path, f"{TAG}digest": artifact.digest})
     tracker.log_metrics(run_id, result.metrics)
     tracker.log_files(run_id, Path(artifact.path), [*result.files_to_log, "manifest.json"])

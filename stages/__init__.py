@@ -10,6 +10,12 @@ __all__ = ["STAGES", "load_stage"]
 
 STAGES: dict[str, str] = {
     "0": "stages.s0_curate",
+    "P": "stages.sP_pretrain",
+    "1A": "stages.s1a_sft",
+    "1E": "stages.s1e_distill",
+    "3": "stages.s3_domain_lora",
+    "4": "stages.s3_domain_lora",
+    "5": "stages.s3_domain_lora",
 }
 
 

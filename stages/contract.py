@@ -9,7 +9,13 @@ A stage is a module that defines
   ``out_dir`` and never talks to Prefect or MLflow;
 - optionally ``external_inputs(cfg) -> dict[str, str]``: digests of files outside the artifact
   store that the stage reads (raw data sources), so that they enter the cache key;
-- optionally ``LIBRARIES``: distributions whose version changes the stage's output.
+- optionally ``LIBRARIES``: distributions whose version changes the stage's output;
+- optionally ``RESUMABLE = True``: ``run`` then takes a fourth argument, ``work_dir``, a
+  directory kept across failed attempts of the same cache key (training checkpoints) and removed
+  once the artifact is published. ``out_dir`` is still the only place outputs are published from.
+
+Long stages report progress through :mod:`stages.progress` (log lines, and live metrics that the
+runner sends to the stage's MLflow run).
 """
 
 from __future__ import annotations

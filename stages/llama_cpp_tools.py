@@ -22,10 +22,10 @@ from pathlib import Path
 
 from stages.contract import KibidangoError
 
-__all__ = ["LLAMA_CPP_PYTHON", "convert_hf_to_gguf", "converter_dir"]
+__all__ = ["LLAMA_CPP_PYTHON", "convert_hf_to_gguf", "convert_lora_to_gguf", "converter_dir"]
 
 LLAMA_CPP_PYTHON = "0.3.36"  # keep equal to the pin of runtime/pyproject.toml's llamacpp extra
-_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", "gguf-py")
 
 
 def converter_dir() -> Path:
@@ -36,7 +36,7 @@ def converter_dir() -> Path:
         return Path(override)
     home = Path(os.environ.get("KIBIDANGO_HOME", ".kibidango")).resolve()
     target = home / "tools" / f"llama.cpp-from-llama-cpp-python-{LLAMA_CPP_PYTHON}"
-    if (target / "convert_hf_to_gguf.py").is_file():
+    if all((target / part).exists() for part in _PARTS):
         return target
     with tempfile.TemporaryDirectory(dir=home if home.exists() else None) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
@@ -74,4 +74,20 @@ def convert_hf_to_gguf(hf_dir: str | Path, out: str | Path, outtype: str = "f16"
     if done.returncode != 0 or not out.is_file():
         tail = "\n".join(done.stderr.strip().splitlines()[-8:])
         raise KibidangoError(f"llama.cpp's converter failed on {hf_dir} (outtype {outtype}):\n{tail}")
+    return out
+
+
+def convert_lora_to_gguf(adapter_dir: str | Path, base_dir: str | Path, out: str | Path, outtype: str = "f32") -> Path:
+    """Convert a peft LoRA adapter to a GGUF LoRA for llama.cpp (``--lora`` / ``Llama(lora_path=...)``)
+    with llama.cpp's own ``convert_lora_to_gguf.py``; ``base_dir`` is the transformers base model."""
+    script = converter_dir() / "convert_lora_to_gguf.py"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, str(script), "--base", str(base_dir), "--outfile", str(out), "--outtype", outtype, str(adapter_dir)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0 or not out.is_file():
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise KibidangoError(f"llama.cpp's LoRA converter failed on {adapter_dir} (base {base_dir}):\n{tail}")
     return out

@@ -8,8 +8,38 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "metric_sink", "report_metrics"]
+
+MetricSink = Callable[[dict[str, float], int], None]
+_sink: ContextVar[MetricSink | None] = ContextVar("kibidango_metric_sink", default=None)
+
+
+@contextmanager
+def metric_sink(sink: MetricSink) -> Iterator[None]:
+    """Route :func:`report_metrics` calls made in this context (this thread) to ``sink``. The
+    runner installs one that logs to the stage's MLflow run, so a stage reports training curves
+    without importing MLflow."""
+    token = _sink.set(sink)
+    try:
+        yield
+    finally:
+        _sink.reset(token)
+
+
+def report_metrics(metrics: dict[str, float], step: int) -> None:
+    """Metrics of a step of long work (loss, learning rate): logged live where a sink listens,
+    dropped otherwise. A sink that fails never fails the stage."""
+    sink = _sink.get()
+    if sink is None:
+        return
+    try:
+        sink(metrics, step)
+    except Exception as e:  # noqa: BLE001 - tracking is best effort while training
+        logging.getLogger("kibidango.progress").warning(f"could not log live metrics: {e}")
 
 
 class Progress:

@@ -23,6 +23,7 @@ __all__ = ["Artifact", "ArtifactStore", "cache_key", "file_sha256", "pid_alive",
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = 1
 _TMP_PREFIX = ".tmp-"
+_WORK_PREFIX = ".work-"
 _TRASH_PREFIX = ".trash-"
 
 
@@ -97,6 +98,14 @@ class ArtifactStore:
         tmp.mkdir(parents=True)
         return tmp
 
+    def work_dir(self, stage_id: str, key: str) -> Path:
+        """A directory that survives a failed or killed attempt of ``key`` (training
+        checkpoints), so the next attempt can resume; the runner removes it once the artifact is
+        published. Never read as an artifact."""
+        path = self._stage_dir(stage_id) / f"{_WORK_PREFIX}{key}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def publish(self, stage_id: str, key: str, staging: Path, manifest_fields: dict) -> Artifact:
         """Hash every file in ``staging``, write the manifest, fsync, and rename it into place.
         A previously published artifact with the same key (a forced rerun) is replaced."""
@@ -139,11 +148,14 @@ class ArtifactStore:
                     if p.is_dir() and not p.name.startswith("."):
                         yield p
 
-    def leftovers(self) -> Iterator[Path]:
-        """Staging directories of dead processes and replaced artifacts."""
+    def leftovers(self, include_work: bool = False) -> Iterator[Path]:
+        """Staging directories of dead processes and replaced artifacts (and, with
+        ``include_work``, checkpoints kept for resuming interrupted training)."""
         for stage_dir in sorted(self.root.glob("*")):
             for p in sorted(stage_dir.glob(".*")):
                 if p.name.startswith(_TRASH_PREFIX) or (p.name.startswith(_TMP_PREFIX) and not _owner_alive(p)):
+                    yield p
+                elif include_work and p.name.startswith(_WORK_PREFIX):
                     yield p
 
     def _sweep(self, stage_id: str) -> None:

@@ -1,0 +1,151 @@
+"""Language-model measurements the training stages log: parameters, loss/perplexity on the
+response tokens of held-out rows, and how well a smaller tier predicts a larger one.
+
+Agreement figures are measured on the *target's own greedy path* from held-out prompts (what the
+target would emit, so what a draft must guess):
+
+- ``agreement``: share of positions where the student's argmax equals the target's;
+- ``expected_acceptance``: mean over positions of sum_x min(p_T(x), p_S(x)) at temperature 1,
+  the per-token acceptance probability of speculative sampling (Leviathan et al. 2023, alpha);
+- ``sd_acceptance`` / ``pyramid_*``: the real acceptance rates of the runtime's ``sd`` and
+  ``pyramid`` decoders (greedy) on the same prompts — counts from :mod:`kibidango`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stages.training.chat import encode, messages
+
+__all__ = ["Prompt", "load_causal_lm", "parameters", "response_loss", "held_out_prompts", "target_paths",
+           "agreement", "runtime_acceptance"]  # fmt: skip
+
+
+def load_causal_lm(path: Path | str, adapter: Path | str | None = None):
+    """A transformers model in float32, eval mode; a peft adapter directory (``path`` itself, or
+    ``adapter`` on top of ``path``) is loaded onto its base and merged."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if adapter is None and (Path(path) / "adapter_config.json").is_file():
+        path, adapter = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"], path
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    return model.eval()
+
+
+def parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def response_loss(model, tokenizer, rows: list[dict], max_len: int, batch: int = 16) -> dict[str, float]:
+    """Mean cross-entropy per response token (the tokens after the prompt; every token after BOS
+    for plain text) over ``rows``, and its perplexity."""
+    encoded = [encode(tokenizer, messages(r), max_len) for r in rows]
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for i in range(0, len(encoded), batch):
+            chunk = [(ids, start) for ids, start in encoded[i : i + batch] if len(ids) > start]
+            if not chunk:
+                continue
+            width = max(len(ids) for ids, _ in chunk)
+            x = torch.zeros(len(chunk), width, dtype=torch.long)
+            labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for j, (ids, start) in enumerate(chunk):
+                x[j, : len(ids)] = torch.tensor(ids)
+                mask[j, : len(ids)] = 1
+                labels[j, start : len(ids)] = torch.tensor(ids[start:])
+            logits = model(input_ids=x, attention_mask=mask).logits[:, :-1]
+            target = labels[:, 1:]
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                    ignore_index=-100, reduction="sum")  # fmt: skip
+            total += nll.item()
+            count += int((target != -100).sum())
+    loss = total / max(count, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": float(count)}
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+
+
+def held_out_prompts(tokenizer, rows: list[dict], story_prefix_tokens: int = 8, max_len: int = 192) -> list[Prompt]:
+    """One prompt per held-out row: the rendered instruction (up to "### Response:") for
+    instruction rows, BOS + the first ``story_prefix_tokens`` tokens for plain text."""
+    out = []
+    for r in rows:
+        ids, start = encode(tokenizer, messages(r), max_len)
+        cut = start if len(messages(r)) > 1 else 1 + story_prefix_tokens
+        if 1 < cut < len(ids):
+            out.append(Prompt(ids[:cut]))
+    return out
+
+
+def target_paths(target, prompts: list[Prompt], new_tokens: int) -> list[tuple[list[int], int]]:
+    """(prompt + the target's greedy continuation, prompt length) per prompt."""
+    paths = []
+    with torch.inference_mode():
+        for p in prompts:
+            x = torch.tensor([p.ids])
+            out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)  # fmt: skip
+            paths.append((out[0].tolist(), len(p.ids)))
+    return paths
+
+
+def agreement(target, student, paths: list[tuple[list[int], int]]) -> dict[str, float]:
+    """Greedy agreement and expected acceptance of ``student`` against ``target`` at every
+    position of the target's greedy paths."""
+    agree, accept, n = 0.0, 0.0, 0
+    with torch.inference_mode():
+        for ids, start in paths:
+            x = torch.tensor([ids])
+            lt = target(input_ids=x).logits[0, start - 1 : -1]
+            ls = student(input_ids=x).logits[0, start - 1 : -1]
+            pt, ps = lt.softmax(-1), ls.softmax(-1)
+            agree += float((lt.argmax(-1) == ls.argmax(-1)).sum())
+            accept += float(torch.minimum(pt, ps).sum(-1).sum())
+            n += lt.shape[0]
+    return {"agreement": agree / max(n, 1), "expected_acceptance": accept / max(n, 1), "positions": float(n)}
+
+
+def runtime_acceptance(models: dict, prompts: list[Prompt], new_tokens: int, *, k: int = 4, l_D: int = 3,
+                       l_Q: int = 6, tau_Q: float = 0.3, tau_T: float = 0.2) -> dict[str, float]:  # fmt: skip
+    """Acceptance counts of the runtime's own decoders (greedy) over ``prompts``: ``sd`` with
+    draft -> target, and ``pyramid`` (fuzzy) with draft -> qualifier -> target. ``models`` maps
+    tier names to in-memory transformers models."""
+    from kibidango.backends.torch_backend import TorchModel
+    from kibidango.speculative import DecodeConfig, Decoder, Metrics
+
+    tiers = {name: TorchModel.from_hf(m, name) for name, m in models.items()}
+    decoder = Decoder(tiers)
+    out: dict[str, float] = {}
+    for mode in ("sd", "pyramid"):
+        total = Metrics(mode)
+        cfg = DecodeConfig(mode=mode, variant="fuzzy", k=k, l_D=l_D, l_Q=l_Q, tau_Q=tau_Q, tau_T=tau_T,
+                           max_new_tokens=new_tokens, temperature=0.0)  # fmt: skip
+        for p in prompts:
+            m = Metrics(mode)
+            for _ in decoder.generate(p.ids, cfg, m):
+                pass
+            total.add(m)
+        if mode == "sd":
+            out["sd_acceptance_rate"] = total.acceptance_rate("draft") or 0.0
+            out["sd_mean_acceptance_length"] = total.mean_acceptance_length
+        else:
+            out["pyramid_draft_acceptance_rate"] = total.acceptance_rate("draft") or 0.0
+            out["pyramid_qualifier_acceptance_rate"] = total.acceptance_rate("qualifier") or 0.0
+            out["pyramid_target_forwards_per_token"] = total.target_forwards_per_token
+    return out

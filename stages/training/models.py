@@ -1,0 +1,68 @@
+"""Model files the training stages share: where a stage's base model comes from, fresh Llama
+initialisations, the family's tokenizer files, LoRA merging."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from stages.contract import KibidangoError
+
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "init_llama", "merge_lora", "resolve_base"]
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
+
+
+def resolve_base(base_model: str | None, upstream: Path | None, tier: str, stage: str) -> str:
+    """``base_model`` (a hub id or a directory) if given, else ``<upstream artifact>/<tier>``."""
+    if base_model:
+        if (base_model.startswith((".", "/")) or Path(base_model).exists()) and not (Path(base_model) / "config.json").is_file():
+            raise KibidangoError(f"stage {stage}: base_model {base_model!r} is not a transformers model directory (no config.json)")
+        return base_model
+    if upstream is None:
+        raise KibidangoError(f"stage {stage}: set 'base_model' or give the stage an upstream model input (needs: {{family: P}})")
+    path = upstream / tier
+    if not (path / "config.json").is_file():
+        known = sorted(p.name for p in upstream.iterdir() if (p / "config.json").is_file())
+        raise KibidangoError(f"stage {stage}: upstream artifact {upstream} has no tier {tier!r} (has: {', '.join(known) or 'none'})")
+    return str(path)
+
+
+def copy_tokenizer(src: Path | str, dest: Path) -> None:
+    """The family's tokenizer files, byte for byte where ``src`` is a directory (the runtime checks
+    that the tiers share them); saved by transformers for a hub id."""
+    dest.mkdir(parents=True, exist_ok=True)
+    src_path = Path(src)
+    if src_path.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src_path / name).is_file():
+                shutil.copy2(src_path / name, dest / name)
+        return
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dest))
+
+
+def init_llama(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, seed: int) -> Path:
+    """A randomly initialised Llama (``arch``: LlamaConfig fields) saved with the family's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5, **arch)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(str(out))
+    copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def merge_lora(base: str, adapter_dir: Path, out: Path) -> Path:
+    """Base weights + LoRA merged into plain weights (peft ``merge_and_unload``)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out))
+    return out
