@@ -22,7 +22,9 @@ export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
 .PHONY: setup demo test test-slow dry-run schedule mlflow-ui compare clean-cache bench-dedup eval-dedup bench-runtime
 
-setup: $(VENV)/.installed
+AXO_VENV    ?= .venv-axolotl
+
+setup: $(VENV)/.installed $(AXO_VENV)/.installed
 
 # torch first, pinned: a plain `torch` requirement (from any dependency) resolves to a multi-GB
 # CUDA build; with 2.13.0 (CPU) already installed, nothing else replaces it.
@@ -33,6 +35,18 @@ $(VENV)/.installed: pyproject.toml runtime/pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q -e "./runtime[server,llamacpp,dev]"   # llama-cpp-python builds from source (~9 min, then cached)
+	touch $@
+
+# axolotl, the training engine, in its own venv: its wheel pins datasets 4.8.4, zstandard 0.22,
+# transformers 5.16.1 and peft 0.20, which the pipeline cannot share (README "Training").
+# protobuf 7 after it: with the protobuf 6 it resolves, the sentencepiece tokenizer fails to load
+# ("incompatible Protobuf Gencode/Runtime versions"); pip then warns that modal (unused) wants <7.
+$(AXO_VENV)/.installed:
+	$(PYTHON_BOOT) -m venv $(AXO_VENV)
+	$(AXO_VENV)/bin/pip install -q --upgrade pip
+	$(AXO_VENV)/bin/pip install -q torch==2.13.0
+	$(AXO_VENV)/bin/pip install -q axolotl==0.19.0
+	$(AXO_VENV)/bin/pip install -q "protobuf>=7,<8"
 	touch $@
 
 demo: setup

@@ -36,12 +36,13 @@ def load_causal_lm(path: Path | str, adapter: Path | str | None = None):
     hf_logging.disable_progress_bar()
     if adapter is None and (Path(path) / "adapter_config.json").is_file():
         path, adapter = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"], path
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    cuda = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16 if cuda else torch.float32)
     if adapter is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    return model.eval()
+    return model.to("cuda" if cuda else "cpu").eval()
 
 
 def parameters(model) -> int:
@@ -66,7 +67,7 @@ def response_loss(model, tokenizer, rows: list[dict], max_len: int, batch: int =
                 x[j, : len(ids)] = torch.tensor(ids)
                 mask[j, : len(ids)] = 1
                 labels[j, start : len(ids)] = torch.tensor(ids[start:])
-            logits = model(input_ids=x, attention_mask=mask).logits[:, :-1]
+            logits = model(input_ids=x.to(model.device), attention_mask=mask.to(model.device)).logits[:, :-1].float().cpu()
             target = labels[:, 1:]
             nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                                     ignore_index=-100, reduction="sum")  # fmt: skip
@@ -98,7 +99,7 @@ def target_paths(target, prompts: list[Prompt], new_tokens: int) -> list[tuple[l
     paths = []
     with torch.inference_mode():
         for p in prompts:
-            x = torch.tensor([p.ids])
+            x = torch.tensor([p.ids], device=target.device)
             out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
                                   pad_token_id=0, eos_token_id=None)  # fmt: skip
             paths.append((out[0].tolist(), len(p.ids)))
@@ -111,9 +112,8 @@ def agreement(target, student, paths: list[tuple[list[int], int]]) -> dict[str, 
     agree, accept, n = 0.0, 0.0, 0
     with torch.inference_mode():
         for ids, start in paths:
-            x = torch.tensor([ids])
-            lt = target(input_ids=x).logits[0, start - 1 : -1]
-            ls = student(input_ids=x).logits[0, start - 1 : -1]
+            lt = target(input_ids=torch.tensor([ids], device=target.device)).logits[0, start - 1 : -1].float().cpu()
+            ls = student(input_ids=torch.tensor([ids], device=student.device)).logits[0, start - 1 : -1].float().cpu()
             pt, ps = lt.softmax(-1), ls.softmax(-1)
             agree += float((lt.argmax(-1) == ls.argmax(-1)).sum())
             accept += float(torch.minimum(pt, ps).sum(-1).sum())

@@ -13,10 +13,21 @@ from stages.store import Artifact
 __all__ = ["describe_plan"]
 
 
+def _cuda(accelerator: str) -> bool:
+    if accelerator != "auto":
+        return accelerator == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
     """The stages in run order with their inputs, cache keys (where every input is known without
-    running anything) and whether each would be a cache hit, and each validated config."""
+    running anything) and whether each would be a cache hit, each validated config, and the
+    axolotl YAML of every training run (for the preset's accelerator; paths known only at run
+    time appear as <placeholders>)."""
     lines = [f"preset {plan.name} ({plan.path})  experiment '{plan.experiment}'", ""]
+    cuda = _cuda(plan.spec.accelerator)
     known: dict[str, Artifact | None] = {}
     for sid in plan.order():
         module = load_stage(sid)
@@ -37,5 +48,10 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
         for name, up in needs.items():
             lines.append(f"  needs {name} <- stage {up}")
         body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip()
-        lines += ["  config:", *("    " + line for line in body.splitlines()), ""]
+        lines += ["  config:", *("    " + line for line in body.splitlines())]
+        if hasattr(module, "axolotl_configs"):
+            for run, spec in module.axolotl_configs(cfg, cuda).items():
+                text = yaml.safe_dump(spec, sort_keys=False).rstrip()
+                lines += [f"  axolotl run '{run}' ({'GPU' if cuda else 'CPU'}):", *("    " + line for line in text.splitlines())]
+        lines.append("")
     return "\n".join(lines)

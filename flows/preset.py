@@ -13,7 +13,7 @@ each stage's config (inline, or a recipe file merged under the inline keys).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -41,6 +41,9 @@ class PresetFile(BaseModel):
     name: str
     description: str = ""
     experiment: str = Field(description="MLflow experiment that records this preset's runs.")
+    accelerator: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Hardware the preset is meant for; dry runs render training configs for it (auto: this machine's)."
+    )
     stages: dict[str, StagePlan]
 
 

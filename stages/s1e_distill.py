@@ -102,7 +102,7 @@ def teacher_logprobs(teacher, examples: list[tuple[list[dict], list[int]]], top_
     progress = Progress("1E teacher top-k log-probabilities", len(examples), log)
     with out.open("w", encoding="utf-8") as f, torch.inference_mode():
         for i, (turns, ids) in enumerate(examples):
-            logp = torch.log_softmax(teacher(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+            logp = torch.log_softmax(teacher(input_ids=torch.tensor([ids], device=teacher.device)).logits[0].float().cpu(), dim=-1)
             top = logp.topk(top_k, dim=-1)
             record = {"messages": turns, "target_token_ids": top.indices.tolist(),
                       "logprobs": [[round(v, 5) for v in pos] for pos in top.values.tolist()]}  # fmt: skip

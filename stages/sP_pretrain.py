@@ -80,6 +80,17 @@ def external_inputs(cfg: Config) -> dict[str, str]:
     return digests
 
 
+def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
+    return {name: axolotl.render(plan.train, f"<work>/{name}/init", [_dataset("<work>/data/train.jsonl")], f"<work>/{name}",
+                                 tokenizer_type="LlamaTokenizer", cuda=cuda)
+            for name, plan in cfg.tiers.items()}  # fmt: skip
+
+
+def _dataset(path: str) -> dict:
+    return {"path": path, "ds_type": "json", "type": "chat_template", "field_messages": "messages",
+            "roles_to_train": ["user", "assistant"], "train_on_eos": "all"}  # fmt: skip
+
+
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
@@ -90,8 +101,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     data_file = work_dir / "data" / "train.jsonl"
     n = write_jsonl(data_file, ({"messages": messages(r)} for r in train_rows))
     log.info(f"pretraining data: {n:,} rows of stage 0's train split ({data_file})")
-    dataset = {"path": str(data_file), "ds_type": "json", "type": "chat_template", "field_messages": "messages",
-               "roles_to_train": ["user", "assistant"], "train_on_eos": "all"}  # fmt: skip
+    dataset = _dataset(str(data_file))
 
     family: dict[str, Path] = {}
     if cfg.draft:

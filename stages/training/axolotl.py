@@ -14,6 +14,7 @@ those switches.
 from __future__ import annotations
 
 import ast
+import ctypes
 import hashlib
 import json
 import logging
@@ -65,7 +66,8 @@ def axolotl_python() -> Path:
 def hardware_switches(cuda: bool | None = None, adapter: str = "full") -> dict[str, Any]:
     """The keys that depend on the hardware. On CPU: no bf16/fp16/tf32 (CPU autocast in bf16 is
     slow and lossy for tiny models), no LoRA Triton kernels, no flash attention or sample
-    packing (both need CUDA kernels)."""
+    packing (both need CUDA kernels), and no data-loader worker processes (on 2 cores they only
+    compete with training, and a worker orphaned by a killed flow would linger)."""
     if cuda is None:
         import torch
 
@@ -75,7 +77,8 @@ def hardware_switches(cuda: bool | None = None, adapter: str = "full") -> dict[s
         if adapter == "lora":
             switches |= {"lora_mlp_kernel": True, "lora_qkv_kernel": True, "lora_o_kernel": True}
         return switches
-    switches = {"bf16": False, "fp16": False, "tf32": False, "flash_attention": False, "sample_packing": False}
+    switches = {"bf16": False, "fp16": False, "tf32": False, "flash_attention": False, "sample_packing": False,
+                "dataloader_num_workers": 0, "dataloader_pin_memory": False}  # fmt: skip
     if adapter == "lora":
         switches |= {"lora_mlp_kernel": False, "lora_qkv_kernel": False, "lora_o_kernel": False}
     return switches
@@ -187,7 +190,7 @@ def _run(python: Path, command: str, cfg_path: Path, env: dict[str, str], log_pa
     first_step: tuple[int, float] | None = None
     proc = subprocess.Popen(
         [str(python), "-m", f"axolotl.cli.{command}", str(cfg_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_detach_but_die_with_parent,
     )  # fmt: skip
     try:
         with log_path.open("a", encoding="utf-8") as logf:
@@ -225,6 +228,17 @@ def _run(python: Path, command: str, cfg_path: Path, env: dict[str, str], log_pa
         )
     log.info(f"{label}: axolotl {command} done in {time.monotonic() - started:.0f}s")
     return last
+
+
+def _detach_but_die_with_parent() -> None:
+    """In the child before exec: its own session (so :func:`_kill` can stop its whole group), and
+    SIGKILL when the flow that started it dies (Linux ``PR_SET_PDEATHSIG``), so a flow killed with
+    ``kill -9`` leaves no orphan training into the work dir that the rerun resumes from."""
+    os.setsid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -1,0 +1,97 @@
+"""Domain adapters (stages 3-5), loaded lazily: nothing is read until a request asks for a
+domain, and then only that domain's files, after checking their sha256 against the manifest.
+
+An adapter directory holds ``adapter.json`` (written by the pipeline)::
+
+    {"schema": 1, "domain": "code", "base_tier": "target",
+     "formats": {"peft": [{"path": "adapter/adapter_config.json", "size": ..., "sha256": ...}, ...],
+                 "gguf": [{"path": "adapter.gguf", ...}]}, "metrics": {...}}
+
+``peft`` adapters apply to a torch model (needs the ``peft`` package); ``gguf`` adapters are
+passed to llama.cpp (``Llama(lora_path=...)``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kibidango.bundle import BundleError, _sha256
+
+__all__ = ["Adapter", "AdapterSet"]
+
+
+@dataclass
+class Adapter:
+    root: Path
+    domain: str
+    base_tier: str
+    formats: dict[str, list[dict[str, Any]]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, root: str | Path) -> "Adapter":
+        root = Path(root)
+        try:
+            spec = json.loads((root / "adapter.json").read_text())
+        except FileNotFoundError as e:
+            raise BundleError(f"{root}: no adapter.json") from e
+        except json.JSONDecodeError as e:
+            raise BundleError(f"{root / 'adapter.json'}: not valid JSON: {e}") from e
+        return cls(root, spec["domain"], spec.get("base_tier", "target"), spec["formats"], spec.get("metrics", {}))
+
+    def files(self, fmt: str) -> list[Path]:
+        """The adapter's files in ``fmt`` ('peft' or 'gguf'), each checked against its sha256."""
+        if fmt not in self.formats:
+            raise BundleError(f"adapter {self.domain!r} ({self.root}) has no {fmt} files; it has {', '.join(self.formats)}")
+        out = []
+        for entry in self.formats[fmt]:
+            path = self.root / entry["path"]
+            if not path.is_file():
+                raise BundleError(f"adapter {self.domain!r}: file {entry['path']} is missing")
+            if path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
+                raise BundleError(f"adapter {self.domain!r}: file {entry['path']} does not match its sha256 (tampered or corrupted)")
+            out.append(path)
+        return out
+
+    def apply_peft(self, model):
+        """``model`` (a transformers model of the base tier) with this adapter merged in."""
+        try:
+            from peft import PeftModel
+        except ImportError as e:
+            raise BundleError("peft adapters need the `peft` package (pip install peft)") from e
+        config = next(p for p in self.files("peft") if p.name == "adapter_config.json")
+        return PeftModel.from_pretrained(model, str(config.parent)).merge_and_unload()
+
+    def gguf_path(self) -> Path:
+        return self.files("gguf")[0]
+
+
+class AdapterSet:
+    """Every adapter under a directory (``<dir>/<name>/adapter.json``), read on first use."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._index: dict[str, Path] | None = None
+        self._loaded: dict[str, Adapter] = {}
+
+    @property
+    def domains(self) -> list[str]:
+        return sorted(self._scan())
+
+    def _scan(self) -> dict[str, Path]:
+        if self._index is None:
+            self._index = {}
+            for manifest in sorted(self.root.glob("*/adapter.json")):
+                self._index[json.loads(manifest.read_text())["domain"]] = manifest.parent
+        return self._index
+
+    def get(self, domain: str) -> Adapter:
+        if domain not in self._loaded:
+            index = self._scan()
+            if domain not in index:
+                raise BundleError(f"no adapter for domain {domain!r} under {self.root}; have: {', '.join(sorted(index)) or 'none'}")
+            self._loaded[domain] = Adapter.from_dir(index[domain])
+        return self._loaded[domain]

@@ -1,0 +1,144 @@
+"""Training plumbing without running axolotl: rendered configs and hardware switches, progress
+parsing, live metrics reaching MLflow, the KD alignment check, and the LM measurements."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlflow
+import pytest
+import torch
+import yaml
+
+from flows.plan import describe_plan
+from flows.preset import load_preset
+from flows.runner import RunContext, execute_stage
+from stages.contract import KibidangoError
+from stages.progress import report_metrics
+from stages.s1e_distill import check_alignment
+from stages.training import axolotl
+from stages.training.chat import TEMPLATE, messages
+from stages.training.recipe import TrainRecipe
+
+LORA = TrainRecipe(max_steps=10, adapter="lora", axolotl={"flash_attention": True, "sample_packing": True})
+
+
+def test_cpu_switches_override_the_recipe_and_gpu_keeps_it():
+    cpu = axolotl.render(LORA, "base", [{"path": "d.jsonl"}], "/w", cuda=False)
+    assert cpu["bf16"] is False and cpu["fp16"] is False and cpu["tf32"] is False
+    assert cpu["flash_attention"] is False and cpu["sample_packing"] is False
+    assert cpu["lora_mlp_kernel"] is cpu["lora_qkv_kernel"] is cpu["lora_o_kernel"] is False
+    gpu = axolotl.render(LORA, "base", [{"path": "d.jsonl"}], "/w", cuda=True)
+    assert gpu["bf16"] == "auto" and gpu["flash_attention"] is True and gpu["sample_packing"] is True
+    assert gpu["lora_mlp_kernel"] is True
+    # Everything but the hardware switches is the same YAML on both.
+    hw = set(axolotl.hardware_switches(False, "lora")) | set(axolotl.hardware_switches(True, "lora"))
+    assert {k: v for k, v in cpu.items() if k not in hw} == {k: v for k, v in gpu.items() if k not in hw}
+    assert cpu["chat_template_jinja"] == TEMPLATE and cpu["auto_resume_from_checkpoints"] is True
+    assert cpu["output_dir"] == "/w/out" and cpu["adapter"] == "lora" and cpu["lora_target_linear"] is True
+
+
+def test_gpu_preset_dry_run_shows_the_axolotl_yamls():
+    text = describe_plan(load_preset("llama31-8b"))
+    for run in ("sft", "draft", "qualifier", "lora-code", "lora-math", "lora-general"):
+        assert f"axolotl run '{run}' (GPU):" in text
+    assert "base_model: meta-llama/Llama-3.1-8B-Instruct" in text
+    assert "base_model: meta-llama/Llama-3.2-1B-Instruct" in text
+    assert "type: axolotl.integrations.kd.chat_template" in text and "kd_trainer: true" in text
+    assert "bf16: auto" in text and "bf16: false" not in text
+
+
+def test_missing_axolotl_names_the_remedy(monkeypatch, tmp_path):
+    monkeypatch.setenv("KIBIDANGO_AXOLOTL_PYTHON", str(tmp_path / "nope" / "python"))
+    with pytest.raises(KibidangoError, match="axolotl is not installed.*make setup"):
+        axolotl.train({"max_steps": 1}, tmp_path / "run", "x")
+
+
+def test_trainer_log_lines_are_parsed_and_named_for_mlflow():
+    line = "{'loss': '5.713', 'grad_norm': '1.284', 'memory/max_active (GiB)': '0', 'epoch': '0.01'}"
+    assert axolotl._parse_logs(line) == {"loss": 5.713, "grad_norm": 1.284, "memory/max_active (GiB)": 0.0, "epoch": 0.01}
+    assert axolotl._parse_logs("no dict here") is None
+    assert axolotl._metric_name("P/target/memory/max_active (GiB)") == "P/target/memory/max_active_GiB"
+
+
+def test_a_stage_reports_live_metrics_into_its_mlflow_run(workspace, monkeypatch):
+    import stages
+    import stages.s0_curate as s0
+
+    def fake_run(cfg, inputs, out_dir):
+        for step in (10, 20):
+            report_metrics({"fake/loss": 1.0 / step}, step)
+        (out_dir / "x.txt").write_text("x")
+        return s0.StageResult({"done": 1.0})
+
+    monkeypatch.setattr(s0, "run", fake_run)
+    cfg = load_preset("tiny").configs["0"]
+    execute_stage("0", cfg, {}, RunContext("t", "kibidango-livetest", str(workspace / "store")))
+    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
+    run = mlflow.search_runs(experiment_names=["kibidango-livetest"], output_format="list")[0]
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "fake/loss")
+    assert [(m.step, m.value) for m in history] == [(10, 0.1), (20, 0.05)]
+    assert stages.STAGES["0"] == "stages.s0_curate"
+
+
+def test_kd_alignment_check_catches_shifted_teacher_positions(tmp_path):
+    from datasets import Dataset
+
+    rows = {"input_ids": [[1, 5, 6], [1, 7]], "target_logprobs": [[[0.0]] * 3, [[0.0]] * 2],
+            "target_token_ids": [[[5]] * 3, [[7]] * 2]}  # fmt: skip
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ok" / "h"))
+    check_alignment(tmp_path / "ok", [[1, 7], [1, 5, 6]], "t")  # order does not matter
+    with pytest.raises(KibidangoError, match="tokenized 1 of 2 distillation rows differently"):
+        check_alignment(tmp_path / "ok", [[1, 7], [1, 5, 9]], "t")
+    longer = dict(rows, target_logprobs=[[[0.0]] * 5, [[0.0]] * 2])
+    Dataset.from_dict(longer).save_to_disk(str(tmp_path / "bad" / "h"))
+    with pytest.raises(KibidangoError, match="prepared row 0 has 3 tokens but 5 teacher positions"):
+        check_alignment(tmp_path / "bad", [[1, 5, 6], [1, 7]], "t")
+
+
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                      intermediate_size=64, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_agreement_and_expected_acceptance(tmp_path):
+    from eval import lm
+
+    a, b = _tiny_llama(0), _tiny_llama(1)
+    paths = lm.target_paths(a, [lm.Prompt([1, 10, 20]), lm.Prompt([1, 30])], new_tokens=6)
+    assert [len(ids) - start for ids, start in paths] == [6, 6]
+    same = lm.agreement(a, a, paths)
+    assert same["agreement"] == 1.0 and math.isclose(same["expected_acceptance"], 1.0, rel_tol=1e-5)
+    other = lm.agreement(a, b, paths)
+    assert 0.0 <= other["expected_acceptance"] < 1.0 and other["positions"] == 12
+    runtime = lm.runtime_acceptance({"draft": a, "qualifier": a, "target": a}, [lm.Prompt([1, 10, 20])], 8)
+    assert runtime["sd_acceptance_rate"] == 1.0 and runtime["pyramid_qualifier_acceptance_rate"] == 1.0
+
+
+def test_chat_messages_and_response_loss():
+    pytest.importorskip("sentencepiece")
+    from eval.shared_data import SHARED
+
+    tok_dir = SHARED / "models" / "stories260K" / "hf"
+    if not tok_dir.is_dir():
+        pytest.skip(f"needs {tok_dir} (../shared)")
+    from transformers import AutoTokenizer
+
+    from eval import lm
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    story = {"instruction": "", "input": "", "output": "Once upon a time there was a cat."}
+    task = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
+    assert messages(story) == [{"role": "assistant", "content": story["output"]}]
+    assert messages(task)[0] == {"role": "user", "content": "Add the numbers.\n\n2 and 3"}
+    text = tok.apply_chat_template(messages(task), chat_template=TEMPLATE, tokenize=False)
+    assert text == "<s>### Instruction:\nAdd the numbers.\n\n2 and 3\n\n### Response:\n5</s>"
+    res = lm.response_loss(_tiny_llama(0), tok, [story, task], 64)
+    assert res["tokens"] > 5 and math.isclose(res["perplexity"], math.exp(res["loss"]))
+    assert json.dumps(res)
+    assert yaml.safe_load(yaml.safe_dump({"t": TEMPLATE}))["t"] == TEMPLATE
