@@ -33,7 +33,7 @@ from stages.contract import KibidangoError, StageConfig, StageResult
 from stages.progress import Progress
 from stages.training import axolotl
 from stages.training.chat import encode, load_split, messages
-from stages.training.models import copy_tokenizer, resolve_base
+from stages.training.models import copy_tokenizer, resolve_base, right_padded_tokenizer
 from stages.training.recipe import TrainRecipe
 
 STAGE_ID = "1E"
@@ -76,7 +76,7 @@ def _dataset(path: str) -> dict:
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     return {name: axolotl.render(s.train, s.init or f"<stage P artifact>/{name}", [_dataset("<artifact>/teacher/logprobs.jsonl")],
-                                 f"<work>/{name}", extra=cfg.kd_keys(), cuda=cuda)
+                                 f"<work>/{name}", extra={**cfg.kd_keys(), "tokenizer_config": f"<work>/{name}/tokenizer"}, cuda=cuda)
             for name, s in cfg.students.items()}  # fmt: skip
 
 
@@ -185,8 +185,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     after_tiers = {cfg.teacher_tier: teacher}
     for name, student in cfg.students.items():
         run_dir = work_dir / name
-        spec = axolotl.render(student.train, inits[name], [_dataset(str(logprobs_file))], str(run_dir), extra=cfg.kd_keys(),
-                              tokenizer_type="LlamaTokenizer" if (Path(inits[name]) / "tokenizer.model").is_file() else None)  # fmt: skip
+        tok_dir = right_padded_tokenizer(inits[name], run_dir / "tokenizer")
+        if AutoTokenizer.from_pretrained(str(tok_dir)).padding_side != "right":
+            raise KibidangoError(f"stage 1E: could not make {tok_dir} pad on the right (axolotl's KD collator needs it)")
+        spec = axolotl.render(student.train, inits[name], [_dataset(str(logprobs_file))], str(run_dir),
+                              extra={**cfg.kd_keys(), "tokenizer_config": str(tok_dir)},
+                              tokenizer_type="LlamaTokenizer" if (tok_dir / "tokenizer.model").is_file() else None)  # fmt: skip
         (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         axolotl.train(spec, run_dir, f"1E/{name}", preprocess_only=True)
         check_alignment(run_dir / "prepared", scored, f"1E/{name}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from stages.contract import KibidangoError
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "init_llama", "merge_lora", "resolve_base"]
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "init_llama", "merge_lora", "resolve_base", "right_padded_tokenizer"]
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
 
@@ -41,6 +41,31 @@ def copy_tokenizer(src: Path | str, dest: Path) -> None:
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dest))
+
+
+def right_padded_tokenizer(src: Path | str, dest: Path) -> Path:
+    """The family's tokenizer with ``padding_side: right``, for axolotl's ``tokenizer_config``.
+
+    axolotl 0.19's KD collator pads ``input_ids`` and ``labels`` on the tokenizer's padding side
+    but the teacher's top-k arrays always on the right. Llama tokenizers default to the left, so
+    in every batch each shorter row's tokens were paired with another position's teacher
+    distribution — training ran, the loss fell, and the students got worse. Same files otherwise
+    (the token ids are unchanged; stage 1E checks them against the teacher's)."""
+    import json
+
+    dest.mkdir(parents=True, exist_ok=True)
+    src_path = Path(src)
+    if src_path.is_dir():
+        copy_tokenizer(src_path, dest)
+        config_path = dest / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config["padding_side"] = "right"
+        config_path.write_text(json.dumps(config, indent=2))
+    else:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(src), padding_side="right").save_pretrained(str(dest))
+    return dest
 
 
 def init_llama(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, seed: int) -> Path:
