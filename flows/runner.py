@@ -75,6 +75,8 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
         tracker.log_metrics(run_id, manifest.get("metrics", {}))
         tracker.end_run(run_id, ok=True)
         log.info(f"stage {stage_id} ({module.NAME}): cache hit {key} -> {cached.path}")
+        if manifest.get("summary"):
+            log.info(manifest["summary"])
         return cached
 
     reason = "forced" if cached is not None else "no cached artifact"
@@ -100,6 +102,7 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
                 "external_inputs": {k: v for k, v in digests.items() if k not in inputs},
                 "mlflow_run_id": run_id,
                 "metrics": result.metrics,
+                "summary": result.summary,
             },
         )
     except BaseException:

@@ -57,6 +57,10 @@ class Config(StageConfig):
     kd_alpha: float = Field(0.9, ge=0, description="Weight of the KD (forward KL on the teacher's top-k) loss.")
     kd_ce_alpha: float = Field(0.1, ge=0, description="Weight of the plain cross-entropy on the data.")
     kd_temperature: float = Field(1.0, gt=0)
+    kd_normalize_topk: bool = Field(
+        True, description="Compare the student's distribution renormalised over the teacher's top-k (axolotl kd_normalize_topk). "
+        "Without it the student is pushed to put all its mass on the top-k (the teacher's top-k is renormalised), "
+        "sharper than the teacher: agreement rises while expected acceptance falls.")
     distill_rows: int = Field(1000, gt=0, description="Rows of stage 0's train split in the distillation set (those that fit in sequence_len).")
     sequence_len: int = Field(256, gt=8, description="Tokens per distillation sequence (truncated).")
     eval_prompts: int = Field(48, gt=0, description="Held-out prompts (validation split) for agreement and acceptance.")
@@ -66,7 +70,8 @@ class Config(StageConfig):
 
     def kd_keys(self) -> dict:
         return {"plugins": ["axolotl.integrations.kd.KDPlugin"], "kd_trainer": True, "kd_alpha": self.kd_alpha,
-                "kd_ce_alpha": self.kd_ce_alpha, "kd_temperature": self.kd_temperature}  # fmt: skip
+                "kd_ce_alpha": self.kd_ce_alpha, "kd_temperature": self.kd_temperature,
+                "kd_normalize_topk": self.kd_normalize_topk}  # fmt: skip
 
 
 def _dataset(path: str) -> dict:
