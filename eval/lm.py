@@ -87,8 +87,9 @@ def held_out_prompts(tokenizer, rows: list[dict], story_prefix_tokens: int = 8, 
     instruction rows, BOS + the first ``story_prefix_tokens`` tokens for plain text."""
     out = []
     for r in rows:
-        ids, start = encode(tokenizer, messages(r), max_len)
-        cut = start if len(messages(r)) > 1 else 1 + story_prefix_tokens
+        turns = messages(r)
+        ids, start = encode(tokenizer, turns, max_len)
+        cut = start if len(turns) > 1 else 1 + story_prefix_tokens
         if 1 < cut < len(ids):
             out.append(Prompt(ids[:cut]))
     return out

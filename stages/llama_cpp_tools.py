@@ -61,33 +61,28 @@ def converter_dir() -> Path:
     return target
 
 
+def _run_converter(script: str, args: list[str], out: Path, what: str) -> Path:
+    """Run one of llama.cpp's converter scripts writing ``out``; a failure raises with the tail
+    of its stderr, naming ``what`` was being converted."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, str(converter_dir() / script), *args], capture_output=True, text=True)
+    if done.returncode != 0 or not out.is_file():
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise KibidangoError(f"llama.cpp's {script} failed on {what}:\n{tail}")
+    return out
+
+
 def convert_hf_to_gguf(hf_dir: str | Path, out: str | Path, outtype: str = "f16") -> Path:
     """Convert a transformers checkpoint directory to one GGUF file (``outtype``: f32, f16,
     bf16, q8_0; the k-quants come from llama.cpp's quantizer, not the converter)."""
-    script = converter_dir() / "convert_hf_to_gguf.py"
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        [sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    if done.returncode != 0 or not out.is_file():
-        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
-        raise KibidangoError(f"llama.cpp's converter failed on {hf_dir} (outtype {outtype}):\n{tail}")
-    return out
+    return _run_converter("convert_hf_to_gguf.py", [str(hf_dir), "--outfile", str(out), "--outtype", outtype], out,
+                          f"{hf_dir} (outtype {outtype})")  # fmt: skip
 
 
 def convert_lora_to_gguf(adapter_dir: str | Path, base_dir: str | Path, out: str | Path, outtype: str = "f32") -> Path:
     """Convert a peft LoRA adapter to a GGUF LoRA for llama.cpp (``--lora`` / ``Llama(lora_path=...)``)
     with llama.cpp's own ``convert_lora_to_gguf.py``; ``base_dir`` is the transformers base model."""
-    script = converter_dir() / "convert_lora_to_gguf.py"
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        [sys.executable, str(script), "--base", str(base_dir), "--outfile", str(out), "--outtype", outtype, str(adapter_dir)],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    if done.returncode != 0 or not out.is_file():
-        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
-        raise KibidangoError(f"llama.cpp's LoRA converter failed on {adapter_dir} (base {base_dir}):\n{tail}")
-    return out
+    args = ["--base", str(base_dir), "--outfile", str(out), "--outtype", outtype, str(adapter_dir)]
+    return _run_converter("convert_lora_to_gguf.py", args, out, f"{adapter_dir} (base {base_dir})")

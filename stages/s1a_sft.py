@@ -23,8 +23,8 @@ from pydantic import Field
 from eval import lm
 from stages.contract import KibidangoError, StageConfig, StageResult
 from stages.training import axolotl
-from stages.training.chat import load_split, messages, write_jsonl
-from stages.training.models import copy_tokenizer, merge_lora, resolve_base
+from stages.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from stages.training.models import copy_tokenizer, merge_lora, resolve_base, tokenizer_type
 from stages.training.recipe import TrainRecipe
 
 STAGE_ID = "1A"
@@ -38,7 +38,7 @@ log = logging.getLogger("kibidango.stage.1A")
 class Config(StageConfig):
     base_model: str | None = Field(None, description="Hub id or directory of the student; None: the `family` input's `tier`.")
     tier: str = Field("target", description="Tier of the `family` input to fine-tune (when base_model is None).")
-    tokenizer_type: str | None = Field(None, description="axolotl tokenizer_type (LlamaTokenizer for sentencepiece-only tokenizers).")
+    tokenizer_type: str | None = Field(None, description="axolotl tokenizer_type; None: LlamaTokenizer where the base has a sentencepiece tokenizer.model, else axolotl's AutoTokenizer.")
     domains: list[str] | None = Field(None, description="Train only on these stage-0 domains (None: all).")
     max_train_rows: int | None = Field(None, gt=0, description="Cap on training rows (None: the whole train split).")
     train: TrainRecipe
@@ -49,13 +49,8 @@ class Config(StageConfig):
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     """The axolotl YAML this stage runs, with placeholders for paths known only at run time."""
     base = cfg.base_model or f"<stage P artifact>/{cfg.tier}"
-    return {"sft": axolotl.render(cfg.train, base, [_dataset("<work>/data/train.jsonl")], "<work>/sft",
+    return {"sft": axolotl.render(cfg.train, base, [axolotl_dataset("<work>/data/train.jsonl")], "<work>/sft",
                                   tokenizer_type=cfg.tokenizer_type, cuda=cuda)}  # fmt: skip
-
-
-def _dataset(path: str) -> dict:
-    return {"path": path, "ds_type": "json", "type": "chat_template", "field_messages": "messages",
-            "roles_to_train": ["assistant"], "train_on_eos": "turn"}  # fmt: skip
 
 
 def _rows(data: Path, split: str, domains: list[str] | None, limit: int | None) -> list[dict]:
@@ -79,7 +74,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     val = _rows(data, "validation", cfg.domains, cfg.eval_rows)
     before = lm.response_loss(lm.load_causal_lm(base), tokenizer, val, cfg.eval_max_len)
 
-    spec = axolotl.render(cfg.train, base, [_dataset(str(data_file))], str(work_dir / "sft"), tokenizer_type=cfg.tokenizer_type)
+    spec = axolotl.render(cfg.train, base, [axolotl_dataset(str(data_file))], str(work_dir / "sft"),
+                          tokenizer_type=cfg.tokenizer_type or tokenizer_type(base))  # fmt: skip
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     last = axolotl.train(spec, work_dir / "sft", "1A/sft")
     (out_dir / "logs").mkdir()

@@ -32,8 +32,8 @@ from eval import lm
 from stages.contract import KibidangoError, StageConfig, StageResult
 from stages.progress import Progress
 from stages.training import axolotl
-from stages.training.chat import encode, load_split, messages
-from stages.training.models import copy_tokenizer, resolve_base, right_padded_tokenizer
+from stages.training.chat import axolotl_dataset, encode, load_split, messages
+from stages.training.models import copy_tokenizer, resolve_base, right_padded_tokenizer, tokenizer_type
 from stages.training.recipe import TrainRecipe
 
 STAGE_ID = "1E"
@@ -75,8 +75,7 @@ class Config(StageConfig):
 
 
 def _dataset(path: str) -> dict:
-    return {"path": path, "ds_type": "json", "type": KD_DATASET_TYPE, "field_messages": "messages",
-            "logprobs_field": "logprobs", "roles_to_train": ["assistant"], "train_on_eos": "turn"}  # fmt: skip
+    return axolotl_dataset(path, type=KD_DATASET_TYPE, logprobs_field="logprobs")
 
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
@@ -195,7 +194,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             raise KibidangoError(f"stage 1E: could not make {tok_dir} pad on the right (axolotl's KD collator needs it)")
         spec = axolotl.render(student.train, inits[name], [_dataset(str(logprobs_file))], str(run_dir),
                               extra={**cfg.kd_keys(), "tokenizer_config": str(tok_dir)},
-                              tokenizer_type="LlamaTokenizer" if (tok_dir / "tokenizer.model").is_file() else None)  # fmt: skip
+                              tokenizer_type=tokenizer_type(tok_dir))  # fmt: skip
         (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         axolotl.train(spec, run_dir, f"1E/{name}", preprocess_only=True)
         check_alignment(run_dir / "prepared", scored, f"1E/{name}")

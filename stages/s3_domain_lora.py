@@ -26,8 +26,8 @@ from stages.contract import KibidangoError, StageConfig, StageResult
 from stages.llama_cpp_tools import convert_lora_to_gguf
 from stages.store import file_sha256
 from stages.training import axolotl
-from stages.training.chat import load_split, messages, write_jsonl
-from stages.training.models import resolve_base
+from stages.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from stages.training.models import resolve_base, tokenizer_type
 from stages.training.recipe import TrainRecipe
 
 STAGE_ID = "3"
@@ -55,14 +55,9 @@ class Config(StageConfig):
         return self
 
 
-def _dataset(path: str) -> dict:
-    return {"path": path, "ds_type": "json", "type": "chat_template", "field_messages": "messages",
-            "roles_to_train": ["assistant"], "train_on_eos": "turn"}  # fmt: skip
-
-
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     base = cfg.base_model or f"<stage 1A artifact>/{cfg.tier}"
-    return {f"lora-{cfg.domain}": axolotl.render(cfg.train, base, [_dataset(f"<work>/data/{cfg.domain}.jsonl")],
+    return {f"lora-{cfg.domain}": axolotl.render(cfg.train, base, [axolotl_dataset(f"<work>/data/{cfg.domain}.jsonl")],
                                                  "<work>/lora", cuda=cuda)}  # fmt: skip
 
 
@@ -79,8 +74,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     write_jsonl(data_file, ({"messages": messages(r)} for r in train_rows))
     log.info(f"domain {cfg.domain}: {len(train_rows):,} training rows")
 
-    spec = axolotl.render(cfg.train, base, [_dataset(str(data_file))], str(work_dir / "lora"),
-                          tokenizer_type="LlamaTokenizer" if (Path(base) / "tokenizer.model").is_file() else None)  # fmt: skip
+    spec = axolotl.render(cfg.train, base, [axolotl_dataset(str(data_file))], str(work_dir / "lora"), tokenizer_type=tokenizer_type(base))
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     last = axolotl.train(spec, work_dir / "lora", f"lora-{cfg.domain}")
     (out_dir / "logs").mkdir()

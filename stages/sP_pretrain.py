@@ -24,8 +24,8 @@ from eval import lm
 from stages.contract import KibidangoError, StageConfig, StageResult
 from stages.store import file_sha256
 from stages.training import axolotl
-from stages.training.chat import load_split, messages, write_jsonl
-from stages.training.models import TOKENIZER_FILES, copy_tokenizer, init_llama
+from stages.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from stages.training.models import TOKENIZER_FILES, copy_tokenizer, init_llama, tokenizer_files, tokenizer_type
 from stages.training.recipe import TrainRecipe
 
 STAGE_ID = "P"
@@ -59,16 +59,12 @@ class Config(StageConfig):
     eval_max_len: int = Field(256, gt=8, description="Tokens per validation row (truncated).")
 
 
-def _tokenizer_files(path: Path) -> list[Path]:
-    return [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
-
-
 def external_inputs(cfg: Config) -> dict[str, str]:
     digests = {}
     tok = Path(cfg.tokenizer)
-    if not _tokenizer_files(tok):
+    if not tokenizer_files(tok):
         raise KibidangoError(f"stage P: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tok} (config key 'tokenizer')")
-    for f in _tokenizer_files(tok):
+    for f in tokenizer_files(tok):
         digests[f"tokenizer/{f.name}"] = file_sha256(f)
     if cfg.draft:
         draft = Path(cfg.draft)
@@ -82,13 +78,12 @@ def external_inputs(cfg: Config) -> dict[str, str]:
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     return {name: axolotl.render(plan.train, f"<work>/{name}/init", [_dataset("<work>/data/train.jsonl")], f"<work>/{name}",
-                                 tokenizer_type="LlamaTokenizer", cuda=cuda)
+                                 tokenizer_type=tokenizer_type(cfg.tokenizer), cuda=cuda)
             for name, plan in cfg.tiers.items()}  # fmt: skip
 
 
 def _dataset(path: str) -> dict:
-    return {"path": path, "ds_type": "json", "type": "chat_template", "field_messages": "messages",
-            "roles_to_train": ["user", "assistant"], "train_on_eos": "all"}  # fmt: skip
+    return axolotl_dataset(path, roles=("user", "assistant"), train_on_eos="all")  # pretraining: every token
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
@@ -115,7 +110,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         if not (init / "config.json").is_file():
             arch = plan.arch.model_dump(exclude={"init_seed"})
             init_llama(arch, tokenizer, tok_dir, init, plan.arch.init_seed)
-        spec = axolotl.render(plan.train, str(init), [dataset], str(run_dir), tokenizer_type="LlamaTokenizer")
+        spec = axolotl.render(plan.train, str(init), [dataset], str(run_dir), tokenizer_type=tokenizer_type(init))
         (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         last = axolotl.train(spec, run_dir, f"P/{name}")
         shutil.copy2(run_dir / "axolotl.log", out_dir / "logs" / f"{name}.log")

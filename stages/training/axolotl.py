@@ -45,7 +45,7 @@ AXOLOTL_VERSION = "0.19.0"
 # One training run at a time per process: two runs on 2 cores only slow each other down; on a
 # GPU node, one run owns the GPUs. Prefect may still run other (non-training) stages alongside.
 _ONE_AT_A_TIME = threading.Lock()
-MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json")
+MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "model.safetensors.index.json")
 _STEP = re.compile(r"\|\s*(\d+)/(\d+)\s*\[")
 
 
@@ -120,10 +120,11 @@ def render(
         "auto_resume_from_checkpoints": True,
         "output_dir": f"{output_dir}/out",
         "dataset_prepared_path": f"{output_dir}/prepared",
-        "special_tokens": {"pad_token": "<unk>"} if tokenizer_type == "LlamaTokenizer" else {},
     }
     if tokenizer_type:
         cfg["tokenizer_type"] = tokenizer_type
+    if tokenizer_type == "LlamaTokenizer":  # the sentencepiece tokenizer has no pad token
+        cfg["special_tokens"] = {"pad_token": "<unk>"}
     if recipe.adapter == "lora":
         cfg |= {"adapter": "lora", "lora_r": recipe.lora.r, "lora_alpha": recipe.lora.alpha,
                 "lora_dropout": recipe.lora.dropout}  # fmt: skip
@@ -131,17 +132,15 @@ def render(
             cfg["lora_target_modules"] = list(recipe.lora.target_modules)
         else:
             cfg["lora_target_linear"] = recipe.lora.target_linear
-    if not cfg["special_tokens"]:
-        del cfg["special_tokens"]
     cfg |= recipe.axolotl
     cfg |= extra or {}
     cfg |= hardware_switches(cuda, recipe.adapter)
     return cfg
 
 
-def _offline_env(cfg: dict[str, Any]) -> dict[str, str]:
+def _offline_env(cfg: dict[str, Any], python: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = f"{axolotl_python().parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
     env |= {"DO_NOT_TRACK": "1", "AXOLOTL_DO_NOT_TRACK": "1", "WANDB_DISABLED": "true",
             "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}  # fmt: skip
     # Local model and data: no hub at all. Without this axolotl spends minutes on a token check
@@ -149,9 +148,8 @@ def _offline_env(cfg: dict[str, Any]) -> dict[str, str]:
     local = Path(str(cfg["base_model"])).is_dir() and all(Path(str(d["path"])).exists() for d in cfg["datasets"])
     if local:
         env |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    for key in list(env):  # secrets stay out of the child's logs: it needs none for local runs
-        if local and key.endswith(("_API_KEY", "_TOKEN")) and key != "HF_TOKEN":
-            env.pop(key)
+        # Secrets stay out of the child's logs: a local run needs none.
+        env = {k: v for k, v in env.items() if not k.endswith(("_API_KEY", "_TOKEN")) or k == "HF_TOKEN"}
     return env
 
 
@@ -274,7 +272,7 @@ def train(cfg: dict[str, Any], run_dir: Path, label: str, *, preprocess_only: bo
     if checkpoints and not preprocess_only:
         log.info(f"{label}: resuming from {checkpoints[-1].name}")
     with _ONE_AT_A_TIME:
-        metrics = _run(python, "preprocess" if preprocess_only else "train", cfg_path, _offline_env(cfg),
+        metrics = _run(python, "preprocess" if preprocess_only else "train", cfg_path, _offline_env(cfg, python),
                        run_dir / "axolotl.log", label, int(cfg.get("max_steps") or 0))  # fmt: skip
     done.write_text(json.dumps({"config_sha256": digest, "metrics": metrics}))
     return metrics
@@ -287,7 +285,7 @@ def trained_files(run_dir: Path, dest: Path) -> Path:
     out = run_dir / "out"
     dest.mkdir(parents=True, exist_ok=True)
     for p in sorted(out.iterdir()):
-        if p.is_file() and (p.name in MODEL_FILES or p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json"):
+        if p.is_file() and (p.name in MODEL_FILES or p.name.endswith(".safetensors")):
             shutil.copy2(p, dest / p.name)
     if not any(dest.glob("*.safetensors")):
         raise KibidangoError(f"axolotl finished but wrote no weights to {out}; see {run_dir / 'axolotl.log'}")

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["TEMPLATE", "messages", "write_jsonl", "load_split", "encode"]
+__all__ = ["TEMPLATE", "axolotl_dataset", "messages", "write_jsonl", "load_split", "encode"]
 
 TEMPLATE = (
     "{{ bos_token }}"
@@ -34,6 +34,14 @@ def messages(row: dict) -> list[dict[str, str]]:
         turns.append({"role": "user", "content": prompt})
     turns.append({"role": "assistant", "content": row["output"]})
     return turns
+
+
+def axolotl_dataset(path: str, roles: tuple[str, ...] = ("assistant",), train_on_eos: str = "turn", **extra: str) -> dict:
+    """The axolotl dataset entry for a JSONL file of ``messages`` in this format (``chat_template``
+    with :data:`TEMPLATE`, set by :func:`stages.training.axolotl.render`); loss on ``roles``.
+    ``extra`` adds or replaces keys (the KD plugin's dataset type and logprobs field)."""
+    return {"path": path, "ds_type": "json", "type": "chat_template", "field_messages": "messages",
+            "roles_to_train": list(roles), "train_on_eos": train_on_eos, **extra}  # fmt: skip
 
 
 def load_split(dataset_dir: Path, split: str, domain: str | None = None, limit: int | None = None) -> list[dict]:

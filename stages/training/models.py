@@ -8,7 +8,7 @@ from pathlib import Path
 
 from stages.contract import KibidangoError
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "init_llama", "merge_lora", "resolve_base", "right_padded_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer", "tokenizer_files", "tokenizer_type", "init_llama", "merge_lora", "resolve_base", "right_padded_tokenizer"]
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
 
@@ -28,15 +28,25 @@ def resolve_base(base_model: str | None, upstream: Path | None, tier: str, stage
     return str(path)
 
 
+def tokenizer_files(path: Path) -> list[Path]:
+    """The tokenizer files present in model directory ``path``."""
+    return [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+
+
+def tokenizer_type(model: str | Path) -> str | None:
+    """axolotl's ``tokenizer_type`` for a model: ``LlamaTokenizer`` where the directory carries a
+    sentencepiece ``tokenizer.model`` (the tiny family), else None (axolotl's AutoTokenizer)."""
+    return "LlamaTokenizer" if (Path(model) / "tokenizer.model").is_file() else None
+
+
 def copy_tokenizer(src: Path | str, dest: Path) -> None:
     """The family's tokenizer files, byte for byte where ``src`` is a directory (the runtime checks
     that the tiers share them); saved by transformers for a hub id."""
     dest.mkdir(parents=True, exist_ok=True)
     src_path = Path(src)
     if src_path.is_dir():
-        for name in TOKENIZER_FILES:
-            if (src_path / name).is_file():
-                shutil.copy2(src_path / name, dest / name)
+        for f in tokenizer_files(src_path):
+            shutil.copy2(f, dest / f.name)
         return
     from transformers import AutoTokenizer
 
