@@ -40,5 +40,9 @@ def configure_environment() -> None:
     # The ephemeral server's telemetry write races its own start-up on sqlite ("database is
     # locked"); nothing here needs it.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect waits 20 s for its temporary server; on 2 busy cores a fresh workspace's start-up
+    # (database migrations) took longer: 1 of 3 flow runs failed with "Timed out while
+    # attempting to connect to ephemeral Prefect API server" right after a `make test` run.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
