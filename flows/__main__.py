@@ -40,6 +40,9 @@ def _run(args: argparse.Namespace) -> None:
         if card.is_file():
             print(f"  data card     {card}")
     print(f"MLflow          {tracking_uri()}  experiment '{plan.experiment}'  (make mlflow-ui; make compare)")
+    from flows.showcase import show_bundle
+
+    show_bundle(artifacts)
 
 
 def _stage_id(known: list[str], given: str) -> str:

@@ -46,3 +46,5 @@ def configure_environment() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    # The runtime unpacks packed bundles (stage 2E) into this cache: keep it in the workspace.
+    os.environ.setdefault("KIBIDANGO_CACHE", str(home() / "cache"))

@@ -16,6 +16,13 @@ STAGES: dict[str, str] = {
     "3": "stages.s3_domain_lora",
     "4": "stages.s3_domain_lora",
     "5": "stages.s3_domain_lora",
+    "2A": "stages.s2a_prune",
+    "2B": "stages.s2b_awq",
+    "2C": "stages.s2b_awq",
+    "2D": "stages.s2d_gguf",
+    "2F": "stages.s2f_recovery",
+    "X": "stages.sX_bundle",
+    "2E": "stages.s2e_pack",
 }
 
 

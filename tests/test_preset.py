@@ -9,6 +9,7 @@ import yaml
 from flows.plan import describe_plan
 from flows.preset import PRESETS_DIR, REPO_ROOT, load_preset
 from stages import load_stage
+from stages.compression.llmc import read_recipe
 from stages.contract import KibidangoError
 
 
@@ -20,11 +21,19 @@ def test_every_shipped_preset_validates(preset):
 
 def test_every_stage_recipe_is_used_by_a_preset_and_validates():
     used = {plan.recipe for p in PRESETS_DIR.glob("*.yaml") for plan in load_preset(p.stem).spec.stages.values()}
+    llmc_used = set()
     for recipe in REPO_ROOT.glob("recipes/stage*/*.yaml"):
         rel = recipe.relative_to(REPO_ROOT).as_posix()
+        if rel.endswith(".llmc.yaml"):  # llm-compressor's own format: checked below
+            continue
         assert rel in used, f"{rel} is not referenced by any preset"
+        llmc_used.add(yaml.safe_load(recipe.read_text()).get("recipe"))
         stage_id = recipe.parent.name.removeprefix("stage").upper()
         load_stage(stage_id).Config.model_validate(yaml.safe_load(recipe.read_text()))
+    for recipe in REPO_ROOT.glob("recipes/stage*/*.llmc.yaml"):
+        rel = recipe.relative_to(REPO_ROOT).as_posix()
+        read_recipe(recipe, rel)  # llm-compressor YAML with *_stage blocks
+        assert rel in llmc_used or recipe.name == "sparsegpt-2of4.llmc.yaml", f"{rel} is not used by any stage recipe"
 
 
 def _preset(tmp_path, stage0: dict) -> str:

@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["Bundle", "BundleError", "Tier", "TIER_ORDER", "load_bundle", "write_bundle"]
 
@@ -76,8 +76,16 @@ def _sha256(path: Path) -> str:
 
 
 def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
-    """Read ``bundle.json`` and (by default) check every listed file's size and sha256."""
+    """Read ``bundle.json`` and (by default) check every listed file's size and sha256. A packed
+    bundle (stage 2E: ``pack.json``, zstd files) is unpacked into a cache directory first."""
     root = Path(path)
+    from kibidango.pack import is_packed, unpack_bundle, unpacked_cache
+
+    if is_packed(root):
+        cache = unpacked_cache(root)
+        if not (cache / "bundle.json").is_file():
+            unpack_bundle(root, cache)
+        root = cache
     manifest = root / "bundle.json"
     if not manifest.is_file():
         raise BundleError(f"{root}: not a bundle (no bundle.json)")
@@ -132,12 +140,15 @@ def write_bundle(
     root: str | Path,
     tiers: dict[str, dict[str, Any]],
     runtime_defaults: dict[str, Any] | None = None,
+    finalize: Callable[[Path], dict[str, Any]] | None = None,
     **meta: Any,
 ) -> Path:
     """Assemble a bundle at ``root``. ``tiers`` maps a tier name to ``{"hf": dir, "gguf": file,
     **info}`` (either weight form may be absent); files are copied into the layout, hashed and
     listed. Extra keyword arguments (preset, pipeline git sha, cache keys, MLflow run ids, ...)
-    go into bundle.json as they are. Written to a temporary directory and renamed into place."""
+    go into bundle.json as they are. ``finalize(tmp_dir)`` may add files (adapters, the card)
+    before anything is hashed and returns more bundle.json fields. Written to a temporary
+    directory and renamed into place."""
     root = Path(root)
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -156,6 +167,8 @@ def write_bundle(
             shutil.copy2(src, dest)
             entry["gguf"] = dest.relative_to(tmp).as_posix()
         tier_table[name] = entry
+    if finalize is not None:
+        meta.update(finalize(tmp))
     files = [
         {"path": p.relative_to(tmp).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(tmp.rglob("*"))

@@ -8,6 +8,10 @@ and moves ``n_tokens`` back, so the kept prefix is never evaluated again.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,55 @@ def _llama_cpp():
     except ImportError as e:  # the extra is optional: say how to get it
         raise ImportError("the llamacpp backend needs llama-cpp-python: pip install 'kibidango[llamacpp]'") from e
     return llama_cpp
+
+
+_PARAMS_LOCK = threading.Lock()
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _model_params(extra_bufts: bool) -> Iterator[None]:
+    """llama-cpp-python's ``Llama`` takes its model parameters from
+    ``llama_cpp.llama_cpp.llama_model_default_params()`` and has no argument for
+    ``use_extra_bufts``; for the duration of one load, that function returns defaults with
+    ``use_extra_bufts`` set as asked."""
+    if extra_bufts:
+        yield
+        return
+    import llama_cpp.llama_cpp as llama_cpp  # the module llama_cpp.Llama reads it from
+
+    with _PARAMS_LOCK:
+        original = llama_cpp.llama_model_default_params
+
+        def defaults():
+            params = original()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_model_default_params = defaults
+        try:
+            yield
+        finally:
+            llama_cpp.llama_model_default_params = original
+
+
+def _extra_bufts_default() -> bool:
+    """llama.cpp's CPU "extra buffer types" repack quantized weights for special kernels. On CPUs
+    with AMX, llama-cpp-python 0.3.36 (built natively) crashes with SIGSEGV in
+    ``ggml_backend_amx_mul_mat`` on the first decode of any quantized GGUF (Q8_0, Q5_K_M,
+    Q4_K_M; F16/F32 are not repacked and run). So they are off where the CPU has AMX, on
+    elsewhere; ``KIBIDANGO_LLAMACPP_EXTRA_BUFTS=1|0`` decides instead."""
+    forced = os.environ.get("KIBIDANGO_LLAMACPP_EXTRA_BUFTS")
+    if forced is not None:
+        return forced not in ("0", "false", "no")
+    return not _cpu_has_amx()
 
 
 class LlamaCppSession:
@@ -63,14 +116,16 @@ class LlamaCppSession:
 
 
 class LlamaCppModel:
-    def __init__(self, path: str | Path, name: str = "", n_ctx: int | None = None, threads: int | None = None):
+    def __init__(self, path: str | Path, name: str = "", n_ctx: int | None = None, threads: int | None = None,
+                 extra_bufts: bool | None = None):  # fmt: skip
         llama_cpp = _llama_cpp()
         self.name = name or Path(path).stem
         probe_ctx = n_ctx or 0  # 0: the model's training context
-        self.llm = llama_cpp.Llama(
-            model_path=str(path), n_ctx=probe_ctx, n_batch=max(probe_ctx, 512), logits_all=True,
-            n_threads=threads, verbose=False, seed=0,
-        )  # fmt: skip
+        with _model_params(_extra_bufts_default() if extra_bufts is None else extra_bufts):
+            self.llm = llama_cpp.Llama(
+                model_path=str(path), n_ctx=probe_ctx, n_batch=max(probe_ctx, 512), logits_all=True,
+                n_threads=threads, verbose=False, seed=0,
+            )  # fmt: skip
         self.context_length = self.llm.n_ctx()
         self.vocab_size = self.llm.n_vocab()
         self.active: LlamaCppSession | None = None

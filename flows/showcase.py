@@ -1,0 +1,49 @@
+"""What `make demo` shows at the end of a run that exported a bundle: the bundle's size and
+perplexity table (from its BUNDLE_CARD.md, i.e. from the stage metrics) and a story generated
+from the bundle with the runtime package, as a user would load it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stages.store import Artifact
+
+__all__ = ["show_bundle"]
+
+PROMPT = "Once upon a time"
+
+
+def _section(card: str, title: str) -> str:
+    start = card.find(title)
+    if start < 0:
+        return ""
+    end = card.find("\n## ", start + len(title))
+    return card[start : end if end >= 0 else None].strip()
+
+
+def show_bundle(artifacts: dict[str, Artifact]) -> None:
+    if "X" not in artifacts:
+        return
+    from kibidango import Pipeline
+
+    bundle = Path(artifacts["X"].path) / "bundle"
+    packed = Path(artifacts["2E"].path) / "packed" if "2E" in artifacts else None
+    card = (bundle / "BUNDLE_CARD.md").read_text()
+    print(f"\n== the bundle ({bundle}) ==\n")
+    print(_section(card, "## Sizes, perplexity and GGUF agreement per tier"))
+    source = packed or bundle
+    try:
+        import llama_cpp  # noqa: F401
+
+        backend = "llamacpp"
+    except ImportError:
+        backend = "torch"
+    pipe = Pipeline.from_bundle(source, backend=backend)
+    result = pipe.generate(PROMPT, max_new_tokens=pipe.defaults.max_new_tokens)
+    m = result.metrics.to_dict()
+    print(f"\n== a story from {'the packed bundle ' if packed else ''}{source} "
+          f"(kibidango generate --bundle {source} --backend {backend} \"{PROMPT}\") ==\n")  # fmt: skip
+    print(PROMPT + result.text)
+    rates = ", ".join(f"{tier} {rate:.0%}" for tier, rate in m["draft_acceptance_rate"].items() if rate is not None)
+    print(f"\n(mode {pipe.defaults.mode}, {len(result.token_ids)} tokens, acceptance {rates or '-'}, "
+          f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f}, target forwards per token {m['target_forwards_per_token'] or 0:.2f})")

@@ -1,0 +1,147 @@
+"""Packed bundles (stage 2E): every file of a bundle compressed with zstd and one trained
+dictionary, with the size and sha256 of every original file.
+
+    packed/
+      pack.json          schema, level, dictionary id, every file: path, size, sha256, packed path, packed size
+      dictionary.zstd    the trained zstd dictionary (raw bytes, as zstd --train writes it)
+      files/<path>.zst   one zstd frame per bundle file
+
+:func:`unpack_bundle` restores the bundle byte for byte and refuses a file whose size or sha256
+differs, naming it; :func:`load_bundle` (``kibidango.bundle``) unpacks a packed bundle into a
+cache directory first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kibidango.bundle import BundleError, _sha256
+
+__all__ = ["PACK_SCHEMA", "pack_bundle", "unpack_bundle", "is_packed", "unpacked_cache"]
+
+PACK_SCHEMA = 1
+_SAMPLE = 16 * 1024  # bytes per dictionary training sample
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError as e:
+        raise BundleError("packed bundles need the zstandard package: pip install zstandard") from e
+    return zstandard
+
+
+def is_packed(path: str | Path) -> bool:
+    return (Path(path) / "pack.json").is_file() and not (Path(path) / "bundle.json").is_file()
+
+
+def _samples(files: list[Path], budget: int) -> list[bytes]:
+    """Chunks of every file, spread evenly, at most ``budget`` bytes in all: zstd trains a
+    dictionary on many small samples."""
+    total = sum(f.stat().st_size for f in files)
+    stride = max(1, total // max(budget, 1))
+    out = []
+    for f in files:
+        with open(f, "rb") as fh:
+            data = fh.read()
+        for start in range(0, len(data), _SAMPLE * stride):
+            out.append(data[start : start + _SAMPLE])
+    return out
+
+
+def pack_bundle(bundle_dir: str | Path, out_dir: str | Path, *, dict_size: int = 128 * 1024, level: int = 10,
+                sample_budget: int = 64 * 1024 * 1024) -> dict[str, Any]:  # fmt: skip
+    """Train a ``dict_size`` dictionary on the bundle's files, compress each at ``level`` with it,
+    and write ``out_dir`` (renamed into place when complete). Returns pack.json's content, with
+    ``bytes_without_dictionary`` (the same files compressed at ``level`` with no dictionary)."""
+    zstd = _zstd()
+    src, out = Path(bundle_dir), Path(out_dir)
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    if not files:
+        raise BundleError(f"{src}: nothing to pack")
+    try:
+        dictionary = zstd.train_dictionary(dict_size, _samples(files, sample_budget), level=level)
+    except zstd.ZstdError as e:
+        raise BundleError(f"{src}: zstd could not train a {dict_size}-byte dictionary on these files ({e}); use a smaller dict_size") from e
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "files").mkdir(parents=True)
+    (tmp / "dictionary.zstd").write_bytes(dictionary.as_bytes())
+    with_dict = zstd.ZstdCompressor(level=level, dict_data=dictionary, write_checksum=True)
+    plain = zstd.ZstdCompressor(level=level, write_checksum=True)
+    entries, without = [], 0
+    for f in files:
+        rel = f.relative_to(src).as_posix()
+        data = f.read_bytes()
+        packed = tmp / "files" / (rel + ".zst")
+        packed.parent.mkdir(parents=True, exist_ok=True)
+        packed.write_bytes(with_dict.compress(data))
+        without += len(plain.compress(data))
+        entries.append({"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                        "packed": packed.relative_to(tmp).as_posix(), "packed_size": packed.stat().st_size})  # fmt: skip
+    meta = {
+        "schema": PACK_SCHEMA, "level": level, "dictionary": "dictionary.zstd", "dictionary_id": dictionary.dict_id(),
+        "dictionary_bytes": len(dictionary.as_bytes()), "files": entries,
+        "bytes": sum(e["size"] for e in entries), "packed_bytes": sum(e["packed_size"] for e in entries),
+        "bytes_without_dictionary": without,
+    }  # fmt: skip
+    (tmp / "pack.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return meta
+
+
+def unpack_bundle(packed_dir: str | Path, out_dir: str | Path) -> Path:
+    """Restore a packed bundle into ``out_dir``: every file decompressed with the pack's
+    dictionary and checked against its size and sha256 before the directory is renamed into
+    place. A mismatch raises :class:`BundleError` naming the file."""
+    zstd = _zstd()
+    src, out = Path(packed_dir), Path(out_dir)
+    try:
+        meta = json.loads((src / "pack.json").read_text())
+    except FileNotFoundError as e:
+        raise BundleError(f"{src}: not a packed bundle (no pack.json)") from e
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{src / 'pack.json'}: not valid JSON: {e}") from e
+    if meta.get("schema") != PACK_SCHEMA:
+        raise BundleError(f"{src / 'pack.json'}: pack schema {meta.get('schema')!r}, this runtime reads {PACK_SCHEMA}")
+    dictionary = zstd.ZstdCompressionDict((src / meta["dictionary"]).read_bytes())
+    if dictionary.dict_id() != meta["dictionary_id"]:
+        raise BundleError(f"{src}: {meta['dictionary']} is not the dictionary the files were packed with")
+    dctx = zstd.ZstdDecompressor(dict_data=dictionary)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for e in meta["files"]:
+            packed = src / e["packed"]
+            if not packed.is_file():
+                raise BundleError(f"{src}: packed file {e['packed']} (of {e['path']}) is missing")
+            try:
+                data = dctx.decompress(packed.read_bytes(), max_output_size=e["size"])
+            except zstd.ZstdError as err:
+                raise BundleError(f"{src}: {e['packed']} does not decompress ({err}): corrupted") from err
+            if len(data) != e["size"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
+                raise BundleError(f"{src}: {e['path']} unpacks to content that does not match its sha256 in pack.json")
+            dest = tmp / e["path"]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def unpacked_cache(packed_dir: str | Path) -> Path:
+    """Where a packed bundle is unpacked for use (``$KIBIDANGO_CACHE`` or ~/.cache/kibidango),
+    keyed by its pack.json: unpacked once, reused while the pack is the same."""
+    root = Path(os.environ.get("KIBIDANGO_CACHE", Path.home() / ".cache" / "kibidango"))
+    digest = _sha256(Path(packed_dir) / "pack.json")[:16]
+    return root / "unpacked" / digest

@@ -1,0 +1,147 @@
+"""Stage 2F — recovery LoRA: win back what compression cost, where it cost most.
+
+1. The compressed target (stage 2B's AWQ checkpoint) is decompressed once into a dense
+   transformers checkpoint (its weights stay on the 4-bit grid): the base the LoRA trains on, in
+   a form axolotl loads without compressed-tensors.
+2. Every candidate row of stage 0's train split is scored under the compressed model; the
+   ``hardest_rows`` with the highest response-token loss are the training set (the plan: the
+   hardest 5K examples).
+3. axolotl trains a LoRA on them (``train``: a TrainRecipe, unmerged LoRA).
+4. Validation perplexity of the reference model (before compression, the ``reference`` input),
+   the compressed model, and the compressed model with the LoRA; recovered = the share of the
+   perplexity lost to compression that the LoRA wins back.
+
+The adapter applies to the compressed target as transformers loads it (torch backend). The GGUF
+target (2D) is quantized by llama.cpp from the pruned model, a different 4-bit grid, so no GGUF
+form of this adapter is shipped.
+
+Outputs: ``adapter/`` (peft), ``adapter.json`` (the runtime's manifest), ``hardest.jsonl`` (row
+index, loss), ``recovery.json``, ``axolotl.yaml``, ``logs/train.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import yaml
+from pydantic import Field, model_validator
+
+from eval import lm
+from stages.compression.measure import validation_loss
+from stages.contract import KibidangoError, StageConfig, StageResult
+from stages.progress import Progress
+from stages.store import file_sha256
+from stages.training import axolotl
+from stages.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from stages.training.models import copy_tokenizer, resolve_base, tokenizer_type
+from stages.training.recipe import TrainRecipe
+
+STAGE_ID = "2F"
+NAME = "recovery-lora"
+RESUMABLE = True
+LIBRARIES = ("transformers", "torch", "peft", "compressed-tensors")
+
+log = logging.getLogger("kibidango.stage.recovery")
+
+
+class Config(StageConfig):
+    tier: str = Field("target", description="Tier of the `compressed` (and `reference`) input to recover.")
+    hardest_rows: int = Field(5000, gt=0, description="Train on this many highest-loss rows (the plan: 5K).")
+    candidate_rows: int | None = Field(None, gt=0, description="Score only the first N train rows (None: all).")
+    train: TrainRecipe
+    eval_rows: int = Field(200, gt=0, description="Stage-0 validation rows (the rows 2A-2D use).")
+    eval_max_len: int = Field(256, gt=8)
+
+    @model_validator(mode="after")
+    def _lora(self) -> "Config":
+        if self.train.adapter != "lora" or self.train.merge_lora:
+            raise ValueError("a recovery adapter is an unmerged LoRA: set train.adapter: lora and train.merge_lora: false")
+        return self
+
+
+def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
+    return {"recovery": axolotl.render(cfg.train, "<work>/base (stage 2B's target, decompressed)",
+                                       [axolotl_dataset("<work>/data/hardest.jsonl")], "<work>/lora", cuda=cuda)}  # fmt: skip
+
+
+def decompress(compressed: Path, dest: Path) -> Path:
+    """A dense copy of a compressed-tensors checkpoint (weights dequantized, no
+    ``quantization_config``), with the family's tokenizer files."""
+    from transformers import AutoModelForCausalLM
+
+    if (dest / "config.json").is_file():  # an earlier attempt of this very key did it
+        return dest
+    model = AutoModelForCausalLM.from_pretrained(str(compressed))
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    copy_tokenizer(compressed, tmp)
+    tmp.rename(dest)
+    return dest
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    from transformers import AutoTokenizer
+
+    compressed = Path(resolve_base(None, inputs.get("compressed"), cfg.tier, STAGE_ID))
+    reference = Path(resolve_base(None, inputs.get("reference"), cfg.tier, STAGE_ID))
+    base = decompress(compressed, work_dir / "base")
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    data = inputs["data"] / "dataset"
+
+    rows = load_split(data, "train", limit=cfg.candidate_rows)
+    if not rows:
+        raise KibidangoError(f"stage 2F: stage 0's train split ({data}) is empty")
+    model = lm.load_causal_lm(base)
+    progress = Progress("2F: scoring rows under the compressed model", len(rows), log)
+    losses = []
+    for i, row in enumerate(rows):
+        losses.append(lm.response_loss(model, tokenizer, [row], cfg.train.sequence_len)["loss"])
+        progress.update(i + 1)
+    progress.finish(len(rows))
+    del model
+    hardest = sorted(range(len(rows)), key=lambda i: -losses[i])[: cfg.hardest_rows]
+    write_jsonl(out_dir / "hardest.jsonl", ({"row": i, "loss": losses[i]} for i in hardest))
+    data_file = work_dir / "data" / "hardest.jsonl"
+    write_jsonl(data_file, ({"messages": messages(rows[i])} for i in hardest))
+    log.info(f"2F: {len(hardest):,} hardest of {len(rows):,} rows (loss {losses[hardest[-1]]:.3f} .. {losses[hardest[0]]:.3f})")
+
+    spec = axolotl.render(cfg.train, str(base), [axolotl_dataset(str(data_file))], str(work_dir / "lora"), tokenizer_type=tokenizer_type(base))
+    (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    last = axolotl.train(spec, work_dir / "lora", "2F/recovery")
+    (out_dir / "logs").mkdir()
+    shutil.copy2(work_dir / "lora" / "axolotl.log", out_dir / "logs" / "train.log")
+    adapter = axolotl.trained_files(work_dir / "lora", out_dir / "adapter")
+    if not (adapter / "adapter_config.json").is_file():
+        raise KibidangoError(f"stage 2F: axolotl wrote no adapter_config.json; see {out_dir / 'logs' / 'train.log'}")
+
+    ref = validation_loss(reference, data, cfg.eval_rows, cfg.eval_max_len)
+    comp = validation_loss(compressed, data, cfg.eval_rows, cfg.eval_max_len)
+    rec = validation_loss(base, data, cfg.eval_rows, cfg.eval_max_len, adapter=adapter)
+    lost = comp["perplexity"] - ref["perplexity"]
+    metrics = {
+        "val_perplexity_reference": ref["perplexity"], "val_perplexity_compressed": comp["perplexity"],
+        "val_perplexity_recovered": rec["perplexity"],
+        "recovered_share": (comp["perplexity"] - rec["perplexity"]) / lost if lost > 0 else 0.0,
+        "hardest_rows": float(len(hardest)), "candidate_rows": float(len(rows)),
+        "hardest_mean_loss": sum(losses[i] for i in hardest) / len(hardest), "all_mean_loss": sum(losses) / len(losses),
+        "train_loss_final": last.get("loss", float("nan")),
+    }  # fmt: skip
+    files = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+    manifest = {
+        "schema": 1, "domain": "recovery", "base_tier": cfg.tier, "base_model": f"stage 2B {cfg.tier} (AWQ, compressed-tensors)",
+        "lora": cfg.train.lora.model_dump(),
+        "formats": {"peft": [{"path": f, "size": (out_dir / f).stat().st_size, "sha256": file_sha256(out_dir / f)} for f in files]},
+        "metrics": metrics,
+    }  # fmt: skip
+    (out_dir / "adapter.json").write_text(json.dumps(manifest, indent=2))
+    (out_dir / "recovery.json").write_text(json.dumps(metrics, indent=2))
+    summary = (f"stage 2F: validation perplexity reference {ref['perplexity']:.2f}, compressed {comp['perplexity']:.2f}, "
+               f"compressed + recovery LoRA {rec['perplexity']:.2f} ({metrics['recovered_share']:.0%} of the loss recovered; "
+               f"{len(hardest):,} hardest rows)")  # fmt: skip
+    return StageResult(metrics, ["recovery.json", "adapter.json", "axolotl.yaml"], summary)

@@ -1,0 +1,204 @@
+"""Compression and export stages on the real stories260K (../shared) with a small stage-0-shaped
+dataset: 2A's sparsity is measured in the saved tensors, 2B writes a compressed-tensors
+checkpoint the runtime loads, 2D's gate passes a faithful GGUF and fails a damaged one with a
+report, X + 2E make a bundle the runtime verifies, and library failures name stage and remedy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.shared_data import SHARED
+from stages.contract import KibidangoError
+
+STORIES = SHARED / "models" / "stories260K" / "hf"
+LINES = (Path(__file__).resolve().parent.parent / "eval" / "prompts" / "stories.txt").read_text().splitlines()
+
+
+def _needs_stories() -> None:
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"needs stories260K at {STORIES} (absent on this machine)")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A stage-0 artifact: a DatasetDict with the stage-0 columns."""
+    from datasets import Dataset, DatasetDict
+
+    stories = [line for line in LINES if line.strip()]
+    rows = [{"instruction": "", "input": "", "output": f"{s} They played all day and were happy. The end.", "domain": "general"}
+            for s in stories * 6]  # fmt: skip
+    rows += [{"instruction": "Write a short story.", "input": "", "output": f"{s} The sun was warm.", "domain": "general"} for s in stories * 2]
+    root = tmp_path_factory.mktemp("stage0")
+    cols = lambda rs: {k: [r[k] for r in rs] for k in rs[0]}  # noqa: E731
+    DatasetDict({"train": Dataset.from_dict(cols(rows)), "validation": Dataset.from_dict(cols(rows[:12]))}).save_to_disk(str(root / "dataset"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory) -> Path:
+    """An upstream artifact holding stories260K as every tier."""
+    _needs_stories()
+    root = tmp_path_factory.mktemp("family")
+    for tier in ("draft", "qualifier", "target"):
+        shutil.copytree(STORIES, root / tier)
+    return root
+
+
+def _run(stage_id: str, inputs: dict[str, Path], out: Path, **config):
+    from stages import load_stage
+
+    module = load_stage(stage_id)
+    out.mkdir(parents=True)
+    return module.run(module.Config.model_validate(config), inputs, out)
+
+
+@pytest.fixture(scope="module")
+def pruned(family, data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("2A") / "out"
+    result = _run("2A", {"model": family, "data": data}, out, recipe="recipes/stage2A/sparsegpt-tiny.llmc.yaml",
+                  calibration_samples=8, calibration_max_len=64, eval_rows=8, min_sparsity=0.45)  # fmt: skip
+    assert result.metrics["val_perplexity_after"] > 0
+    return out
+
+
+def test_pruning_sparsity_is_counted_in_the_saved_tensors(pruned):
+    from safetensors.torch import load_file
+
+    from stages.compression.measure import weight_sparsity
+
+    tensors = load_file(str(pruned / "target" / "model.safetensors"))
+    measured = weight_sparsity(pruned / "target")
+    assert 0.49 < measured["sparsity"] < 0.51 and measured["pruned_tensors"] == 35
+    assert float((tensors["model.embed_tokens.weight"] == 0).float().mean()) < 0.01  # embeddings/head stay dense
+    assert json.loads((pruned / "prune.json").read_text())["metrics"]["sparsity"] == measured["sparsity"]
+    assert "SparseGPTModifier" in (pruned / "llmcompressor_recipe.yaml").read_text()
+
+
+def test_recipe_blocks_llmcompressor_would_skip_are_refused(tmp_path):
+    from stages.compression.llmc import read_recipe
+
+    bad = tmp_path / "r.yaml"
+    bad.write_text("sparsity_stage_1:\n  sparsity_modifiers:\n    SparseGPTModifier: {sparsity: 0.5}\n")
+    with pytest.raises(KibidangoError, match=r"sparsity_stage_1.*do not end in '_stage'"):
+        read_recipe(bad, "2A")
+
+
+def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, data, tmp_path):
+    from kibidango.backends.torch_backend import TorchModel
+
+    result = _run("2B", {"model": family, "data": data}, tmp_path / "2B", recipe="recipes/stage2B/awq-w4a16-channel.llmc.yaml",
+                  tiers=["draft"], calibration_samples=8, calibration_max_len=64, eval_rows=8)  # fmt: skip
+    out = tmp_path / "2B" / "draft"
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == "pack-quantized"
+    assert result.metrics["draft_size_ratio"] < 0.5  # int4 decoder weights; the fp32 embedding table stays
+    assert result.metrics["draft_val_perplexity_after"] < 2 * result.metrics["draft_val_perplexity_before"]
+    model = TorchModel(out, name="draft")
+    assert model.new_session().feed([1, 403, 407]).shape == (3, 512)
+
+
+def test_a_group_size_the_widths_do_not_allow_names_the_stage(family, data, tmp_path):
+    with pytest.raises(KibidangoError, match=r"stage AWQ \(draft\): llm-compressor refused recipe .*group_size"):
+        _run("2B", {"model": family, "data": data}, tmp_path / "2B", recipe="recipes/stage2B/awq-w4a16-g128.llmc.yaml",
+             tiers=["draft"], calibration_samples=4, calibration_max_len=32, eval_rows=4)  # fmt: skip
+
+
+def test_out_of_memory_names_the_stage_and_the_remedy(family, data, tmp_path, monkeypatch):
+    import llmcompressor
+
+    def oom(**kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(llmcompressor, "oneshot", oom)
+    with pytest.raises(KibidangoError, match=r"stage 2A: out of memory .* remedy: fewer calibration_samples"):
+        _run("2A", {"model": family, "data": data}, tmp_path / "2A", recipe="recipes/stage2A/sparsegpt-tiny.llmc.yaml",
+             calibration_samples=4, eval_rows=4)  # fmt: skip
+
+
+GATE = {"tiers": {"draft": {"input": "small", "quant": "Q8_0"}}, "prompts": 6, "new_tokens": 16, "eval_rows": 6}
+
+
+def test_gguf_gate_passes_a_faithful_export(family, data, tmp_path):
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    result = _run("2D", {"small": family, "data": data}, tmp_path / "2D", **GATE)
+    assert result.metrics["draft_token_agreement"] >= 0.95
+    assert (tmp_path / "2D" / "draft" / "draft-Q8_0.gguf").is_file() and not (tmp_path / "2D" / "draft" / "draft-F16.gguf").exists()
+    assert result.metrics["draft_gguf_bytes"] < result.metrics["draft_f16_bytes"]
+    assert "PASS" in (tmp_path / "2D" / "gguf_report.md").read_text()
+
+
+def test_gguf_gate_fails_a_damaged_model_with_a_report(family, data, tmp_path, monkeypatch):
+    """The converter is handed a damaged copy of the tier (weights with 30% noise), as a broken
+    conversion would produce: the gate compares the GGUF with the real HF model and fails."""
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    from transformers import AutoModelForCausalLM
+
+    import stages.s2d_gguf as s2d
+
+    damaged = tmp_path / "damaged"
+    model = AutoModelForCausalLM.from_pretrained(str(STORIES))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * p.std() * torch.randn_like(p))
+    model.save_pretrained(str(damaged))
+    real = s2d.convert_hf_to_gguf
+    monkeypatch.setattr(s2d, "convert_hf_to_gguf", lambda hf, out, outtype: real(damaged, out, outtype))
+    with pytest.raises(KibidangoError) as err:
+        _run("2D", {"small": family, "data": data}, tmp_path / "2D", **GATE)
+    text = str(err.value)
+    assert "GGUF token-agreement gate failed: draft (Q8_0): agreement" in text
+    assert "where the GGUF first differs" in text and "| first difference at |" in text
+
+
+def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, data, pruned, tmp_path):
+    """X assembles a bundle from stage-shaped artifacts (with manifests), 2E packs it, the runtime
+    loads both forms and refuses a tampered file by name."""
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    from kibidango import BundleError, Pipeline, load_bundle
+
+    from flows.__main__ import main as flows_main  # noqa: F401  (the CLI module imports cleanly)
+
+    store = tmp_path / "store"
+    arts = {}
+    for stage, src in (("2B", family), ("2C", family), ("0", data), ("2A", pruned)):
+        dest = store / stage / f"key{stage}"
+        shutil.copytree(src, dest)
+        (dest / "manifest.json").write_text(json.dumps({"key": f"key{stage}", "mlflow_run_id": f"run{stage}", "metrics": {},
+                                                        "inputs": {"data": {"key": "key0"}} if stage != "0" else {}}))  # fmt: skip
+        arts[stage] = dest
+    gguf = store / "2D" / "key2D"
+    _run("2D", {"small": family, "target": family, "data": data}, gguf,
+         tiers={"draft": {"input": "small", "quant": "Q8_0"}, "target": {"input": "target", "quant": "Q8_0"}},
+         prompts=4, new_tokens=8, eval_rows=4)  # fmt: skip
+    (gguf / "manifest.json").write_text(json.dumps({"key": "key2D", "mlflow_run_id": "run2D",
+                                                    "metrics": json.loads((gguf / "gguf.json").read_text())["metrics"], "inputs": {}}))  # fmt: skip
+    out = store / "X" / "keyX"
+    result = _run("X", {"target": arts["2B"], "small": arts["2C"], "gguf": gguf, "prune": arts["2A"]}, out, preset="test",
+                  hf_tiers={"target": "target", "draft": "small"}, runtime_defaults={"mode": "sd", "k": 3, "stop_ids": [2]})  # fmt: skip
+    bundle = load_bundle(out / "bundle")
+    assert set(bundle.tiers) == {"draft", "target"} and bundle.meta["stage_cache_keys"]["0"] == "key0"
+    assert bundle.meta["mlflow_run_ids"]["2D"] == "run2D" and result.metrics["files"] == len(bundle.meta["files"])
+    card = (out / "bundle" / "BUNDLE_CARD.md").read_text()
+    g = json.loads((gguf / "gguf.json").read_text())["metrics"]
+    assert f"{g['draft_gguf_bytes'] / 1e6:.3f} MB" in card and f"{g['draft_token_agreement']:.1%}" in card
+    for backend in ("torch", "llamacpp"):
+        text = Pipeline.from_bundle(out / "bundle", backend=backend).generate("Once upon a time", max_new_tokens=12).text
+        assert text.strip()
+
+    packed = store / "2E" / "key2E"
+    metrics = _run("2E", {"bundle": out}, packed, dict_size=8192, level=10).metrics
+    assert metrics["ratio"] > 1 and metrics["files"] == len(bundle.meta["files"])
+    assert "byte for byte" in (packed / "pack_report.md").read_text()
+
+    victim = out / "bundle" / "tiers" / "draft" / "gguf" / "draft-Q8_0.gguf"
+    data_bytes = bytearray(victim.read_bytes())
+    data_bytes[-100] ^= 0xFF
+    victim.write_bytes(bytes(data_bytes))
+    with pytest.raises(BundleError, match=r"tiers/draft/gguf/draft-Q8_0\.gguf does not match its sha256"):
+        load_bundle(out / "bundle")
