@@ -103,7 +103,7 @@ def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, da
 
 
 def test_a_group_size_the_widths_do_not_allow_names_the_stage(family, data, tmp_path):
-    with pytest.raises(KibidangoError, match=r"stage AWQ \(draft\): llm-compressor refused recipe .*group_size"):
+    with pytest.raises(KibidangoError, match=r"(?s)stage AWQ \(draft\): llm-compressor refused recipe .*group_size.*remedy: a group_size that divides"):
         _run("2B", {"model": family, "data": data}, tmp_path / "2B", recipe="recipes/stage2B/awq-w4a16-g128.llmc.yaml",
              tiers=["draft"], calibration_samples=4, calibration_max_len=32, eval_rows=4)  # fmt: skip
 
@@ -140,7 +140,7 @@ def test_gguf_gate_fails_a_damaged_model_with_a_report(family, data, tmp_path, m
 
     import stages.s2d_gguf as s2d
 
-    damaged = tmp_path / "damaged"
+    damaged = shutil.copytree(STORIES, tmp_path / "damaged")  # the tokenizer files, then damaged weights
     model = AutoModelForCausalLM.from_pretrained(str(STORIES))
     torch.manual_seed(0)
     with torch.no_grad():
@@ -169,7 +169,8 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
     for stage, src in (("2B", family), ("2C", family), ("0", data), ("2A", pruned)):
         dest = store / stage / f"key{stage}"
         shutil.copytree(src, dest)
-        (dest / "manifest.json").write_text(json.dumps({"key": f"key{stage}", "mlflow_run_id": f"run{stage}", "metrics": {},
+        metrics = json.loads((src / "prune.json").read_text())["metrics"] if stage == "2A" else {}
+        (dest / "manifest.json").write_text(json.dumps({"key": f"key{stage}", "mlflow_run_id": f"run{stage}", "metrics": metrics,
                                                         "inputs": {"data": {"key": "key0"}} if stage != "0" else {}}))  # fmt: skip
         arts[stage] = dest
     gguf = store / "2D" / "key2D"
@@ -187,13 +188,14 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
     card = (out / "bundle" / "BUNDLE_CARD.md").read_text()
     g = json.loads((gguf / "gguf.json").read_text())["metrics"]
     assert f"{g['draft_gguf_bytes'] / 1e6:.3f} MB" in card and f"{g['draft_token_agreement']:.1%}" in card
+    assert "Pruning (2A): 50.0% of the target's decoder linear weights are zero" in card
     for backend in ("torch", "llamacpp"):
         text = Pipeline.from_bundle(out / "bundle", backend=backend).generate("Once upon a time", max_new_tokens=12).text
         assert text.strip()
 
     packed = store / "2E" / "key2E"
     metrics = _run("2E", {"bundle": out}, packed, dict_size=8192, level=10).metrics
-    assert metrics["ratio"] > 1 and metrics["files"] == len(bundle.meta["files"])
+    assert metrics["ratio"] > 1 and metrics["files"] == len(bundle.meta["files"]) + 1  # + bundle.json
     assert "byte for byte" in (packed / "pack_report.md").read_text()
 
     victim = out / "bundle" / "tiers" / "draft" / "gguf" / "draft-Q8_0.gguf"

@@ -79,11 +79,11 @@ def bundle_card(preset: str, metrics: dict[str, dict], adapters: list[dict], sta
         "AWQ checkpoints are llm-compressor's W4A16 (stages 2B, 2C).", "",
         size_table(stages), "",
     ]  # fmt: skip
-    if "2A" in m:
+    if "sparsity" in m.get("2A", {}):
         a = m["2A"]
         lines += [f"Pruning (2A): {a['sparsity']:.1%} of the target's decoder linear weights are zero in the saved "
                   f"tensors (least/most sparse tensor {a['sparsity_min_tensor']:.1%}/{a['sparsity_max_tensor']:.1%}).", ""]  # fmt: skip
-    if "2F" in m:
+    if "recovered_share" in m.get("2F", {}):
         f = m["2F"]
         lines += [f"Recovery LoRA (2F): trained on the {int(f['hardest_rows'])} highest-loss of {int(f['candidate_rows'])} "
                   f"training rows; it wins back {f['recovered_share']:.0%} of the perplexity compression cost "

@@ -108,7 +108,11 @@ def compress(model_dir: str, recipe: Path, data_dir: Path, out: Path, *, stage: 
             f"calibration_samples or a shorter calibration_max_len in the stage recipe, or a larger GPU"
         ) from e
     except ValueError as e:  # llm-compressor's recipe and divisibility checks: the message is for people
-        raise KibidangoError(f"stage {stage}: llm-compressor refused recipe {recipe}:\n{e}") from e
+        remedy = ""
+        if "group_size" in str(e):  # (its bypass_divisibility_checks then fails in AWQ's observer on CPU: unflatten)
+            remedy = ("\nremedy: a group_size that divides every listed width, or per-channel weights "
+                      "(strategy: channel, as recipes/stage2B/awq-w4a16-channel.llmc.yaml)")
+        raise KibidangoError(f"stage {stage}: llm-compressor refused recipe {recipe}:\n{e}{remedy}") from e
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), save_compressed=save_compressed)
     copy_tokenizer(Path(model_dir), out)
