@@ -1,10 +1,15 @@
 """The tiny preset end to end, as `make demo` runs it (slow: `make test-slow`): stage 0 -> P ->
-1A -> 1E -> 3-5 with real axolotl training; a rerun is all cache hits; a 1E recipe change
-retrains 1E only."""
+1A -> 1E -> 3-5 with real axolotl training, 2A-2F compression, the bundle (X, 2E) and a story
+generated from it; a rerun is all cache hits; `make stage-2b` recomputes 2B and nothing
+upstream."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -19,24 +24,49 @@ def _runs(stage: str) -> list:
                               order_by=["attributes.start_time ASC"], output_format="list")  # fmt: skip
 
 
+UPSTREAM_OF_2B = ("0", "P", "1A", "1E", "3", "4", "5", "2A", "2C", "2D")
+DOWNSTREAM_OF_2B = ("2F", "X", "2E")
+
+
 @pytest.mark.slow
-def test_tiny_preset_end_to_end_rerun_and_one_recipe_change(tmp_path):
+def test_tiny_preset_end_to_end_rerun_and_stage_2b(tmp_path):
     _needs_axolotl_and_shared()
     home = tmp_path / "home"
-    first = _cli(home, "run", "--preset", "tiny", timeout=3600)
+    first = _cli(home, "run", "--preset", "tiny", timeout=4800)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "data card" in first.stdout
     assert "| tier | parameters | validation perplexity | greedy agreement vs target | expected acceptance vs target |" in first.stderr
+    # the bundle's size table, then a story generated from the (packed) bundle by the runtime
+    assert "| tier | full precision | GGUF F16 | AWQ W4A16 | GGUF quantized | bits/weight (GGUF) |" in first.stdout
+    story = first.stdout.split("== a story from the packed bundle", 1)[1]
+    assert "Once upon a time" in story and len(story.split("\n", 2)[2].strip()) > len("Once upon a time") + 20
     second = _cli(home, "run", "--preset", "tiny")
     assert second.returncode == 0 and "running (" not in second.stderr  # every stage a cache hit
-    third = _cli(home, "run", "--preset", "tiny", "--set", "1E.kd_alpha=0.8", timeout=1800)
+    third = _cli(home, "run", "--preset", "tiny", "--force", "2b", timeout=1800)  # what `make stage-2b` runs
     assert third.returncode == 0, third.stderr[-3000:]
     ran = set(re.findall(r"stage (\w+) \([\w-]+\): running", third.stderr))
-    assert ran == {"1E"}, f"a 1E recipe change reran {ran}"
+    assert "2B" in ran and not ran & set(UPSTREAM_OF_2B), f"make stage-2b reran {ran}"
 
     mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
+    assert [r.data.tags[f"{TAG}cached"] for r in _runs("2B")] == ["no", "yes", "no"]
+    for stage in UPSTREAM_OF_2B:  # MLflow records every upstream stage of the forced run as a cache hit
+        assert _runs(stage)[-1].data.tags[f"{TAG}cached"] == "yes", stage
+    same_output = _runs("2B")[-1].data.tags[f"{TAG}digest"] == _runs("2B")[0].data.tags[f"{TAG}digest"]
+    for stage in DOWNSTREAM_OF_2B:  # recomputed only if 2B's outputs changed
+        assert _runs(stage)[-1].data.tags[f"{TAG}cached"] == ("yes" if same_output else "no"), stage
     assert [r.data.tags[f"{TAG}cached"] for r in _runs("P")] == ["no", "yes", "yes"]
-    assert [r.data.tags[f"{TAG}cached"] for r in _runs("1E")] == ["no", "yes", "no"]
+
+    bundle = Path(_runs("X")[-1].data.tags[f"{TAG}artifact"]) / "bundle"
+    inspect = subprocess.run([sys.executable, "-m", "kibidango", "inspect", str(bundle)], capture_output=True, text=True)
+    assert inspect.returncode == 0 and "every sha256 verified" in inspect.stdout, inspect.stderr
+    meta = json.loads((bundle / "bundle.json").read_text())
+    assert set(meta["tiers"]) == {"draft", "qualifier", "target"}
+    assert {"0", "P", "1A", "1E", "2A", "2B", "2C", "2D", "2F", "3", "4", "5"} <= set(meta["stage_cache_keys"])
+    gguf = _runs("2D")[0].data.metrics
+    assert gguf["target_token_agreement"] >= 0.95  # the plan's gate
+    for tier in ("draft", "qualifier", "target"):
+        assert gguf[f"{tier}_gguf_bytes"] < gguf[f"{tier}_f16_bytes"] < gguf[f"{tier}_hf_bytes"]
+    assert _runs("2A")[0].data.metrics["sparsity"] > 0.45
     kd = _runs("1E")[0].data.metrics
     # KD helps: the distilled draft agrees with the target more than the same draft before KD.
     assert kd["draft_expected_acceptance_after"] > kd["draft_expected_acceptance_before"]

@@ -59,7 +59,10 @@ def fallback_tensors(log: Path) -> int:
 def quantize(src: Path, out: Path, qtype: str, threads: int = 0) -> Path:
     """``llama_model_quantize(src -> out)`` to ``qtype`` (llama.cpp's names: Q5_K_M, Q4_K_M, ...);
     llama.cpp's report goes to ``<out>.log``."""
-    import llama_cpp
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise KibidangoError("stage 2D needs llama-cpp-python (the runtime's llamacpp extra); remedy: make setup") from e
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}", None) if qtype != "F32" else llama_cpp.LLAMA_FTYPE_ALL_F32
     if ftype is None or qtype not in QUANT_TYPES:
