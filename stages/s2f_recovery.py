@@ -31,9 +31,9 @@ from pydantic import Field, model_validator
 
 from eval import lm
 from stages.compression.measure import validation_loss
+from stages.adapter_manifest import write_adapter_manifest
 from stages.contract import KibidangoError, StageConfig, StageResult
 from stages.progress import Progress
-from stages.store import file_sha256
 from stages.training import axolotl
 from stages.training.chat import axolotl_dataset, load_split, messages, write_jsonl
 from stages.training.models import copy_tokenizer, resolve_base, tokenizer_type
@@ -132,14 +132,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "hardest_mean_loss": sum(losses[i] for i in hardest) / len(hardest), "all_mean_loss": sum(losses) / len(losses),
         "train_loss_final": last.get("loss", float("nan")),
     }  # fmt: skip
-    files = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
-    manifest = {
-        "schema": 1, "domain": "recovery", "base_tier": cfg.tier, "base_model": f"stage 2B {cfg.tier} (AWQ, compressed-tensors)",
-        "lora": cfg.train.lora.model_dump(),
-        "formats": {"peft": [{"path": f, "size": (out_dir / f).stat().st_size, "sha256": file_sha256(out_dir / f)} for f in files]},
-        "metrics": metrics,
-    }  # fmt: skip
-    (out_dir / "adapter.json").write_text(json.dumps(manifest, indent=2))
+    write_adapter_manifest(out_dir, {"peft": ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]},
+                           domain="recovery", base_tier=cfg.tier, base_model=f"stage 2B {cfg.tier} (AWQ, compressed-tensors)",
+                           lora=cfg.train.lora.model_dump(), metrics=metrics)  # fmt: skip
     (out_dir / "recovery.json").write_text(json.dumps(metrics, indent=2))
     summary = (f"stage 2F: validation perplexity reference {ref['perplexity']:.2f}, compressed {comp['perplexity']:.2f}, "
                f"compressed + recovery LoRA {rec['perplexity']:.2f} ({metrics['recovered_share']:.0%} of the loss recovered; "

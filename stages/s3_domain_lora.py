@@ -13,7 +13,6 @@ manifest the runtime reads to lazy-load the adapter: domain, base, formats, file
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -22,9 +21,9 @@ import yaml
 from pydantic import Field, model_validator
 
 from eval import lm
+from stages.adapter_manifest import write_adapter_manifest
 from stages.contract import KibidangoError, StageConfig, StageResult
 from stages.llama_cpp_tools import convert_lora_to_gguf
-from stages.store import file_sha256
 from stages.training import axolotl
 from stages.training.chat import axolotl_dataset, load_split, messages, write_jsonl
 from stages.training.models import resolve_base, tokenizer_type
@@ -100,14 +99,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     if cfg.gguf and Path(base).is_dir():
         convert_lora_to_gguf(adapter, base, out_dir / "adapter.gguf", "f32")
         files["gguf"] = ["adapter.gguf"]
-    manifest = {
-        "schema": 1, "domain": cfg.domain, "base_tier": cfg.tier, "base_model": base,
-        "lora": cfg.train.lora.model_dump(),
-        "formats": {fmt: [{"path": f, "size": (out_dir / f).stat().st_size, "sha256": file_sha256(out_dir / f)} for f in fs]
-                    for fmt, fs in files.items()},
-        "metrics": metrics,
-    }  # fmt: skip
-    (out_dir / "adapter.json").write_text(json.dumps(manifest, indent=2))
+    write_adapter_manifest(out_dir, files, domain=cfg.domain, base_tier=cfg.tier, base_model=base,
+                           lora=cfg.train.lora.model_dump(), metrics=metrics)  # fmt: skip
     summary = (f"domain {cfg.domain}: validation loss {metrics['domain_val_loss_base']:.3f} -> "
                f"{metrics['domain_val_loss_adapter']:.3f} with the adapter ({len(own)} rows); all domains "
                f"{metrics['all_val_loss_base']:.3f} -> {metrics['all_val_loss_adapter']:.3f}")  # fmt: skip

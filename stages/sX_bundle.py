@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kibidango.bundle import TIER_ORDER
 from pydantic import Field
 
 from stages.compression.card import bundle_card, lineage
@@ -31,7 +32,6 @@ from stages.contract import KibidangoError, StageConfig, StageResult
 STAGE_ID = "X"
 NAME = "bundle-export"
 
-TIERS = ("draft", "qualifier", "target")
 
 
 class Config(StageConfig):
@@ -54,7 +54,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             raise KibidangoError(f"stage X: input {name!r} is not wired (add it to the preset's needs of stage X)")
     metrics = {name: _manifest(path).get("metrics", {}) for name, path in inputs.items()}
     tiers: dict[str, dict[str, Any]] = {}
-    for tier in TIERS:
+    for tier in TIER_ORDER:
         if tier not in cfg.hf_tiers:
             continue
         hf = inputs[cfg.hf_tiers[tier]] / tier

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kibidango.bundle import TIER_ORDER
+
 __all__ = ["lineage", "bundle_card", "size_table"]
 
-TIERS = ("draft", "qualifier", "target")
 
 
 def lineage(inputs: dict[str, Path]) -> dict[str, dict[str, Any]]:
@@ -51,7 +52,7 @@ def size_table(stages: dict[str, dict[str, Any]]) -> str:
     rows = ["| tier | full precision | GGUF F16 | AWQ W4A16 | GGUF quantized | bits/weight (GGUF) |", "|---|---:|---:|---:|---:|---:|"]
     ppl = ["| tier | full precision | pruned (2A) | AWQ (2B/2C) | AWQ + recovery LoRA (2F) | GGUF | GGUF token agreement |",
            "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for tier in TIERS:
+    for tier in TIER_ORDER:
         if f"{tier}_gguf_bytes" not in g:
             continue
         awq = m.get("2B" if tier == "target" else "2C", {})
