@@ -21,7 +21,7 @@ import torch
 
 from stages.training.chat import encode, messages
 
-__all__ = ["Prompt", "load_causal_lm", "parameters", "response_loss", "held_out_prompts", "target_paths",
+__all__ = ["Prompt", "load_causal_lm", "parameters", "response_loss", "row_losses", "held_out_prompts", "target_paths",
            "agreement", "runtime_acceptance"]  # fmt: skip
 
 
@@ -49,16 +49,13 @@ def parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def response_loss(model, tokenizer, rows: list[dict], max_len: int, batch: int = 16) -> dict[str, float]:
-    """Mean cross-entropy per response token (the tokens after the prompt; every token after BOS
-    for plain text) over ``rows``, and its perplexity."""
+def _response_nll(model, tokenizer, rows: list[dict], max_len: int, batch: int) -> list[tuple[float, int]]:
+    """(summed cross-entropy, token count) over the response tokens of each row, in order."""
     encoded = [encode(tokenizer, messages(r), max_len) for r in rows]
-    total, count = 0.0, 0
+    out: list[tuple[float, int]] = []
     with torch.inference_mode():
         for i in range(0, len(encoded), batch):
-            chunk = [(ids, start) for ids, start in encoded[i : i + batch] if len(ids) > start]
-            if not chunk:
-                continue
+            chunk = encoded[i : i + batch]
             width = max(len(ids) for ids, _ in chunk)
             x = torch.zeros(len(chunk), width, dtype=torch.long)
             labels = torch.full((len(chunk), width), -100, dtype=torch.long)
@@ -66,15 +63,27 @@ def response_loss(model, tokenizer, rows: list[dict], max_len: int, batch: int =
             for j, (ids, start) in enumerate(chunk):
                 x[j, : len(ids)] = torch.tensor(ids)
                 mask[j, : len(ids)] = 1
-                labels[j, start : len(ids)] = torch.tensor(ids[start:])
+                if len(ids) > start:
+                    labels[j, start : len(ids)] = torch.tensor(ids[start:])
             logits = model(input_ids=x.to(model.device), attention_mask=mask.to(model.device)).logits[:, :-1].float().cpu()
             target = labels[:, 1:]
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                                    ignore_index=-100, reduction="sum")  # fmt: skip
-            total += nll.item()
-            count += int((target != -100).sum())
-    loss = total / max(count, 1)
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+            out += [(float(nll[j].sum()), int((target[j] != -100).sum())) for j in range(len(chunk))]
+    return out
+
+
+def response_loss(model, tokenizer, rows: list[dict], max_len: int, batch: int = 16) -> dict[str, float]:
+    """Mean cross-entropy per response token (the tokens after the prompt; every token after BOS
+    for plain text) over ``rows``, and its perplexity."""
+    per_row = _response_nll(model, tokenizer, rows, max_len, batch)
+    count = sum(n for _, n in per_row)
+    loss = sum(t for t, _ in per_row) / max(count, 1)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": float(count)}
+
+
+def row_losses(model, tokenizer, rows: list[dict], max_len: int, batch: int = 16) -> list[float]:
+    """Mean cross-entropy per response token of each row (nan for a row with no response token)."""
+    return [t / n if n else float("nan") for t, n in _response_nll(model, tokenizer, rows, max_len, batch)]
 
 
 @dataclass

@@ -27,6 +27,17 @@ def _git_sha() -> str:
         return "unknown"
 
 
+def _resolve_lazy_imports() -> None:
+    """transformers resolves its top-level names lazily, and that is not thread-safe: two stage
+    tasks importing ``AutoTokenizer`` at the same moment failed with "cannot import name
+    'AutoTokenizer' from 'transformers'". Resolve the names the stages use once, before any task
+    thread starts."""
+    import transformers
+
+    for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "LlamaConfig", "LlamaForCausalLM"):
+        getattr(transformers, name)
+
+
 @flow(name="kibidango", log_prints=True)
 def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: list[str] | None = None) -> dict[str, Artifact]:
     """Run a preset's stages; ``force`` recomputes those stage ids even on a cache hit, and
@@ -44,6 +55,7 @@ def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: li
     )  # fmt: skip
     ctx = RunContext(plan.name, plan.experiment, str(store().root), parent, prefect_id, tuple(force or ()))
     ok = False
+    _resolve_lazy_imports()
     try:
         futures = {}
         for sid in plan.order():

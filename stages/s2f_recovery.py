@@ -99,11 +99,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         raise KibidangoError(f"stage 2F: stage 0's train split ({data}) is empty")
     model = lm.load_causal_lm(base)
     progress = Progress("2F: scoring rows under the compressed model", len(rows), log)
-    losses = []
-    for i, row in enumerate(rows):
-        losses.append(lm.response_loss(model, tokenizer, [row], cfg.train.sequence_len)["loss"])
-        progress.update(i + 1)
+    losses: list[float] = []
+    for i in range(0, len(rows), 256):
+        losses += lm.row_losses(model, tokenizer, rows[i : i + 256], cfg.train.sequence_len)
+        progress.update(len(losses))
     progress.finish(len(rows))
+    losses = [x if x == x else -1.0 for x in losses]  # a row with no response token is never "hard"
     del model
     hardest = sorted(range(len(rows)), key=lambda i: -losses[i])[: cfg.hardest_rows]
     write_jsonl(out_dir / "hardest.jsonl", ({"row": i, "loss": losses[i]} for i in hardest))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +25,11 @@ from stages.training.models import copy_tokenizer
 __all__ = ["calibration_dataset", "compress", "read_recipe"]
 
 log = logging.getLogger("kibidango.stage.llmc")
+
+_ONE_AT_A_TIME = threading.Lock()
+"""llm-compressor keeps its compression session in process-global state (``active_session()``):
+two ``oneshot`` calls in one process at once (stages 2A and 2C run as parallel Prefect tasks)
+corrupt each other ("module is not installed as a submodule"). They take turns."""
 
 
 def read_recipe(path: str | Path, stage: str) -> str:
@@ -81,7 +88,7 @@ def compress(model_dir: str, recipe: Path, data_dir: Path, out: Path, *, stage: 
     """Run ``oneshot(recipe)`` on the transformers model in ``model_dir`` with stage-0
     calibration rows and save the result (compressed-tensors format where ``save_compressed``)
     with the family's tokenizer files into ``out``. llm-compressor's own log (per-layer errors)
-    goes to ``log_file``; the console gets its warnings."""
+    goes to ``log_file``; the console gets its errors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -90,7 +97,6 @@ def compress(model_dir: str, recipe: Path, data_dir: Path, out: Path, *, stage: 
     except ImportError as e:
         raise KibidangoError(f"stage {stage}: llm-compressor is not installed; remedy: make setup (pip install llmcompressor)") from e
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    configure_logger(LoggerConfig(console_log_level="WARNING", log_file=str(log_file), log_file_level="INFO"))
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = calibration_dataset(data_dir, tokenizer, samples, max_len, seed)
@@ -98,10 +104,17 @@ def compress(model_dir: str, recipe: Path, data_dir: Path, out: Path, *, stage: 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(seed)
     log.info(f"stage {stage}: llm-compressor oneshot {recipe.name} on {model_dir} ({len(dataset)} calibration rows, <= {max_len} tokens)")
+    started = time.monotonic()
     try:
-        with _cpu_without_pinned_memory():
+        # llm-compressor's nested per-layer progress bars (tqdm, on sys.stderr) go to a file beside its log
+        with _ONE_AT_A_TIME, _cpu_without_pinned_memory(), open(log_file.with_suffix(".progress.txt"), "a") as bars, \
+                contextlib.redirect_stderr(bars):
+            configure_logger(LoggerConfig(console_log_level="ERROR", log_file=str(log_file), log_file_level="INFO"))
+            log.info(f"stage {stage}: llm-compressor oneshot {recipe.name} started (per-layer progress: {bars.name})")
             oneshot(model=model, dataset=dataset, recipe=str(recipe), max_seq_length=max_len,
                     num_calibration_samples=len(dataset), shuffle_calibration_samples=False)  # fmt: skip
+            out.mkdir(parents=True, exist_ok=True)  # saving reads the session too (recipe.yaml)
+            model.save_pretrained(str(out), save_compressed=save_compressed)
     except torch.OutOfMemoryError as e:
         raise KibidangoError(
             f"stage {stage}: out of memory while compressing {model_dir} ({e.__class__.__name__}); remedy: fewer "
@@ -113,6 +126,5 @@ def compress(model_dir: str, recipe: Path, data_dir: Path, out: Path, *, stage: 
             remedy = ("\nremedy: a group_size that divides every listed width, or per-channel weights "
                       "(strategy: channel, as recipes/stage2B/awq-w4a16-channel.llmc.yaml)")
         raise KibidangoError(f"stage {stage}: llm-compressor refused recipe {recipe}:\n{e}{remedy}") from e
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), save_compressed=save_compressed)
+    log.info(f"stage {stage}: llm-compressor oneshot done in {time.monotonic() - started:.0f}s")
     copy_tokenizer(Path(model_dir), out)
