@@ -5,7 +5,10 @@
    a form axolotl loads without compressed-tensors.
 2. Every candidate row of stage 0's train split is scored under the compressed model; the
    ``hardest_rows`` with the highest response-token loss are the training set (the plan: the
-   hardest 5K examples).
+   hardest 5K examples). ``selection: loss_increase`` ranks by the loss compression *added*
+   (compressed minus reference model) instead: the highest absolute losses are often rows the
+   model never could predict (code in a story model's byte-level tokens), and a LoRA fitted to
+   them moves the model away from everything else.
 3. axolotl trains a LoRA on them (``train``: a TrainRecipe, unmerged LoRA).
 4. Validation perplexity of the reference model (before compression, the ``reference`` input),
    the compressed model, and the compressed model with the LoRA; recovered = the share of the
@@ -25,6 +28,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, model_validator
@@ -50,6 +54,9 @@ log = logging.getLogger("kibidango.stage.recovery")
 class Config(StageConfig):
     tier: str = Field("target", description="Tier of the `compressed` (and `reference`) input to recover.")
     hardest_rows: int = Field(5000, gt=0, description="Train on this many highest-loss rows (the plan: 5K).")
+    selection: Literal["loss", "loss_increase"] = Field(
+        "loss", description="Rank rows by loss under the compressed model, or by how much compression raised it."
+    )
     candidate_rows: int | None = Field(None, gt=0, description="Score only the first N train rows (None: all).")
     train: TrainRecipe
     eval_rows: int = Field(200, gt=0, description="Stage-0 validation rows (the rows 2A-2D use).")
@@ -85,6 +92,18 @@ def decompress(compressed: Path, dest: Path) -> Path:
     return dest
 
 
+def _score(model_dir: Path, tokenizer, rows: list[dict], max_len: int, label: str) -> list[float]:
+    """Per-row response loss under ``model_dir``; a row with no response token scores -1 (never hard)."""
+    model = lm.load_causal_lm(model_dir)
+    progress = Progress(f"2F: scoring rows under the {label} model", len(rows), log)
+    losses: list[float] = []
+    for i in range(0, len(rows), 256):
+        losses += lm.row_losses(model, tokenizer, rows[i : i + 256], max_len)
+        progress.update(len(losses))
+    progress.finish(len(rows))
+    return [x if x == x else -1.0 for x in losses]
+
+
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
@@ -97,17 +116,13 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     rows = load_split(data, "train", limit=cfg.candidate_rows)
     if not rows:
         raise KibidangoError(f"stage 2F: stage 0's train split ({data}) is empty")
-    model = lm.load_causal_lm(base)
-    progress = Progress("2F: scoring rows under the compressed model", len(rows), log)
-    losses: list[float] = []
-    for i in range(0, len(rows), 256):
-        losses += lm.row_losses(model, tokenizer, rows[i : i + 256], cfg.train.sequence_len)
-        progress.update(len(losses))
-    progress.finish(len(rows))
-    losses = [x if x == x else -1.0 for x in losses]  # a row with no response token is never "hard"
-    del model
-    hardest = sorted(range(len(rows)), key=lambda i: -losses[i])[: cfg.hardest_rows]
-    write_jsonl(out_dir / "hardest.jsonl", ({"row": i, "loss": losses[i]} for i in hardest))
+    losses = _score(base, tokenizer, rows, cfg.train.sequence_len, "compressed")
+    rank = losses
+    if cfg.selection == "loss_increase":
+        reference_losses = _score(reference, tokenizer, rows, cfg.train.sequence_len, "reference")
+        rank = [a - b for a, b in zip(losses, reference_losses)]
+    hardest = sorted(range(len(rows)), key=lambda i: -rank[i])[: cfg.hardest_rows]
+    write_jsonl(out_dir / "hardest.jsonl", ({"row": i, "loss": losses[i], "rank_score": rank[i]} for i in hardest))
     data_file = work_dir / "data" / "hardest.jsonl"
     write_jsonl(data_file, ({"messages": messages(rows[i])} for i in hardest))
     log.info(f"2F: {len(hardest):,} hardest of {len(rows):,} rows (loss {losses[hardest[-1]]:.3f} .. {losses[hardest[0]]:.3f})")
@@ -128,7 +143,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     metrics = {
         "val_perplexity_reference": ref["perplexity"], "val_perplexity_compressed": comp["perplexity"],
         "val_perplexity_recovered": rec["perplexity"],
-        "recovered_share": (comp["perplexity"] - rec["perplexity"]) / lost if lost > 0 else 0.0,
+        # share of the compression cost won back; only defined where compression cost > 1% perplexity
+        "recovered_share": (comp["perplexity"] - rec["perplexity"]) / lost if lost > 0.01 * ref["perplexity"] else float("nan"),
         "hardest_rows": float(len(hardest)), "candidate_rows": float(len(rows)),
         "hardest_mean_loss": sum(losses[i] for i in hardest) / len(hardest), "all_mean_loss": sum(losses) / len(losses),
         "train_loss_final": last.get("loss", float("nan")),
@@ -137,7 +153,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
                            domain="recovery", base_tier=cfg.tier, base_model=f"stage 2B {cfg.tier} (AWQ, compressed-tensors)",
                            lora=cfg.train.lora.model_dump(), metrics=metrics)  # fmt: skip
     (out_dir / "recovery.json").write_text(json.dumps(metrics, indent=2))
+    share = metrics["recovered_share"]
     summary = (f"stage 2F: validation perplexity reference {ref['perplexity']:.2f}, compressed {comp['perplexity']:.2f}, "
-               f"compressed + recovery LoRA {rec['perplexity']:.2f} ({metrics['recovered_share']:.0%} of the loss recovered; "
-               f"{len(hardest):,} hardest rows)")  # fmt: skip
+               f"compressed + recovery LoRA {rec['perplexity']:.2f} ("
+               + (f"{share:.0%} of the compression cost recovered" if share == share else "compression cost under 1%: nothing to recover")
+               + f"; {len(hardest):,} rows by {cfg.selection})")  # fmt: skip
     return StageResult(metrics, ["recovery.json", "adapter.json", "axolotl.yaml"], summary)

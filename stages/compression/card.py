@@ -86,10 +86,13 @@ def bundle_card(preset: str, metrics: dict[str, dict], adapters: list[dict], sta
                   f"tensors (least/most sparse tensor {a['sparsity_min_tensor']:.1%}/{a['sparsity_max_tensor']:.1%}).", ""]  # fmt: skip
     if "recovered_share" in m.get("2F", {}):
         f = m["2F"]
-        lines += [f"Recovery LoRA (2F): trained on the {int(f['hardest_rows'])} highest-loss of {int(f['candidate_rows'])} "
-                  f"training rows; it wins back {f['recovered_share']:.0%} of the perplexity compression cost "
-                  f"({f['val_perplexity_reference']:.2f} before compression, {f['val_perplexity_compressed']:.2f} after, "
-                  f"{f['val_perplexity_recovered']:.2f} with the LoRA).", ""]  # fmt: skip
+        share = f["recovered_share"]
+        verdict = (f"it wins back {share:.0%} of the perplexity compression cost" if share == share
+                   else "compression cost under 1% perplexity, so there was nothing to win back")  # fmt: skip
+        lines += [f"Recovery LoRA (2F): trained on {int(f['hardest_rows'])} of {int(f['candidate_rows'])} training rows, the "
+                  f"hardest for the compressed target; {verdict} ({f['val_perplexity_reference']:.2f} before compression, "
+                  f"{f['val_perplexity_compressed']:.2f} after, {f['val_perplexity_recovered']:.2f} with the LoRA). The adapter "
+                  "ships under adapters/recovery and is applied only on request.", ""]  # fmt: skip
     if adapters:
         lines += ["## Adapters", "", "| domain | path | base tier | formats | validation loss without -> with |", "|---|---|---|---|---|"]
         by_input = {a["stage_input"]: a for a in adapters}
