@@ -12,15 +12,16 @@ import mlflow
 import pytest
 import yaml
 
+from eval.shared_data import SHARED
 from flows.tracking import TAG
 from tests.test_flow import _cli
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K" / "hf"
+STORIES = SHARED / "models" / "stories260K" / "hf"
 SMALL = {"calibration_samples": 8, "calibration_max_len": 64, "eval_rows": 8, "eval_max_len": 64}
 
 
 def _preset(tmp_path: Path) -> Path:
-    source = STORIES.parents[2] / "data" / "tinystories_sample" / "tiny_stories.txt"
+    source = SHARED / "data" / "tinystories_sample" / "tiny_stories.txt"
     stages = {
         "0": {"config": {"sources": [{"name": "s", "path": str(source), "format": "text", "text_split": "single_newline",
                                       "limit": 300, "license": "CDLA-Sharing-1.0"}],
