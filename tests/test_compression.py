@@ -204,3 +204,13 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
     victim.write_bytes(bytes(data_bytes))
     with pytest.raises(BundleError, match=r"tiers/draft/gguf/draft-Q8_0\.gguf does not match its sha256"):
         load_bundle(out / "bundle")
+
+
+def test_a_missing_llama_cpp_names_the_stage_and_the_remedy(tmp_path, monkeypatch):
+    import sys
+
+    from stages.compression.gguf import quantize
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the llamacpp extra were not installed
+    with pytest.raises(KibidangoError, match=r"stage 2D needs llama-cpp-python .* remedy: make setup"):
+        quantize(tmp_path / "m-F16.gguf", tmp_path / "m-Q8_0.gguf", "Q8_0")
