@@ -7,6 +7,7 @@ import os
 import subprocess
 
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.runtime import flow_run
 
 from flows.preset import PRESETS_DIR, REPO_ROOT, load_preset
@@ -38,7 +39,14 @@ def _resolve_lazy_imports() -> None:
         getattr(transformers, name)
 
 
-@flow(name="kibidango", log_prints=True)
+STAGE_WORKERS = int(os.environ.get("KIBIDANGO_STAGE_WORKERS", "1"))
+"""Stages that may run at once (Prefect task threads). One by default: llm-compressor's oneshot
+traces models with torch.fx, which patches ``torch.nn.Module.__call__`` for the whole process, so
+any other stage's forward pass during 2A-2C failed ("module is not installed as a submodule");
+and on a 2-core machine parallel stages only share the cores (axolotl runs one at a time anyway)."""
+
+
+@flow(name="kibidango", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=STAGE_WORKERS))
 def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: list[str] | None = None) -> dict[str, Artifact]:
     """Run a preset's stages; ``force`` recomputes those stage ids even on a cache hit, and
     ``overrides`` (``STAGE.KEY=VALUE``) change single config values for this run."""
