@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
+import torch
 import yaml
 from pydantic import Field, model_validator
 
@@ -76,17 +77,33 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
 
 def decompress(compressed: Path, dest: Path) -> Path:
     """A dense copy of a compressed-tensors checkpoint (weights dequantized, no
-    ``quantization_config``), with the family's tokenizer files."""
-    from transformers import AutoModelForCausalLM
+    ``quantization_config``), with the family's tokenizer files.
+
+    transformers decompresses the weights in memory on load, but ``save_pretrained`` of that model
+    compresses them again (weight_packed, weight_scale); with the quantization config dropped,
+    those tensors are "unexpected" and the Linear weights come back *randomly initialised*
+    (measured: perplexity 37.69 -> 378.66). So after one forward pass (which makes
+    compressed-tensors decompress the weights in memory) the dense weights are copied into a
+    fresh model of the same architecture, every key accounted for, and that model is saved."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if (dest / "config.json").is_file():  # an earlier attempt of this very key did it
         return dest
-    model = AutoModelForCausalLM.from_pretrained(str(compressed))
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    quantized = AutoModelForCausalLM.from_pretrained(str(compressed))
+    with torch.no_grad():  # compressed-tensors decompresses the weights in memory on the first forward pass
+        quantized(input_ids=torch.tensor([[quantized.config.bos_token_id or 1]]))
+    config = AutoConfig.from_pretrained(str(compressed))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    dense = AutoModelForCausalLM.from_config(config)
+    weights = quantized.state_dict()
+    missing = [k for k in dense.state_dict() if k not in weights]
+    if missing:
+        raise KibidangoError(f"stage 2F: {compressed} decompressed without dense weights for {missing[:4]}")
+    dense.load_state_dict({k: weights[k] for k in dense.state_dict()}, strict=True)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
+    dense.save_pretrained(str(tmp))
     copy_tokenizer(compressed, tmp)
     tmp.rename(dest)
     return dest
@@ -138,6 +155,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
 
     ref = validation_loss(reference, data, cfg.eval_rows, cfg.eval_max_len)
     comp = validation_loss(compressed, data, cfg.eval_rows, cfg.eval_max_len)
+    dense = validation_loss(base, data, cfg.eval_rows, cfg.eval_max_len)
+    if abs(dense["loss"] - comp["loss"]) > 1e-3 * max(comp["loss"], 1e-9):  # the LoRA's base must be the compressed model
+        raise KibidangoError(f"stage 2F: the decompressed base {base} does not reproduce {compressed} "
+                             f"(validation loss {dense['loss']:.4f} vs {comp['loss']:.4f})")  # fmt: skip
     rec = validation_loss(base, data, cfg.eval_rows, cfg.eval_max_len, adapter=adapter)
     lost = comp["perplexity"] - ref["perplexity"]
     metrics = {
