@@ -6,9 +6,9 @@
 2. Every candidate row of stage 0's train split is scored under the compressed model; the
    ``hardest_rows`` with the highest response-token loss are the training set (the plan: the
    hardest 5K examples). ``selection: loss_increase`` ranks by the loss compression *added*
-   (compressed minus reference model) instead: the highest absolute losses are often rows the
-   model never could predict (code in a story model's byte-level tokens), and a LoRA fitted to
-   them moves the model away from everything else.
+   (compressed minus reference model) instead: the highest absolute losses are mostly rows the
+   model never could predict (on the tiny family: code in the stories tokenizer's byte pieces),
+   not rows compression damaged.
 3. axolotl trains a LoRA on them (``train``: a TrainRecipe, unmerged LoRA).
 4. Validation perplexity of the reference model (before compression, the ``reference`` input),
    the compressed model, and the compressed model with the LoRA; recovered = the share of the

@@ -78,7 +78,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     shutil.copy2(root / "BUNDLE_CARD.md", out_dir / "BUNDLE_CARD.md")
     files = bundle.meta["files"]
     result = {"files": float(len(files)), "bundle_bytes": float(sum(f["size"] for f in files))}
-    summary = f"bundle: {root} ({len(files)} files, {result['bundle_bytes'] / 1e6:.2f} MB); card: {out_dir / 'BUNDLE_CARD.md'}"
+    summary = f"stage X: bundle/ with {len(files)} files, {result['bundle_bytes'] / 1e6:.2f} MB, and BUNDLE_CARD.md"
     return StageResult(result, ["BUNDLE_CARD.md"], summary)
 
 
