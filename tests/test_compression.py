@@ -100,6 +100,14 @@ def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, da
     assert result.metrics["draft_val_perplexity_after"] < 2 * result.metrics["draft_val_perplexity_before"]
     model = TorchModel(out, name="draft")
     assert model.new_session().feed([1, 403, 407]).shape == (3, 512)
+    # 2F's dense copy reproduces the compressed model (a plain save/reload re-initialised its Linear weights)
+    from stages.compression.measure import validation_loss
+    from stages.s2f_recovery import decompress
+
+    dense = decompress(out, tmp_path / "dense")
+    assert "quantization_config" not in json.loads((dense / "config.json").read_text())
+    a, b = (validation_loss(p, data / "dataset", 8, 64)["loss"] for p in (out, dense))
+    assert abs(a - b) < 1e-4 * a
 
 
 def test_a_group_size_the_widths_do_not_allow_names_the_stage(family, data, tmp_path):
