@@ -14,7 +14,6 @@ recipe as run), ``prune.json`` (metrics).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from pydantic import Field
@@ -22,14 +21,11 @@ from pydantic import Field
 from stages.compression import llmc
 from stages.compression.measure import validation_loss, weight_bytes, weight_sparsity
 from stages.contract import KibidangoError, StageConfig, StageResult
-from stages.store import file_sha256
 from stages.training.models import resolve_base
 
 STAGE_ID = "2A"
 NAME = "prune"
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class Config(StageConfig):
@@ -44,26 +40,18 @@ class Config(StageConfig):
     seed: int = 0
 
 
-def recipe_path(cfg: Config) -> Path:
-    p = Path(cfg.recipe)
-    return p if p.is_absolute() else REPO_ROOT / p
-
-
 def external_inputs(cfg: Config) -> dict[str, str]:
-    p = recipe_path(cfg)
-    return {"recipe": file_sha256(p) if p.is_file() else "missing"}
+    return llmc.recipe_digest(cfg.recipe)
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     source = resolve_base(cfg.base_model, inputs.get("model"), cfg.tier, STAGE_ID)
-    recipe = recipe_path(cfg)
+    recipe = llmc.recipe_file(cfg.recipe)
     (out_dir / "llmcompressor_recipe.yaml").write_text(llmc.read_recipe(recipe, STAGE_ID))
     data = inputs["data"] / "dataset"
     pruned = out_dir / cfg.tier
     llmc.compress(source, recipe, data, pruned, stage=STAGE_ID, samples=cfg.calibration_samples,
                   max_len=cfg.calibration_max_len, seed=cfg.seed, save_compressed=False, log_file=out_dir / "logs" / "llmcompressor.log")  # fmt: skip
-    for leftover in ("recipe.yaml",):  # oneshot's own copy; ours is llmcompressor_recipe.yaml
-        (pruned / leftover).unlink(missing_ok=True)
 
     sparsity = weight_sparsity(pruned)
     if sparsity["sparsity"] < cfg.min_sparsity:
@@ -80,9 +68,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         "weight_bytes": float(weight_bytes(pruned)),
     }  # fmt: skip
     (out_dir / "prune.json").write_text(json.dumps({"source": source, "metrics": metrics}, indent=2))
-    if not (pruned / "config.json").is_file():
-        shutil.rmtree(pruned, ignore_errors=True)
-        raise KibidangoError(f"stage 2A: llm-compressor saved no config.json into {pruned}")
     summary = (f"stage 2A: {cfg.tier} pruned to {sparsity['sparsity']:.1%} zeros in the saved decoder weights "
                f"(2:4 groups {sparsity['share_2of4_groups']:.1%}); validation perplexity "
                f"{before['perplexity']:.2f} -> {after['perplexity']:.2f}")  # fmt: skip

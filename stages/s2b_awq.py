@@ -17,7 +17,6 @@ Outputs: ``<tier>/`` per tier (compressed-tensors checkpoint + tokenizer),
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 from pydantic import Field
@@ -25,15 +24,11 @@ from pydantic import Field
 from stages.compression import llmc
 from stages.compression.measure import validation_loss, weight_bytes
 from stages.contract import KibidangoError, StageConfig, StageResult
-from stages.store import file_sha256
 from stages.training.models import resolve_base
 
 STAGE_ID = "2B"
 NAME = "awq"
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-log = logging.getLogger("kibidango.stage.awq")
 
 
 class Config(StageConfig):
@@ -49,18 +44,12 @@ class Config(StageConfig):
     seed: int = 0
 
 
-def recipe_path(cfg: Config) -> Path:
-    p = Path(cfg.recipe)
-    return p if p.is_absolute() else REPO_ROOT / p
-
-
 def external_inputs(cfg: Config) -> dict[str, str]:
-    p = recipe_path(cfg)
-    return {"recipe": file_sha256(p) if p.is_file() else "missing"}
+    return llmc.recipe_digest(cfg.recipe)
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
-    recipe = recipe_path(cfg)
+    recipe = llmc.recipe_file(cfg.recipe)
     (out_dir / "llmcompressor_recipe.yaml").write_text(llmc.read_recipe(recipe, STAGE_ID))
     data = inputs["data"] / "dataset"
     metrics: dict[str, float] = {}
@@ -70,7 +59,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         quantized = out_dir / tier
         llmc.compress(source, recipe, data, quantized, stage=f"AWQ ({tier})", samples=cfg.calibration_samples,
                       max_len=cfg.calibration_max_len, seed=cfg.seed, save_compressed=True, log_file=out_dir / "logs" / f"llmcompressor-{tier}.log")  # fmt: skip
-        (quantized / "recipe.yaml").unlink(missing_ok=True)  # oneshot's copy; ours is llmcompressor_recipe.yaml
         qconfig = json.loads((quantized / "config.json").read_text()).get("quantization_config", {})
         if qconfig.get("quant_method") != "compressed-tensors":
             raise KibidangoError(f"AWQ ({tier}): {quantized}/config.json has no compressed-tensors quantization_config; is {recipe} a quantization recipe?")

@@ -17,14 +17,13 @@ Outputs: ``<tier>/<tier>-<QUANT>.gguf`` per tier (and llama.cpp's quantization l
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from eval import lm
 from stages.compression.gguf import QUANT_TYPES, fallback_tensors, gguf_response_loss, quantize, token_agreement
-from stages.compression.measure import validation_loss, weight_bytes
+from stages.compression.measure import weight_bytes
 from stages.contract import KibidangoError, StageConfig, StageResult
 from stages.llama_cpp_tools import convert_hf_to_gguf
 from stages.training.chat import load_split
@@ -33,8 +32,6 @@ from stages.training.models import resolve_base
 STAGE_ID = "2D"
 NAME = "gguf-export"
 LIBRARIES = ("llama_cpp_python", "transformers", "torch")
-
-log = logging.getLogger("kibidango.stage.gguf")
 
 
 class TierExport(BaseModel):
@@ -80,7 +77,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         hf, model = TorchModel(hf_dir, name=tier), LlamaCppModel(gguf, name=tier)
         agreement = token_agreement(hf, model, tokenizer, prompts, cfg.new_tokens)
         loss = gguf_response_loss(model, tokenizer, rows, cfg.eval_max_len)
-        hf_loss = validation_loss(hf_dir, data, cfg.eval_rows, cfg.eval_max_len)
+        hf_loss = lm.response_loss(hf.hf, tokenizer, rows, cfg.eval_max_len)
         m = {
             "hf_bytes": float(weight_bytes(hf_dir)), "f16_bytes": float(f16_bytes), "gguf_bytes": float(gguf.stat().st_size),
             "bits_per_weight": 8 * gguf.stat().st_size / model.parameters(),

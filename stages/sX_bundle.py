@@ -42,17 +42,12 @@ class Config(StageConfig):
     runtime_defaults: dict[str, Any] = Field(default_factory=dict, description="Decoding defaults (mode, k, l_D, l_Q, tau_Q, tau_T, divergence, ...).")
 
 
-def _manifest(artifact: Path) -> dict:
-    return json.loads((artifact / "manifest.json").read_text())
-
-
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from kibidango.bundle import load_bundle, write_bundle
 
     for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *cfg.adapters]:
         if name not in inputs:
             raise KibidangoError(f"stage X: input {name!r} is not wired (add it to the preset's needs of stage X)")
-    metrics = {name: _manifest(path).get("metrics", {}) for name, path in inputs.items()}
     tiers: dict[str, dict[str, Any]] = {}
     for tier in TIER_ORDER:
         if tier not in cfg.hf_tiers:
@@ -69,6 +64,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
                        "quantization": {"hf": "AWQ W4A16 (compressed-tensors)", "gguf": ggufs[0].stem.split("-")[-1]}}  # fmt: skip
 
     stages = lineage(inputs)
+    metrics = {name: stages[path.parent.name]["metrics"] for name, path in inputs.items()}
     root = out_dir / "bundle"
     write_bundle(root, tiers, cfg.runtime_defaults, preset=cfg.preset, pipeline_git_sha=os.environ.get("KIBIDANGO_GIT_SHA", "unknown"),
                  stage_cache_keys={s: v["key"] for s, v in stages.items()},

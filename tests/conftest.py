@@ -22,6 +22,24 @@ def workspace(tmp_path, monkeypatch) -> Path:
     return home
 
 
+def noisy_copy(src: Path, dest: Path, rel: float, seed: int = 0) -> Path:
+    """A copy of the transformers checkpoint ``src`` (tokenizer files included) whose every weight
+    has Gaussian noise of ``rel`` times that tensor's spread added."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dest)
+    model = AutoModelForCausalLM.from_pretrained(str(src))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rel * p.std() * torch.randn_like(p))
+    model.save_pretrained(str(dest))
+    return dest
+
+
 def needs_shared() -> None:
     if not shared_available():
         pytest.skip(f"needs the shared data at {SHARED}/data (absent on this machine)")

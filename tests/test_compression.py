@@ -14,6 +14,7 @@ import torch
 
 from eval.shared_data import SHARED
 from stages.contract import KibidangoError
+from tests.conftest import noisy_copy
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
 LINES = (Path(__file__).resolve().parent.parent / "eval" / "prompts" / "stories.txt").read_text().splitlines()
@@ -144,17 +145,9 @@ def test_gguf_gate_fails_a_damaged_model_with_a_report(family, data, tmp_path, m
     """The converter is handed a damaged copy of the tier (weights with 30% noise), as a broken
     conversion would produce: the gate compares the GGUF with the real HF model and fails."""
     pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
-    from transformers import AutoModelForCausalLM
-
     import stages.s2d_gguf as s2d
 
-    damaged = shutil.copytree(STORIES, tmp_path / "damaged")  # the tokenizer files, then damaged weights
-    model = AutoModelForCausalLM.from_pretrained(str(STORIES))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * p.std() * torch.randn_like(p))
-    model.save_pretrained(str(damaged))
+    damaged = noisy_copy(STORIES, tmp_path / "damaged", 0.3)
     real = s2d.convert_hf_to_gguf
     monkeypatch.setattr(s2d, "convert_hf_to_gguf", lambda hf, out, outtype: real(damaged, out, outtype))
     with pytest.raises(KibidangoError) as err:

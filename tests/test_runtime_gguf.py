@@ -4,13 +4,12 @@ weights within float tolerance."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
 from eval.shared_data import SHARED
 from stages.llama_cpp_tools import convert_hf_to_gguf
+from tests.conftest import noisy_copy
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The cat was sad because", "One day, a big dog", "Tom had a red ball."]
@@ -25,19 +24,10 @@ def gguf_bundle(tmp_path_factory):
     pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
     if not (STORIES / "model.safetensors").is_file():
         pytest.skip(f"needs stories260K at {STORIES}")
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from kibidango import write_bundle
 
     root = tmp_path_factory.mktemp("gguf")
-    target = shutil.copytree(STORIES, root / "target_hf")
-    model = AutoModelForCausalLM.from_pretrained(str(STORIES))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.03 * p.std() * torch.randn_like(p))
-    model.save_pretrained(str(target))
+    target = noisy_copy(STORIES, root / "target_hf", 0.03)
     draft_gguf = convert_hf_to_gguf(STORIES, root / "draft.gguf", "f32")
     target_gguf = convert_hf_to_gguf(target, root / "target.gguf", "f32")
     tiers = {"draft": {"hf": STORIES, "gguf": draft_gguf}, "qualifier": {"hf": STORIES, "gguf": draft_gguf},

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kibidango.bundle import BundleError, _sha256
+from kibidango.bundle import BundleError, _sha256, read_json
 
 __all__ = ["Adapter", "AdapterSet"]
 
@@ -34,12 +34,7 @@ class Adapter:
     @classmethod
     def from_dir(cls, root: str | Path) -> "Adapter":
         root = Path(root)
-        try:
-            spec = json.loads((root / "adapter.json").read_text())
-        except FileNotFoundError as e:
-            raise BundleError(f"{root}: no adapter.json") from e
-        except json.JSONDecodeError as e:
-            raise BundleError(f"{root / 'adapter.json'}: not valid JSON: {e}") from e
+        spec = read_json(root / "adapter.json", f"{root}: no adapter.json")
         return cls(root, spec["domain"], spec.get("base_tier", "target"), spec["formats"], spec.get("metrics", {}))
 
     def files(self, fmt: str) -> list[Path]:

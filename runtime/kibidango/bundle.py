@@ -75,6 +75,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def read_json(path: Path, missing: str) -> Any:
+    """A JSON file the runtime reads (bundle.json, pack.json, adapter.json): ``missing`` is the
+    message when it is absent; invalid JSON names the file."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise BundleError(missing) from e
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{path}: not valid JSON: {e}") from e
+
+
 def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
     """Read ``bundle.json`` and (by default) check every listed file's size and sha256. A packed
     bundle (stage 2E: ``pack.json``, zstd files) is unpacked into a cache directory first."""
@@ -87,12 +98,7 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
             unpack_bundle(root, cache)
         root = cache
     manifest = root / "bundle.json"
-    if not manifest.is_file():
-        raise BundleError(f"{root}: not a bundle (no bundle.json)")
-    try:
-        meta = json.loads(manifest.read_text())
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{manifest}: not valid JSON: {e}") from e
+    meta = read_json(manifest, f"{root}: not a bundle (no bundle.json)")
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise BundleError(f"{manifest}: schema_version {meta.get('schema_version')!r}, this runtime reads {SCHEMA_VERSION}")
     if verify:

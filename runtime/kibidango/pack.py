@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kibidango.bundle import BundleError, _sha256
+from kibidango.bundle import BundleError, _sha256, read_json
 
 __all__ = ["PACK_SCHEMA", "pack_bundle", "unpack_bundle", "is_packed", "unpacked_cache"]
 
@@ -103,12 +103,7 @@ def unpack_bundle(packed_dir: str | Path, out_dir: str | Path) -> Path:
     place. A mismatch raises :class:`BundleError` naming the file."""
     zstd = _zstd()
     src, out = Path(packed_dir), Path(out_dir)
-    try:
-        meta = json.loads((src / "pack.json").read_text())
-    except FileNotFoundError as e:
-        raise BundleError(f"{src}: not a packed bundle (no pack.json)") from e
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{src / 'pack.json'}: not valid JSON: {e}") from e
+    meta = read_json(src / "pack.json", f"{src}: not a packed bundle (no pack.json)")
     if meta.get("schema") != PACK_SCHEMA:
         raise BundleError(f"{src / 'pack.json'}: pack schema {meta.get('schema')!r}, this runtime reads {PACK_SCHEMA}")
     dictionary = zstd.ZstdCompressionDict((src / meta["dictionary"]).read_bytes())

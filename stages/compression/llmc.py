@@ -19,10 +19,13 @@ import torch
 import yaml
 
 from stages.contract import KibidangoError
+from stages.store import file_sha256
 from stages.training.chat import encode, load_split, messages
 from stages.training.models import copy_tokenizer
 
-__all__ = ["calibration_dataset", "compress", "read_recipe"]
+__all__ = ["calibration_dataset", "compress", "read_recipe", "recipe_digest", "recipe_file"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 log = logging.getLogger("kibidango.stage.llmc")
 
@@ -30,6 +33,18 @@ _ONE_AT_A_TIME = threading.Lock()
 """llm-compressor keeps its compression session in process-global state (``active_session()``):
 two ``oneshot`` calls in one process at once (stages 2A and 2C run as parallel Prefect tasks)
 corrupt each other ("module is not installed as a submodule"). They take turns."""
+
+
+def recipe_file(recipe: str) -> Path:
+    """A stage config's ``recipe`` path: absolute, or relative to the repository root."""
+    p = Path(recipe)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def recipe_digest(recipe: str) -> dict[str, str]:
+    """A stage's ``external_inputs``: the recipe file's sha256, so editing it changes the cache key."""
+    p = recipe_file(recipe)
+    return {"recipe": file_sha256(p) if p.is_file() else "missing"}
 
 
 def read_recipe(path: str | Path, stage: str) -> str:
@@ -127,4 +142,7 @@ def compress(model_dir: str, recipe: Path, data_dir: Path, out: Path, *, stage: 
                       "(strategy: channel, as recipes/stage2B/awq-w4a16-channel.llmc.yaml)")
         raise KibidangoError(f"stage {stage}: llm-compressor refused recipe {recipe}:\n{e}{remedy}") from e
     log.info(f"stage {stage}: llm-compressor oneshot done in {time.monotonic() - started:.0f}s")
+    (out / "recipe.yaml").unlink(missing_ok=True)  # oneshot's copy; the stages keep llmcompressor_recipe.yaml
+    if not (out / "config.json").is_file():
+        raise KibidangoError(f"stage {stage}: llm-compressor saved no config.json into {out}")
     copy_tokenizer(Path(model_dir), out)
