@@ -74,7 +74,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     shutil.copy2(root / "BUNDLE_CARD.md", out_dir / "BUNDLE_CARD.md")
     files = bundle.meta["files"]
     result = {"files": float(len(files)), "bundle_bytes": float(sum(f["size"] for f in files))}
-    summary = f"stage X: bundle/ with {len(files)} files, {result['bundle_bytes'] / 1e6:.2f} MB, and BUNDLE_CARD.md"
+    summary = (f"stage X: bundle/ with {len(files)} files, {result['bundle_bytes'] / 1e6:.2f} MB, and BUNDLE_CARD.md; "
+               f"bundle.json sha256 {bundle.digest} (pin it: kibidango generate --expect-sha256 {bundle.digest})")  # fmt: skip
     return StageResult(result, ["BUNDLE_CARD.md"], summary)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kibidango.bundle import BundleError, _sha256, read_json
+from kibidango.integrity import BundleError, contained, read_json, sha256_file
 
 __all__ = ["Adapter", "AdapterSet"]
 
@@ -43,10 +43,10 @@ class Adapter:
             raise BundleError(f"adapter {self.domain!r} ({self.root}) has no {fmt} files; it has {', '.join(self.formats)}")
         out = []
         for entry in self.formats[fmt]:
-            path = self.root / entry["path"]
+            path = contained(self.root, entry.get("path"), f"{self.root / 'adapter.json'}: {fmt} file")
             if not path.is_file():
                 raise BundleError(f"adapter {self.domain!r}: file {entry['path']} is missing")
-            if path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
+            if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
                 raise BundleError(f"adapter {self.domain!r}: file {entry['path']} does not match its sha256 (tampered or corrupted)")
             out.append(path)
         return out

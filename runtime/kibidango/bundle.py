@@ -3,33 +3,44 @@
     bundle/
       bundle.json                      schema, provenance, every file with size + sha256,
                                        tier table, runtime defaults
+      bundle.json.sha256               the manifest's own sha256 (``sha256sum -c`` reads it)
       tiers/<tier>/hf/                 transformers-loadable weights and tokenizer
       tiers/<tier>/gguf/<name>.gguf    llama.cpp-loadable weights
 
 :func:`load_bundle` verifies every listed file before anything is loaded and refuses a bundle
-whose files are missing, truncated or altered, naming the file. :func:`write_bundle` makes one
-(the pipeline's export stage and the tests use it).
+whose files are missing, truncated or altered, naming the file. Every path the manifest names
+must stay inside the bundle; every file a tier loads must be listed (an unlisted file inside a
+tier's weights directory is refused; unlisted files elsewhere are reported in
+``Bundle.unlisted``). ``bundle.json.sha256`` catches a corrupted or edited manifest; it cannot
+stop someone who rewrites both, so ``expect_sha256`` (the CLI's ``--expect-sha256``, or
+``$KIBIDANGO_BUNDLE_SHA256``) pins the manifest digest that the pipeline printed and recorded
+when it built the bundle: with a pin, a bundle whose manifest differs is refused.
+:func:`write_bundle` makes one (the pipeline's export stage and the tests use it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["Bundle", "BundleError", "Tier", "TIER_ORDER", "load_bundle", "write_bundle"]
+from kibidango.integrity import BundleError, contained, parse_json, sha256_bytes, sha256_file
+from kibidango.pack import is_packed, unpack_bundle, unpacked_cache
+
+__all__ = ["Bundle", "BundleError", "Tier", "TIER_ORDER", "MANIFEST_DIGEST", "load_bundle", "write_bundle"]
+
+log = logging.getLogger("kibidango.bundle")
 
 SCHEMA_VERSION = 1
 TIER_ORDER = ("draft", "qualifier", "target")
 _TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-class BundleError(Exception):
-    """A bundle that cannot be used as it is; the message names the file or tier at fault."""
+MANIFEST_DIGEST = "bundle.json.sha256"
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,10 @@ class Bundle:
     meta: dict[str, Any]
     tiers: dict[str, Tier]
     defaults: dict[str, Any] = field(default_factory=dict)
+    digest: str = ""
+    """sha256 of bundle.json: what ``expect_sha256`` pins."""
+    unlisted: list[str] = field(default_factory=list)
+    """Files in the bundle directory that bundle.json does not list (never loaded)."""
 
     def tier(self, name: str, backend: str = "torch") -> Tier:
         if name not in self.tiers:
@@ -67,68 +82,114 @@ class Bundle:
         raise BundleError(f"{self.root}: no tier carries a tokenizer (tiers/<tier>/hf/tokenizer.*)")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def read_json(path: Path, missing: str) -> Any:
-    """A JSON file the runtime reads (bundle.json, pack.json, adapter.json): ``missing`` is the
-    message when it is absent; invalid JSON names the file."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise BundleError(missing) from e
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{path}: not valid JSON: {e}") from e
-
-
-def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
+def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None = None) -> Bundle:
     """Read ``bundle.json`` and (by default) check every listed file's size and sha256. A packed
-    bundle (stage 2E: ``pack.json``, zstd files) is unpacked into a cache directory first."""
+    bundle (stage 2E: ``pack.json``, zstd files) is unpacked into a cache directory first.
+    ``expect_sha256`` (default ``$KIBIDANGO_BUNDLE_SHA256``) pins the manifest's digest."""
     root = Path(path)
-    from kibidango.pack import is_packed, unpack_bundle, unpacked_cache
-
     if is_packed(root):
         cache = unpacked_cache(root)
         if not (cache / "bundle.json").is_file():
             unpack_bundle(root, cache)
         root = cache
     manifest = root / "bundle.json"
-    meta = read_json(manifest, f"{root}: not a bundle (no bundle.json)")
-    if meta.get("schema_version") != SCHEMA_VERSION:
-        raise BundleError(f"{manifest}: schema_version {meta.get('schema_version')!r}, this runtime reads {SCHEMA_VERSION}")
+    try:
+        raw = manifest.read_bytes()
+    except FileNotFoundError as e:
+        raise BundleError(f"{root}: not a bundle (no bundle.json)") from e
+    digest = sha256_bytes(raw)
+    expect = (expect_sha256 or os.environ.get("KIBIDANGO_BUNDLE_SHA256") or "").removeprefix("sha256:").strip().lower()
+    if expect and digest != expect:
+        raise BundleError(f"{manifest}: sha256 {digest}, but {expect} was expected (pinned): refused")
     if verify:
-        for entry in meta.get("files", []):
-            p = root / entry["path"]
+        _check_manifest_digest(root, digest)
+    meta = parse_json(raw, manifest)
+    if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
+        found = meta.get("schema_version") if isinstance(meta, dict) else type(meta).__name__
+        raise BundleError(f"{manifest}: schema_version {found!r}, this runtime reads {SCHEMA_VERSION}")
+    listed = _listed_files(root, meta, manifest)
+    if verify:
+        for rel, entry in listed.items():
+            p = root / rel
             if not p.is_file():
-                raise BundleError(f"{root}: file {entry['path']} is missing")
-            if p.stat().st_size != entry["size"]:
-                raise BundleError(
-                    f"{root}: file {entry['path']} has {p.stat().st_size} bytes, bundle.json says {entry['size']} (truncated or replaced)"
-                )
-            if _sha256(p) != entry["sha256"]:
-                raise BundleError(f"{root}: file {entry['path']} does not match its sha256 in bundle.json (tampered or corrupted)")
+                raise BundleError(f"{root}: file {rel} is missing")
+            if p.stat().st_size != entry.get("size"):
+                raise BundleError(f"{root}: file {rel} has {p.stat().st_size} bytes, bundle.json says {entry.get('size')} (truncated or replaced)")
+            if sha256_file(p) != entry.get("sha256"):
+                raise BundleError(f"{root}: file {rel} does not match its sha256 in bundle.json (tampered or corrupted)")
     tiers = {}
-    for name, spec in meta.get("tiers", {}).items():
-        hf = root / spec["hf"] if spec.get("hf") else None
-        gguf = root / spec["gguf"] if spec.get("gguf") else None
+    for name, spec in (meta.get("tiers") or {}).items():
+        if not isinstance(spec, dict):
+            raise BundleError(f"{manifest}: tiers.{name} is not an object")
+        hf = _tier_dir(root, spec["hf"], listed, f"{manifest}: tiers.{name}.hf") if spec.get("hf") else None
+        gguf = _tier_file(root, spec["gguf"], listed, f"{manifest}: tiers.{name}.gguf") if spec.get("gguf") else None
         tiers[name] = Tier(name, hf, gguf, {k: v for k, v in spec.items() if k not in ("hf", "gguf")})
     if not tiers:
         raise BundleError(f"{manifest}: no tiers")
-    bundle = Bundle(root, meta, tiers, meta.get("runtime_defaults", {}))
+    unlisted = sorted(
+        p.relative_to(root).as_posix() for p in root.rglob("*")
+        if (p.is_file() or p.is_symlink()) and p.relative_to(root).as_posix() not in listed and p.name not in ("bundle.json", MANIFEST_DIGEST)
+    )  # fmt: skip
+    if unlisted:
+        log.warning(f"{root}: {len(unlisted)} file(s) not listed in bundle.json (never loaded): {', '.join(unlisted[:10])}")
+    bundle = Bundle(root, meta, tiers, meta.get("runtime_defaults", {}), digest, unlisted)
     _check_shared_tokenizer(bundle)
     return bundle
+
+
+def _check_manifest_digest(root: Path, digest: str) -> None:
+    side = root / MANIFEST_DIGEST
+    if not side.is_file():
+        raise BundleError(f"{root}: no {MANIFEST_DIGEST} beside bundle.json (a bundle from an older pipeline, or damaged): rebuild it (stage X)")
+    recorded = side.read_text(encoding="utf-8", errors="replace").split()
+    if not recorded or recorded[0].lower() != digest:
+        raise BundleError(f"{root}: bundle.json does not match {MANIFEST_DIGEST} (edited or corrupted)")
+
+
+def _listed_files(root: Path, meta: dict, manifest: Path) -> dict[str, dict]:
+    """bundle.json's ``files``, each path checked to stay inside the bundle, keyed by path."""
+    entries = meta.get("files", [])
+    if not isinstance(entries, list):
+        raise BundleError(f"{manifest}: files is not a list")
+    listed: dict[str, dict] = {}
+    for i, entry in enumerate(entries):
+        where = f"{manifest}: files[{i}].path"
+        if not isinstance(entry, dict):
+            raise BundleError(f"{manifest}: files[{i}] is not an object")
+        contained(root, entry.get("path"), where)
+        rel = entry["path"]
+        if rel in listed:
+            raise BundleError(f"{where}: {rel!r} is listed twice")
+        listed[rel] = entry
+    return listed
+
+
+def _tier_file(root: Path, rel: Any, listed: dict[str, dict], what: str) -> Path:
+    path = contained(root, rel, what)
+    if rel not in listed:
+        raise BundleError(f"{what}: {rel!r} is not in bundle.json's files, so it was never hashed: refused")
+    return path
+
+
+def _tier_dir(root: Path, rel: Any, listed: dict[str, dict], what: str) -> Path:
+    """A tier's weights directory: inside the bundle, holding listed files only (transformers
+    loads whatever the directory holds, so an unlisted file there would be loaded unchecked)."""
+    path = contained(root, rel, what)
+    prefix = rel.rstrip("/") + "/"
+    if not any(f.startswith(prefix) for f in listed):
+        raise BundleError(f"{what}: no file of bundle.json's files is under {rel!r}: refused")
+    if path.is_dir():
+        for p in sorted(path.rglob("*")):
+            if (p.is_file() or p.is_symlink()) and p.relative_to(root).as_posix() not in listed:
+                raise BundleError(f"{what}: {p.relative_to(root).as_posix()} is not listed in bundle.json and would be loaded unchecked: refused")
+    return path
 
 
 def _tokenizer_digest(hf_dir: Path) -> str:
     h = hashlib.sha256()
     for name in _TOKENIZER_FILES:
         if (hf_dir / name).is_file():
-            h.update(name.encode() + _sha256(hf_dir / name).encode())
+            h.update(name.encode() + sha256_file(hf_dir / name).encode())
     return h.hexdigest()
 
 
@@ -176,7 +237,7 @@ def write_bundle(
     if finalize is not None:
         meta.update(finalize(tmp))
     files = [
-        {"path": p.relative_to(tmp).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
+        {"path": p.relative_to(tmp).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(tmp.rglob("*"))
         if p.is_file()
     ]
@@ -188,7 +249,9 @@ def write_bundle(
         "runtime_defaults": runtime_defaults or {},
         "files": files,
     }
-    (tmp / "bundle.json").write_text(json.dumps(body, indent=2, sort_keys=True))
+    text = json.dumps(body, indent=2, sort_keys=True).encode()
+    (tmp / "bundle.json").write_bytes(text)
+    (tmp / MANIFEST_DIGEST).write_text(f"{sha256_bytes(text)}  bundle.json\n")
     if root.exists():
         shutil.rmtree(root)
     tmp.rename(root)

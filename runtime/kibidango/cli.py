@@ -24,6 +24,11 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
 
 
+def _pin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expect-sha256", metavar="HEX", default=None,
+                   help="refuse the bundle unless bundle.json has this sha256 (stage X prints it; default $KIBIDANGO_BUNDLE_SHA256)")
+
+
 def _overrides(args: argparse.Namespace) -> dict:
     keys = ("variant", "k", "l_D", "l_Q", "tau_Q", "tau_T", "divergence", "temperature", "top_p", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
@@ -34,7 +39,7 @@ def _generate(args: argparse.Namespace) -> None:
     from kibidango.speculative import Metrics
 
     prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read().rstrip("\n")
-    pipe = Pipeline.from_bundle(args.bundle, backend=args.backend, mode=args.mode, **_overrides(args))
+    pipe = Pipeline.from_bundle(args.bundle, backend=args.backend, mode=args.mode, expect_sha256=args.expect_sha256, **_overrides(args))
     metrics = Metrics(pipe.defaults.mode)
     kw = {"max_new_tokens": args.max_new_tokens, **({"stop_ids": args.stop_id} if args.stop_id else {})}
     if args.stream:
@@ -50,9 +55,11 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    bundle = load_bundle(args.bundle, verify=True)
+    bundle = load_bundle(args.bundle, verify=True, expect_sha256=args.expect_sha256)
     meta = bundle.meta
     print(f"bundle {bundle.root}  schema {meta['schema_version']}  created {meta.get('created', '?')}")
+    pinned = "matches the pinned digest" if args.expect_sha256 else "compare it with the digest the pipeline printed, or pin it with --expect-sha256"
+    print(f"bundle.json sha256: {bundle.digest}  ({pinned})")
     for key in ("preset", "pipeline_git_sha"):
         if key in meta:
             print(f"{key}: {meta[key]}")
@@ -66,6 +73,8 @@ def _inspect(args: argparse.Namespace) -> None:
         if meta.get(key):
             print(f"{key}: {json.dumps(meta[key], sort_keys=True)}")
     files = meta.get("files", [])
+    for rel in bundle.unlisted:
+        print(f"WARNING: {rel} is not listed in bundle.json (not hashed, never loaded)")
     print(f"OK: {len(files)} files, {sum(f['size'] for f in files) / 1e6:.2f} MB, every sha256 verified")
 
 
@@ -81,7 +90,9 @@ def _serve(args: argparse.Namespace) -> None:
     from kibidango.server import serve
 
     serve(args.bundle, host=args.host, port=args.port, backend=args.backend, mode=args.mode,
-          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit, **_overrides(args))  # fmt: skip
+          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+          max_request_bytes=args.max_request_bytes, stall_seconds=args.stall_seconds, expect_sha256=args.expect_sha256,
+          **_overrides(args))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,10 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--stats", action="store_true", help="print the request's metrics (JSON) to stderr")
     _decode_args(gen)
+    _pin_arg(gen)
     gen.set_defaults(func=_generate)
 
     ins = sub.add_parser("inspect", help="print a bundle's manifest and verify every file's hash")
     ins.add_argument("bundle")
+    _pin_arg(ins)
     ins.set_defaults(func=_inspect)
 
     bench = sub.add_parser("bench", help="compare decoding modes (and peers) on the same prompts")
@@ -124,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--mode", choices=["ar", "sd", "pyramid"])
     srv.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
     srv.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
+    srv.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies are refused (413)")
+    srv.add_argument("--stall-seconds", type=float, default=120.0,
+                     help="/health answers 503 when a generation made no progress for this long")
     _decode_args(srv)
+    _pin_arg(srv)
     srv.set_defaults(func=_serve)
 
     args = parser.parse_args(argv)

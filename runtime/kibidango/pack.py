@@ -7,8 +7,10 @@ dictionary, with the size and sha256 of every original file.
       files/<path>.zst   one zstd frame per bundle file
 
 :func:`unpack_bundle` restores the bundle byte for byte and refuses a file whose size or sha256
-differs, naming it; :func:`load_bundle` (``kibidango.bundle``) unpacks a packed bundle into a
-cache directory first.
+differs, naming it, and refuses a pack.json whose paths would read or write outside the pack or
+the output directory (absolute paths, ``..``, symlinks that lead out) before it writes anything;
+:func:`load_bundle` (``kibidango.bundle``) unpacks a packed bundle into a cache directory first
+and then verifies the bundle itself.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kibidango.bundle import BundleError, _sha256, read_json
+from kibidango.integrity import BundleError, contained, read_json, sha256_file
 
 __all__ = ["PACK_SCHEMA", "pack_bundle", "unpack_bundle", "is_packed", "unpacked_cache"]
 
@@ -103,18 +105,20 @@ def unpack_bundle(packed_dir: str | Path, out_dir: str | Path) -> Path:
     place. A mismatch raises :class:`BundleError` naming the file."""
     zstd = _zstd()
     src, out = Path(packed_dir), Path(out_dir)
-    meta = read_json(src / "pack.json", f"{src}: not a packed bundle (no pack.json)")
-    if meta.get("schema") != PACK_SCHEMA:
-        raise BundleError(f"{src / 'pack.json'}: pack schema {meta.get('schema')!r}, this runtime reads {PACK_SCHEMA}")
-    dictionary = zstd.ZstdCompressionDict((src / meta["dictionary"]).read_bytes())
-    if dictionary.dict_id() != meta["dictionary_id"]:
+    where = src / "pack.json"
+    meta = read_json(where, f"{src}: not a packed bundle (no pack.json)")
+    if not isinstance(meta, dict) or meta.get("schema") != PACK_SCHEMA:
+        found = meta.get("schema") if isinstance(meta, dict) else type(meta).__name__
+        raise BundleError(f"{where}: pack schema {found!r}, this runtime reads {PACK_SCHEMA}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    entries = _checked_entries(src, tmp, meta, where)  # every path checked before anything is written
+    dictionary = zstd.ZstdCompressionDict(contained(src, meta.get("dictionary"), f"{where}: dictionary").read_bytes())
+    if dictionary.dict_id() != meta.get("dictionary_id"):
         raise BundleError(f"{src}: {meta['dictionary']} is not the dictionary the files were packed with")
     dctx = zstd.ZstdDecompressor(dict_data=dictionary)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        for e in meta["files"]:
-            packed = src / e["packed"]
+        for e, packed, dest in entries:
             if not packed.is_file():
                 raise BundleError(f"{src}: packed file {e['packed']} (of {e['path']}) is missing")
             try:
@@ -123,7 +127,6 @@ def unpack_bundle(packed_dir: str | Path, out_dir: str | Path) -> Path:
                 raise BundleError(f"{src}: {e['packed']} does not decompress ({err}): corrupted") from err
             if len(data) != e["size"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
                 raise BundleError(f"{src}: {e['path']} unpacks to content that does not match its sha256 in pack.json")
-            dest = tmp / e["path"]
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(data)
         if out.exists():
@@ -134,9 +137,27 @@ def unpack_bundle(packed_dir: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
+def _checked_entries(src: Path, tmp: Path, meta: dict, where: Path) -> list[tuple[dict, Path, Path]]:
+    """pack.json's files as (entry, packed file inside ``src``, destination inside ``tmp``)."""
+    files = meta.get("files")
+    if not isinstance(files, list) or not files:
+        raise BundleError(f"{where}: files is not a non-empty list")
+    out, seen = [], set()
+    for i, e in enumerate(files):
+        if not isinstance(e, dict) or not isinstance(e.get("size"), int) or e["size"] < 0 or not isinstance(e.get("sha256"), str):
+            raise BundleError(f"{where}: files[{i}] needs path, packed, size and sha256")
+        dest = contained(tmp, e.get("path"), f"{where}: files[{i}].path")
+        packed = contained(src, e.get("packed"), f"{where}: files[{i}].packed")
+        if e["path"] in seen:
+            raise BundleError(f"{where}: files[{i}].path {e['path']!r} is listed twice")
+        seen.add(e["path"])
+        out.append((e, packed, dest))
+    return out
+
+
 def unpacked_cache(packed_dir: str | Path) -> Path:
     """Where a packed bundle is unpacked for use (``$KIBIDANGO_CACHE`` or ~/.cache/kibidango),
     keyed by its pack.json: unpacked once, reused while the pack is the same."""
     root = Path(os.environ.get("KIBIDANGO_CACHE", Path.home() / ".cache" / "kibidango"))
-    digest = _sha256(Path(packed_dir) / "pack.json")[:16]
+    digest = sha256_file(Path(packed_dir) / "pack.json")[:16]
     return root / "unpacked" / digest

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from kibidango.backends import load_model
 from kibidango.backends.base import Model
@@ -33,13 +33,15 @@ class Pipeline:
         self.decoder = Decoder(models)
 
     @classmethod
-    def from_bundle(cls, path: str | Path, backend: str = "torch", mode: str | None = None, verify: bool = True, **overrides: Any) -> "Pipeline":
+    def from_bundle(cls, path: str | Path, backend: str = "torch", mode: str | None = None, verify: bool = True,
+                    expect_sha256: str | None = None, **overrides: Any) -> "Pipeline":  # fmt: skip
         """Load a bundle's tokenizer and the tiers ``mode`` needs (default: the bundle's runtime
         defaults), after checking every file's hash. ``overrides`` set decoding defaults
-        (``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence``, ...)."""
+        (``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence``, ...);
+        ``expect_sha256`` pins bundle.json's digest (see :func:`kibidango.bundle.load_bundle`)."""
         from transformers import AutoTokenizer
 
-        bundle = load_bundle(path, verify=verify)
+        bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
         defaults = {k: v for k, v in bundle.defaults.items() if k in {f.name for f in dataclasses.fields(DecodeConfig)}}
         defaults.update(overrides)
         if mode is not None:
@@ -60,11 +62,15 @@ class Pipeline:
             kw["stop_ids"] = tuple(kw["stop_ids"])
         return dataclasses.replace(self.defaults, **kw)
 
-    def stream(self, prompt: str | list[int], stop: list[str] | None = None, metrics: Metrics | None = None, **kw: Any) -> Iterator[str]:
-        """Yield text as it is committed; a stop string ends the stream before it."""
+    def stream(self, prompt: str | list[int], stop: list[str] | None = None, metrics: Metrics | None = None,
+               should_stop: Callable[[], bool] | None = None, **kw: Any) -> Iterator[str]:  # fmt: skip
+        """Yield text as it is committed; a stop string ends the stream before it.
+        ``should_stop`` is asked after every decoding round (the server's cancellation: a client
+        that went away); when it answers True the stream ends with finish reason "cancelled"."""
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        yield from self._text(ids, cfg, stop or [], metrics if metrics is not None else Metrics(cfg.mode), [])
+        metrics = metrics if metrics is not None else Metrics(cfg.mode)
+        yield from self._text(ids, cfg, stop or [], metrics, [], should_stop)
 
     def generate(self, prompt: str | list[int], stop: list[str] | None = None, **kw: Any) -> GenerationResult:
         cfg = self.config(**kw)
@@ -74,11 +80,15 @@ class Pipeline:
         text = "".join(self._text(ids, cfg, stop or [], metrics, out))
         return GenerationResult(text, out, metrics)
 
-    def _text(self, ids: list[int], cfg: DecodeConfig, stop: list[str], metrics: Metrics, out: list[int]) -> Iterator[str]:
+    def _text(self, ids: list[int], cfg: DecodeConfig, stop: list[str], metrics: Metrics, out: list[int],
+              should_stop: Callable[[], bool] | None = None) -> Iterator[str]:  # fmt: skip
         """Decode incrementally over the whole output, so that multi-token characters and
         sentencepiece word boundaries come out right; ``out`` receives the generated ids."""
         sent = ""
         for new in self.decoder.generate(ids, cfg, metrics):
+            if should_stop is not None and should_stop():
+                metrics.finish_reason = "cancelled"
+                return
             out += new
             text = self.tokenizer.decode(out, skip_special_tokens=True)
             cut = min((i for s in stop if (i := text.find(s)) >= 0), default=None)

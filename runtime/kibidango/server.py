@@ -2,7 +2,10 @@
 streaming), ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Binds 127.0.0.1 by
 default. Requests are validated (types, bounds, prompt length) and refused with a 400 and an
 OpenAI-style error body; a bad request never takes the server down. One generation runs at a
-time (the models hold one KV cache each); others wait their turn.
+time (the models hold one KV cache each); others wait their turn. A client that disconnects
+cancels its generation after the current decoding round, streaming or not; ``/health`` answers 503
+when a generation has made no progress for ``stall_seconds``; shutdown cancels what runs.
+Errors never carry exception text or tracebacks to the client (the server log has them).
 
 Besides the OpenAI fields, a request may set the decoding of this runtime: ``mode``,
 ``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence`` (with the openai client:
@@ -11,12 +14,15 @@ speculative-decoding metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
-from typing import Any, Iterator, Literal
+from typing import Any, AsyncIterator, Literal
 
+from fastapi import Request  # the server extra; this module is imported only to serve
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kibidango.backends.base import ContextLengthError
@@ -24,6 +30,17 @@ from kibidango.pipeline import Pipeline
 from kibidango.speculative import TIERS, Metrics
 
 __all__ = ["create_app", "serve"]
+
+log = logging.getLogger("kibidango.server")
+
+
+def _valid_text(value: str, field: str) -> str:
+    """JSON may carry lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field}: not valid Unicode (a lone surrogate at character {e.start})") from None
+    return value
 
 
 class _Decoding(BaseModel):
@@ -36,7 +53,7 @@ class _Decoding(BaseModel):
     n: int = Field(1, ge=1, le=1, description="one completion per request")
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     mode: Literal["ar", "sd", "pyramid"] | None = None
     variant: Literal["fuzzy", "assisted", "exact"] | None = None
     k: int | None = Field(None, ge=1, le=32)
@@ -52,7 +69,7 @@ class _Decoding(BaseModel):
         stops = [v] if isinstance(v, str) else v
         if stops is not None and (len(stops) > 4 or any(not s for s in stops)):
             raise ValueError("stop: at most 4 non-empty strings")
-        return stops
+        return [_valid_text(s, "stop") for s in stops] if stops is not None else None
 
 
 class CompletionRequest(_Decoding):
@@ -67,13 +84,18 @@ class CompletionRequest(_Decoding):
             v = v[0]
         if not v:
             raise ValueError("prompt: must not be empty")
-        return v
+        return _valid_text(v, "prompt")
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
     content: str
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        return _valid_text(v, "content")
 
 
 class ChatRequest(_Decoding):
@@ -89,7 +111,11 @@ class _Stats:
         self.totals = Metrics("all")
         self.lock = threading.Lock()
 
-    def prometheus(self, model: str) -> str:
+    def count_error(self) -> None:
+        with self.lock:
+            self.errors += 1
+
+    def prometheus(self, model: str, cancelled: int = 0) -> str:
         t = self.totals
         lines = [
             "# HELP kibidango_requests_total Generation requests served.",
@@ -97,6 +123,9 @@ class _Stats:
             f'kibidango_requests_total{{model="{model}"}} {self.requests}',
             "# TYPE kibidango_request_errors_total counter",
             f'kibidango_request_errors_total{{model="{model}"}} {self.errors}',
+            "# HELP kibidango_requests_cancelled_total Generations stopped because the client went away (or at shutdown).",
+            "# TYPE kibidango_requests_cancelled_total counter",
+            f'kibidango_requests_cancelled_total{{model="{model}"}} {cancelled}',
             "# TYPE kibidango_prompt_tokens_total counter",
             f'kibidango_prompt_tokens_total{{model="{model}"}} {t.prompt_tokens}',
             "# TYPE kibidango_generation_tokens_total counter",
@@ -121,21 +150,173 @@ def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
     return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
 
 
-def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens: int | None = None, max_tokens_limit: int = 1024):
-    from fastapi import FastAPI, Request
+_HEALTH_STALL_S = 120.0
+
+
+class _Generation:
+    """One request's generation, run on a worker thread and handed to the event loop piece by
+    piece. Setting ``cancel`` stops it after the current decoding round (or before it starts,
+    while it waits its turn)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.cancel = threading.Event()
+
+    def put(self, kind: str, value: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+
+class _Scheduler:
+    """One generation at a time (the models hold one KV cache each), each on its own daemon
+    thread. The lock is held by that thread only while it decodes, never across a network write,
+    so a client that disconnects cannot keep it; ``closing`` cancels everything at shutdown."""
+
+    def __init__(self, pipe: Pipeline, stall_seconds: float):
+        self.pipe = pipe
+        self.stall_seconds = stall_seconds
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        self.waiting = 0
+        self.counts = threading.Lock()
+        self.active_since: float | None = None
+        self.last_progress: float | None = None
+        self.cancelled = 0
+
+    def start(self, ids: list[int], kw: dict[str, Any], stop: list[str] | None, metrics: Metrics) -> _Generation:
+        gen = _Generation()
+        threading.Thread(target=self._work, args=(gen, ids, kw, stop, metrics), name="kibidango-generate", daemon=True).start()
+        return gen
+
+    def _stopped(self, gen: _Generation) -> bool:
+        self.last_progress = time.monotonic()  # asked once per decoding round
+        return gen.cancel.is_set() or self.closing.is_set()
+
+    def _work(self, gen: _Generation, ids: list[int], kw: dict[str, Any], stop: list[str] | None, metrics: Metrics) -> None:
+        with self.counts:
+            self.waiting += 1
+        try:
+            while not self.lock.acquire(timeout=0.05):
+                if gen.cancel.is_set() or self.closing.is_set():
+                    with self.counts:
+                        self.cancelled += 1
+                    gen.put("end")
+                    return
+        finally:
+            with self.counts:
+                self.waiting -= 1
+        try:
+            self.active_since = self.last_progress = time.monotonic()
+            for piece in self.pipe.stream(ids, stop=stop, metrics=metrics, should_stop=lambda: self._stopped(gen), **kw):
+                gen.put("text", piece)
+            if metrics.finish_reason == "cancelled":
+                with self.counts:
+                    self.cancelled += 1
+            gen.put("end")
+        except (ContextLengthError, ValueError) as e:
+            gen.put("error", e)
+        except Exception as e:  # a bug: logged here with its traceback, never sent to the client
+            log.exception("generation failed")
+            gen.put("crash", e)
+        finally:
+            self.active_since = None
+            self.lock.release()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        now = time.monotonic()
+        active, last = self.active_since, self.last_progress
+        body: dict[str, Any] = {"status": "ok", "generating": active is not None, "waiting": self.waiting}
+        if active is not None and last is not None:
+            body["generating_for_s"] = round(now - active, 3)
+            body["no_progress_for_s"] = round(now - last, 3)
+            if now - last > self.stall_seconds:
+                body["status"] = "wedged"
+                return 503, body
+        if self.closing.is_set():
+            body["status"] = "shutting down"
+            return 503, body
+        return 200, body
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is refused (413) before it is parsed;
+    the declared Content-Length is checked first, then the bytes as they arrive."""
+
+    def __init__(self, app, max_bytes: int, on_refuse=lambda: None):
+        self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            self.on_refuse()
+            return await _send_error(send, 413, f"request body of {int(declared)} bytes exceeds this server's limit of {self.max_bytes}")
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    from starlette.exceptions import HTTPException
+
+                    raise HTTPException(413, f"request body exceeds this server's limit of {self.max_bytes} bytes")
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _max_token_bytes(tokenizer) -> int:
+    """The longest vocabulary entry in UTF-8 bytes: no token stands for more bytes of text than its
+    spelling (sentencepiece's "▁" and byte-fallback pieces only overstate), so a prompt of
+    more than ``limit * this`` bytes has more than ``limit`` tokens and is refused untokenised."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return 64
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=64)
+
+
+def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens: int | None = None, max_tokens_limit: int = 1024,
+               max_request_bytes: int = 4 << 20, stall_seconds: float = _HEALTH_STALL_S):  # fmt: skip
+    """The FastAPI app. ``stall_seconds``: a generation that makes no progress for this long turns
+    ``/health`` to 503 ("wedged"), so a supervisor can restart the server."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="kibidango", version="0.1.0")
     stats = _Stats()
-    generate_lock = threading.Lock()
+    scheduler = _Scheduler(pipe, stall_seconds)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        scheduler.closing.set()  # shutdown: every generation stops after its current round
+
+    app = FastAPI(title="kibidango", version="0.1.0", lifespan=lifespan)
+    app.state.scheduler = scheduler
     context = min(m.context_length for m in pipe.models.values())
     prompt_limit = min(max_prompt_tokens or context, context - 1)
+    prompt_bytes_limit = prompt_limit * _max_token_bytes(pipe.tokenizer)
 
-    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-        with stats.lock:
-            stats.errors += 1
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+              code: str | None = None) -> JSONResponse:  # fmt: skip
+        stats.count_error()
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -148,11 +329,26 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
         message = f"{'.'.join(loc) + ': ' if loc else ''}{first.get('msg', 'invalid request')}"
         return error(400, message, ".".join(loc) or None)
 
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        # FastAPI's own refusals (a body it cannot parse, e.g. JSON nested past Python's
+        # recursion limit; unknown paths; wrong methods), in OpenAI's error shape.
+        message = "the request body could not be parsed as JSON" if exc.status_code == 400 else str(exc.detail)
+        return error(exc.status_code, message)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        return error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+        ref = uuid.uuid4().hex[:12]
+        log.error(f"request {ref} failed", exc_info=exc)
+        return error(500, f"internal error (reference {ref}; the server log has the details)", kind="server_error")
 
     def prepare(req: _Decoding, prompt: str) -> tuple[list[int], dict[str, Any]] | JSONResponse:
+        if req.model is not None and req.model != model_name:
+            return error(404, f"The model '{req.model}' does not exist; this server serves '{model_name}'", "model",
+                         code="model_not_found")  # fmt: skip
+        size = len(prompt.encode("utf-8"))
+        if size > prompt_bytes_limit:
+            return error(400, f"prompt: {size} bytes, more than {prompt_limit} tokens can spell; this server accepts at most {prompt_limit} tokens", "prompt")
         ids = pipe.encode(prompt)
         if len(ids) > prompt_limit:
             return error(400, f"prompt: {len(ids)} tokens; this server accepts at most {prompt_limit}", "prompt")
@@ -177,26 +373,57 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
                  "total_tokens": metrics.prompt_tokens + metrics.generated_tokens}  # fmt: skip
         return {"usage": usage, "kibidango": metrics.to_dict()}
 
-    def run(ids, kw, stop) -> tuple[str, Metrics]:
-        with generate_lock:
-            result = pipe.generate(ids, stop=stop, **kw)
-        return result.text, result.metrics
+    def failure(kind: str, exc: Exception) -> tuple[int, str, str]:
+        if kind == "error":
+            return 400, str(exc), "invalid_request_error"
+        return 500, "internal error during generation (the server log has the details)", "server_error"
 
-    def sse(ids, kw, stop, chunk) -> Iterator[str]:
-        metrics = Metrics(kw.get("mode") or pipe.defaults.mode)
-        with generate_lock:
-            try:
-                for piece in pipe.stream(ids, stop=stop, metrics=metrics, **kw):
-                    yield f"data: {json.dumps(chunk(piece, None))}\n\n"
-            except (ContextLengthError, ValueError) as e:
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
+    async def sse(gen: _Generation, metrics: Metrics, chunk) -> AsyncIterator[str]:
+        try:
+            while True:
+                kind, value = await gen.queue.get()
+                if kind == "text":
+                    yield f"data: {json.dumps(chunk(value, None))}\n\n"
+                    continue
+                if kind in ("error", "crash"):
+                    stats.count_error()
+                    _, message, err_type = failure(kind, value)
+                    yield f"data: {json.dumps({'error': {'message': message, 'type': err_type, 'param': None, 'code': None}})}\n\n"
+                else:
+                    yield f"data: {json.dumps({**chunk('', metrics.finish_reason), **finish(metrics)})}\n\n"
+                yield "data: [DONE]\n\n"
                 return
-        yield f"data: {json.dumps({**chunk('', metrics.finish_reason), **finish(metrics)})}\n\n"
-        yield "data: [DONE]\n\n"
+        finally:  # the client went away (Starlette cancels this generator) or the stream ended
+            gen.cancel.set()
+
+    async def collect(gen: _Generation, request: Request) -> tuple[str, Any] | None:
+        """The whole text of a non-streamed generation, or None if the client disconnected
+        (then the generation is cancelled)."""
+        parts: list[str] = []
+        checked = time.monotonic()
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(gen.queue.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    kind, value = "", None
+                if time.monotonic() - checked >= 0.25:  # between pieces too: they may come faster
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return None
+                if kind == "text":
+                    parts.append(value)
+                elif kind == "end":
+                    return "text", "".join(parts)
+                elif kind:
+                    return kind, value
+        finally:
+            gen.cancel.set()
 
     @app.get("/health")
     def health():
-        return {"status": "ok"}
+        status, body = scheduler.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
     def models():
@@ -204,9 +431,9 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
 
     @app.get("/metrics")
     def metrics():
-        return PlainTextResponse(stats.prometheus(model_name), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(stats.prometheus(model_name, scheduler.cancelled), media_type="text/plain; version=0.0.4")
 
-    def respond(req: _Decoding, prompt: str, object_name: str, choice):
+    async def respond(request: Request, req: _Decoding, prompt: str, object_name: str, choice):
         """The body of both endpoints: ``choice(text, finish_reason, streaming)`` builds one
         choice of the endpoint's response or stream chunk."""
         prepared = prepare(req, prompt)
@@ -215,43 +442,53 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
         ids, kw = prepared
         prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}[object_name]
         head = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
+        metrics = Metrics(kw.get("mode") or pipe.defaults.mode)
+        gen = scheduler.start(ids, kw, req.stop, metrics)
         if req.stream:
             def chunk(text, reason):
                 return {**head, "object": object_name + (".chunk" if object_name.startswith("chat") else ""),
                         "choices": [choice(text, reason, True)]}  # fmt: skip
-            return StreamingResponse(sse(ids, kw, req.stop, chunk), media_type="text/event-stream")
-        try:
-            text, m = run(ids, kw, req.stop)
-        except (ContextLengthError, ValueError) as e:
-            return error(400, str(e))
-        return {**head, "object": object_name, "choices": [choice(text, m.finish_reason, False)], **finish(m)}
+            return StreamingResponse(sse(gen, metrics, chunk), media_type="text/event-stream")
+        outcome = await collect(gen, request)
+        if outcome is None:  # nobody to answer; 499 is what proxies log for this
+            return JSONResponse({"error": {"message": "client closed the request", "type": "cancelled"}}, status_code=499)
+        kind, value = outcome
+        if kind != "text":
+            status, message, err_type = failure(kind, value)
+            return error(status, message, kind=err_type)
+        return {**head, "object": object_name, "choices": [choice(value, metrics.finish_reason, False)], **finish(metrics)}
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    async def completions(request: Request, req: CompletionRequest):
         def choice(text, reason, streaming):
             return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
 
-        return respond(req, req.prompt, "text_completion", choice)
+        return await respond(request, req, req.prompt, "text_completion", choice)
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest):
+    async def chat(request: Request, req: ChatRequest):
         def choice(text, reason, streaming):
             if streaming:
                 return {"index": 0, "delta": {"role": "assistant", "content": text} if text else {}, "finish_reason": reason}
             return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
 
-        return respond(req, _chat_prompt(pipe.tokenizer, req.messages), "chat.completion", choice)
+        return await respond(request, req, _chat_prompt(pipe.tokenizer, req.messages), "chat.completion", choice)
 
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes, on_refuse=stats.count_error)
     return app
 
 
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, backend: str = "torch", mode: str | None = None,
-          max_prompt_tokens: int | None = None, max_tokens_limit: int = 1024, **overrides: Any) -> None:  # fmt: skip
+          max_prompt_tokens: int | None = None, max_tokens_limit: int = 1024, max_request_bytes: int = 4 << 20,
+          stall_seconds: float = _HEALTH_STALL_S, expect_sha256: str | None = None, **overrides: Any) -> None:  # fmt: skip
     import uvicorn
 
     # Loads the tiers of the default mode; a request may choose any mode those tiers serve
     # (a pyramid server also serves sd and ar).
-    pipe = Pipeline.from_bundle(bundle, backend=backend, mode=mode, **overrides)
+    pipe = Pipeline.from_bundle(bundle, backend=backend, mode=mode, expect_sha256=expect_sha256, **overrides)
     name = pipe.bundle.meta.get("preset", "kibidango") if pipe.bundle else "kibidango"
-    app = create_app(pipe, model_name=f"kibidango-{name}", max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    app = create_app(pipe, model_name=f"kibidango-{name}", max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
+                     max_request_bytes=max_request_bytes, stall_seconds=stall_seconds)  # fmt: skip
+    # Open streams get 5 s to finish after SIGTERM; then they are cancelled, which cancels their
+    # generations (uvicorn's default waits for them however long they take).
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -92,6 +92,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages"),
     ("/v1/chat/completions", b"[1, 2, 3]", ""),
+    ("/v1/completions", b'{"prompt": "hi \\ud800 there"}', "prompt"),  # a lone surrogate
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "content"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+    ("/v1/completions", b"[" * 50_000 + b"]" * 50_000, "json"),  # deeper than Python's recursion limit
+    ("/v1/completions", b'{"prompt": "hi", "seed": -1, "stream": true}', "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": 100000000000000000000000}', "seed"),
+    ("/v1/completions", ('{"prompt": "' + "x" * 1_000_000 + '"}').encode(), "bytes"),  # refused before tokenising
+    ("/v1/completions", ('{"prompt": "' + "x" * 10_000_000 + '"}').encode(), "limit"),  # over the body limit: 413
 ]
 
 
@@ -107,6 +115,16 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
     assert "kibidango_spec_decode_num_draft_tokens_total" in metrics
     errors = [line for line in metrics.splitlines() if line.startswith("kibidango_request_errors_total")]
     assert int(errors[0].split()[-1]) >= len(BAD_REQUESTS)
+
+
+def test_errors_are_openai_shaped_and_carry_no_internals(server):
+    r = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+    for method, path in (("GET", "/v1/nothing"), ("GET", "/v1/completions")):
+        r = httpx.request(method, f"{server}{path}", timeout=30)
+        assert r.status_code in (404, 405) and set(r.json()["error"]) >= {"message", "type"}, r.text
+    deep = httpx.post(f"{server}/v1/completions", content=b"[" * 50_000 + b"]" * 50_000, headers={"content-type": "application/json"})
+    assert deep.status_code == 400 and "Recursion" not in deep.text and "Traceback" not in deep.text
 
 
 def test_response_ids_and_objects(server):
