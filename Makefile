@@ -7,6 +7,7 @@
 #   make mlflow-ui       MLflow UI on http://127.0.0.1:5000
 #   make compare         metrics across the runs of PRESET's experiment (STAGE=0 METRICS=rows_out,duplicate_rate)
 #   make clean-cache     delete the artifact store (DRY_RUN=1 lists what it would delete; STAGE=0 for one stage)
+#   make verify          hash every file of every cached artifact (STAGE=0 for one stage); a lookup only re-hashes changed files
 #   make bench-dedup     dedup throughput on ../shared;  make eval-dedup: precision/recall on planted duplicates
 #   make bench-runtime   ar / sd / pyramid and peers on a 3-tier tiny family (trains it the first time)
 
@@ -20,7 +21,7 @@ METRICS     ?= rows_in,rows_out,duplicate_rate,english_share
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup demo test test-slow dry-run schedule mlflow-ui compare clean-cache bench-dedup eval-dedup bench-runtime
+.PHONY: setup demo test test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-runtime
 
 AXO_VENV    ?= .venv-axolotl
 
@@ -77,6 +78,9 @@ compare: setup
 
 clean-cache: setup
 	$(PY) -m flows clean-cache $(if $(DRY_RUN),--dry-run) $(if $(STAGE),--stage $(STAGE))
+
+verify: setup
+	$(PY) -m flows verify $(if $(STAGE),--stage $(STAGE))
 
 # The runtime benchmark: trains a qualifier and a target beside stories260K (once; ~10 min on 2
 # cores), then compares ar / sd / pyramid and the peers on the same prompts.

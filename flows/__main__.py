@@ -66,6 +66,22 @@ def _clean(args: argparse.Namespace) -> None:
     print(clean_cache(store(), args.dry_run, args.stage, args.older_than_days))
 
 
+def _verify(args: argparse.Namespace) -> None:
+    from flows.workspace import store
+
+    s = store()
+    damaged = checked = 0
+    for artifact in s.artifacts(args.stage):
+        checked += 1
+        problem = s.verify(artifact, full=True)
+        if problem:
+            damaged += 1
+            print(f"DAMAGED {artifact}: {problem}")
+    print(f"{checked} artifacts hashed, {damaged} damaged" + (" (a damaged artifact is recomputed by the next run)" if damaged else ""))
+    if damaged:
+        raise SystemExit(1)
+
+
 def _schedule(args: argparse.Namespace) -> None:
     from flows.preset import load_preset
     from flows.pipeline import preset_flows
@@ -99,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     clean.add_argument("--stage", default=None)
     clean.add_argument("--older-than-days", type=float, default=None)
     clean.set_defaults(func=_clean)
+
+    ver = sub.add_parser("verify", help="hash every file of every cached artifact and report the damaged ones")
+    ver.add_argument("--stage", default=None)
+    ver.set_defaults(func=_verify)
 
     sched = sub.add_parser("schedule", help="serve a preset's flow on a cron schedule")
     sched.add_argument("--preset", default="tiny")

@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.tracking import TAG, Tracker
 from stages import load_stage
-from stages.contract import StageConfig, code_version, config_to_dict
+from stages.contract import KibidangoError, StageConfig, code_version, config_to_dict
 from stages.progress import metric_sink
 from stages.store import Artifact, ArtifactStore, cache_key
 
@@ -82,6 +82,13 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
     reason = "forced" if cached is not None else "no cached artifact"
     log.info(f"stage {stage_id} ({module.NAME}): running ({reason}), key {key}")
     run_id = tracker.start_run(run_name, {**tags, f"{TAG}cached": "no"}, params, ctx.parent_run_id)
+    if getattr(module, "SHIPS_INPUTS", False):  # nothing damaged is shipped: hash every input file
+        for name, a in inputs.items():
+            problem = store.verify(Path(a.path), full=True)
+            if problem:
+                tracker.end_run(run_id, ok=False)
+                raise KibidangoError(f"stage {stage_id}: input {name!r} ({a.path}) is damaged: {problem}; "
+                                     f"recompute it with make stage-{a.stage_id.lower()}")  # fmt: skip
     staging = store.new_staging_dir(stage_id, key)
     resumable = getattr(module, "RESUMABLE", False)
     try:

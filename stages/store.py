@@ -4,12 +4,21 @@ Layout: ``<root>/<stage_id>/<cache_key>/`` holds a stage's files and a ``manifes
 A stage writes into ``<root>/<stage_id>/.tmp-<key>-<pid>-<nonce>/`` and the store publishes it
 with one ``os.rename``: a killed run leaves at most a ``.tmp-*`` directory, which no lookup ever
 reads and the next run of the store sweeps away.
+
+Verification policy. A lookup (a cache hit) checks every file's size and, against the
+modification time recorded when it was published, re-hashes every file whose mtime changed, so an
+edited file (same size or not) is a miss and the stage recomputes. ``verify(full=True)`` hashes
+every file whatever its mtime: ``make verify`` runs it over the whole store, and the runner runs
+it on the inputs of a stage that ships them (the bundle, stage X). An unreadable or malformed
+``manifest.json`` is a miss, with a warning naming the directory; the recomputed artifact
+replaces it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -18,13 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["Artifact", "ArtifactStore", "cache_key", "file_sha256", "pid_alive", "MANIFEST"]
+__all__ = ["Artifact", "ArtifactStore", "cache_key", "file_sha256", "pid_alive", "read_manifest", "verify_files", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = 1
 _TMP_PREFIX = ".tmp-"
 _WORK_PREFIX = ".work-"
 _TRASH_PREFIX = ".trash-"
+
+log = logging.getLogger("kibidango.store")
 
 
 def canonical_json(value: Any) -> str:
@@ -78,18 +89,25 @@ class ArtifactStore:
         return self._stage_dir(stage_id) / key
 
     def get(self, stage_id: str, key: str) -> Artifact | None:
-        """The published artifact for ``key``, or None. An artifact whose files are missing or
-        have the wrong size (a tampered or damaged store) counts as absent."""
+        """The published artifact for ``key``, or None (a miss). A damaged artifact (a file
+        missing, resized, or changed since it was published) or an unreadable manifest is a miss,
+        with a warning naming the directory."""
         path = self.path(stage_id, key)
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        if not (path / MANIFEST).exists():
             return None
-        for f in manifest["files"]:
-            p = path / f["path"]
-            if not p.is_file() or p.stat().st_size != f["size"]:
-                return None
+        manifest, problem = read_manifest(path)
+        if manifest is not None:
+            problem = verify_files(path, manifest["files"], full=False)
+        if problem:
+            log.warning(f"{path}: {problem}; not used as a cache hit, the stage recomputes")
+            return None
         return Artifact(stage_id, key, str(path), manifest["digest"])
+
+    def verify(self, artifact_dir: Path, full: bool = True) -> str | None:
+        """None if the artifact at ``artifact_dir`` is intact (every file hashed with ``full``),
+        else what is wrong with it."""
+        manifest, problem = read_manifest(artifact_dir)
+        return problem if manifest is None else verify_files(artifact_dir, manifest["files"], full)
 
     def new_staging_dir(self, stage_id: str, key: str) -> Path:
         """A fresh private directory to write a stage's output into."""
@@ -112,9 +130,9 @@ class ArtifactStore:
         files = []
         for p in sorted(staging.rglob("*")):
             if p.is_file() and p.name != MANIFEST:
-                files.append(
-                    {"path": p.relative_to(staging).as_posix(), "size": p.stat().st_size, "sha256": file_sha256(p)}
-                )
+                st = p.stat()
+                files.append({"path": p.relative_to(staging).as_posix(), "size": st.st_size, "sha256": file_sha256(p),
+                              "mtime_ns": st.st_mtime_ns})  # fmt: skip
         digest = _content_digest(files)
         manifest = {
             "schema": MANIFEST_SCHEMA,
@@ -162,6 +180,41 @@ class ArtifactStore:
         for p in self.leftovers():
             if p.parent.name == stage_id:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def read_manifest(path: Path) -> tuple[dict | None, str | None]:
+    """An artifact's manifest, or (None, why it cannot be used)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, "no manifest.json"
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        return None, f"manifest.json is unreadable ({type(e).__name__})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("digest"), str) or not isinstance(manifest.get("files"), list):
+        return None, "manifest.json lacks its digest or file list"
+    for i, f in enumerate(manifest["files"]):
+        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)):
+            return None, f"manifest.json files[{i}] is malformed"
+        parts = Path(f["path"]).parts
+        if Path(f["path"]).is_absolute() or ".." in parts:
+            return None, f"manifest.json files[{i}] points outside the artifact"
+    return manifest, None
+
+
+def verify_files(root: Path, files: list[dict], full: bool) -> str | None:
+    """None if every listed file is present with its size and sha256 (hashed when ``full`` or
+    when its mtime differs from the one recorded at publish time), else the first problem."""
+    for f in files:
+        p = root / f["path"]
+        try:
+            st = p.stat()
+        except OSError:
+            return f"{f['path']} is missing"
+        if st.st_size != f["size"]:
+            return f"{f['path']} has {st.st_size} bytes, the manifest says {f['size']}"
+        if (full or st.st_mtime_ns != f.get("mtime_ns")) and file_sha256(p) != f["sha256"]:
+            return f"{f['path']} does not match its sha256 (changed since it was published)"
+    return None
 
 
 def _owner_alive(tmp: Path) -> bool:

@@ -55,6 +55,21 @@ def test_second_run_is_all_cache_hits(tmp_path):
     parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
     assert len(parents) == 2  # one parent run per flow run
 
+    # A same-size byte change inside the published dataset: make verify reports it, and the next
+    # run does not take it as a hit but recomputes (with a warning naming the artifact).
+    (artifact,) = ArtifactStore(home / "store").artifacts("0")
+    arrow = next(artifact.rglob("*.arrow"))
+    data = bytearray(arrow.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    arrow.write_bytes(bytes(data))
+    verify = _cli(home, "verify")
+    assert verify.returncode == 1 and f"DAMAGED {artifact}" in verify.stdout, verify.stdout
+    third = _cli(home, "run", "--preset", str(preset))
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"{artifact}: {arrow.relative_to(artifact).as_posix()} does not match its sha256" in third.stderr
+    assert "running (no cached artifact)" in third.stderr
+    assert _cli(home, "verify").returncode == 0
+
 
 def test_kill_9_in_the_middle_of_stage_0_then_rerun(tmp_path):
     rng = random.Random(0)

@@ -56,7 +56,7 @@ def test_publish_writes_manifest_and_is_found(tmp_path):
     assert not staging.exists()
     manifest = json.loads((tmp_path / "0" / "k1" / MANIFEST).read_text())
     assert manifest["key"] == "k1" and manifest["mlflow_run_id"] == "r1"
-    assert manifest["files"] == [
+    assert [{k: v for k, v in f.items() if k != "mtime_ns"} for f in manifest["files"]] == [
         {"path": "data/rows.txt", "size": 5, "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"}
     ]
     assert store.get("0", "k1") == artifact
@@ -81,6 +81,34 @@ def test_partial_or_damaged_artifacts_are_never_read(tmp_path):
     store.publish("0", "k2", _stage_files(store, "k2"), {})
     (tmp_path / "0" / "k2" / MANIFEST).write_text("{not json")
     assert store.get("0", "k2") is None
+
+
+def test_a_same_size_change_is_a_miss_and_full_verification_catches_a_restored_mtime(tmp_path, caplog):
+    store = ArtifactStore(tmp_path)
+    store.publish("0", "k1", _stage_files(store, "k1"), {})
+    rows = tmp_path / "0" / "k1" / "data" / "rows.txt"
+    before = rows.stat()
+    rows.write_text("HELLO")  # same size, other bytes (what the probe did to an arrow file)
+    with caplog.at_level("WARNING", logger="kibidango.store"):
+        assert store.get("0", "k1") is None
+    assert f"{tmp_path / '0' / 'k1'}: data/rows.txt does not match its sha256" in caplog.text
+    os.utime(rows, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back: the cheap check passes
+    assert store.get("0", "k1") is not None
+    assert "does not match its sha256" in store.verify(tmp_path / "0" / "k1", full=True)
+
+
+def test_an_unreadable_manifest_is_a_miss_with_a_warning_naming_the_directory(tmp_path, caplog):
+    store = ArtifactStore(tmp_path)
+    for text in ("{}", "[]", "{not json", '{"digest": "x", "files": [{"path": "../../etc/passwd", "size": 1, "sha256": "y"}]}',
+                 "[" * 100_000):  # fmt: skip
+        store.publish("0", "k1", _stage_files(store, "k1"), {})
+        (tmp_path / "0" / "k1" / MANIFEST).write_text(text)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kibidango.store"):
+            assert store.get("0", "k1") is None
+        assert str(tmp_path / "0" / "k1") in caplog.text and "recomputes" in caplog.text
+    store.publish("0", "k1", _stage_files(store, "k1"), {})  # the recomputed artifact replaces it
+    assert store.get("0", "k1") is not None
 
 
 def test_leftovers_of_dead_processes_are_swept(tmp_path):
