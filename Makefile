@@ -9,6 +9,7 @@
 #   make clean-cache     delete the artifact store (DRY_RUN=1 lists what it would delete; STAGE=0 for one stage)
 #   make verify          hash every file of every cached artifact (STAGE=0 for one stage); a lookup only re-hashes changed files
 #   make bench-dedup     dedup throughput on ../shared;  make eval-dedup: precision/recall on planted duplicates
+#   make fuzz-ingest     stage 0's reader on generated hostile rows for SECONDS_FUZZ seconds (default 60); prints rows tried and crashes
 #   make bench-runtime   ar / sd / pyramid and peers on a 3-tier tiny family (trains it the first time)
 
 PYTHON_BOOT ?= python3.11
@@ -21,7 +22,7 @@ METRICS     ?= rows_in,rows_out,duplicate_rate,english_share
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup demo test test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-runtime
+.PHONY: setup demo test test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup fuzz-ingest bench-runtime
 
 AXO_VENV    ?= .venv-axolotl
 
@@ -97,3 +98,7 @@ bench-dedup: setup
 
 eval-dedup: setup
 	$(PY) -m eval.dedup_quality
+
+SECONDS_FUZZ ?= 60
+fuzz-ingest: setup
+	$(PY) -m eval.fuzz_ingest --seconds $(SECONDS_FUZZ)

@@ -49,7 +49,9 @@ class Config(StageConfig):
     title: str = Field("kibidango curated instructions", description="Title of the generated data card.")
     sources: list[SourceSpec] = Field(min_length=1, description="Data sources, read in this order (earlier wins a duplicate).")
     synthetic_rows: int = Field(
-        0, ge=0, description="When no source is present, generate this many rows instead (0: fail with an error)."
+        0, ge=0, description="When every source is absent (all `optional`), generate this many rows instead (0: fail "
+        "with an error). Never replaces a present source: one that yields no rows is an error. The card and the "
+        "summary say loudly that the data is synthetic.",
     )
     synthetic_seed: int = Field(0, description="Seed of the generated fallback rows.")
     quality: QualityConfig = Field(default_factory=QualityConfig, description="Basic quality filters.")
@@ -70,7 +72,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     drops: Counter[str] = Counter()
     languages: Counter[str] = Counter()
     kept: list[Example] = []
-    with open(out_dir / "dropped.jsonl", "w") as dropped:
+    with open(out_dir / "dropped.jsonl", "w", encoding="utf-8") as dropped:
         for ex in _filter(cfg, examples, drops, languages, dropped):
             kept.append(ex)
         after_filters = len(kept)
@@ -82,8 +84,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     _save_dataset(splits, out_dir / "dataset")
 
     lengths = np.array([len(ex.text) for ex in kept]) if kept else np.zeros(1, dtype=int)
+    synthetic = any(src["name"] == "synthetic" and src["format"] == "generated" for src in source_stats)
     stats = {
         "command": "make stage-0",
+        "synthetic": synthetic,
         "sources": source_stats,
         "rows_in": rows_in,
         "rejected": sum(s["rejected"] for s in source_stats),
@@ -108,6 +112,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
 
     dups = exact + near
     metrics = {
+        "synthetic": float(synthetic),
         "rows_in": rows_in,
         "rows_rejected": stats["rejected"],
         "rows_after_filters": after_filters,
@@ -120,7 +125,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         **{f"domain/{d}": n for d, n in stats["domains"].items()},
         **{f"split/{k}": v for k, v in stats["splits"].items()},
     }
-    summary = (
+    summary = ("SYNTHETIC DATA (no source present): " if synthetic else "") + (
         f"stage 0: {rows_in:,} valid rows in, {stats['rejected']:,} quarantined, {len(kept):,} out "
         f"({exact:,} exact + {near:,} near duplicates, {sum(drops.values()) - dups:,} filtered); "
         f"splits {stats['splits']}"
@@ -132,7 +137,7 @@ def _ingest(cfg: Config, rejects_path: Path) -> tuple[list[Example], list[dict]]
     examples: list[Example] = []
     source_stats = []
     n_rejects = 0
-    with open(rejects_path, "w") as rejects:
+    with open(rejects_path, "w", encoding="utf-8") as rejects:
         for spec in cfg.sources:
             stat = {"name": spec.name, "location": spec.location, "format": spec.format, "license": spec.license}
             if not spec.is_present():
@@ -155,6 +160,13 @@ def _ingest(cfg: Config, rejects_path: Path) -> tuple[list[Example], list[dict]]
                 read += 1
                 progress.update(read)
             progress.finish(read)
+            if not read:  # the user's data is there but unusable: never replace it silently
+                rejects.flush()
+                raise KibidangoError(
+                    f"source '{spec.name}': {spec.location} yielded no valid rows ({rejected:,} quarantined; first: "
+                    f"{'; '.join(_first_rejects(rejects_path, spec.name, 3)) or 'none'}). "
+                    f"Check its `format` ({spec.format}) and `fields`, or remove the source."
+                )
             source_stats.append({**stat, "status": "read", "rows_read": read, "rejected": rejected})
     if n_rejects > _REJECTS_SHOWN:
         log.warning(f"{n_rejects:,} rows quarantined in all; every one is in {rejects_path}")
@@ -164,13 +176,25 @@ def _ingest(cfg: Config, rejects_path: Path) -> tuple[list[Example], list[dict]]
                 "stage 0: no source is present and synthetic_rows is 0: "
                 + ", ".join(s.location for s in cfg.sources)
             )
-        log.warning(f"no source present: generating {cfg.synthetic_rows} synthetic rows (seed {cfg.synthetic_seed})")
+        log.warning(f"SYNTHETIC DATA: no source is present ({', '.join(s.location for s in cfg.sources)}); generating "
+                    f"{cfg.synthetic_rows} synthetic rows (seed {cfg.synthetic_seed}) instead. Nothing downstream is "
+                    f"trained on real data.")  # fmt: skip
         examples = synthetic_examples(cfg.synthetic_rows, cfg.synthetic_seed)
         source_stats.append(
             {"name": "synthetic", "location": "stages/curation/synthetic.py", "format": "generated",
              "license": "Apache-2.0", "status": "read", "rows_read": len(examples), "rejected": 0}
         )  # fmt: skip
     return examples, source_stats
+
+
+def _first_rejects(path: Path, source: str, n: int) -> list[str]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if r["source"] == source and len(out) < n:
+                out.append(Reject(**r).message())
+    return out
 
 
 def _filter(cfg: Config, examples: list[Example], drops: Counter, languages: Counter, dropped):

@@ -155,3 +155,50 @@ def test_hf_dataset_path_reads_a_local_dataset_dir(tmp_path):
 def test_a_source_needs_exactly_one_location():
     with pytest.raises(ValueError, match="give exactly one of `path` or `hf`"):
         SourceSpec(name="x", format="alpaca", license="MIT")
+
+
+def test_the_probes_hostile_rows_are_quarantined_with_their_line(tmp_path):
+    """A 100k-deep nested line, a 5,000-digit integer, a lone surrogate escape and a NUL each
+    stopped stage 0; now each is a reject naming its line (and field), in JSONL and in arrays."""
+    good = {"instruction": "Say hi.", "output": "Hi!"}
+    hostile = [
+        "[" * 100_000 + "]" * 100_000,
+        '{"instruction": "Count.", "output": "many", "n": ' + "9" * 5_000 + "}",
+        '{"instruction": "Hi \\ud800 there", "output": "x"}',
+        '{"instruction": "Nul", "output": "a\\u0000b"}',
+    ]
+    path = write_jsonl(tmp_path / "h.jsonl", [good, *hostile, good])
+    examples, rejects = _read(path)
+    assert len(examples) == 2
+    assert [(r.line, r.field) for r in rejects] == [(2, ""), (3, ""), (4, "instruction"), (5, "output")]
+    assert "nested too deeply" in rejects[0].reason and "unreadable JSON value" in rejects[1].reason
+    assert "lone surrogate" in rejects[2].reason and "NUL" in rejects[3].reason
+    (tmp_path / "h.json").write_text("[\n" + ",\n".join([json.dumps(good), *hostile, json.dumps(good)]) + "\n]")
+    examples, rejects = _read(tmp_path / "h.json")
+    assert len(examples) == 2 and [r.line for r in rejects] == [3, 4, 5, 6]
+
+
+def test_byte_order_marks_are_read(tmp_path):
+    rows = [{"instruction": f"Row {i} here.", "output": "Fine."} for i in range(27)]
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())  # the probe's file
+    examples, rejects = _read(tmp_path / "bom.json")
+    assert len(examples) == 27 and not rejects
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode())
+    assert len(_read(tmp_path / "bom.jsonl")[0]) == 27
+    (tmp_path / "utf16.json").write_bytes(json.dumps(rows, ensure_ascii=False).encode("utf-16"))
+    assert len(_read(tmp_path / "utf16.json")[0]) == 27
+
+
+def test_a_truncated_gzip_is_a_source_error(tmp_path):
+    body = gzip.compress(("\n".join(json.dumps({"instruction": "a", "output": "b"}) for _ in range(500))).encode())
+    (tmp_path / "t.jsonl.gz").write_bytes(body[: len(body) // 2])
+    with pytest.raises(SourceError, match="t.jsonl.gz: cannot read"):
+        _read(tmp_path / "t.jsonl.gz")
+
+
+def test_fuzzing_the_reader_with_hostile_rows_crashes_nothing():
+    from eval.fuzz_ingest import fuzz
+
+    result = fuzz(seconds=20, rounds=400, seed=1)
+    assert result["counts"]["rows_tried"] >= 1_000 and result["counts"]["quarantined"] > 0
+    assert result["crashes"] == [], result["crashes"][0]

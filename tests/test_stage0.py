@@ -102,6 +102,25 @@ def test_synthetic_fallback_when_no_source_is_present(tmp_path):
         s0.run(s0.Config(sources=absent), {}, out2)
 
 
+def test_a_present_source_with_no_valid_rows_is_an_error_not_a_synthetic_fallback(tmp_path):
+    """The probe: a JSON array read as JSONL (27 rejects) was replaced by 2,000 generated rows."""
+    broken = write_jsonl(tmp_path / "broken.jsonl", [{"question": "wrong format"}] * 27)
+    sources = [{"name": "mine", "path": str(broken), "format": "alpaca", "license": "MIT", "optional": True}]
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(KibidangoError, match=r"source 'mine': .*broken.jsonl yielded no valid rows \(27 quarantined; first: .*:1: field 'instruction' missing"):
+        s0.run(s0.Config(sources=sources, synthetic_rows=2000), {}, out)
+
+
+def test_synthetic_data_is_announced_loudly(tmp_path):
+    absent = [{"name": "gone", "path": str(tmp_path / "missing.json"), "format": "alpaca", "license": "MIT", "optional": True}]
+    out = tmp_path / "out"
+    out.mkdir()
+    result = s0.run(s0.Config(sources=absent, synthetic_rows=100), {}, out)
+    assert result.summary.startswith("SYNTHETIC DATA") and result.metrics["synthetic"] == 1.0
+    assert "**SYNTHETIC DATA.**" in (out / "data_card.md").read_text()
+
+
 def test_external_inputs_change_with_source_bytes(tmp_path):
     cfg = s0.Config(sources=_sources(tmp_path))
     before = s0.external_inputs(cfg)

@@ -9,16 +9,20 @@ Formats (the fields each reads; ``fields`` in the source spec renames them):
 messages[{role,content}], ``gsm8k`` question/answer, ``mbpp`` text or prompt/code/test_list,
 ``humaneval`` prompt/canonical_solution, ``text`` text.
 
-A row that cannot be read (malformed JSON, a missing field, a wrong type, bytes that are not
-UTF-8) becomes a :class:`Reject` naming file, line and field; the rest of the file is still read.
-A source that cannot be read at all (missing, empty, not JSON) raises :class:`SourceError`.
+A row that cannot be read (malformed JSON, JSON nested too deep for the parser, an integer too
+long to convert, a missing field, a wrong type, bytes that are not UTF-8, a lone surrogate escape
+such as ``\\ud800``, a NUL character) becomes a :class:`Reject` naming file, line and field; the rest
+of the file is still read. A byte-order mark (UTF-8, UTF-16) is honoured. A source that cannot be
+read at all (missing, empty, not JSON, a truncated gzip stream) raises :class:`SourceError`.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
+import zlib
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -154,14 +158,42 @@ def _records(spec: SourceSpec) -> Iterator[tuple[int, dict | Reject]]:
         yield from _jsonl_records(spec, data)
 
 
+_BOMS = ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
 def _read_bytes(path: Path) -> bytes:
+    """The file's bytes as UTF-8: gunzipped, a UTF-8 byte-order mark dropped, UTF-16 (with its
+    BOM) re-encoded."""
     try:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rb") as f:
-                return f.read()
-        return path.read_bytes()
-    except (OSError, EOFError) as e:
+                data = f.read()
+        else:
+            data = path.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:
         raise SourceError(f"{path}: cannot read: {e}") from e
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            if encoding == "utf-8":
+                return data[len(bom) :]
+            try:
+                return data.decode(encoding).encode("utf-8", "surrogatepass")
+            except UnicodeDecodeError as e:
+                raise SourceError(f"{path}: starts with a UTF-16 byte-order mark but is not UTF-16 (byte {e.start})") from e
+    return data
+
+
+_UNREADABLE = (json.JSONDecodeError, ValueError, RecursionError)
+"""What ``json.loads`` raises on hostile input: malformed JSON, integers past Python's digit limit
+(ValueError), nesting past the recursion limit (RecursionError)."""
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, json.JSONDecodeError):
+        return f"malformed JSON: {e.msg} at column {e.colno}"
+    if isinstance(e, RecursionError):
+        return "JSON nested too deeply to read"
+    return f"unreadable JSON value: {str(e)[:120]}"
 
 
 def _jsonl_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, dict | Reject]]:
@@ -176,8 +208,8 @@ def _jsonl_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, dict | 
             continue
         try:
             record = json.loads(text)
-        except json.JSONDecodeError as e:
-            yield line_no, Reject(spec.name, spec.path, line_no, "", f"malformed JSON: {e.msg} at column {e.colno}", text[:_RAW_CHARS])
+        except _UNREADABLE as e:
+            yield line_no, Reject(spec.name, spec.path, line_no, "", _why(e), text[:_RAW_CHARS])
             continue
         if not isinstance(record, dict):
             reason = f"expected a JSON object, got {type(record).__name__}"
@@ -211,7 +243,16 @@ def _json_array_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, di
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise SourceError(f"{spec.path}:{e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from e
-        if isinstance(record, dict):
+        except (ValueError, RecursionError) as e:  # well-formed but unreadable: skip the element
+            end = _element_end(text, pos)
+            if end is None:
+                raise SourceError(f"{spec.path}:{line}: {_why(e)}, and the array cannot be read past it") from e
+            yield line, Reject(spec.name, spec.path, line, "", _why(e), text[pos : min(end, pos + _RAW_CHARS)])
+            pos = end
+            record = None
+        if record is None:
+            pass
+        elif isinstance(record, dict):
             yield line, record
         else:
             yield line, Reject(spec.name, spec.path, line, "", f"expected a JSON object, got {type(record).__name__}", _raw(record))
@@ -221,6 +262,28 @@ def _json_array_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, di
         elif pos >= len(text) or text[pos] != "]":
             line += text.count("\n", counted, pos)
             raise SourceError(f"{spec.path}:{line}: malformed JSON: expected ',' or ']' after an array element")
+
+
+def _element_end(text: str, pos: int) -> int | None:
+    """The end of the JSON value starting at ``pos`` (bracket depth counted iteratively, strings
+    skipped), or None if the text ends first."""
+    depth, i, n = 0, pos, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth <= 0:
+                return i + 1 if depth == 0 else i
+        elif depth == 0 and c in ",":
+            return i
+        i += 1
+    return None
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -282,7 +345,7 @@ def _parse(fmt: str, rec: dict, fields: dict[str, str]) -> tuple[str, str, str]:
         value = rec[key]
         if not isinstance(value, str):
             raise FieldError(key, f"expected a string, got {type(value).__name__}")
-        return value
+        return _clean(key, value)
 
     if fmt == "alpaca":
         return get("instruction"), get("input", required=False), get("output")
@@ -321,7 +384,7 @@ def _parse_chat(rec: dict, fields: dict[str, str]) -> tuple[str, str, str]:
         content = t.get("value", t.get("content"))
         if not isinstance(role, str) or not isinstance(content, str):
             raise FieldError(f"{key}[{i}]", "expected string 'from'/'role' and 'value'/'content'")
-        pairs.append((role.lower(), content))
+        pairs.append((role.lower(), _clean(f"{key}[{i}]", content)))
     last_answer = max((i for i, (r, _) in enumerate(pairs) if r in _ASSISTANT), default=None)
     if last_answer is None:
         raise FieldError(key, "no assistant turn")
@@ -332,5 +395,20 @@ def _parse_chat(rec: dict, fields: dict[str, str]) -> tuple[str, str, str]:
     return pairs[last_question][1], context, pairs[last_answer][1]
 
 
+def _clean(field: str, value: str) -> str:
+    """A field's text, refused if no tokenizer or filter could take it: a lone surrogate
+    (``"\\ud800"`` decodes to one) or a NUL character."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FieldError(field, f"lone surrogate escape at character {e.start} (not valid Unicode)") from None
+    if "\x00" in value:
+        raise FieldError(field, f"NUL character at character {value.index(chr(0))}")
+    return value
+
+
 def _raw(record: Any) -> str:
-    return json.dumps(record, ensure_ascii=False, default=str)[:_RAW_CHARS]
+    try:
+        return json.dumps(record, ensure_ascii=True, default=str)[:_RAW_CHARS]
+    except (ValueError, RecursionError):
+        return repr(record)[:_RAW_CHARS]
