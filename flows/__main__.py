@@ -13,6 +13,7 @@ from flows.workspace import configure_environment
 configure_environment()  # before Prefect is imported
 
 from stages.contract import KibidangoError  # noqa: E402
+from stages.redaction import install_log_redaction, redact_text  # noqa: E402
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -126,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     sched.set_defaults(func=_schedule)
 
     args = parser.parse_args(argv)
+    install_log_redaction()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("kibidango").setLevel(logging.INFO)
     try:
         args.func(args)
     except KibidangoError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     return 0
 

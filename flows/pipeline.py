@@ -59,7 +59,7 @@ def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: li
     parent = tracker.start_run(
         f"{plan.name}-{flow_run.get_name() or 'run'}",
         {f"{TAG}preset": plan.name, f"{TAG}prefect_flow_run_id": prefect_id, f"{TAG}git_sha": git_sha,
-         f"{TAG}force": ",".join(force or []), f"{TAG}overrides": ";".join(overrides or [])},
+         f"{TAG}force": ",".join(force or []), f"{TAG}overrides": ";".join(overrides or [])},  # redacted by the tracker
     )  # fmt: skip
     ctx = RunContext(plan.name, plan.experiment, str(store().root), parent, prefect_id, tuple(force or ()))
     ok = False

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stages import load_stage
 from stages.contract import KibidangoError, StageConfig
+from stages.redaction import find_secrets
 
 __all__ = ["Preset", "load_preset", "PRESETS_DIR", "REPO_ROOT"]
 
@@ -143,6 +144,14 @@ def load_preset(preset: str, overrides: list[str] | None = None) -> Preset:
                 raise KibidangoError(f"override {item!r}: expected STAGE.KEY=VALUE, e.g. 0.dedup.threshold=0.6")
             if stage == sid:
                 set_override(config, key, yaml.safe_load(value))
+        secrets = find_secrets(config)
+        if secrets:
+            raise KibidangoError(
+                f"{path}: stage {sid}: {', '.join(secrets)} look(s) like a secret (by key or by value). Secrets are never "
+                "config values: they would reach MLflow params, manifests, logged YAMLs and Prefect. Put the value in an "
+                "environment variable and name that variable with the stage's `*_env` key where it has one (axolotl "
+                "reads WANDB_API_KEY and HF_TOKEN from the environment itself)."
+            )
         try:
             configs[sid] = load_stage(sid).Config.model_validate(config)
         except ValidationError as e:

@@ -17,6 +17,7 @@ from flows.tracking import TAG, Tracker
 from stages import load_stage
 from stages.contract import KibidangoError, StageConfig, code_version, config_to_dict
 from stages.progress import metric_sink
+from stages.redaction import redact
 from stages.store import Artifact, ArtifactStore, cache_key
 
 __all__ = ["RunContext", "execute_stage", "stage_task"]
@@ -101,7 +102,7 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
             stage_id,
             key,
             staging,
-            {
+            redact({
                 "stage_name": module.NAME,
                 "code_version": code_version(module),
                 "config": params,
@@ -110,7 +111,7 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
                 "mlflow_run_id": run_id,
                 "metrics": result.metrics,
                 "summary": result.summary,
-            },
+            }),
         )
     except BaseException:
         store.discard(staging)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -18,29 +17,30 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
 from flows.workspace import default_artifact_location, tracking_uri
+from stages.redaction import is_secret_key, redact_text
 from stages.store import pid_alive
 
 __all__ = ["Tracker", "flatten_params", "TAG"]
 
 TAG = "kibidango."
 PARENT_TAG = "mlflow.parentRunId"
-_SECRET = re.compile(r"(api_?key|secret|password|passwd|access_token|auth_token|bearer)", re.I)
 _BATCH = 100  # MLflow's limit of params per log_batch call
 
 
 def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
     """Nested config -> ``{"dedup.threshold": "0.5", "sources.0.name": ...}``. Values of keys
-    that look like secrets are masked: API keys never reach MLflow."""
+    that look like secrets, and values in the format of a known key, are masked (presets refuse
+    them before a run starts; this is the second guard)."""
     out: dict[str, str] = {}
     if isinstance(value, dict):
         for k, v in value.items():
             key = f"{prefix}{k}"
-            out.update({key: "***"} if _SECRET.search(str(k)) and v else flatten_params(v, key + "."))
+            out.update({key: "***"} if is_secret_key(k) and v else flatten_params(v, key + "."))
     elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         for i, v in enumerate(value):
             out.update(flatten_params(v, f"{prefix}{i}."))
     else:
-        out[prefix.rstrip(".")] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+        out[prefix.rstrip(".")] = redact_text(json.dumps(value) if isinstance(value, (list, dict)) else str(value))
     return out
 
 
@@ -55,7 +55,7 @@ class Tracker:
 
     def start_run(self, name: str, tags: dict[str, str], params: dict[str, Any] | None = None, parent: str | None = None) -> str:
         owner = {f"{TAG}host": socket.gethostname(), f"{TAG}pid": str(os.getpid())}
-        all_tags = {**tags, **owner, **({PARENT_TAG: parent} if parent else {})}
+        all_tags = {k: redact_text(v) for k, v in {**tags, **owner, **({PARENT_TAG: parent} if parent else {})}.items()}
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         if params:
             items = [Param(k, v[:6000]) for k, v in flatten_params(params).items()]
@@ -70,7 +70,7 @@ class Tracker:
             self.client.log_batch(run_id, metrics=items[i : i + 1000])
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self.client.log_batch(run_id, tags=[RunTag(k, redact_text(v)) for k, v in tags.items()])
 
     def log_files(self, run_id: str, root: Path, files: list[str]) -> None:
         for rel in files:

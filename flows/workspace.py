@@ -26,9 +26,12 @@ def tracking_uri() -> str:
 
 
 def default_artifact_location() -> str | None:
-    """Artifact root for a new experiment when tracking to the default sqlite file; a tracking
-    server decides its own."""
-    return None if os.environ.get("MLFLOW_TRACKING_URI") else (home() / "mlartifacts").as_uri()
+    """Artifact root for a new experiment: ``$KIBIDANGO_HOME/mlartifacts`` for any tracking URI
+    that is not a server (a sqlite file, a database), where MLflow would otherwise write
+    ``./mlruns`` in whatever directory the command runs from; a tracking server (http[s]) decides
+    its own (``mlflow server --artifacts-destination``)."""
+    uri = tracking_uri()
+    return None if uri.startswith(("http://", "https://", "databricks")) else (home() / "mlartifacts").as_uri()
 
 
 def configure_environment() -> None:

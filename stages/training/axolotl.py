@@ -33,6 +33,7 @@ import yaml
 
 from stages.contract import KibidangoError
 from stages.progress import report_metrics
+from stages.redaction import redact
 from stages.training.chat import TEMPLATE
 from stages.training.recipe import TrainRecipe
 
@@ -258,7 +259,7 @@ def train(cfg: dict[str, Any], run_dir: Path, label: str, *, preprocess_only: bo
     checkpoint (``auto_resume_from_checkpoints``). Returns the last logged training metrics."""
     python = axolotl_python()
     run_dir.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(cfg, sort_keys=False)
+    text = yaml.safe_dump(redact(cfg), sort_keys=False)  # the YAML is saved and logged: never a secret in it
     digest = hashlib.sha256(text.encode()).hexdigest()
     done = run_dir / ("preprocessed.json" if preprocess_only else "done.json")
     if done.is_file():
