@@ -28,8 +28,12 @@ def _run(args: argparse.Namespace) -> None:
     # Preflight: missing or empty sources fail here, with a plain message, before Prefect starts.
     describe_plan(plan, args.force)
 
-    from flows.pipeline import preset_flows, pipeline
-    from flows.workspace import home, tracking_uri
+    from flows.pipeline import pipeline, preset_flows
+    from flows.workspace import home, reap_orphan_prefect_servers, tracking_uri
+
+    _quiet_user_errors()
+    for pid in reap_orphan_prefect_servers():
+        print(f"stopped Prefect's temporary server (pid {pid}), left running by a killed flow of this workspace", file=sys.stderr)
 
     flow_fn = preset_flows().get(plan.name, pipeline)
     artifacts = flow_fn(preset=args.preset, force=args.force, overrides=args.set)
@@ -44,6 +48,27 @@ def _run(args: argparse.Namespace) -> None:
     from flows.showcase import show_bundle
 
     show_bundle(artifacts)
+
+
+class _UserErrorFilter(logging.Filter):
+    """Keeps Prefect's console from printing the tracebacks of a :class:`KibidangoError` (four of
+    them, 137 lines, for one bad source): the CLI prints its one-line message at the end. The
+    records still reach Prefect's API (its UI shows them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, KibidangoError):
+            return False
+        return not (record.name.startswith("prefect") and "KibidangoError" in record.getMessage())
+
+
+def _quiet_user_errors() -> None:
+    quiet = _UserErrorFilter()
+    names = ["", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect"))]
+    for name in names:
+        for handler in logging.getLogger(name).handlers:
+            if type(handler).__name__ != "APILogHandler":
+                handler.addFilter(quiet)
 
 
 def _stage_id(known: list[str], given: str) -> str:

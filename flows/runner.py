@@ -113,6 +113,12 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
                 "summary": result.summary,
             }),
         )
+    except KibidangoError as e:
+        store.discard(staging)
+        tracker.end_run(run_id, ok=False)
+        if str(e).lower().startswith(f"stage {stage_id.lower()}"):
+            raise
+        raise KibidangoError(f"stage {stage_id} ({module.NAME}): {e}") from e
     except BaseException:
         store.discard(staging)
         tracker.end_run(run_id, ok=False)

@@ -88,9 +88,32 @@ def test_kill_9_in_the_middle_of_stage_0_then_rerun(tmp_path):
             time.sleep(0.2)
         time.sleep(1.0)  # well inside stage 0: it ingests, then deduplicates 30k rows
         assert proc.poll() is None, "stage 0 finished before the kill; make the input larger"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)  # the flow process alone, as `kill -9 <pid>` does
         proc.wait()
+        orphans = _prefect_servers(proc.pid)
+        assert orphans, "expected Prefect's temporary server to outlive the killed flow"
+        _run_and_check_rerun(home, preset, stage_dir, orphans)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group if the test failed
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _prefect_servers(session: int) -> list[int]:
+    """Pids of Prefect server processes in process group ``session``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getpgid(int(entry.name)) == session and b"prefect.server" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids
+
+
+def _run_and_check_rerun(home: Path, preset: Path, stage_dir: Path, orphans: list[int]) -> None:
     leftovers = [p.name for p in stage_dir.iterdir()]
     assert leftovers and all(name.startswith(".tmp-") for name in leftovers)  # nothing published
     key = leftovers[0][len(".tmp-"):].split("-")[0]
@@ -104,6 +127,8 @@ def test_kill_9_in_the_middle_of_stage_0_then_rerun(tmp_path):
     assert artifact is not None and artifact.manifest["metrics"]["rows_in"] == 30000
     killed = [r for r in _stage_runs(home) if r.info.status == "KILLED"]
     assert len(killed) == 1 and "marked KILLED" in rerun.stderr + rerun.stdout  # the killed run is not left RUNNING
+    assert f"stopped Prefect's temporary server (pid {orphans[0]})" in rerun.stderr
+    assert not [pid for pid in orphans if Path(f"/proc/{pid}").exists() and (Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z")]
 
 
 def test_schedule_builds_a_cron_deployment():
@@ -113,6 +138,14 @@ def test_schedule_builds_a_cron_deployment():
     (schedule,) = deployment.schedules
     assert schedule.schedule.cron == "0 3 * * *" and deployment.parameters == {"preset": "tiny"}
     assert deployment.flow_name == "kibidango-tiny"
+
+
+def test_a_stage_error_prints_one_line_not_prefect_tracebacks(tmp_path):
+    preset = _preset(tmp_path, write_jsonl(tmp_path / "bad.jsonl", [{"question": "no instruction"}] * 3))
+    r = _cli(tmp_path / "home", "run", "--preset", str(preset))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if "yielded no valid rows" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: stage 0 (curate): source 'src'")
 
 
 def test_cli_errors_are_one_clear_line(tmp_path):
