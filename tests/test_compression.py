@@ -196,7 +196,7 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
 
     packed = store / "2E" / "key2E"
     metrics = _run("2E", {"bundle": out}, packed, dict_size=8192, level=10).metrics
-    assert metrics["ratio"] > 1 and metrics["files"] == len(bundle.meta["files"]) + 1  # + bundle.json
+    assert metrics["ratio"] > 1 and metrics["files"] == len(bundle.meta["files"]) + 2  # + bundle.json and its .sha256
     assert "byte for byte" in (packed / "pack_report.md").read_text()
 
     victim = out / "bundle" / "tiers" / "draft" / "gguf" / "draft-Q8_0.gguf"
