@@ -55,13 +55,13 @@ def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: li
     for run_id in tracker.reap_orphans():
         print(f"MLflow run {run_id} was left RUNNING by a process that is gone: marked KILLED")
     prefect_id = str(flow_run.get_id() or "")
-    git_sha = os.environ["KIBIDANGO_GIT_SHA"] = _git_sha()  # also recorded in the bundle by stage X
+    git_sha = _git_sha()  # recorded in every manifest this run publishes; stage X reads it from there
     parent = tracker.start_run(
         f"{plan.name}-{flow_run.get_name() or 'run'}",
         {f"{TAG}preset": plan.name, f"{TAG}prefect_flow_run_id": prefect_id, f"{TAG}git_sha": git_sha,
          f"{TAG}force": ",".join(force or []), f"{TAG}overrides": ";".join(overrides or [])},  # redacted by the tracker
     )  # fmt: skip
-    ctx = RunContext(plan.name, plan.experiment, str(store().root), parent, prefect_id, tuple(force or ()))
+    ctx = RunContext(plan.name, plan.experiment, str(store().root), parent, prefect_id, tuple(force or ()), git_sha)
     ok = False
     _resolve_lazy_imports()
     try:

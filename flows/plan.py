@@ -35,7 +35,8 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
         needs = plan.needs(sid)
         ups = {name: known.get(up) for name, up in needs.items()}
         if all(a is not None for a in ups.values()):
-            key, digests = stage_key(sid, cfg, ups)  # type: ignore[arg-type]
+            sk = stage_key(sid, cfg, ups)  # type: ignore[arg-type]
+            key, digests = sk.key, sk.digests
             hit = store().get(sid, key)
             known[sid] = hit
             status = "forced" if sid in (force or []) else ("cache hit" if hit else "would run")

@@ -119,10 +119,25 @@ def set_override(config: dict, dotted: str, value: Any) -> None:
         node[last] = value
 
 
+_LOADED: dict[tuple, Preset] = {}
+
+
 def load_preset(preset: str, overrides: list[str] | None = None) -> Preset:
     """Load and validate a preset by name or path. ``overrides`` are ``STAGE.KEY.PATH=VALUE``
-    strings (VALUE parsed as YAML), applied on top of the file."""
+    strings (VALUE parsed as YAML), applied on top of the file. Loaded once per process (the CLI
+    and the flow it starts share it) while the preset and recipe files are unchanged."""
     path = _resolve_path(preset)
+    memo = (str(path.resolve()), path.stat().st_mtime_ns, tuple(overrides or ()), _recipe_stamps(path))
+    if memo not in _LOADED:
+        _LOADED[memo] = _load_preset(path, overrides)
+    return _LOADED[memo]
+
+
+def _recipe_stamps(path: Path) -> tuple:
+    return tuple(sorted((str(p), p.stat().st_mtime_ns) for p in (REPO_ROOT / "recipes").rglob("*.yaml")))
+
+
+def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
     raw = _read_yaml(path)
     try:
         spec = PresetFile.model_validate(raw)

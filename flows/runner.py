@@ -35,20 +35,33 @@ class RunContext:
     parent_run_id: str | None = None
     prefect_flow_run_id: str = ""
     force: tuple[str, ...] = field(default_factory=tuple)
+    git_sha: str = "unknown"
 
 
-def stage_key(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact]) -> tuple[str, dict[str, str]]:
-    """The cache key of a stage and the input digests it was computed from."""
+@dataclass(frozen=True)
+class StageKey:
+    """A stage's cache key and what it was computed from, computed once per run of a stage and
+    used for the lookup, the manifest and the MLflow tags alike."""
+
+    key: str
+    code_version: str
+    config: dict
+    digests: dict[str, str]
+
+
+def stage_key(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact]) -> StageKey:
     module = load_stage(stage_id)
     digests = {name: a.digest for name, a in inputs.items()}
     if hasattr(module, "external_inputs"):
         digests.update(module.external_inputs(cfg))
-    return cache_key(stage_id, code_version(module), config_to_dict(cfg), digests), digests
+    version, config = code_version(module), config_to_dict(cfg)
+    return StageKey(cache_key(stage_id, version, config, digests), version, config, digests)
 
 
 def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], ctx: RunContext) -> Artifact:
     module = load_stage(stage_id)
-    key, digests = stage_key(stage_id, cfg, inputs)
+    sk = stage_key(stage_id, cfg, inputs)
+    key, digests, params = sk.key, sk.digests, sk.config
     store = ArtifactStore(ctx.store_root)
     tracker = Tracker(ctx.experiment)
     tags = {
@@ -57,12 +70,11 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
         f"{TAG}cache_key": key,
         f"{TAG}input_keys": json.dumps({name: a.key for name, a in inputs.items()}, sort_keys=True),
         f"{TAG}input_digests": json.dumps(digests, sort_keys=True),
-        f"{TAG}code_version": code_version(module),
+        f"{TAG}code_version": sk.code_version,
         f"{TAG}prefect_flow_run_id": ctx.prefect_flow_run_id,
         f"{TAG}preset": ctx.preset,
     }
     run_name = f"{stage_id}-{module.NAME}"
-    params = config_to_dict(cfg)
 
     cached = store.get(stage_id, key)
     if cached is not None and stage_id not in ctx.force:
@@ -104,11 +116,12 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
             staging,
             redact({
                 "stage_name": module.NAME,
-                "code_version": code_version(module),
+                "code_version": sk.code_version,
                 "config": params,
                 "inputs": {name: {"key": a.key, "digest": a.digest} for name, a in inputs.items()},
                 "external_inputs": {k: v for k, v in digests.items() if k not in inputs},
                 "mlflow_run_id": run_id,
+                "git_sha": ctx.git_sha,
                 "metrics": result.metrics,
                 "summary": result.summary,
             }),

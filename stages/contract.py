@@ -20,10 +20,6 @@ runner sends to the stage's MLflow run).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import inspect
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -39,7 +35,7 @@ __all__ = [
     "code_version",
 ]
 
-PROJECT_PACKAGES = ("stages", "eval")
+PROJECT_PACKAGES = ("stages", "eval", "kibidango")
 
 
 class KibidangoError(Exception):
@@ -73,33 +69,16 @@ class Stage(Protocol):
     def run(self, cfg: StageConfig, inputs: dict[str, Path], out_dir: Path) -> StageResult: ...
 
 
-def _project_modules(module: ModuleType, seen: dict[str, ModuleType]) -> None:
-    """Collect ``module`` and every project module it references, transitively."""
-    if module.__name__ in seen:
-        return
-    seen[module.__name__] = module
-    for value in vars(module).values():
-        if isinstance(value, ModuleType):
-            dep = value
-        else:
-            dep = sys.modules.get(getattr(value, "__module__", None) or "")
-        if dep is not None and dep.__name__.split(".")[0] in PROJECT_PACKAGES:
-            _project_modules(dep, seen)
+PLUMBING = ("stages.contract", "stages.store", "stages.progress", "stages.redaction", "stages.codehash")
+"""Modules that cannot change what a stage writes: not part of any stage's code version."""
 
 
-def code_version(stage: ModuleType) -> str:
-    """Hash of the stage's source, of every project module it uses, and of the versions of the
-    libraries it declares in ``LIBRARIES``. Editing any of them changes every cache key of the
-    stage; editing an unrelated stage does not."""
-    modules: dict[str, ModuleType] = {}
-    _project_modules(stage, modules)
-    h = hashlib.sha256()
-    for name in sorted(modules):
-        h.update(name.encode())
-        h.update(inspect.getsource(modules[name]).encode())
-    for dist in sorted(getattr(stage, "LIBRARIES", ())):
-        h.update(f"{dist}=={importlib.metadata.version(dist)}".encode())
-    return h.hexdigest()[:16]
+def code_version(stage: ModuleType, sources: dict[str, str] | None = None) -> str:
+    """The stage's code version: see :mod:`stages.codehash` (``sources`` replaces module sources,
+    for tests)."""
+    from stages.codehash import code_version as _version
+
+    return _version(stage, PROJECT_PACKAGES, PLUMBING, sources)
 
 
 def config_to_dict(cfg: StageConfig) -> dict[str, Any]:

@@ -18,7 +18,6 @@ Outputs: ``bundle/`` and a copy of the card beside it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -66,7 +65,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     stages = lineage(inputs)
     metrics = {name: stages[path.parent.name]["metrics"] for name, path in inputs.items()}
     root = out_dir / "bundle"
-    write_bundle(root, tiers, cfg.runtime_defaults, preset=cfg.preset, pipeline_git_sha=os.environ.get("KIBIDANGO_GIT_SHA", "unknown"),
+    shas = {s: v["git_sha"] for s, v in stages.items()}
+    pipeline_sha = next(iter(set(shas.values()))) if len(set(shas.values())) == 1 else "mixed (see stage_git_shas)"
+    write_bundle(root, tiers, cfg.runtime_defaults, preset=cfg.preset, pipeline_git_sha=pipeline_sha, stage_git_shas=shas,
                  stage_cache_keys={s: v["key"] for s, v in stages.items()},
                  mlflow_run_ids={s: v["mlflow_run_id"] for s, v in stages.items() if v.get("mlflow_run_id")},
                  card="BUNDLE_CARD.md", finalize=lambda tmp: _add_extras(tmp, cfg, inputs, metrics, stages))  # fmt: skip

@@ -50,12 +50,22 @@ def cache_key(stage_id: str, code_version: str, config: dict, input_digests: dic
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
+_HASHED: dict[tuple, str] = {}
+
+
 def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of a file, remembered for this process while the file's size, mtime and inode stay
+    the same (the CLI's preflight and the flow both digest the raw sources: big files are read once)."""
+    st = os.stat(path)
+    memo = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if memo in _HASHED:
+        return _HASHED[memo]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    _HASHED[memo] = h.hexdigest()
+    return _HASHED[memo]
 
 
 def _content_digest(files: list[dict]) -> str:

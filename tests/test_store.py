@@ -8,7 +8,7 @@ import os
 import sys
 
 from stages import load_stage
-from stages.contract import _project_modules, code_version
+from stages.contract import code_version
 from stages.store import MANIFEST, ArtifactStore, cache_key
 
 
@@ -21,24 +21,26 @@ def test_cache_key_changes_with_config_input_and_code():
     assert cache_key("1A", "code-a", {"threshold": 0.5, "seed": 1}, {"source:x": "d1"}) != base  # stage id
 
 
-def test_code_version_changes_when_the_stage_source_changes(tmp_path, monkeypatch):
+def test_code_version_changes_with_the_stage_code_not_its_comments(tmp_path, monkeypatch):
     module_file = tmp_path / "kb_fake_stage.py"
-    module_file.write_text("STAGE_ID = 'Z'\nNAME = 'fake'\n\ndef run(cfg, inputs, out_dir):\n    return 1\n")
+    module_file.write_text("NAME = 'fake'\n\ndef run(cfg, inputs, out_dir):\n    return 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module("kb_fake_stage")
     before = code_version(module)
-    assert code_version(module) == before
-    module_file.write_text(module_file.read_text() + "\n# a changed comment is a changed stage\n")
-    module = importlib.reload(module)
-    assert code_version(module) != before
+    commented = module_file.read_text() + "\n# a comment is not behaviour\n"
+    assert code_version(module, sources={"kb_fake_stage": commented}) == before
+    changed = module_file.read_text().replace("return 1", "return 2")
+    assert code_version(module, sources={"kb_fake_stage": changed}) != before
     sys.modules.pop("kb_fake_stage", None)
 
 
 def test_code_version_covers_the_helpers_a_stage_uses_and_nothing_else():
-    modules: dict = {}
-    _project_modules(load_stage("0"), modules)
-    assert {"stages.s0_curate", "stages.curation.dedup", "stages.curation.ingest", "stages.store"} <= modules.keys()
-    assert not any(name.startswith("flows") for name in modules)
+    from stages.codehash import definitions
+    from stages.contract import PLUMBING, PROJECT_PACKAGES
+
+    reached = {module for module, _ in definitions(load_stage("0"), PROJECT_PACKAGES, PLUMBING)}
+    assert {"stages.s0_curate", "stages.curation.dedup", "stages.curation.ingest", "stages.curation.records"} <= reached
+    assert not any(name.startswith("flows") or name in PLUMBING for name in reached)
 
 
 def _stage_files(store: ArtifactStore, key: str, text: str = "hello"):

@@ -29,7 +29,7 @@ def lineage(inputs: dict[str, Path]) -> dict[str, dict[str, Any]]:
         if stage in found:
             continue
         found[stage] = {"key": manifest.get("key", artifact.name), "mlflow_run_id": manifest.get("mlflow_run_id"),
-                        "metrics": manifest.get("metrics", {})}  # fmt: skip
+                        "git_sha": manifest.get("git_sha", "unknown"), "metrics": manifest.get("metrics", {})}  # fmt: skip
         store = artifact.parent.parent
         for up in manifest.get("inputs", {}).values():
             todo += [p for p in store.glob(f"*/{up['key']}") if p.is_dir()]
