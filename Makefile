@@ -1,6 +1,6 @@
 # kibidango — every target sets itself up first (a fresh clone needs nothing but python3.11).
 #   make demo            the tiny preset end to end (PRESET=... for another; ARGS="--set 0.dedup.threshold=0.6")
-#   make test            the test suite (what CI runs); make test-slow: the full tiny preset as a test
+#   make test            lint (ruff) and the test suite (what CI runs); make test-slow: the full tiny preset as a test
 #   make stage-<id>      rerun one stage (forced), reusing cached upstream stages, e.g. make stage-0, make stage-2b
 #   make dry-run         resolve and print the stage plan of PRESET without running it
 #   make schedule        serve the flow on a cron schedule (CRON="0 3 * * *")
@@ -22,7 +22,7 @@ METRICS     ?= rows_in,rows_out,duplicate_rate,english_share
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup demo test test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup fuzz-ingest bench-runtime
+.PHONY: setup demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup fuzz-ingest bench-runtime
 
 AXO_VENV    ?= .venv-axolotl
 
@@ -54,9 +54,18 @@ $(AXO_VENV)/.installed:
 demo: setup
 	$(PY) -m flows run --preset $(PRESET) $(ARGS)
 
-test: setup
+test: setup lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 	cd runtime && ../$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# ruff: configured in pyproject.toml (line length 120, import sorting); `make format` applies it.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 test-slow: setup
 	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)

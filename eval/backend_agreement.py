@@ -23,7 +23,7 @@ PROMPTS = Path(__file__).parent / "prompts" / "stories.txt"
 
 def main() -> None:
     from kibidango import Pipeline, write_bundle
-    from stages.llama_cpp_tools import convert_hf_to_gguf
+    from methods.llama_cpp_tools import convert_hf_to_gguf
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle")

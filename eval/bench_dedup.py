@@ -13,7 +13,7 @@ import argparse
 import time
 
 from eval.shared_data import SHARED, instruction_examples, shared_available
-from stages.curation.dedup import DedupConfig, find_duplicates
+from methods.curation.dedup import DedupConfig, find_duplicates
 
 
 def main() -> None:

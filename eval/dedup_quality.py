@@ -22,16 +22,36 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from stages.curation.dedup import DedupConfig, find_duplicates
+from methods.curation.dedup import DedupConfig, find_duplicates
 
 __all__ = ["EDITS", "PlantedResult", "evaluate_planted", "plant"]
 
 _SYNONYMS = {
-    "big": "large", "small": "little", "quick": "fast", "happy": "glad", "begin": "start", "use": "utilize",
-    "make": "create", "show": "display", "help": "assist", "buy": "purchase", "answer": "reply", "find": "locate",
-    "important": "crucial", "many": "numerous", "very": "really", "good": "great", "bad": "poor", "get": "obtain",
-    "write": "compose", "list": "enumerate", "give": "provide", "need": "require", "easy": "simple", "idea": "notion",
-}  # fmt: skip
+    "big": "large",
+    "small": "little",
+    "quick": "fast",
+    "happy": "glad",
+    "begin": "start",
+    "use": "utilize",
+    "make": "create",
+    "show": "display",
+    "help": "assist",
+    "buy": "purchase",
+    "answer": "reply",
+    "find": "locate",
+    "important": "crucial",
+    "many": "numerous",
+    "very": "really",
+    "good": "great",
+    "bad": "poor",
+    "get": "obtain",
+    "write": "compose",
+    "list": "enumerate",
+    "give": "provide",
+    "need": "require",
+    "easy": "simple",
+    "idea": "notion",
+}
 _FILLERS = ["really", "also", "just", "actually", "basically", "simply"]
 
 
@@ -107,7 +127,9 @@ class PlantedResult:
     recall_by_edit: dict[str, float]
 
 
-def evaluate_planted(texts: list[str], cfg: DedupConfig, n_copies: int, seed: int = 0, clean_threshold: float = 0.3) -> PlantedResult:
+def evaluate_planted(
+    texts: list[str], cfg: DedupConfig, n_copies: int, seed: int = 0, clean_threshold: float = 0.3
+) -> PlantedResult:
     """Clean ``texts`` into a base (exact duplicates and near-duplicates at Jaccard >=
     ``clean_threshold`` removed), plant copies, deduplicate with ``cfg`` and score each removal:
     correct when the kept row it matched is of the same family. A match between two different
@@ -151,7 +173,9 @@ def main() -> None:
     parser.add_argument("--num-perm", type=int, default=DedupConfig().num_perm)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    cfg = DedupConfig(threshold=args.threshold, shingle=args.shingle, shingle_size=args.shingle_size, num_perm=args.num_perm)
+    cfg = DedupConfig(
+        threshold=args.threshold, shingle=args.shingle, shingle_size=args.shingle_size, num_perm=args.num_perm
+    )
     texts = instruction_texts()
     rng = random.Random(args.seed)
     texts = rng.sample(texts, min(args.rows, len(texts)))

@@ -22,13 +22,15 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from stages.contract import KibidangoError
+from core.contract import KibidangoError
 
 _FORMATS = ("alpaca", "sharegpt", "gsm8k", "text")
 
 
 def _valid(rng: random.Random, fmt: str, i: int) -> dict:
-    words = " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "and", "sang", "softly", "today"]) for _ in range(12))
+    words = " ".join(
+        rng.choice(["the", "cat", "sat", "on", "a", "mat", "and", "sang", "softly", "today"]) for _ in range(12)
+    )
     if fmt == "sharegpt":
         return {"conversations": [{"from": "human", "value": f"Row {i}: {words}?"}, {"from": "gpt", "value": words}]}
     if fmt == "gsm8k":
@@ -50,11 +52,21 @@ def _hostile_line(rng: random.Random, fmt: str, i: int) -> bytes:
         depth = rng.choice([5_000, 100_000])
         return b'{"' + key.encode() + b'": ' + b'{"a": ' * depth + b"1" + b"}" * depth + b"}"
     if kind == 2:
-        return json.dumps({**base, "extra": 0}).replace('"extra": 0', '"extra": ' + "9" * rng.choice([4_301, 5_000, 50_000])).encode()
+        return (
+            json.dumps({**base, "extra": 0})
+            .replace('"extra": 0', '"extra": ' + "9" * rng.choice([4_301, 5_000, 50_000]))
+            .encode()
+        )
     if kind == 3:
-        return json.dumps(base).replace(json.dumps(base[key])[1:4] if isinstance(base[key], str) else "human", "\\ud800", 1).encode()
+        return (
+            json.dumps(base)
+            .replace(json.dumps(base[key])[1:4] if isinstance(base[key], str) else "human", "\\ud800", 1)
+            .encode()
+        )
     if kind == 4:
-        return json.dumps({**base, key: "a\u0000b" if fmt != "sharegpt" else [{"from": "human", "value": "\u0000"}]}).encode()
+        return json.dumps(
+            {**base, key: "a\u0000b" if fmt != "sharegpt" else [{"from": "human", "value": "\u0000"}]}
+        ).encode()
     if kind == 5:
         return json.dumps(base).encode()[: rng.randrange(1, 40)]  # truncated row
     if kind == 6:
@@ -75,7 +87,9 @@ def _hostile_line(rng: random.Random, fmt: str, i: int) -> bytes:
 
 
 def _source_file(rng: random.Random, folder: Path, n: int, fmt: str) -> tuple[Path, int]:
-    lines = [_hostile_line(rng, fmt, i) if rng.random() < 0.4 else json.dumps(_valid(rng, fmt, i)).encode() for i in range(n)]
+    lines = [
+        _hostile_line(rng, fmt, i) if rng.random() < 0.4 else json.dumps(_valid(rng, fmt, i)).encode() for i in range(n)
+    ]
     container = rng.choice(["jsonl", "json", "text"] if fmt == "text" else ["jsonl", "json"])
     if container == "json":
         body = b"[\n" + b",\n".join(lines) + b"\n]"
@@ -104,8 +118,8 @@ def _source_file(rng: random.Random, folder: Path, n: int, fmt: str) -> tuple[Pa
 
 
 def fuzz(seconds: float, rounds: int, seed: int, keep: Path | None = None, rows_per_file: int = 30) -> dict:
-    from stages import s0_curate as s0
-    from stages.curation.ingest import SourceError, SourceSpec, read_source
+    from methods.curation.ingest import SourceError, SourceSpec, read_source
+    from stages import curate as s0
 
     rng = random.Random(seed)
     counts: Counter[str] = Counter()
@@ -129,7 +143,11 @@ def fuzz(seconds: float, rounds: int, seed: int, keep: Path | None = None, rows_
                 examples = [i for i in items if not hasattr(i, "reason")]
                 counts["examples"] += len(examples)
                 counts["quarantined"] += len(items) - len(examples)
-                list(s0._filter(cfg, examples, Counter(), Counter(), open(folder / "dropped.jsonl", "w", encoding="utf-8")))
+                list(
+                    s0._filter(
+                        cfg, examples, Counter(), Counter(), open(folder / "dropped.jsonl", "w", encoding="utf-8")
+                    )
+                )
                 if examples:
                     survivors.append(spec.model_dump())
             except SourceError:
@@ -170,9 +188,11 @@ def main() -> None:
     for crash in result["crashes"][:5]:
         print(crash)
     c = result["counts"]
-    print(f"fuzz_ingest: {c.get('rows_tried', 0):,} rows tried in {c.get('files', 0):,} files ({result['seconds']} s, seed {args.seed}): "
-          f"{c.get('examples', 0):,} examples, {c.get('quarantined', 0):,} quarantined, {c.get('sources_refused', 0):,} sources refused "
-          f"whole, whole-stage runs {c.get('whole_stage_runs', 0)}; {c['crashes']} crashes")  # fmt: skip
+    print(
+        f"fuzz_ingest: {c.get('rows_tried', 0):,} rows tried in {c.get('files', 0):,} files ({result['seconds']} s, seed {args.seed}): "
+        f"{c.get('examples', 0):,} examples, {c.get('quarantined', 0):,} quarantined, {c.get('sources_refused', 0):,} sources refused "
+        f"whole, whole-stage runs {c.get('whole_stage_runs', 0)}; {c['crashes']} crashes"
+    )
     if result["crashes"]:
         raise SystemExit(1)
 

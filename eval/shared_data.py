@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stages.curation.ingest import SourceSpec, read_source
-from stages.curation.records import Example
+from methods.curation.ingest import SourceSpec, read_source
+from methods.curation.records import Example
 
 __all__ = ["SHARED", "instruction_sources", "instruction_texts", "shared_available"]
 
@@ -33,7 +33,10 @@ def instruction_sources() -> list[SourceSpec]:
         ("mbpp_sanitized", "mbpp/sanitized-mbpp.json", "mbpp", {}),
         ("humaneval", "humaneval/HumanEval.jsonl.gz", "humaneval", {}),
     ]
-    return [SourceSpec(name=n, path=str(d / p), format=f, fields=fl, license="see shared/README.md") for n, p, f, fl in specs]
+    return [
+        SourceSpec(name=n, path=str(d / p), format=f, fields=fl, license="see shared/README.md")
+        for n, p, f, fl in specs
+    ]
 
 
 def instruction_examples() -> list[Example]:

@@ -42,9 +42,19 @@ def _model(size: tuple[int, ...], seed: int):
 
     hidden, layers, heads, kv, inter = size
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -61,7 +71,9 @@ def perplexity(model, data: torch.Tensor, seq: int = 256) -> float:
 def train(model, data: torch.Tensor, steps: int, batch: int, seq: int, lr: float, seed: int, label: str):
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 30) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     model.train()
     start = time.monotonic()
     for step in range(steps):
@@ -83,7 +95,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kibidango import write_bundle
-    from stages.llama_cpp_tools import convert_hf_to_gguf
+    from methods.llama_cpp_tools import convert_hf_to_gguf
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".kibidango/bench_bundle")
@@ -106,7 +118,9 @@ def main() -> None:
     draft = AutoModelForCausalLM.from_pretrained(str(STORIES))
     table.append(("draft (stories260K)", sum(p.numel() for p in draft.parameters()), perplexity(draft, val_data)))
     for i, (name, size) in enumerate(SIZES.items()):
-        model = train(_model(size, args.seed + i), train_data, args.steps, args.batch, args.seq, 3e-3, args.seed + i, name)
+        model = train(
+            _model(size, args.seed + i), train_data, args.steps, args.batch, args.seq, 3e-3, args.seed + i, name
+        )
         out = work / name
         shutil.rmtree(out, ignore_errors=True)
         model.save_pretrained(str(out))
@@ -114,9 +128,18 @@ def main() -> None:
             shutil.copy2(STORIES / f, out / f)
         tiers[name] = {"hf": out, "gguf": convert_hf_to_gguf(out, work / f"{name}.gguf", "f32")}
         table.append((name, sum(p.numel() for p in model.parameters()), perplexity(model, val_data)))
-    for name, spec in tiers.items():
+    for spec in tiers.values():
         spec["vocab_size"] = 512
-    defaults = {"mode": "pyramid", "variant": "fuzzy", "k": 4, "l_D": 3, "l_Q": 6, "tau_Q": 0.3, "tau_T": 0.2, "stop_ids": [1, 2]}
+    defaults = {
+        "mode": "pyramid",
+        "variant": "fuzzy",
+        "k": 4,
+        "l_D": 3,
+        "l_Q": 6,
+        "tau_Q": 0.3,
+        "tau_T": 0.2,
+        "stop_ids": [1, 2],
+    }
     write_bundle(args.out, tiers, defaults, preset="tiny-bench", note="trained by eval/tiny_family.py")
     shutil.rmtree(work, ignore_errors=True)
     print("\n| tier | parameters | validation perplexity |\n|---|---:|---:|")

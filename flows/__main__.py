@@ -12,8 +12,8 @@ from flows.workspace import configure_environment
 
 configure_environment()  # before Prefect is imported
 
-from stages.contract import KibidangoError  # noqa: E402
-from stages.redaction import install_log_redaction, redact_text  # noqa: E402
+from core.contract import KibidangoError  # noqa: E402
+from core.redaction import install_log_redaction, redact_text  # noqa: E402
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -33,7 +33,10 @@ def _run(args: argparse.Namespace) -> None:
 
     _quiet_user_errors()
     for pid in reap_orphan_prefect_servers():
-        print(f"stopped Prefect's temporary server (pid {pid}), left running by a killed flow of this workspace", file=sys.stderr)
+        print(
+            f"stopped Prefect's temporary server (pid {pid}), left running by a killed flow of this workspace",
+            file=sys.stderr,
+        )
 
     flow_fn = preset_flows().get(plan.name, pipeline)
     artifacts = flow_fn(preset=args.preset, force=args.force, overrides=args.set)
@@ -103,14 +106,17 @@ def _verify(args: argparse.Namespace) -> None:
         if problem:
             damaged += 1
             print(f"DAMAGED {artifact}: {problem}")
-    print(f"{checked} artifacts hashed, {damaged} damaged" + (" (a damaged artifact is recomputed by the next run)" if damaged else ""))
+    print(
+        f"{checked} artifacts hashed, {damaged} damaged"
+        + (" (a damaged artifact is recomputed by the next run)" if damaged else "")
+    )
     if damaged:
         raise SystemExit(1)
 
 
 def _schedule(args: argparse.Namespace) -> None:
-    from flows.preset import load_preset
     from flows.pipeline import preset_flows
+    from flows.preset import load_preset
 
     plan = load_preset(args.preset)
     flow_fn = preset_flows()[plan.name]
@@ -124,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
     run = sub.add_parser("run", help="run a preset's flow")
     run.add_argument("--preset", default="tiny", help="preset name (recipes/presets/NAME.yaml) or a .yaml path")
-    run.add_argument("--force", action="append", default=[], metavar="STAGE", help="recompute this stage id even if cached")
+    run.add_argument(
+        "--force", action="append", default=[], metavar="STAGE", help="recompute this stage id even if cached"
+    )
     run.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override one config value")
     run.add_argument("--dry-run", action="store_true", help="resolve and print the stage plan; run nothing")
     run.set_defaults(func=_run)

@@ -7,7 +7,7 @@ import shutil
 import time
 from pathlib import Path
 
-from stages.store import ArtifactStore
+from core.store import ArtifactStore
 
 __all__ = ["clean_cache"]
 
@@ -16,7 +16,9 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def clean_cache(store: ArtifactStore, dry_run: bool, stage: str | None = None, older_than_days: float | None = None) -> str:
+def clean_cache(
+    store: ArtifactStore, dry_run: bool, stage: str | None = None, older_than_days: float | None = None
+) -> str:
     cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else None
     targets = [p for p in store.artifacts(stage) if cutoff is None or p.stat().st_mtime < cutoff]
     targets += [p for p in store.leftovers(include_work=True) if stage is None or p.parent.name == stage]

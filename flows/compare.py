@@ -28,11 +28,19 @@ def compare_table(experiment: str, metrics: list[str], stage: str | None = None,
     header = ["started (UTC)", "run", "stage", "cached", "cache key", *metrics]
     rows = []
     for r in runs:
-        started = dt.datetime.fromtimestamp(r.info.start_time / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        started = dt.datetime.fromtimestamp(r.info.start_time / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
         tags = r.data.tags
         values = [_fmt(r.data.metrics.get(m)) for m in metrics]
-        rows.append([started, r.info.run_id[:8], tags.get(f"{TAG}stage_id", ""), tags.get(f"{TAG}cached", ""),
-                     tags.get(f"{TAG}cache_key", "")[:12], *values])  # fmt: skip
+        rows.append(
+            [
+                started,
+                r.info.run_id[:8],
+                tags.get(f"{TAG}stage_id", ""),
+                tags.get(f"{TAG}cached", ""),
+                tags.get(f"{TAG}cache_key", "")[:12],
+                *values,
+            ]
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]

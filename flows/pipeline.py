@@ -7,14 +7,14 @@ import os
 import subprocess
 
 from prefect import flow
-from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 
+from core.store import Artifact
 from flows.preset import PRESETS_DIR, REPO_ROOT, load_preset
 from flows.runner import RunContext, stage_task
 from flows.tracking import TAG, Tracker
 from flows.workspace import store, tracking_uri
-from stages.store import Artifact
 
 __all__ = ["pipeline", "preset_flows"]
 
@@ -47,7 +47,9 @@ and on a 2-core machine parallel stages only share the cores (axolotl runs one a
 
 
 @flow(name="kibidango", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=STAGE_WORKERS))
-def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: list[str] | None = None) -> dict[str, Artifact]:
+def pipeline(
+    preset: str = "tiny", force: list[str] | None = None, overrides: list[str] | None = None
+) -> dict[str, Artifact]:
     """Run a preset's stages; ``force`` recomputes those stage ids even on a cache hit, and
     ``overrides`` (``STAGE.KEY=VALUE``) change single config values for this run."""
     plan = load_preset(preset, overrides)
@@ -58,9 +60,14 @@ def pipeline(preset: str = "tiny", force: list[str] | None = None, overrides: li
     git_sha = _git_sha()  # recorded in every manifest this run publishes; stage X reads it from there
     parent = tracker.start_run(
         f"{plan.name}-{flow_run.get_name() or 'run'}",
-        {f"{TAG}preset": plan.name, f"{TAG}prefect_flow_run_id": prefect_id, f"{TAG}git_sha": git_sha,
-         f"{TAG}force": ",".join(force or []), f"{TAG}overrides": ";".join(overrides or [])},  # redacted by the tracker
-    )  # fmt: skip
+        {
+            f"{TAG}preset": plan.name,
+            f"{TAG}prefect_flow_run_id": prefect_id,
+            f"{TAG}git_sha": git_sha,
+            f"{TAG}force": ",".join(force or []),
+            f"{TAG}overrides": ";".join(overrides or []),
+        },  # redacted by the tracker
+    )
     ctx = RunContext(plan.name, plan.experiment, str(store().root), parent, prefect_id, tuple(force or ()), git_sha)
     ok = False
     _resolve_lazy_imports()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import yaml
 
+from core.store import Artifact
 from flows.preset import Preset
 from flows.runner import stage_key
 from flows.workspace import store
 from stages import load_stage
-from stages.store import Artifact
 
 __all__ = ["describe_plan"]
 
@@ -53,6 +53,9 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
         if hasattr(module, "axolotl_configs"):
             for run, spec in module.axolotl_configs(cfg, cuda).items():
                 text = yaml.safe_dump(spec, sort_keys=False).rstrip()
-                lines += [f"  axolotl run '{run}' ({'GPU' if cuda else 'CPU'}):", *("    " + line for line in text.splitlines())]
+                lines += [
+                    f"  axolotl run '{run}' ({'GPU' if cuda else 'CPU'}):",
+                    *("    " + line for line in text.splitlines()),
+                ]
         lines.append("")
     return "\n".join(lines)

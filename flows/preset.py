@@ -18,13 +18,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.contract import KibidangoError, StageConfig
+from core.paths import REPO_ROOT
+from core.redaction import find_secrets
 from stages import load_stage
-from stages.contract import KibidangoError, StageConfig
-from stages.redaction import find_secrets
 
 __all__ = ["Preset", "load_preset", "PRESETS_DIR", "REPO_ROOT"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PRESETS_DIR = REPO_ROOT / "recipes" / "presets"
 
 
@@ -33,7 +33,9 @@ class StagePlan(BaseModel):
 
     needs: dict[str, str] = Field(default_factory=dict, description="Input name -> id of the stage that produces it.")
     recipe: str | None = Field(None, description="YAML file with the stage's config, relative to the repository root.")
-    config: dict[str, Any] = Field(default_factory=dict, description="The stage's config (overrides the recipe's keys).")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="The stage's config (overrides the recipe's keys)."
+    )
 
 
 class PresetFile(BaseModel):
@@ -43,7 +45,8 @@ class PresetFile(BaseModel):
     description: str = ""
     experiment: str = Field(description="MLflow experiment that records this preset's runs.")
     accelerator: Literal["auto", "cuda", "cpu"] = Field(
-        "auto", description="Hardware the preset is meant for; dry runs render training configs for it (auto: this machine's)."
+        "auto",
+        description="Hardware the preset is meant for; dry runs render training configs for it (auto: this machine's).",
     )
     stages: dict[str, StagePlan]
 

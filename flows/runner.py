@@ -13,12 +13,12 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from core.contract import KibidangoError, StageConfig, code_version, config_to_dict
+from core.progress import metric_sink
+from core.redaction import redact
+from core.store import Artifact, ArtifactStore, cache_key
 from flows.tracking import TAG, Tracker
 from stages import load_stage
-from stages.contract import KibidangoError, StageConfig, code_version, config_to_dict
-from stages.progress import metric_sink
-from stages.redaction import redact
-from stages.store import Artifact, ArtifactStore, cache_key
 
 __all__ = ["RunContext", "execute_stage", "stage_task"]
 
@@ -81,7 +81,12 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
         manifest = cached.manifest
         run_id = tracker.start_run(
             run_name,
-            {**tags, f"{TAG}cached": "yes", f"{TAG}source_run_id": manifest.get("mlflow_run_id") or "", f"{TAG}artifact": cached.path},
+            {
+                **tags,
+                f"{TAG}cached": "yes",
+                f"{TAG}source_run_id": manifest.get("mlflow_run_id") or "",
+                f"{TAG}artifact": cached.path,
+            },
             params,
             ctx.parent_run_id,
         )
@@ -100,8 +105,10 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
             problem = store.verify(Path(a.path), full=True)
             if problem:
                 tracker.end_run(run_id, ok=False)
-                raise KibidangoError(f"stage {stage_id}: input {name!r} ({a.path}) is damaged: {problem}; "
-                                     f"recompute it with make stage-{a.stage_id.lower()}")  # fmt: skip
+                raise KibidangoError(
+                    f"stage {stage_id}: input {name!r} ({a.path}) is damaged: {problem}; "
+                    f"recompute it with make stage-{a.stage_id.lower()}"
+                )
     staging = store.new_staging_dir(stage_id, key)
     resumable = getattr(module, "RESUMABLE", False)
     try:
@@ -114,17 +121,19 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
             stage_id,
             key,
             staging,
-            redact({
-                "stage_name": module.NAME,
-                "code_version": sk.code_version,
-                "config": params,
-                "inputs": {name: {"key": a.key, "digest": a.digest} for name, a in inputs.items()},
-                "external_inputs": {k: v for k, v in digests.items() if k not in inputs},
-                "mlflow_run_id": run_id,
-                "git_sha": ctx.git_sha,
-                "metrics": result.metrics,
-                "summary": result.summary,
-            }),
+            redact(
+                {
+                    "stage_name": module.NAME,
+                    "code_version": sk.code_version,
+                    "config": params,
+                    "inputs": {name: {"key": a.key, "digest": a.digest} for name, a in inputs.items()},
+                    "external_inputs": {k: v for k, v in digests.items() if k not in inputs},
+                    "mlflow_run_id": run_id,
+                    "git_sha": ctx.git_sha,
+                    "metrics": result.metrics,
+                    "summary": result.summary,
+                }
+            ),
         )
     except KibidangoError as e:
         store.discard(staging)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.store import Artifact
+from core.store import Artifact
 
 __all__ = ["show_bundle"]
 
@@ -41,9 +41,13 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
     pipe = Pipeline.from_bundle(source, backend=backend)
     result = pipe.generate(PROMPT, max_new_tokens=pipe.defaults.max_new_tokens)
     m = result.metrics.to_dict()
-    print(f"\n== a story from {'the packed bundle ' if packed else ''}{source} "
-          f"(kibidango generate --bundle {source} --backend {backend} \"{PROMPT}\") ==\n")  # fmt: skip
+    print(
+        f"\n== a story from {'the packed bundle ' if packed else ''}{source} "
+        f'(kibidango generate --bundle {source} --backend {backend} "{PROMPT}") ==\n'
+    )
     print(PROMPT + result.text)
     rates = ", ".join(f"{tier} {rate:.0%}" for tier, rate in m["draft_acceptance_rate"].items() if rate is not None)
-    print(f"\n(mode {pipe.defaults.mode}, {len(result.token_ids)} tokens, acceptance {rates or '-'}, "
-          f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f}, target forwards per token {m['target_forwards_per_token'] or 0:.2f})")
+    print(
+        f"\n(mode {pipe.defaults.mode}, {len(result.token_ids)} tokens, acceptance {rates or '-'}, "
+        f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f}, target forwards per token {m['target_forwards_per_token'] or 0:.2f})"
+    )

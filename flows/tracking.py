@@ -16,9 +16,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
+from core.redaction import is_secret_key, redact_text
+from core.store import pid_alive
 from flows.workspace import default_artifact_location, tracking_uri
-from stages.redaction import is_secret_key, redact_text
-from stages.store import pid_alive
 
 __all__ = ["Tracker", "flatten_params", "TAG"]
 
@@ -49,11 +49,15 @@ class Tracker:
         self.client = MlflowClient(tracking_uri())
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=default_artifact_location())
+            self.experiment_id = self.client.create_experiment(
+                experiment, artifact_location=default_artifact_location()
+            )
         else:
             self.experiment_id = exp.experiment_id
 
-    def start_run(self, name: str, tags: dict[str, str], params: dict[str, Any] | None = None, parent: str | None = None) -> str:
+    def start_run(
+        self, name: str, tags: dict[str, str], params: dict[str, Any] | None = None, parent: str | None = None
+    ) -> str:
         owner = {f"{TAG}host": socket.gethostname(), f"{TAG}pid": str(os.getpid())}
         all_tags = {k: redact_text(v) for k, v in {**tags, **owner, **({PARENT_TAG: parent} if parent else {})}.items()}
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
@@ -84,7 +88,9 @@ class Tracker:
         host = socket.gethostname()
         reaped = []
         for run in self.client.search_runs(
-            [self.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG}host` = '{host}'", max_results=1000
+            [self.experiment_id],
+            filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG}host` = '{host}'",
+            max_results=1000,
         ):
             pid = int(run.data.tags.get(f"{TAG}pid", "0") or 0)
             if pid and not pid_alive(pid):
@@ -94,4 +100,3 @@ class Tracker:
 
     def end_run(self, run_id: str, ok: bool) -> None:
         self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
-

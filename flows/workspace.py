@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from stages.store import ArtifactStore
+from core.store import ArtifactStore
 
 __all__ = ["home", "store", "tracking_uri", "configure_environment", "reap_orphan_prefect_servers"]
 

@@ -1,5 +1,5 @@
-"""Pipeline stages. Each module follows the contract in :mod:`stages.contract`; this registry maps
-the plan's stage ids (PLAN.md) to modules, imported only when a flow needs them."""
+"""Pipeline stages. Each module follows the contract in :mod:`core.contract`; this registry maps
+the stage ids the presets use (0, P, 1A, ..., X) to modules, imported only when a flow needs them."""
 
 from __future__ import annotations
 
@@ -9,25 +9,25 @@ from types import ModuleType
 __all__ = ["STAGES", "load_stage"]
 
 STAGES: dict[str, str] = {
-    "0": "stages.s0_curate",
-    "P": "stages.sP_pretrain",
-    "1A": "stages.s1a_sft",
-    "1E": "stages.s1e_distill",
-    "3": "stages.s3_domain_lora",
-    "4": "stages.s3_domain_lora",
-    "5": "stages.s3_domain_lora",
-    "2A": "stages.s2a_prune",
-    "2B": "stages.s2b_awq",
-    "2C": "stages.s2b_awq",
-    "2D": "stages.s2d_gguf",
-    "2F": "stages.s2f_recovery",
-    "X": "stages.sX_bundle",
-    "2E": "stages.s2e_pack",
+    "0": "stages.curate",
+    "P": "stages.pretrain",
+    "1A": "stages.sft",
+    "1E": "stages.distill",
+    "3": "stages.domain_lora",
+    "4": "stages.domain_lora",
+    "5": "stages.domain_lora",
+    "2A": "stages.prune",
+    "2B": "stages.quantize_awq",
+    "2C": "stages.quantize_awq",
+    "2D": "stages.gguf_export",
+    "2F": "stages.recovery_lora",
+    "X": "stages.export_bundle",
+    "2E": "stages.zstd_pack",
 }
 
 
 def load_stage(stage_id: str) -> ModuleType:
-    from stages.contract import KibidangoError
+    from core.contract import KibidangoError
 
     if stage_id not in STAGES:
         raise KibidangoError(f"unknown stage id {stage_id!r}; known: {', '.join(STAGES)}")

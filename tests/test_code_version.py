@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from core.contract import code_version
 from stages import STAGES, load_stage
-from stages.contract import code_version
 
 
 def _source(module: str) -> str:
@@ -27,32 +27,32 @@ def baseline() -> dict[str, str]:
 
 
 def test_comments_docstrings_and_formatting_keep_every_key(baseline):
-    src = _source("stages.curation.ingest")
+    src = _source("methods.curation.ingest")
     edited = src.replace('"""Every row of the source as an Example', '"""EVERY row, reworded docstring, as an Example')
     edited = edited.replace("\ndef _records(", "\n# a new comment\n\n\ndef _records(  # and another\n    ")
     edited = edited.replace("    n_valid = n_seen = 0\n", "    n_valid = n_seen = (\n        0\n    )  # reformatted\n")
     assert edited != src
-    assert _versions({"stages.curation.ingest": edited}) == baseline
+    assert _versions({"methods.curation.ingest": edited}) == baseline
 
 
 def test_a_one_character_change_to_a_function_changes_exactly_the_stages_that_use_it(baseline):
-    src = _source("stages.compression.measure")
+    src = _source("methods.measure.weights")
     edited = src.replace("if t.shape[-1] % 4 == 0:", "if t.shape[-1] % 8 == 0:")  # inside weight_sparsity
     assert edited != src
-    changed = {sid for sid, v in _versions({"stages.compression.measure": edited}).items() if v != baseline[sid]}
+    changed = {sid for sid, v in _versions({"methods.measure.weights": edited}).items() if v != baseline[sid]}
     assert changed == {"2A"}  # the only stage that measures sparsity
-    src = _source("stages.curation.dedup")
+    src = _source("methods.curation.dedup")
     edited = re.sub(r"num_perm: int = Field\(128", "num_perm: int = Field(129", src)
     assert edited != src
-    changed = {sid for sid, v in _versions({"stages.curation.dedup": edited}).items() if v != baseline[sid]}
+    changed = {sid for sid, v in _versions({"methods.curation.dedup": edited}).items() if v != baseline[sid]}
     assert changed == {"0"}
 
 
 def test_a_plumbing_edit_keeps_every_key(baseline):
-    for module in ("stages.store", "stages.contract", "stages.progress"):
+    for module in ("core.store", "core.contract", "core.progress"):
         src = _source(module)
         edited = src + "\n\ndef _an_unused_helper():\n    return 42\n"
         assert _versions({module: edited}) == baseline, module
-    src = _source("stages.store")
+    src = _source("core.store")
     edited = src.replace("h = hashlib.sha256()", "h = hashlib.sha256()  # noqa\n    h.update(b'')", 1)
-    assert edited != src and _versions({"stages.store": edited}) == baseline
+    assert edited != src and _versions({"core.store": edited}) == baseline

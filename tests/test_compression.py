@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.contract import KibidangoError
 from eval.shared_data import SHARED
-from stages.contract import KibidangoError
 from tests.conftest import noisy_copy
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
@@ -31,12 +31,24 @@ def data(tmp_path_factory) -> Path:
     from datasets import Dataset, DatasetDict
 
     stories = [line for line in LINES if line.strip()]
-    rows = [{"instruction": "", "input": "", "output": f"{s} They played all day and were happy. The end.", "domain": "general"}
-            for s in stories * 6]  # fmt: skip
-    rows += [{"instruction": "Write a short story.", "input": "", "output": f"{s} The sun was warm.", "domain": "general"} for s in stories * 2]
+    rows = [
+        {
+            "instruction": "",
+            "input": "",
+            "output": f"{s} They played all day and were happy. The end.",
+            "domain": "general",
+        }
+        for s in stories * 6
+    ]
+    rows += [
+        {"instruction": "Write a short story.", "input": "", "output": f"{s} The sun was warm.", "domain": "general"}
+        for s in stories * 2
+    ]
     root = tmp_path_factory.mktemp("stage0")
     cols = lambda rs: {k: [r[k] for r in rs] for k in rs[0]}  # noqa: E731
-    DatasetDict({"train": Dataset.from_dict(cols(rows)), "validation": Dataset.from_dict(cols(rows[:12]))}).save_to_disk(str(root / "dataset"))
+    DatasetDict(
+        {"train": Dataset.from_dict(cols(rows)), "validation": Dataset.from_dict(cols(rows[:12]))}
+    ).save_to_disk(str(root / "dataset"))
     return root
 
 
@@ -61,8 +73,16 @@ def _run(stage_id: str, inputs: dict[str, Path], out: Path, **config):
 @pytest.fixture(scope="module")
 def pruned(family, data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("2A") / "out"
-    result = _run("2A", {"model": family, "data": data}, out, recipe="recipes/stage2A/sparsegpt-tiny.llmc.yaml",
-                  calibration_samples=8, calibration_max_len=64, eval_rows=8, min_sparsity=0.45)  # fmt: skip
+    result = _run(
+        "2A",
+        {"model": family, "data": data},
+        out,
+        recipe="recipes/stage2A/sparsegpt-tiny.llmc.yaml",
+        calibration_samples=8,
+        calibration_max_len=64,
+        eval_rows=8,
+        min_sparsity=0.45,
+    )
     assert result.metrics["val_perplexity_after"] > 0
     return out
 
@@ -70,7 +90,7 @@ def pruned(family, data, tmp_path_factory) -> Path:
 def test_pruning_sparsity_is_counted_in_the_saved_tensors(pruned):
     from safetensors.torch import load_file
 
-    from stages.compression.measure import weight_sparsity
+    from methods.measure.weights import weight_sparsity
 
     tensors = load_file(str(pruned / "target" / "model.safetensors"))
     measured = weight_sparsity(pruned / "target")
@@ -81,7 +101,7 @@ def test_pruning_sparsity_is_counted_in_the_saved_tensors(pruned):
 
 
 def test_recipe_blocks_llmcompressor_would_skip_are_refused(tmp_path):
-    from stages.compression.llmc import read_recipe
+    from methods.compression.llmc import read_recipe
 
     bad = tmp_path / "r.yaml"
     bad.write_text("sparsity_stage_1:\n  sparsity_modifiers:\n    SparseGPTModifier: {sparsity: 0.5}\n")
@@ -92,8 +112,16 @@ def test_recipe_blocks_llmcompressor_would_skip_are_refused(tmp_path):
 def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, data, tmp_path):
     from kibidango.backends.torch_backend import TorchModel
 
-    result = _run("2B", {"model": family, "data": data}, tmp_path / "2B", recipe="recipes/stage2B/awq-w4a16-channel.llmc.yaml",
-                  tiers=["draft"], calibration_samples=8, calibration_max_len=64, eval_rows=8)  # fmt: skip
+    result = _run(
+        "2B",
+        {"model": family, "data": data},
+        tmp_path / "2B",
+        recipe="recipes/stage2B/awq-w4a16-channel.llmc.yaml",
+        tiers=["draft"],
+        calibration_samples=8,
+        calibration_max_len=64,
+        eval_rows=8,
+    )
     out = tmp_path / "2B" / "draft"
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == "pack-quantized"
@@ -102,8 +130,8 @@ def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, da
     model = TorchModel(out, name="draft")
     assert model.new_session().feed([1, 403, 407]).shape == (3, 512)
     # 2F's dense copy reproduces the compressed model (a plain save/reload re-initialised its Linear weights)
-    from stages.compression.measure import validation_loss
-    from stages.s2f_recovery import decompress
+    from methods.measure.lm import validation_loss
+    from stages.recovery_lora import decompress
 
     dense = decompress(out, tmp_path / "dense")
     assert "quantization_config" not in json.loads((dense / "config.json").read_text())
@@ -112,9 +140,20 @@ def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, da
 
 
 def test_a_group_size_the_widths_do_not_allow_names_the_stage(family, data, tmp_path):
-    with pytest.raises(KibidangoError, match=r"(?s)stage AWQ \(draft\): llm-compressor refused recipe .*group_size.*remedy: a group_size that divides"):
-        _run("2B", {"model": family, "data": data}, tmp_path / "2B", recipe="recipes/stage2B/awq-w4a16-g128.llmc.yaml",
-             tiers=["draft"], calibration_samples=4, calibration_max_len=32, eval_rows=4)  # fmt: skip
+    with pytest.raises(
+        KibidangoError,
+        match=r"(?s)stage AWQ \(draft\): llm-compressor refused recipe .*group_size.*remedy: a group_size that divides",
+    ):
+        _run(
+            "2B",
+            {"model": family, "data": data},
+            tmp_path / "2B",
+            recipe="recipes/stage2B/awq-w4a16-g128.llmc.yaml",
+            tiers=["draft"],
+            calibration_samples=4,
+            calibration_max_len=32,
+            eval_rows=4,
+        )
 
 
 def test_out_of_memory_names_the_stage_and_the_remedy(family, data, tmp_path, monkeypatch):
@@ -125,8 +164,14 @@ def test_out_of_memory_names_the_stage_and_the_remedy(family, data, tmp_path, mo
 
     monkeypatch.setattr(llmcompressor, "oneshot", oom)
     with pytest.raises(KibidangoError, match=r"stage 2A: out of memory .* remedy: fewer calibration_samples"):
-        _run("2A", {"model": family, "data": data}, tmp_path / "2A", recipe="recipes/stage2A/sparsegpt-tiny.llmc.yaml",
-             calibration_samples=4, eval_rows=4)  # fmt: skip
+        _run(
+            "2A",
+            {"model": family, "data": data},
+            tmp_path / "2A",
+            recipe="recipes/stage2A/sparsegpt-tiny.llmc.yaml",
+            calibration_samples=4,
+            eval_rows=4,
+        )
 
 
 GATE = {"tiers": {"draft": {"input": "small", "quant": "Q8_0"}}, "prompts": 6, "new_tokens": 16, "eval_rows": 6}
@@ -136,7 +181,9 @@ def test_gguf_gate_passes_a_faithful_export(family, data, tmp_path):
     pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
     result = _run("2D", {"small": family, "data": data}, tmp_path / "2D", **GATE)
     assert result.metrics["draft_token_agreement"] >= 0.95
-    assert (tmp_path / "2D" / "draft" / "draft-Q8_0.gguf").is_file() and not (tmp_path / "2D" / "draft" / "draft-F16.gguf").exists()
+    assert (tmp_path / "2D" / "draft" / "draft-Q8_0.gguf").is_file() and not (
+        tmp_path / "2D" / "draft" / "draft-F16.gguf"
+    ).exists()
     assert result.metrics["draft_gguf_bytes"] < result.metrics["draft_f16_bytes"]
     assert "PASS" in (tmp_path / "2D" / "gguf_report.md").read_text()
 
@@ -145,7 +192,7 @@ def test_gguf_gate_fails_a_damaged_model_with_a_report(family, data, tmp_path, m
     """The converter is handed a damaged copy of the tier (weights with 30% noise), as a broken
     conversion would produce: the gate compares the GGUF with the real HF model and fails."""
     pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
-    import stages.s2d_gguf as s2d
+    import stages.gguf_export as s2d
 
     damaged = noisy_copy(STORIES, tmp_path / "damaged", 0.3)
     real = s2d.convert_hf_to_gguf
@@ -161,9 +208,8 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
     """X assembles a bundle from stage-shaped artifacts (with manifests), 2E packs it, the runtime
     loads both forms and refuses a tampered file by name."""
     pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
-    from kibidango import BundleError, Pipeline, load_bundle
-
     from flows.__main__ import main as flows_main  # noqa: F401  (the CLI module imports cleanly)
+    from kibidango import BundleError, Pipeline, load_bundle
 
     store = tmp_path / "store"
     arts = {}
@@ -171,18 +217,46 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
         dest = store / stage / f"key{stage}"
         shutil.copytree(src, dest)
         metrics = json.loads((src / "prune.json").read_text())["metrics"] if stage == "2A" else {}
-        (dest / "manifest.json").write_text(json.dumps({"key": f"key{stage}", "mlflow_run_id": f"run{stage}", "metrics": metrics,
-                                                        "inputs": {"data": {"key": "key0"}} if stage != "0" else {}}))  # fmt: skip
+        (dest / "manifest.json").write_text(
+            json.dumps(
+                {
+                    "key": f"key{stage}",
+                    "mlflow_run_id": f"run{stage}",
+                    "metrics": metrics,
+                    "inputs": {"data": {"key": "key0"}} if stage != "0" else {},
+                }
+            )
+        )
         arts[stage] = dest
     gguf = store / "2D" / "key2D"
-    _run("2D", {"small": family, "target": family, "data": data}, gguf,
-         tiers={"draft": {"input": "small", "quant": "Q8_0"}, "target": {"input": "target", "quant": "Q8_0"}},
-         prompts=4, new_tokens=8, eval_rows=4)  # fmt: skip
-    (gguf / "manifest.json").write_text(json.dumps({"key": "key2D", "mlflow_run_id": "run2D",
-                                                    "metrics": json.loads((gguf / "gguf.json").read_text())["metrics"], "inputs": {}}))  # fmt: skip
+    _run(
+        "2D",
+        {"small": family, "target": family, "data": data},
+        gguf,
+        tiers={"draft": {"input": "small", "quant": "Q8_0"}, "target": {"input": "target", "quant": "Q8_0"}},
+        prompts=4,
+        new_tokens=8,
+        eval_rows=4,
+    )
+    (gguf / "manifest.json").write_text(
+        json.dumps(
+            {
+                "key": "key2D",
+                "mlflow_run_id": "run2D",
+                "metrics": json.loads((gguf / "gguf.json").read_text())["metrics"],
+                "inputs": {},
+            }
+        )
+    )
     out = store / "X" / "keyX"
-    result = _run("X", {"target": arts["2B"], "small": arts["2C"], "gguf": gguf, "prune": arts["2A"]}, out, preset="test",
-                  hf_tiers={"target": "target", "draft": "small"}, runtime_defaults={"mode": "sd", "k": 3, "stop_ids": [2]})  # fmt: skip
+    result = _run(
+        "X",
+        {"target": arts["2B"], "small": arts["2C"], "gguf": gguf, "prune": arts["2A"]},
+        out,
+        preset="test",
+        hf_tiers={"target": "target", "draft": "small"},
+        runtime_defaults={"mode": "sd", "k": 3, "stop_ids": [2]},
+    )
     bundle = load_bundle(out / "bundle")
     assert set(bundle.tiers) == {"draft", "target"} and bundle.meta["stage_cache_keys"]["0"] == "key0"
     assert bundle.meta["mlflow_run_ids"]["2D"] == "run2D" and result.metrics["files"] == len(bundle.meta["files"])
@@ -191,7 +265,9 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
     assert f"{g['draft_gguf_bytes'] / 1e6:.3f} MB" in card and f"{g['draft_token_agreement']:.1%}" in card
     assert "Pruning (2A): 50.0% of the target's decoder linear weights are zero" in card
     for backend in ("torch", "llamacpp"):
-        text = Pipeline.from_bundle(out / "bundle", backend=backend).generate("Once upon a time", max_new_tokens=12).text
+        text = (
+            Pipeline.from_bundle(out / "bundle", backend=backend).generate("Once upon a time", max_new_tokens=12).text
+        )
         assert text.strip()
 
     packed = store / "2E" / "key2E"
@@ -210,7 +286,7 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
 def test_a_missing_llama_cpp_names_the_stage_and_the_remedy(tmp_path, monkeypatch):
     import sys
 
-    from stages.compression.gguf import quantize
+    from methods.compression.gguf import quantize
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the llamacpp extra were not installed
     with pytest.raises(KibidangoError, match=r"stage 2D needs llama-cpp-python .* remedy: make setup"):

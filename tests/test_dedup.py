@@ -7,7 +7,7 @@ import random
 
 from eval.dedup_quality import EDITS, evaluate_planted
 from eval.shared_data import instruction_texts
-from stages.curation.dedup import DedupConfig, find_duplicates
+from methods.curation.dedup import DedupConfig, find_duplicates
 from tests.conftest import needs_shared
 
 

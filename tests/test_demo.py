@@ -20,8 +20,12 @@ from tests.test_training_resume import _needs_axolotl_and_shared
 
 
 def _runs(stage: str) -> list:
-    return mlflow.search_runs(experiment_names=["kibidango-tiny"], filter_string=f"tags.`{TAG}stage_id` = '{stage}'",
-                              order_by=["attributes.start_time ASC"], output_format="list")  # fmt: skip
+    return mlflow.search_runs(
+        experiment_names=["kibidango-tiny"],
+        filter_string=f"tags.`{TAG}stage_id` = '{stage}'",
+        order_by=["attributes.start_time ASC"],
+        output_format="list",
+    )
 
 
 UPSTREAM_OF_2B = ("0", "P", "1A", "1E", "3", "4", "5", "2A", "2C", "2D")
@@ -35,7 +39,10 @@ def test_tiny_preset_end_to_end_rerun_and_stage_2b(tmp_path):
     first = _cli(home, "run", "--preset", "tiny", timeout=4800)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "data card" in first.stdout
-    assert "| tier | parameters | validation perplexity | greedy agreement vs target | expected acceptance vs target |" in first.stderr
+    assert (
+        "| tier | parameters | validation perplexity | greedy agreement vs target | expected acceptance vs target |"
+        in first.stderr
+    )
     # the bundle's size table, then a story generated from the (packed) bundle by the runtime
     assert "| tier | full precision | GGUF F16 | AWQ W4A16 | GGUF quantized | bits/weight (GGUF) |" in first.stdout
     story = first.stdout.split("== a story from the packed bundle", 1)[1]
@@ -57,7 +64,9 @@ def test_tiny_preset_end_to_end_rerun_and_stage_2b(tmp_path):
     assert [r.data.tags[f"{TAG}cached"] for r in _runs("P")] == ["no", "yes", "yes"]
 
     bundle = Path(_runs("X")[-1].data.tags[f"{TAG}artifact"]) / "bundle"
-    inspect = subprocess.run([sys.executable, "-m", "kibidango", "inspect", str(bundle)], capture_output=True, text=True)
+    inspect = subprocess.run(
+        [sys.executable, "-m", "kibidango", "inspect", str(bundle)], capture_output=True, text=True
+    )
     assert inspect.returncode == 0 and "every sha256 verified" in inspect.stdout, inspect.stderr
     meta = json.loads((bundle / "bundle.json").read_text())
     assert set(meta["tiers"]) == {"draft", "qualifier", "target"}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stages.curation.filters import LanguageConfig, LanguageFilter, QualityConfig, infer_domain, quality_reason
-from stages.curation.records import Example
+from methods.curation.filters import LanguageConfig, LanguageFilter, QualityConfig, infer_domain, quality_reason
+from methods.curation.records import Example
 
 
 def ex(instruction="", output="", domain="general", input_=""):
@@ -39,4 +39,7 @@ def test_language_filter_keeps_english_and_drops_confident_others():
 def test_domain_inference():
     assert infer_domain(ex("Write a Python function to add two numbers.", "def add(a, b):\n    return a + b")) == "code"
     assert infer_domain(ex("Tom has 3 apples and buys 4 more. How many apples does he have?", "3 + 4 = 7")) == "math"
-    assert infer_domain(ex("Give me three tips for sleeping well.", "Keep a schedule, avoid screens, exercise.")) == "general"
+    assert (
+        infer_domain(ex("Give me three tips for sleeping well.", "Keep a schedule, avoid screens, exercise."))
+        == "general"
+    )

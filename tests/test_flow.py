@@ -14,31 +14,46 @@ from pathlib import Path
 import mlflow
 import yaml
 
+from core.store import ArtifactStore
 from flows.tracking import TAG
-from stages.store import ArtifactStore
 from tests.conftest import REPO, cli_env, write_jsonl
 
 
 def _cli(home: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows", *args], cwd=REPO, env=cli_env(home),
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "flows", *args],
+        cwd=REPO,
+        env=cli_env(home),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _preset(tmp_path: Path, source: Path, **stage0) -> Path:
     path = tmp_path / "preset.yaml"
     config = {"sources": [{"name": "src", "path": str(source), "format": "alpaca", "license": "MIT"}], **stage0}
-    path.write_text(yaml.safe_dump({"name": "flowtest", "experiment": "kibidango-flowtest", "stages": {"0": {"config": config}}}))
+    path.write_text(
+        yaml.safe_dump({"name": "flowtest", "experiment": "kibidango-flowtest", "stages": {"0": {"config": config}}})
+    )
     return path
 
 
 def _stage_runs(home: Path) -> list:
     mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
-    return mlflow.search_runs(experiment_names=["kibidango-flowtest"], filter_string=f"tags.`{TAG}stage_id` = '0'",
-                              order_by=["attributes.start_time ASC"], output_format="list")  # fmt: skip
+    return mlflow.search_runs(
+        experiment_names=["kibidango-flowtest"],
+        filter_string=f"tags.`{TAG}stage_id` = '0'",
+        order_by=["attributes.start_time ASC"],
+        output_format="list",
+    )
 
 
 def test_second_run_is_all_cache_hits(tmp_path):
-    rows = [{"instruction": f"Describe the colour number {i} of a sunset.", "output": f"It is shade {i} of orange."} for i in range(50)]
+    rows = [
+        {"instruction": f"Describe the colour number {i} of a sunset.", "output": f"It is shade {i} of orange."}
+        for i in range(50)
+    ]
     preset = _preset(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows))
     home = tmp_path / "home"
     first = _cli(home, "run", "--preset", str(preset))
@@ -74,12 +89,21 @@ def test_second_run_is_all_cache_hits(tmp_path):
 def test_kill_9_in_the_middle_of_stage_0_then_rerun(tmp_path):
     rng = random.Random(0)
     words = [f"w{n}" for n in range(5000)]
-    rows = [{"instruction": " ".join(rng.choices(words, k=12)), "output": " ".join(rng.choices(words, k=30))} for _ in range(30000)]
+    rows = [
+        {"instruction": " ".join(rng.choices(words, k=12)), "output": " ".join(rng.choices(words, k=30))}
+        for _ in range(30000)
+    ]
     preset = _preset(tmp_path, write_jsonl(tmp_path / "big.jsonl", rows), language={"enabled": False})
     home = tmp_path / "home"
     stage_dir = home / "store" / "0"
-    proc = subprocess.Popen([sys.executable, "-m", "flows", "run", "--preset", str(preset)], cwd=REPO,
-                            env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows", "run", "--preset", str(preset)],
+        cwd=REPO,
+        env=cli_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while not (stage_dir.is_dir() and any(p.name.startswith(".tmp-") for p in stage_dir.iterdir())):
@@ -106,7 +130,11 @@ def _prefect_servers(session: int) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and os.getpgid(int(entry.name)) == session and b"prefect.server" in (entry / "cmdline").read_bytes():
+            if (
+                entry.name.isdigit()
+                and os.getpgid(int(entry.name)) == session
+                and b"prefect.server" in (entry / "cmdline").read_bytes()
+            ):
                 pids.append(int(entry.name))
         except (OSError, ProcessLookupError):
             continue
@@ -116,7 +144,7 @@ def _prefect_servers(session: int) -> list[int]:
 def _run_and_check_rerun(home: Path, preset: Path, stage_dir: Path, orphans: list[int]) -> None:
     leftovers = [p.name for p in stage_dir.iterdir()]
     assert leftovers and all(name.startswith(".tmp-") for name in leftovers)  # nothing published
-    key = leftovers[0][len(".tmp-"):].split("-")[0]
+    key = leftovers[0][len(".tmp-") :].split("-")[0]
     assert ArtifactStore(home / "store").get("0", key) is None  # the half artifact is never read
 
     rerun = _cli(home, "run", "--preset", str(preset))
@@ -128,13 +156,19 @@ def _run_and_check_rerun(home: Path, preset: Path, stage_dir: Path, orphans: lis
     killed = [r for r in _stage_runs(home) if r.info.status == "KILLED"]
     assert len(killed) == 1 and "marked KILLED" in rerun.stderr + rerun.stdout  # the killed run is not left RUNNING
     assert f"stopped Prefect's temporary server (pid {orphans[0]})" in rerun.stderr
-    assert not [pid for pid in orphans if Path(f"/proc/{pid}").exists() and (Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z")]
+    assert not [
+        pid
+        for pid in orphans
+        if Path(f"/proc/{pid}").exists() and (Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z")
+    ]
 
 
 def test_schedule_builds_a_cron_deployment():
     from flows.pipeline import preset_flows
 
-    deployment = preset_flows()["tiny"].to_deployment(name="tiny-scheduled", cron="0 3 * * *", parameters={"preset": "tiny"})
+    deployment = preset_flows()["tiny"].to_deployment(
+        name="tiny-scheduled", cron="0 3 * * *", parameters={"preset": "tiny"}
+    )
     (schedule,) = deployment.schedules
     assert schedule.schedule.cron == "0 3 * * *" and deployment.parameters == {"preset": "tiny"}
     assert deployment.flow_name == "kibidango-tiny"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from stages.curation.ingest import SourceError, SourceSpec, read_source, source_digest
-from stages.curation.records import Example, Reject
+from methods.curation.ingest import SourceError, SourceSpec, read_source, source_digest
+from methods.curation.records import Example, Reject
 from tests.conftest import write_jsonl
 
 
@@ -18,7 +18,10 @@ def _read(path, fmt="alpaca", **kw):
 
 
 def test_alpaca_json_array_and_jsonl(tmp_path):
-    rows = [{"instruction": "Say hi.", "input": "", "output": "Hi!"}, {"instruction": "Add", "input": "1 2", "output": "3"}]
+    rows = [
+        {"instruction": "Say hi.", "input": "", "output": "Hi!"},
+        {"instruction": "Add", "input": "1 2", "output": "3"},
+    ]
     (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
     examples, rejects = _read(tmp_path / "a.json")
     assert [(e.instruction, e.input, e.output) for e in examples] == [("Say hi.", "", "Hi!"), ("Add", "1 2", "3")]
@@ -28,8 +31,15 @@ def test_alpaca_json_array_and_jsonl(tmp_path):
 
 
 def test_sharegpt_gsm8k_mbpp_humaneval_and_renamed_fields(tmp_path):
-    chat = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
-                              {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}  # fmt: skip
+    chat = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello"},
+            {"from": "human", "value": "2+2?"},
+            {"from": "gpt", "value": "4"},
+        ]
+    }
     (ex,), _ = _read(write_jsonl(tmp_path / "c.jsonl", [chat]), "sharegpt")
     assert (ex.instruction, ex.output) == ("2+2?", "4") and "human: Hi" in ex.input
     messages = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
@@ -77,11 +87,11 @@ def test_bad_rows_are_quarantined_with_file_line_and_field(tmp_path):
     path = tmp_path / "bad.jsonl"
     lines = [
         json.dumps({"instruction": "ok", "output": "fine"}).encode(),
-        b'{"instruction": "broken", "output": ',                      # malformed JSON
-        json.dumps({"instruction": "no output"}).encode(),            # missing field
+        b'{"instruction": "broken", "output": ',  # malformed JSON
+        json.dumps({"instruction": "no output"}).encode(),  # missing field
         json.dumps({"instruction": "typed", "output": 42}).encode(),  # wrong type
-        b'{"instruction": "caf\xe9", "output": "latin-1 byte"}',       # not UTF-8
-        b"[1, 2]",                                                     # not an object
+        b'{"instruction": "caf\xe9", "output": "latin-1 byte"}',  # not UTF-8
+        b"[1, 2]",  # not an object
         json.dumps({"instruction": "also ok", "output": "good"}).encode(),
     ]
     path.write_bytes(b"\n".join(lines) + b"\n")

@@ -40,7 +40,9 @@ def test_every_import_goes_down_a_floor_or_stays():
             for line, target in _imports(path, package):
                 top = target.split(".")[0]
                 if top in FLOOR and (FLOOR[top] > floor or (top != package and FLOOR[top] == floor)):
-                    wrong.append(f"{path.relative_to(REPO)}:{line}: {package} (floor {floor}) imports {target} (floor {FLOOR[top]})")
+                    wrong.append(
+                        f"{path.relative_to(REPO)}:{line}: {package} (floor {floor}) imports {target} (floor {FLOOR[top]})"
+                    )
     assert not wrong, "\n".join(wrong)
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from core.contract import KibidangoError
 from flows.plan import describe_plan
 from flows.preset import PRESETS_DIR, REPO_ROOT, load_preset
+from methods.compression.llmc import read_recipe
 from stages import load_stage
-from stages.compression.llmc import read_recipe
-from stages.contract import KibidangoError
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))

@@ -19,7 +19,13 @@ s0 = load_stage("0")
 
 @pytest.fixture
 def source(tmp_path):
-    rows = [{"instruction": f"Explain idea number {i} about gardens and water.", "output": f"Idea {i}: plants need water {i} times."} for i in range(30)]
+    rows = [
+        {
+            "instruction": f"Explain idea number {i} about gardens and water.",
+            "output": f"Idea {i}: plants need water {i} times.",
+        }
+        for i in range(30)
+    ]
     return write_jsonl(tmp_path / "src.jsonl", rows)
 
 
@@ -29,8 +35,12 @@ def _ctx(workspace, parent, force=()):
 
 def _runs(stage="0"):
     mlflow.set_tracking_uri(tracking_uri())
-    return mlflow.search_runs(experiment_names=["exp-test"], filter_string=f"tags.`{TAG}stage_id` = '{stage}'",
-                              order_by=["attributes.start_time ASC"], output_format="list")  # fmt: skip
+    return mlflow.search_runs(
+        experiment_names=["exp-test"],
+        filter_string=f"tags.`{TAG}stage_id` = '{stage}'",
+        order_by=["attributes.start_time ASC"],
+        output_format="list",
+    )
 
 
 def test_cache_hit_miss_force_and_lineage(workspace, source):
@@ -42,7 +52,9 @@ def test_cache_hit_miss_force_and_lineage(workspace, source):
     assert second == first  # a hit returns the same artifact
     forced = execute_stage("0", cfg, {}, _ctx(workspace, parent, force=["0"]))
     assert forced.key == first.key and forced.digest == first.digest  # same bytes: downstream stays cached
-    changed = execute_stage("0", cfg.model_copy(update={"dedup": s0.DedupConfig(threshold=0.8)}), {}, _ctx(workspace, parent))
+    changed = execute_stage(
+        "0", cfg.model_copy(update={"dedup": s0.DedupConfig(threshold=0.8)}), {}, _ctx(workspace, parent)
+    )
     assert changed.key != first.key
 
     runs = _runs()

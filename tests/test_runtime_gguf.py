@@ -8,11 +8,17 @@ import numpy as np
 import pytest
 
 from eval.shared_data import SHARED
-from stages.llama_cpp_tools import convert_hf_to_gguf
+from methods.llama_cpp_tools import convert_hf_to_gguf
 from tests.conftest import noisy_copy
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
-PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The cat was sad because", "One day, a big dog", "Tom had a red ball."]
+PROMPTS = [
+    "Once upon a time",
+    "Lily and Ben went to the park",
+    "The cat was sad because",
+    "One day, a big dog",
+    "Tom had a red ball.",
+]
 # ggml's and torch's float32 kernels round differently: over 8 prompts x 64 tokens of stories260K
 # the largest logit difference between the backends was 0.028 (`python -m eval.backend_agreement`);
 # about twice that is the tolerance.
@@ -30,8 +36,11 @@ def gguf_bundle(tmp_path_factory):
     target = noisy_copy(STORIES, root / "target_hf", 0.03)
     draft_gguf = convert_hf_to_gguf(STORIES, root / "draft.gguf", "f32")
     target_gguf = convert_hf_to_gguf(target, root / "target.gguf", "f32")
-    tiers = {"draft": {"hf": STORIES, "gguf": draft_gguf}, "qualifier": {"hf": STORIES, "gguf": draft_gguf},
-             "target": {"hf": target, "gguf": target_gguf}}  # fmt: skip
+    tiers = {
+        "draft": {"hf": STORIES, "gguf": draft_gguf},
+        "qualifier": {"hf": STORIES, "gguf": draft_gguf},
+        "target": {"hf": target, "gguf": target_gguf},
+    }
     return write_bundle(root / "bundle", tiers, {"mode": "pyramid", "stop_ids": [1, 2]}, preset="gguf-test")
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.redaction import find_secrets, install_log_redaction, redact, secret_from_env
 from flows.tracking import flatten_params
-from stages.redaction import find_secrets, install_log_redaction, redact, secret_from_env
 from tests.conftest import REPO, cli_env, write_jsonl
 
 PLANTED = {
@@ -27,21 +27,39 @@ PLANTED = {
 def test_secret_keys_and_values_are_found_and_tokenizer_keys_are_not():
     config = {
         "cloud": {"api_key": "x1", "api_key_env": "OPENAI_API_KEY", "base_url": "http://127.0.0.1:8000/v1"},
-        "axolotl": {"wandb_api_key": "x2", "hub_token": "x3", "special_tokens": {"pad_token": "<unk>"}, "max_tokens": 5},
+        "axolotl": {
+            "wandb_api_key": "x2",
+            "hub_token": "x3",
+            "special_tokens": {"pad_token": "<unk>"},
+            "max_tokens": 5,
+        },
         "headers": {"Authorization": "x4"},
         "token": "x5",
         "note": "key sk-ant-abcdefghijklmnop0123 inside",
         "list": [{"password": "x6"}, "ghp_abcdefghijklmnopqrstuvwxyz0123456789"],
-        "new_tokens": 32, "eos_token": "</s>", "pad_token_id": 0, "git_sha": "a" * 40,
-    }  # fmt: skip
-    assert sorted(find_secrets(config)) == sorted([
-        "cloud.api_key", "axolotl.wandb_api_key", "axolotl.hub_token", "headers.Authorization", "token", "note",
-        "list.0.password", "list.1",
-    ])  # fmt: skip
+        "new_tokens": 32,
+        "eos_token": "</s>",
+        "pad_token_id": 0,
+        "git_sha": "a" * 40,
+    }
+    assert sorted(find_secrets(config)) == sorted(
+        [
+            "cloud.api_key",
+            "axolotl.wandb_api_key",
+            "axolotl.hub_token",
+            "headers.Authorization",
+            "token",
+            "note",
+            "list.0.password",
+            "list.1",
+        ]
+    )
     clean = redact(config)
     assert clean["cloud"]["api_key"] == "***" and clean["cloud"]["api_key_env"] == "OPENAI_API_KEY"
     assert clean["note"] == "key *** inside" and clean["axolotl"]["special_tokens"] == {"pad_token": "<unk>"}
-    params = flatten_params({"axolotl": {"hub_token": "abc", "lr": 0.1}, "headers": {"Authorization": "Bearer abcdefghijklmnop"}})
+    params = flatten_params(
+        {"axolotl": {"hub_token": "abc", "lr": 0.1}, "headers": {"Authorization": "Bearer abcdefghijklmnop"}}
+    )
     assert params == {"axolotl.hub_token": "***", "axolotl.lr": "0.1", "headers.Authorization": "***"}
 
 
@@ -59,7 +77,9 @@ def test_every_log_record_is_redacted(capsys):
     handler = logging.StreamHandler(sys.stderr)
     logger.addHandler(handler)
     try:
-        logger.warning("calling with %s and Authorization: Bearer %s", PLANTED["OPENAI_API_KEY"], "abcdefghijklmnopqrstuv")
+        logger.warning(
+            "calling with %s and Authorization: Bearer %s", PLANTED["OPENAI_API_KEY"], "abcdefghijklmnopqrstuv"
+        )
     finally:
         logger.removeHandler(handler)
     err = capsys.readouterr().err
@@ -76,31 +96,56 @@ def _grep(root: Path, needles: list[str]) -> list[str]:
 
 
 def test_planted_secrets_reach_no_sink(tmp_path):
-    rows = [{"instruction": f"Name colour number {i} of a sunset.", "output": f"It is shade {i} of orange."} for i in range(40)]
+    rows = [
+        {"instruction": f"Name colour number {i} of a sunset.", "output": f"It is shade {i} of orange."}
+        for i in range(40)
+    ]
     source = write_jsonl(tmp_path / "src.jsonl", rows)
     preset = tmp_path / "preset.yaml"
     config = {"sources": [{"name": "src", "path": str(source), "format": "alpaca", "license": "MIT"}]}
-    preset.write_text(yaml.safe_dump({"name": "secrets", "experiment": "kibidango-secrets", "stages": {"0": {"config": config}}}))
+    preset.write_text(
+        yaml.safe_dump({"name": "secrets", "experiment": "kibidango-secrets", "stages": {"0": {"config": config}}})
+    )
     home = tmp_path / "home"
     env = {**cli_env(home), **PLANTED, "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
     work = tmp_path / "elsewhere"  # the command runs from another directory: nothing may land in ./mlruns
     work.mkdir()
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "flows", *args], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "flows", *args], cwd=work, env=env, capture_output=True, text=True, timeout=600
+        )
 
     outputs = []
-    for bad in (f"0.sources.0.token={PLANTED['HF_TOKEN']}", f"0.title=deploy {PLANTED['OPENAI_API_KEY']}",
-                f"0.dedup.api_key={PLANTED['WANDB_API_KEY']}"):  # fmt: skip
+    for bad in (
+        f"0.sources.0.token={PLANTED['HF_TOKEN']}",
+        f"0.title=deploy {PLANTED['OPENAI_API_KEY']}",
+        f"0.dedup.api_key={PLANTED['WANDB_API_KEY']}",
+    ):
         refused = cli("run", "--preset", str(preset), "--set", bad)
         assert refused.returncode == 2 and "look(s) like a secret" in refused.stderr, refused.stderr[-2000:]
         outputs += [refused.stdout, refused.stderr]
     ok = cli("run", "--preset", str(preset), "--set", "0.title=an ordinary title")
     assert ok.returncode == 0, ok.stderr[-3000:]
     outputs += [ok.stdout, ok.stderr]
-    dry = subprocess.run([sys.executable, "-m", "flows", "run", "--preset", "tiny", "--dry-run", "--set",
-                          f"1A.axolotl.wandb_api_key={PLANTED['WANDB_API_KEY']}"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    dry = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows",
+            "run",
+            "--preset",
+            "tiny",
+            "--dry-run",
+            "--set",
+            f"1A.axolotl.wandb_api_key={PLANTED['WANDB_API_KEY']}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert dry.returncode == 2 and "1A" in dry.stderr and "look(s) like a secret" in dry.stderr, dry.stderr[-2000:]
     outputs += [dry.stdout, dry.stderr]
 

@@ -7,9 +7,9 @@ import json
 import datasets
 import pytest
 
+from core.contract import KibidangoError
+from core.store import file_sha256
 from stages import load_stage
-from stages.contract import KibidangoError
-from stages.store import file_sha256
 from tests.conftest import write_jsonl
 
 s0 = load_stage("0")
@@ -17,21 +17,51 @@ s0 = load_stage("0")
 
 def _sources(tmp_path):
     alpaca = [
-        {"instruction": "Give three tips for staying healthy.", "input": "", "output": "Eat vegetables, sleep eight hours and walk every day."},
-        {"instruction": "Give three tips for staying healthy.", "input": "", "output": "Eat vegetables, sleep eight hours and walk every day."},
-        {"instruction": "Write a Python function that adds two numbers.", "input": "", "output": "def add(a, b):\n    return a + b"},
-        {"instruction": "Traduisez cette phrase en anglais s'il vous plaît.", "input": "", "output": "Je voudrais un café et un croissant, merci beaucoup."},
+        {
+            "instruction": "Give three tips for staying healthy.",
+            "input": "",
+            "output": "Eat vegetables, sleep eight hours and walk every day.",
+        },
+        {
+            "instruction": "Give three tips for staying healthy.",
+            "input": "",
+            "output": "Eat vegetables, sleep eight hours and walk every day.",
+        },
+        {
+            "instruction": "Write a Python function that adds two numbers.",
+            "input": "",
+            "output": "def add(a, b):\n    return a + b",
+        },
+        {
+            "instruction": "Traduisez cette phrase en anglais s'il vous plaît.",
+            "input": "",
+            "output": "Je voudrais un café et un croissant, merci beaucoup.",
+        },
         {"instruction": "Say nothing.", "input": "", "output": ""},
         {"instruction": "Missing its output."},
         {"instruction": "Wrong type", "output": ["a", "list"]},
-    ]  # fmt: skip
-    lines = [json.dumps(r) for r in alpaca] + ['{"instruction": "half a line', json.dumps({"instruction": "Explain why the sky is blue in one sentence.", "output": "Air scatters blue light more than red light."})]
+    ]
+    lines = [json.dumps(r) for r in alpaca] + [
+        '{"instruction": "half a line',
+        json.dumps(
+            {
+                "instruction": "Explain why the sky is blue in one sentence.",
+                "output": "Air scatters blue light more than red light.",
+            }
+        ),
+    ]
     a = tmp_path / "alpaca.jsonl"
     a.write_text("\n".join(lines) + "\n")
-    g = write_jsonl(tmp_path / "gsm.jsonl", [
-        {"question": "Tom has 3 apples and buys 4 more. How many apples does he have now?", "answer": "3 + 4 = 7\n#### 7"},
-        {"question": "A box holds 12 eggs. How many eggs are in 5 boxes?", "answer": "12 * 5 = 60\n#### 60"},
-    ])  # fmt: skip
+    g = write_jsonl(
+        tmp_path / "gsm.jsonl",
+        [
+            {
+                "question": "Tom has 3 apples and buys 4 more. How many apples does he have now?",
+                "answer": "3 + 4 = 7\n#### 7",
+            },
+            {"question": "A box holds 12 eggs. How many eggs are in 5 boxes?", "answer": "12 * 5 = 60\n#### 60"},
+        ],
+    )
     return [
         {"name": "alp", "path": str(a), "format": "alpaca", "license": "CC BY-NC 4.0"},
         {"name": "gsm", "path": str(g), "format": "gsm8k", "domain": "math", "license": "MIT"},
@@ -88,7 +118,9 @@ def test_split_is_stable_when_rows_are_added():
 
 
 def test_synthetic_fallback_when_no_source_is_present(tmp_path):
-    absent = [{"name": "gone", "path": str(tmp_path / "missing.json"), "format": "alpaca", "license": "MIT", "optional": True}]
+    absent = [
+        {"name": "gone", "path": str(tmp_path / "missing.json"), "format": "alpaca", "license": "MIT", "optional": True}
+    ]
     out = tmp_path / "out"
     out.mkdir()
     result = s0.run(s0.Config(sources=absent, synthetic_rows=300), {}, out)
@@ -108,12 +140,17 @@ def test_a_present_source_with_no_valid_rows_is_an_error_not_a_synthetic_fallbac
     sources = [{"name": "mine", "path": str(broken), "format": "alpaca", "license": "MIT", "optional": True}]
     out = tmp_path / "out"
     out.mkdir()
-    with pytest.raises(KibidangoError, match=r"source 'mine': .*broken.jsonl yielded no valid rows \(27 quarantined; first: .*:1: field 'instruction' missing"):
+    with pytest.raises(
+        KibidangoError,
+        match=r"source 'mine': .*broken.jsonl yielded no valid rows \(27 quarantined; first: .*:1: field 'instruction' missing",
+    ):
         s0.run(s0.Config(sources=sources, synthetic_rows=2000), {}, out)
 
 
 def test_synthetic_data_is_announced_loudly(tmp_path):
-    absent = [{"name": "gone", "path": str(tmp_path / "missing.json"), "format": "alpaca", "license": "MIT", "optional": True}]
+    absent = [
+        {"name": "gone", "path": str(tmp_path / "missing.json"), "format": "alpaca", "license": "MIT", "optional": True}
+    ]
     out = tmp_path / "out"
     out.mkdir()
     result = s0.run(s0.Config(sources=absent, synthetic_rows=100), {}, out)

@@ -23,17 +23,44 @@ SMALL = {"calibration_samples": 8, "calibration_max_len": 64, "eval_rows": 8, "e
 def _preset(tmp_path: Path) -> Path:
     source = SHARED / "data" / "tinystories_sample" / "tiny_stories.txt"
     stages = {
-        "0": {"config": {"sources": [{"name": "s", "path": str(source), "format": "text", "text_split": "single_newline",
-                                      "limit": 300, "license": "CDLA-Sharing-1.0"}],
-                         "split": {"validation": 0.1, "test": 0.05}}},
-        "2A": {"needs": {"data": "0"}, "config": {"recipe": "recipes/stage2A/sparsegpt-tiny.llmc.yaml", "base_model": str(STORIES), **SMALL}},
-        "2B": {"needs": {"model": "2A", "data": "0"}, "config": {"recipe": "recipes/stage2B/awq-w4a16-channel.llmc.yaml", "tiers": ["target"], **SMALL}},
-        "2D": {"needs": {"target": "2A", "data": "0"},
-               "config": {"tiers": {"target": {"input": "target", "quant": "Q8_0"}}, "prompts": 4, "new_tokens": 8, "eval_rows": 8}},
-        "X": {"needs": {"target": "2B", "gguf": "2D", "prune": "2A"},
-              "config": {"preset": "stage2b-test", "hf_tiers": {"target": "target"}, "runtime_defaults": {"mode": "ar"}}},
+        "0": {
+            "config": {
+                "sources": [
+                    {
+                        "name": "s",
+                        "path": str(source),
+                        "format": "text",
+                        "text_split": "single_newline",
+                        "limit": 300,
+                        "license": "CDLA-Sharing-1.0",
+                    }
+                ],
+                "split": {"validation": 0.1, "test": 0.05},
+            }
+        },
+        "2A": {
+            "needs": {"data": "0"},
+            "config": {"recipe": "recipes/stage2A/sparsegpt-tiny.llmc.yaml", "base_model": str(STORIES), **SMALL},
+        },
+        "2B": {
+            "needs": {"model": "2A", "data": "0"},
+            "config": {"recipe": "recipes/stage2B/awq-w4a16-channel.llmc.yaml", "tiers": ["target"], **SMALL},
+        },
+        "2D": {
+            "needs": {"target": "2A", "data": "0"},
+            "config": {
+                "tiers": {"target": {"input": "target", "quant": "Q8_0"}},
+                "prompts": 4,
+                "new_tokens": 8,
+                "eval_rows": 8,
+            },
+        },
+        "X": {
+            "needs": {"target": "2B", "gguf": "2D", "prune": "2A"},
+            "config": {"preset": "stage2b-test", "hf_tiers": {"target": "target"}, "runtime_defaults": {"mode": "ar"}},
+        },
         "2E": {"needs": {"bundle": "X"}, "config": {"dict_size": 8192}},
-    }  # fmt: skip
+    }
     path = tmp_path / "preset.yaml"
     path.write_text(yaml.safe_dump({"name": "stage2b-test", "experiment": "kibidango-stage2b-test", "stages": stages}))
     return path
@@ -41,8 +68,12 @@ def _preset(tmp_path: Path) -> Path:
 
 def _runs(home: Path, stage: str) -> list:
     mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
-    return mlflow.search_runs(experiment_names=["kibidango-stage2b-test"], filter_string=f"tags.`{TAG}stage_id` = '{stage}'",
-                              order_by=["attributes.start_time ASC"], output_format="list")  # fmt: skip
+    return mlflow.search_runs(
+        experiment_names=["kibidango-stage2b-test"],
+        filter_string=f"tags.`{TAG}stage_id` = '{stage}'",
+        order_by=["attributes.start_time ASC"],
+        output_format="list",
+    )
 
 
 def test_forcing_2b_reuses_upstream_and_recomputes_downstream_only_on_change(tmp_path):

@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
+from core.contract import code_version
+from core.store import MANIFEST, ArtifactStore, cache_key
 from stages import load_stage
-from stages.contract import code_version
-from stages.store import MANIFEST, ArtifactStore, cache_key
 
 
 def test_cache_key_changes_with_config_input_and_code():
@@ -35,11 +35,11 @@ def test_code_version_changes_with_the_stage_code_not_its_comments(tmp_path, mon
 
 
 def test_code_version_covers_the_helpers_a_stage_uses_and_nothing_else():
-    from stages.codehash import definitions
-    from stages.contract import PLUMBING, PROJECT_PACKAGES
+    from core.codehash import definitions
+    from core.contract import PLUMBING, PROJECT_PACKAGES
 
     reached = {module for module, _ in definitions(load_stage("0"), PROJECT_PACKAGES, PLUMBING)}
-    assert {"stages.s0_curate", "stages.curation.dedup", "stages.curation.ingest", "stages.curation.records"} <= reached
+    assert {"stages.curate", "methods.curation.dedup", "methods.curation.ingest", "methods.curation.records"} <= reached
     assert not any(name.startswith("flows") or name in PLUMBING for name in reached)
 
 
@@ -59,7 +59,11 @@ def test_publish_writes_manifest_and_is_found(tmp_path):
     manifest = json.loads((tmp_path / "0" / "k1" / MANIFEST).read_text())
     assert manifest["key"] == "k1" and manifest["mlflow_run_id"] == "r1"
     assert [{k: v for k, v in f.items() if k != "mtime_ns"} for f in manifest["files"]] == [
-        {"path": "data/rows.txt", "size": 5, "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"}
+        {
+            "path": "data/rows.txt",
+            "size": 5,
+            "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824",
+        }
     ]
     assert store.get("0", "k1") == artifact
     # The digest is the content's: same bytes under another key, another run id -> same digest.
@@ -101,8 +105,13 @@ def test_a_same_size_change_is_a_miss_and_full_verification_catches_a_restored_m
 
 def test_an_unreadable_manifest_is_a_miss_with_a_warning_naming_the_directory(tmp_path, caplog):
     store = ArtifactStore(tmp_path)
-    for text in ("{}", "[]", "{not json", '{"digest": "x", "files": [{"path": "../../etc/passwd", "size": 1, "sha256": "y"}]}',
-                 "[" * 100_000):  # fmt: skip
+    for text in (
+        "{}",
+        "[]",
+        "{not json",
+        '{"digest": "x", "files": [{"path": "../../etc/passwd", "size": 1, "sha256": "y"}]}',
+        "[" * 100_000,
+    ):
         store.publish("0", "k1", _stage_files(store, "k1"), {})
         (tmp_path / "0" / "k1" / MANIFEST).write_text(text)
         caplog.clear()

@@ -11,15 +11,15 @@ import pytest
 import torch
 import yaml
 
+from core.contract import KibidangoError
+from core.progress import report_metrics
 from flows.plan import describe_plan
 from flows.preset import load_preset
 from flows.runner import RunContext, execute_stage
-from stages.contract import KibidangoError
-from stages.progress import report_metrics
-from stages.s1e_distill import check_alignment
-from stages.training import axolotl
-from stages.training.chat import TEMPLATE, messages
-from stages.training.recipe import TrainRecipe
+from methods.training import axolotl
+from methods.training.chat import TEMPLATE, messages
+from methods.training.recipe import TrainRecipe
+from stages.distill import check_alignment
 
 LORA = TrainRecipe(max_steps=10, adapter="lora", axolotl={"flash_attention": True, "sample_packing": True})
 
@@ -57,14 +57,19 @@ def test_missing_axolotl_names_the_remedy(monkeypatch, tmp_path):
 
 def test_trainer_log_lines_are_parsed_and_named_for_mlflow():
     line = "{'loss': '5.713', 'grad_norm': '1.284', 'memory/max_active (GiB)': '0', 'epoch': '0.01'}"
-    assert axolotl._parse_logs(line) == {"loss": 5.713, "grad_norm": 1.284, "memory/max_active (GiB)": 0.0, "epoch": 0.01}
+    assert axolotl._parse_logs(line) == {
+        "loss": 5.713,
+        "grad_norm": 1.284,
+        "memory/max_active (GiB)": 0.0,
+        "epoch": 0.01,
+    }
     assert axolotl._parse_logs("no dict here") is None
     assert axolotl._metric_name("P/target/memory/max_active (GiB)") == "P/target/memory/max_active_GiB"
 
 
 def test_a_stage_reports_live_metrics_into_its_mlflow_run(workspace, monkeypatch):
     import stages
-    import stages.s0_curate as s0
+    import stages.curate as s0
 
     def fake_run(cfg, inputs, out_dir):
         for step in (10, 20):
@@ -79,14 +84,17 @@ def test_a_stage_reports_live_metrics_into_its_mlflow_run(workspace, monkeypatch
     run = mlflow.search_runs(experiment_names=["kibidango-livetest"], output_format="list")[0]
     history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "fake/loss")
     assert [(m.step, m.value) for m in history] == [(10, 0.1), (20, 0.05)]
-    assert stages.STAGES["0"] == "stages.s0_curate"
+    assert stages.STAGES["0"] == "stages.curate"
 
 
 def test_kd_alignment_check_catches_shifted_teacher_positions(tmp_path):
     from datasets import Dataset
 
-    rows = {"input_ids": [[1, 5, 6], [1, 7]], "target_logprobs": [[[0.0]] * 3, [[0.0]] * 2],
-            "target_token_ids": [[[5]] * 3, [[7]] * 2]}  # fmt: skip
+    rows = {
+        "input_ids": [[1, 5, 6], [1, 7]],
+        "target_logprobs": [[[0.0]] * 3, [[0.0]] * 2],
+        "target_token_ids": [[[5]] * 3, [[7]] * 2],
+    }
     Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ok" / "h"))
     check_alignment(tmp_path / "ok", [[1, 7], [1, 5, 6]], "t")  # order does not matter
     with pytest.raises(KibidangoError, match="tokenized 1 of 2 distillation rows differently"):
@@ -101,13 +109,22 @@ def _tiny_llama(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                      intermediate_size=64, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 def test_agreement_and_expected_acceptance(tmp_path):
-    from eval import lm
+    from methods.measure import lm
 
     a, b = _tiny_llama(0), _tiny_llama(1)
     paths = lm.target_paths(a, [lm.Prompt([1, 10, 20]), lm.Prompt([1, 30])], new_tokens=6)
@@ -129,7 +146,7 @@ def test_chat_messages_and_response_loss():
         pytest.skip(f"needs {tok_dir} (../shared)")
     from transformers import AutoTokenizer
 
-    from eval import lm
+    from methods.measure import lm
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     story = {"instruction": "", "input": "", "output": "Once upon a time there was a cat."}

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.store import ArtifactStore
 from eval.shared_data import SHARED
-from stages.store import ArtifactStore
-from stages.training.axolotl import REPO_ROOT
+from methods.training.axolotl import REPO_ROOT
 from tests.conftest import REPO, cli_env
 from tests.test_flow import _cli
 
@@ -33,24 +33,66 @@ def _needs_axolotl_and_shared() -> None:
 
 
 def _preset(tmp_path: Path) -> Path:
-    stage0 = {"sources": [{"name": "stories", "path": str(TEXT), "format": "text", "text_split": "single_newline",
-                           "domain": "general", "license": "CDLA-Sharing-1.0", "limit": 400}],
-              "language": {"keep": ["en"], "min_confidence": 0.0}}  # fmt: skip
-    train = {"max_steps": 40, "micro_batch_size": 2, "sequence_len": 64, "learning_rate": 0.003, "warmup_steps": 2,
-             "logging_steps": 1, "save_steps": 5}  # fmt: skip
-    arch = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64}
-    stage_p = {"tokenizer": str(STORIES), "tiers": {"target": {"arch": arch, "train": train}}, "eval_rows": 10, "eval_max_len": 64}
+    stage0 = {
+        "sources": [
+            {
+                "name": "stories",
+                "path": str(TEXT),
+                "format": "text",
+                "text_split": "single_newline",
+                "domain": "general",
+                "license": "CDLA-Sharing-1.0",
+                "limit": 400,
+            }
+        ],
+        "language": {"keep": ["en"], "min_confidence": 0.0},
+    }
+    train = {
+        "max_steps": 40,
+        "micro_batch_size": 2,
+        "sequence_len": 64,
+        "learning_rate": 0.003,
+        "warmup_steps": 2,
+        "logging_steps": 1,
+        "save_steps": 5,
+    }
+    arch = {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+    }
+    stage_p = {
+        "tokenizer": str(STORIES),
+        "tiers": {"target": {"arch": arch, "train": train}},
+        "eval_rows": 10,
+        "eval_max_len": 64,
+    }
     path = tmp_path / "preset.yaml"
-    path.write_text(yaml.safe_dump({"name": "resumetest", "experiment": "kibidango-resumetest", "stages": {
-        "0": {"config": stage0}, "P": {"needs": {"data": "0"}, "config": stage_p}}}))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "resumetest",
+                "experiment": "kibidango-resumetest",
+                "stages": {"0": {"config": stage0}, "P": {"needs": {"data": "0"}, "config": stage_p}},
+            }
+        )
+    )
     return path
 
 
 def test_kill_9_during_training_then_rerun_resumes_from_the_checkpoint(tmp_path):
     _needs_axolotl_and_shared()
     preset, home = _preset(tmp_path), tmp_path / "home"
-    proc = subprocess.Popen([sys.executable, "-m", "flows", "run", "--preset", str(preset)], cwd=REPO, env=cli_env(home),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows", "run", "--preset", str(preset)],
+        cwd=REPO,
+        env=cli_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 400
     checkpoint = None
     while time.monotonic() < deadline and proc.poll() is None:
@@ -64,7 +106,9 @@ def test_kill_9_during_training_then_rerun_resumes_from_the_checkpoint(tmp_path)
     os.kill(proc.pid, signal.SIGKILL)  # the flow only: axolotl must die with it (PR_SET_PDEATHSIG)
     proc.wait()
     for _ in range(60):  # its data-loader workers notice their parent's death within seconds
-        leftover = subprocess.run(["pgrep", "-f", f"axolotl.cli.train {home}"], capture_output=True, text=True).stdout.split()
+        leftover = subprocess.run(
+            ["pgrep", "-f", f"axolotl.cli.train {home}"], capture_output=True, text=True
+        ).stdout.split()
         if not leftover:
             break
         time.sleep(0.5)
@@ -81,7 +125,8 @@ def test_kill_9_during_training_then_rerun_resumes_from_the_checkpoint(tmp_path)
     (artifact,) = ArtifactStore(home / "store").artifacts("P")
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert {"target/model.safetensors", "target/tokenizer.model", "axolotl/target.yaml", "family.json"} <= {
-        f["path"] for f in manifest["files"]}  # fmt: skip
+        f["path"] for f in manifest["files"]
+    }
     assert manifest["metrics"]["target_val_perplexity"] < 512  # better than uniform over 512 tokens
     log = (artifact / "logs" / "target.log").read_text()
     assert "Resuming" in log or "resume" in log.lower()

@@ -32,7 +32,7 @@ class Adapter:
     metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_dir(cls, root: str | Path) -> "Adapter":
+    def from_dir(cls, root: str | Path) -> Adapter:
         root = Path(root)
         spec = read_json(root / "adapter.json", f"{root}: no adapter.json")
         return cls(root, spec["domain"], spec.get("base_tier", "target"), spec["formats"], spec.get("metrics", {}))
@@ -40,14 +40,18 @@ class Adapter:
     def files(self, fmt: str) -> list[Path]:
         """The adapter's files in ``fmt`` ('peft' or 'gguf'), each checked against its sha256."""
         if fmt not in self.formats:
-            raise BundleError(f"adapter {self.domain!r} ({self.root}) has no {fmt} files; it has {', '.join(self.formats)}")
+            raise BundleError(
+                f"adapter {self.domain!r} ({self.root}) has no {fmt} files; it has {', '.join(self.formats)}"
+            )
         out = []
         for entry in self.formats[fmt]:
             path = contained(self.root, entry.get("path"), f"{self.root / 'adapter.json'}: {fmt} file")
             if not path.is_file():
                 raise BundleError(f"adapter {self.domain!r}: file {entry['path']} is missing")
             if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
-                raise BundleError(f"adapter {self.domain!r}: file {entry['path']} does not match its sha256 (tampered or corrupted)")
+                raise BundleError(
+                    f"adapter {self.domain!r}: file {entry['path']} does not match its sha256 (tampered or corrupted)"
+                )
             out.append(path)
         return out
 
@@ -87,6 +91,8 @@ class AdapterSet:
         if domain not in self._loaded:
             index = self._scan()
             if domain not in index:
-                raise BundleError(f"no adapter for domain {domain!r} under {self.root}; have: {', '.join(sorted(index)) or 'none'}")
+                raise BundleError(
+                    f"no adapter for domain {domain!r} under {self.root}; have: {', '.join(sorted(index)) or 'none'}"
+                )
             self._loaded[domain] = Adapter.from_dir(index[domain])
         return self._loaded[domain]

@@ -71,11 +71,21 @@ def _step_costs(models: dict, tokens: list[int], rounds: int = 7, steps: int = 1
     return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
-def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_tokens: int = 64, repeats: int = 1,
-              peers: tuple[str, ...] = ("hf",), backend: str = "torch", **decode) -> BenchResult:  # fmt: skip
+def run_bench(
+    bundle: str | Path,
+    prompts: list[str],
+    modes: list[str],
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    peers: tuple[str, ...] = ("hf",),
+    backend: str = "torch",
+    **decode,
+) -> BenchResult:
     specs = {m: m.split("-", 1) if m.startswith("pyramid-") else [m, None] for m in modes}
     needs = {mode for mode, _ in specs.values()}
-    base = Pipeline.from_bundle(bundle, backend=backend, mode="pyramid" if "pyramid" in needs else "sd" if "sd" in needs else "ar")
+    base = Pipeline.from_bundle(
+        bundle, backend=backend, mode="pyramid" if "pyramid" in needs else "sd" if "sd" in needs else "ar"
+    )
     decoder = Decoder(base.models)
     ids = [base.encode(p) for p in prompts]
     # No stop ids: every mode generates the full budget, so token counts match across modes.
@@ -85,7 +95,9 @@ def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_
     }
     totals = {m: Metrics(m) for m in modes}
     hf_peer = "hf" in peers and "draft" in base.models and backend == "torch"
-    llama_peer = _LlamaCppPeer(base.bundle, cfgs.get("sd", next(iter(cfgs.values()))).k) if "llamacpp" in peers else None
+    llama_peer = (
+        _LlamaCppPeer(base.bundle, cfgs.get("sd", next(iter(cfgs.values()))).k) if "llamacpp" in peers else None
+    )
     hf_time = hf_plain_time = 0.0
     hf_tokens = 0
     for _ in range(repeats):
@@ -117,9 +129,14 @@ def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_
         }
         result.rows.append(row)
     if hf_peer:
-        result.rows.append({"mode": "HF generate(assistant_model=draft)", "tokens": hf_tokens,
-                            "speed_vs_ar": (hf_plain_time / hf_time) if hf_time else None,
-                            "note": "ratio to HF generate() without assistant"})  # fmt: skip
+        result.rows.append(
+            {
+                "mode": "HF generate(assistant_model=draft)",
+                "tokens": hf_tokens,
+                "speed_vs_ar": (hf_plain_time / hf_time) if hf_time else None,
+                "note": "ratio to HF generate() without assistant",
+            }
+        )
     if llama_peer:
         result.rows.append(llama_peer.row())
     costs = _step_costs(base.models, ids[0])
@@ -130,20 +147,26 @@ def run_bench(bundle: str | Path, prompts: list[str], modes: list[str], max_new_
         c = result.cost_ratio["draft"]
         predicted = leviathan_speedup(a, k, c)
         measured = next(r["speed_vs_ar"] for r in result.rows if r["mode"] == "sd")
-        result.notes.append(f"sd: Leviathan model predicts {predicted:.2f}x from a={a:.3f}, k={k}, c={c:.3f}; measured {measured:.2f}x")
+        result.notes.append(
+            f"sd: Leviathan model predicts {predicted:.2f}x from a={a:.3f}, k={k}, c={c:.3f}; measured {measured:.2f}x"
+        )
     return result
 
 
 def _hf_generate(pipe: Pipeline, prompt_ids: list[int], max_new_tokens: int, assistant: bool) -> tuple[float, int]:
     import torch
-
     from transformers import GenerationConfig
 
     target = pipe.models["target"].hf
     kwargs = {"assistant_model": pipe.models["draft"].hf} if assistant else {}
     # min_new_tokens = max_new_tokens: generate the full budget, like the modes above.
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                              pad_token_id=0, eos_token_id=target.config.eos_token_id)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=0,
+        eos_token_id=target.config.eos_token_id,
+    )
     ids = torch.tensor([prompt_ids])
     t = time.perf_counter()
     with torch.inference_mode():
@@ -164,7 +187,9 @@ class _LlamaCppPeer:
         self.k = k
         kw = {"n_ctx": 0, "logits_all": True, "verbose": False, "seed": 0}
         self.plain = Llama(model_path=str(target.gguf), **kw)
-        self.spec = Llama(model_path=str(target.gguf), draft_model=DraftModelHook(LlamaCppModel(draft.gguf, "draft"), k), **kw)
+        self.spec = Llama(
+            model_path=str(target.gguf), draft_model=DraftModelHook(LlamaCppModel(draft.gguf, "draft"), k), **kw
+        )
         self.spec_time = self.plain_time = 0.0
         self.tokens = 0
 
@@ -178,13 +203,23 @@ class _LlamaCppPeer:
                 self.tokens += out["usage"]["completion_tokens"]
 
     def row(self) -> dict:
-        return {"mode": f"llama-cpp-python Llama(draft_model=draft, k={self.k})", "tokens": self.tokens,
-                "speed_vs_ar": self.plain_time / self.spec_time if self.spec_time else None,
-                "note": "ratio to the same Llama without a draft"}  # fmt: skip
+        return {
+            "mode": f"llama-cpp-python Llama(draft_model=draft, k={self.k})",
+            "tokens": self.tokens,
+            "speed_vs_ar": self.plain_time / self.spec_time if self.spec_time else None,
+            "note": "ratio to the same Llama without a draft",
+        }
 
 
 def format_table(result: BenchResult) -> str:
-    header = ["mode", "tokens", "tokens/s vs ar", "acceptance (draft / qualifier)", "target fwd/token", "mean accepted len"]
+    header = [
+        "mode",
+        "tokens",
+        "tokens/s vs ar",
+        "acceptance (draft / qualifier)",
+        "target fwd/token",
+        "mean accepted len",
+    ]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in result.rows:
         acc = r.get("acceptance") or {}
@@ -192,8 +227,15 @@ def format_table(result: BenchResult) -> str:
         speed = f"{r['speed_vs_ar']:.2f}x" if r.get("speed_vs_ar") is not None else "-"
         fwd = f"{r['target_forwards_per_token']:.3f}" if "target_forwards_per_token" in r else "-"
         mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
-        lines.append(" | ".join([r["mode"], str(r["tokens"]), speed + (f" ({r['note']})" if r.get("note") else ""), acc_s, fwd, mal]))
+        lines.append(
+            " | ".join(
+                [r["mode"], str(r["tokens"]), speed + (f" ({r['note']})" if r.get("note") else ""), acc_s, fwd, mal]
+            )
+        )
     lines.append("")
-    lines.append("cost of one forward step relative to the target: " + ", ".join(f"{k} {v:.3f}" for k, v in result.cost_ratio.items()))
+    lines.append(
+        "cost of one forward step relative to the target: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in result.cost_ratio.items())
+    )
     lines += result.notes
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The bundle: ``bundle.json`` plus the files it lists (ARCHITECTURE.md §4).
+"""The bundle: ``bundle.json`` plus the files it lists.
 
     bundle/
       bundle.json                      schema, provenance, every file with size + sha256,
@@ -26,9 +26,10 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kibidango.integrity import BundleError, contained, parse_json, sha256_bytes, sha256_file
 from kibidango.pack import is_packed, unpack_bundle, unpacked_cache
@@ -70,7 +71,9 @@ class Bundle:
         if backend == "torch" and tier.hf is None:
             raise BundleError(f"{self.root}: tier '{name}' has no HF weights (tiers/{name}/hf) for the torch backend")
         if backend == "llamacpp" and tier.gguf is None:
-            raise BundleError(f"{self.root}: tier '{name}' has no GGUF file (tiers/{name}/gguf) for the llamacpp backend")
+            raise BundleError(
+                f"{self.root}: tier '{name}' has no GGUF file (tiers/{name}/gguf) for the llamacpp backend"
+            )
         return tier
 
     @property
@@ -114,9 +117,13 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
             if not p.is_file():
                 raise BundleError(f"{root}: file {rel} is missing")
             if p.stat().st_size != entry.get("size"):
-                raise BundleError(f"{root}: file {rel} has {p.stat().st_size} bytes, bundle.json says {entry.get('size')} (truncated or replaced)")
+                raise BundleError(
+                    f"{root}: file {rel} has {p.stat().st_size} bytes, bundle.json says {entry.get('size')} (truncated or replaced)"
+                )
             if sha256_file(p) != entry.get("sha256"):
-                raise BundleError(f"{root}: file {rel} does not match its sha256 in bundle.json (tampered or corrupted)")
+                raise BundleError(
+                    f"{root}: file {rel} does not match its sha256 in bundle.json (tampered or corrupted)"
+                )
     tiers = {}
     for name, spec in (meta.get("tiers") or {}).items():
         if not isinstance(spec, dict):
@@ -127,11 +134,16 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
     if not tiers:
         raise BundleError(f"{manifest}: no tiers")
     unlisted = sorted(
-        p.relative_to(root).as_posix() for p in root.rglob("*")
-        if (p.is_file() or p.is_symlink()) and p.relative_to(root).as_posix() not in listed and p.name not in ("bundle.json", MANIFEST_DIGEST)
-    )  # fmt: skip
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if (p.is_file() or p.is_symlink())
+        and p.relative_to(root).as_posix() not in listed
+        and p.name not in ("bundle.json", MANIFEST_DIGEST)
+    )
     if unlisted:
-        log.warning(f"{root}: {len(unlisted)} file(s) not listed in bundle.json (never loaded): {', '.join(unlisted[:10])}")
+        log.warning(
+            f"{root}: {len(unlisted)} file(s) not listed in bundle.json (never loaded): {', '.join(unlisted[:10])}"
+        )
     bundle = Bundle(root, meta, tiers, meta.get("runtime_defaults", {}), digest, unlisted)
     _check_shared_tokenizer(bundle)
     return bundle
@@ -140,7 +152,9 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
 def _check_manifest_digest(root: Path, digest: str) -> None:
     side = root / MANIFEST_DIGEST
     if not side.is_file():
-        raise BundleError(f"{root}: no {MANIFEST_DIGEST} beside bundle.json (a bundle from an older pipeline, or damaged): rebuild it (stage X)")
+        raise BundleError(
+            f"{root}: no {MANIFEST_DIGEST} beside bundle.json (a bundle from an older pipeline, or damaged): rebuild it (stage X)"
+        )
     recorded = side.read_text(encoding="utf-8", errors="replace").split()
     if not recorded or recorded[0].lower() != digest:
         raise BundleError(f"{root}: bundle.json does not match {MANIFEST_DIGEST} (edited or corrupted)")
@@ -181,7 +195,9 @@ def _tier_dir(root: Path, rel: Any, listed: dict[str, dict], what: str) -> Path:
     if path.is_dir():
         for p in sorted(path.rglob("*")):
             if (p.is_file() or p.is_symlink()) and p.relative_to(root).as_posix() not in listed:
-                raise BundleError(f"{what}: {p.relative_to(root).as_posix()} is not listed in bundle.json and would be loaded unchecked: refused")
+                raise BundleError(
+                    f"{what}: {p.relative_to(root).as_posix()} is not listed in bundle.json and would be loaded unchecked: refused"
+                )
     return path
 
 
@@ -197,7 +213,9 @@ def _check_shared_tokenizer(bundle: Bundle) -> None:
     digests = {name: _tokenizer_digest(t.hf) for name, t in bundle.tiers.items() if t.hf is not None}
     if len(set(digests.values())) > 1:
         detail = ", ".join(f"{n}: {d[:12]}" for n, d in digests.items())
-        raise BundleError(f"{bundle.root}: tiers do not share one tokenizer ({detail}); speculative decoding needs identical vocabularies")
+        raise BundleError(
+            f"{bundle.root}: tiers do not share one tokenizer ({detail}); speculative decoding needs identical vocabularies"
+        )
     vocab = {n: t.info.get("vocab_size") for n, t in bundle.tiers.items() if t.info.get("vocab_size")}
     if len(set(vocab.values())) > 1:
         raise BundleError(f"{bundle.root}: tiers have different vocabulary sizes: {vocab}")

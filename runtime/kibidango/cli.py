@@ -25,8 +25,12 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def _pin_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--expect-sha256", metavar="HEX", default=None,
-                   help="refuse the bundle unless bundle.json has this sha256 (stage X prints it; default $KIBIDANGO_BUNDLE_SHA256)")
+    p.add_argument(
+        "--expect-sha256",
+        metavar="HEX",
+        default=None,
+        help="refuse the bundle unless bundle.json has this sha256 (stage X prints it; default $KIBIDANGO_BUNDLE_SHA256)",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -39,7 +43,9 @@ def _generate(args: argparse.Namespace) -> None:
     from kibidango.speculative import Metrics
 
     prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read().rstrip("\n")
-    pipe = Pipeline.from_bundle(args.bundle, backend=args.backend, mode=args.mode, expect_sha256=args.expect_sha256, **_overrides(args))
+    pipe = Pipeline.from_bundle(
+        args.bundle, backend=args.backend, mode=args.mode, expect_sha256=args.expect_sha256, **_overrides(args)
+    )
     metrics = Metrics(pipe.defaults.mode)
     kw = {"max_new_tokens": args.max_new_tokens, **({"stop_ids": args.stop_id} if args.stop_id else {})}
     if args.stream:
@@ -58,7 +64,11 @@ def _inspect(args: argparse.Namespace) -> None:
     bundle = load_bundle(args.bundle, verify=True, expect_sha256=args.expect_sha256)
     meta = bundle.meta
     print(f"bundle {bundle.root}  schema {meta['schema_version']}  created {meta.get('created', '?')}")
-    pinned = "matches the pinned digest" if args.expect_sha256 else "compare it with the digest the pipeline printed, or pin it with --expect-sha256"
+    pinned = (
+        "matches the pinned digest"
+        if args.expect_sha256
+        else "compare it with the digest the pipeline printed, or pin it with --expect-sha256"
+    )
     print(f"bundle.json sha256: {bundle.digest}  ({pinned})")
     for key in ("preset", "pipeline_git_sha"):
         if key in meta:
@@ -81,18 +91,35 @@ def _inspect(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> None:
     from kibidango.bench import format_table, read_prompts, run_bench
 
-    result = run_bench(args.bundle, read_prompts(args.prompts), args.modes.split(","), args.max_new_tokens,
-                       args.repeats, tuple(p for p in args.peers.split(",") if p), args.backend, **_overrides(args))  # fmt: skip
+    result = run_bench(
+        args.bundle,
+        read_prompts(args.prompts),
+        args.modes.split(","),
+        args.max_new_tokens,
+        args.repeats,
+        tuple(p for p in args.peers.split(",") if p),
+        args.backend,
+        **_overrides(args),
+    )
     print(format_table(result))
 
 
 def _serve(args: argparse.Namespace) -> None:
     from kibidango.server import serve
 
-    serve(args.bundle, host=args.host, port=args.port, backend=args.backend, mode=args.mode,
-          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-          max_request_bytes=args.max_request_bytes, stall_seconds=args.stall_seconds, expect_sha256=args.expect_sha256,
-          **_overrides(args))  # fmt: skip
+    serve(
+        args.bundle,
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        mode=args.mode,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_request_bytes=args.max_request_bytes,
+        stall_seconds=args.stall_seconds,
+        expect_sha256=args.expect_sha256,
+        **_overrides(args),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="compare decoding modes (and peers) on the same prompts")
     bench.add_argument("--bundle", required=True)
     bench.add_argument("--prompts", required=True, help="a file: one prompt per line, or JSONL with 'prompt'")
-    bench.add_argument("--modes", default="ar,sd,pyramid", help="comma list of ar, sd, pyramid, pyramid-exact, pyramid-assisted")
+    bench.add_argument(
+        "--modes", default="ar,sd,pyramid", help="comma list of ar, sd, pyramid, pyramid-exact, pyramid-assisted"
+    )
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
@@ -138,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
     srv.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
     srv.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies are refused (413)")
-    srv.add_argument("--stall-seconds", type=float, default=120.0,
-                     help="/health answers 503 when a generation made no progress for this long")
+    srv.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=120.0,
+        help="/health answers 503 when a generation made no progress for this long",
+    )
     _decode_args(srv)
     _pin_arg(srv)
     srv.set_defaults(func=_serve)

@@ -56,8 +56,14 @@ def _samples(files: list[Path], budget: int) -> list[bytes]:
     return out
 
 
-def pack_bundle(bundle_dir: str | Path, out_dir: str | Path, *, dict_size: int = 128 * 1024, level: int = 10,
-                sample_budget: int = 64 * 1024 * 1024) -> dict[str, Any]:  # fmt: skip
+def pack_bundle(
+    bundle_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dict_size: int = 128 * 1024,
+    level: int = 10,
+    sample_budget: int = 64 * 1024 * 1024,
+) -> dict[str, Any]:
     """Train a ``dict_size`` dictionary on the bundle's files, compress each at ``level`` with it,
     and write ``out_dir`` (renamed into place when complete). Returns pack.json's content, with
     ``bytes_without_dictionary`` (the same files compressed at ``level`` with no dictionary)."""
@@ -69,7 +75,9 @@ def pack_bundle(bundle_dir: str | Path, out_dir: str | Path, *, dict_size: int =
     try:
         dictionary = zstd.train_dictionary(dict_size, _samples(files, sample_budget), level=level)
     except zstd.ZstdError as e:
-        raise BundleError(f"{src}: zstd could not train a {dict_size}-byte dictionary on these files ({e}); use a smaller dict_size") from e
+        raise BundleError(
+            f"{src}: zstd could not train a {dict_size}-byte dictionary on these files ({e}); use a smaller dict_size"
+        ) from e
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "files").mkdir(parents=True)
@@ -84,14 +92,26 @@ def pack_bundle(bundle_dir: str | Path, out_dir: str | Path, *, dict_size: int =
         packed.parent.mkdir(parents=True, exist_ok=True)
         packed.write_bytes(with_dict.compress(data))
         without += len(plain.compress(data))
-        entries.append({"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                        "packed": packed.relative_to(tmp).as_posix(), "packed_size": packed.stat().st_size})  # fmt: skip
+        entries.append(
+            {
+                "path": rel,
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "packed": packed.relative_to(tmp).as_posix(),
+                "packed_size": packed.stat().st_size,
+            }
+        )
     meta = {
-        "schema": PACK_SCHEMA, "level": level, "dictionary": "dictionary.zstd", "dictionary_id": dictionary.dict_id(),
-        "dictionary_bytes": len(dictionary.as_bytes()), "files": entries,
-        "bytes": sum(e["size"] for e in entries), "packed_bytes": sum(e["packed_size"] for e in entries),
+        "schema": PACK_SCHEMA,
+        "level": level,
+        "dictionary": "dictionary.zstd",
+        "dictionary_id": dictionary.dict_id(),
+        "dictionary_bytes": len(dictionary.as_bytes()),
+        "files": entries,
+        "bytes": sum(e["size"] for e in entries),
+        "packed_bytes": sum(e["packed_size"] for e in entries),
         "bytes_without_dictionary": without,
-    }  # fmt: skip
+    }
     (tmp / "pack.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     if out.exists():
         shutil.rmtree(out)
@@ -144,7 +164,12 @@ def _checked_entries(src: Path, tmp: Path, meta: dict, where: Path) -> list[tupl
         raise BundleError(f"{where}: files is not a non-empty list")
     out, seen = [], set()
     for i, e in enumerate(files):
-        if not isinstance(e, dict) or not isinstance(e.get("size"), int) or e["size"] < 0 or not isinstance(e.get("sha256"), str):
+        if (
+            not isinstance(e, dict)
+            or not isinstance(e.get("size"), int)
+            or e["size"] < 0
+            or not isinstance(e.get("sha256"), str)
+        ):
             raise BundleError(f"{where}: files[{i}] needs path, packed, size and sha256")
         dest = contained(tmp, e.get("path"), f"{where}: files[{i}].path")
         packed = contained(src, e.get("packed"), f"{where}: files[{i}].packed")

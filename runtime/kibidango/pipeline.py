@@ -4,9 +4,10 @@ and metrics) or ``stream`` (text chunks)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from kibidango.backends import load_model
 from kibidango.backends.base import Model
@@ -24,7 +25,14 @@ class GenerationResult:
 
 
 class Pipeline:
-    def __init__(self, tokenizer, models: dict[str, Model], defaults: DecodeConfig, bundle: Bundle | None = None, backend: str = "torch"):
+    def __init__(
+        self,
+        tokenizer,
+        models: dict[str, Model],
+        defaults: DecodeConfig,
+        bundle: Bundle | None = None,
+        backend: str = "torch",
+    ):
         self.tokenizer = tokenizer
         self.models = models
         self.defaults = defaults
@@ -33,8 +41,15 @@ class Pipeline:
         self.decoder = Decoder(models)
 
     @classmethod
-    def from_bundle(cls, path: str | Path, backend: str = "torch", mode: str | None = None, verify: bool = True,
-                    expect_sha256: str | None = None, **overrides: Any) -> "Pipeline":  # fmt: skip
+    def from_bundle(
+        cls,
+        path: str | Path,
+        backend: str = "torch",
+        mode: str | None = None,
+        verify: bool = True,
+        expect_sha256: str | None = None,
+        **overrides: Any,
+    ) -> Pipeline:
         """Load a bundle's tokenizer and the tiers ``mode`` needs (default: the bundle's runtime
         defaults), after checking every file's hash. ``overrides`` set decoding defaults
         (``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence``, ...);
@@ -62,8 +77,14 @@ class Pipeline:
             kw["stop_ids"] = tuple(kw["stop_ids"])
         return dataclasses.replace(self.defaults, **kw)
 
-    def stream(self, prompt: str | list[int], stop: list[str] | None = None, metrics: Metrics | None = None,
-               should_stop: Callable[[], bool] | None = None, **kw: Any) -> Iterator[str]:  # fmt: skip
+    def stream(
+        self,
+        prompt: str | list[int],
+        stop: list[str] | None = None,
+        metrics: Metrics | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        **kw: Any,
+    ) -> Iterator[str]:
         """Yield text as it is committed; a stop string ends the stream before it.
         ``should_stop`` is asked after every decoding round (the server's cancellation: a client
         that went away); when it answers True the stream ends with finish reason "cancelled"."""
@@ -80,8 +101,15 @@ class Pipeline:
         text = "".join(self._text(ids, cfg, stop or [], metrics, out))
         return GenerationResult(text, out, metrics)
 
-    def _text(self, ids: list[int], cfg: DecodeConfig, stop: list[str], metrics: Metrics, out: list[int],
-              should_stop: Callable[[], bool] | None = None) -> Iterator[str]:  # fmt: skip
+    def _text(
+        self,
+        ids: list[int],
+        cfg: DecodeConfig,
+        stop: list[str],
+        metrics: Metrics,
+        out: list[int],
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[str]:
         """Decode incrementally over the whole output, so that multi-token characters and
         sentencepiece word boundaries come out right; ``out`` receives the generated ids."""
         sent = ""

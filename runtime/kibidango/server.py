@@ -20,7 +20,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
 from fastapi import Request  # the server extra; this module is imported only to serve
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -135,9 +136,15 @@ class _Stats:
             "# TYPE kibidango_generation_seconds_total counter",
             f'kibidango_generation_seconds_total{{model="{model}"}} {t.seconds:.6f}',
             "# TYPE kibidango_spec_decode_num_draft_tokens_total counter",
-            *(f'kibidango_spec_decode_num_draft_tokens_total{{model="{model}",stage="{s}"}} {n}' for s, n in t.num_draft_tokens.items()),
+            *(
+                f'kibidango_spec_decode_num_draft_tokens_total{{model="{model}",stage="{s}"}} {n}'
+                for s, n in t.num_draft_tokens.items()
+            ),
             "# TYPE kibidango_spec_decode_num_accepted_tokens_total counter",
-            *(f'kibidango_spec_decode_num_accepted_tokens_total{{model="{model}",stage="{s}"}} {n}' for s, n in t.num_accepted_tokens.items()),
+            *(
+                f'kibidango_spec_decode_num_accepted_tokens_total{{model="{model}",stage="{s}"}} {n}'
+                for s, n in t.num_accepted_tokens.items()
+            ),
         ]
         return "\n".join(lines) + "\n"
 
@@ -188,14 +195,18 @@ class _Scheduler:
 
     def start(self, ids: list[int], kw: dict[str, Any], stop: list[str] | None, metrics: Metrics) -> _Generation:
         gen = _Generation()
-        threading.Thread(target=self._work, args=(gen, ids, kw, stop, metrics), name="kibidango-generate", daemon=True).start()
+        threading.Thread(
+            target=self._work, args=(gen, ids, kw, stop, metrics), name="kibidango-generate", daemon=True
+        ).start()
         return gen
 
     def _stopped(self, gen: _Generation) -> bool:
         self.last_progress = time.monotonic()  # asked once per decoding round
         return gen.cancel.is_set() or self.closing.is_set()
 
-    def _work(self, gen: _Generation, ids: list[int], kw: dict[str, Any], stop: list[str] | None, metrics: Metrics) -> None:
+    def _work(
+        self, gen: _Generation, ids: list[int], kw: dict[str, Any], stop: list[str] | None, metrics: Metrics
+    ) -> None:
         with self.counts:
             self.waiting += 1
         try:
@@ -210,7 +221,9 @@ class _Scheduler:
                 self.waiting -= 1
         try:
             self.active_since = self.last_progress = time.monotonic()
-            for piece in self.pipe.stream(ids, stop=stop, metrics=metrics, should_stop=lambda: self._stopped(gen), **kw):
+            for piece in self.pipe.stream(
+                ids, stop=stop, metrics=metrics, should_stop=lambda: self._stopped(gen), **kw
+            ):
                 gen.put("text", piece)
             if metrics.finish_reason == "cancelled":
                 with self.counts:
@@ -254,7 +267,9 @@ class _BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             self.on_refuse()
-            return await _send_error(send, 413, f"request body of {int(declared)} bytes exceeds this server's limit of {self.max_bytes}")
+            return await _send_error(
+                send, 413, f"request body of {int(declared)} bytes exceeds this server's limit of {self.max_bytes}"
+            )
         seen = 0
 
         async def counted():
@@ -272,7 +287,9 @@ class _BodyLimit:
 
 
 async def _send_error(send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}).encode()
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    ).encode()
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
 
@@ -288,8 +305,14 @@ def _max_token_bytes(tokenizer) -> int:
     return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=64)
 
 
-def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens: int | None = None, max_tokens_limit: int = 1024,
-               max_request_bytes: int = 4 << 20, stall_seconds: float = _HEALTH_STALL_S):  # fmt: skip
+def create_app(
+    pipe: Pipeline,
+    model_name: str = "kibidango",
+    max_prompt_tokens: int | None = None,
+    max_tokens_limit: int = 1024,
+    max_request_bytes: int = 4 << 20,
+    stall_seconds: float = _HEALTH_STALL_S,
+):
     """The FastAPI app. ``stall_seconds``: a generation that makes no progress for this long turns
     ``/health`` to 503 ("wedged"), so a supervisor can restart the server."""
     from contextlib import asynccontextmanager
@@ -313,10 +336,17 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
     prompt_limit = min(max_prompt_tokens or context, context - 1)
     prompt_bytes_limit = prompt_limit * _max_token_bytes(pipe.tokenizer)
 
-    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-              code: str | None = None) -> JSONResponse:  # fmt: skip
+    def error(
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> JSONResponse:
         stats.count_error()
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+        return JSONResponse(
+            {"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -344,18 +374,43 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
 
     def prepare(req: _Decoding, prompt: str) -> tuple[list[int], dict[str, Any]] | JSONResponse:
         if req.model is not None and req.model != model_name:
-            return error(404, f"The model '{req.model}' does not exist; this server serves '{model_name}'", "model",
-                         code="model_not_found")  # fmt: skip
+            return error(
+                404,
+                f"The model '{req.model}' does not exist; this server serves '{model_name}'",
+                "model",
+                code="model_not_found",
+            )
         size = len(prompt.encode("utf-8"))
         if size > prompt_bytes_limit:
-            return error(400, f"prompt: {size} bytes, more than {prompt_limit} tokens can spell; this server accepts at most {prompt_limit} tokens", "prompt")
+            return error(
+                400,
+                f"prompt: {size} bytes, more than {prompt_limit} tokens can spell; this server accepts at most {prompt_limit} tokens",
+                "prompt",
+            )
         ids = pipe.encode(prompt)
         if len(ids) > prompt_limit:
             return error(400, f"prompt: {len(ids)} tokens; this server accepts at most {prompt_limit}", "prompt")
         max_tokens = req.max_tokens or 16
         if max_tokens > max_tokens_limit:
-            return error(400, f"max_tokens: {max_tokens} exceeds this server's limit of {max_tokens_limit}", "max_tokens")
-        kw = {k: getattr(req, k) for k in ("temperature", "top_p", "seed", "mode", "variant", "k", "l_D", "l_Q", "tau_Q", "tau_T", "divergence")}
+            return error(
+                400, f"max_tokens: {max_tokens} exceeds this server's limit of {max_tokens_limit}", "max_tokens"
+            )
+        kw = {
+            k: getattr(req, k)
+            for k in (
+                "temperature",
+                "top_p",
+                "seed",
+                "mode",
+                "variant",
+                "k",
+                "l_D",
+                "l_Q",
+                "tau_Q",
+                "tau_T",
+                "divergence",
+            )
+        }
         kw["max_new_tokens"] = max_tokens
         if kw["mode"] and any(t not in pipe.models for t in TIERS[kw["mode"]]):
             return error(400, f"mode: {kw['mode']} needs tiers this server did not load", "mode")
@@ -369,8 +424,11 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
         with stats.lock:
             stats.requests += 1
             stats.totals.add(metrics)
-        usage = {"prompt_tokens": metrics.prompt_tokens, "completion_tokens": metrics.generated_tokens,
-                 "total_tokens": metrics.prompt_tokens + metrics.generated_tokens}  # fmt: skip
+        usage = {
+            "prompt_tokens": metrics.prompt_tokens,
+            "completion_tokens": metrics.generated_tokens,
+            "total_tokens": metrics.prompt_tokens + metrics.generated_tokens,
+        }
         return {"usage": usage, "kibidango": metrics.to_dict()}
 
     def failure(kind: str, exc: Exception) -> tuple[int, str, str]:
@@ -405,7 +463,7 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
             while True:
                 try:
                     kind, value = await asyncio.wait_for(gen.queue.get(), timeout=0.25)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     kind, value = "", None
                 if time.monotonic() - checked >= 0.25:  # between pieces too: they may come faster
                     checked = time.monotonic()
@@ -427,11 +485,16 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kibidango"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kibidango"}],
+        }
 
     @app.get("/metrics")
     def metrics():
-        return PlainTextResponse(stats.prometheus(model_name, scheduler.cancelled), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            stats.prometheus(model_name, scheduler.cancelled), media_type="text/plain; version=0.0.4"
+        )
 
     async def respond(request: Request, req: _Decoding, prompt: str, object_name: str, choice):
         """The body of both endpoints: ``choice(text, finish_reason, streaming)`` builds one
@@ -445,18 +508,30 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
         metrics = Metrics(kw.get("mode") or pipe.defaults.mode)
         gen = scheduler.start(ids, kw, req.stop, metrics)
         if req.stream:
+
             def chunk(text, reason):
-                return {**head, "object": object_name + (".chunk" if object_name.startswith("chat") else ""),
-                        "choices": [choice(text, reason, True)]}  # fmt: skip
+                return {
+                    **head,
+                    "object": object_name + (".chunk" if object_name.startswith("chat") else ""),
+                    "choices": [choice(text, reason, True)],
+                }
+
             return StreamingResponse(sse(gen, metrics, chunk), media_type="text/event-stream")
         outcome = await collect(gen, request)
         if outcome is None:  # nobody to answer; 499 is what proxies log for this
-            return JSONResponse({"error": {"message": "client closed the request", "type": "cancelled"}}, status_code=499)
+            return JSONResponse(
+                {"error": {"message": "client closed the request", "type": "cancelled"}}, status_code=499
+            )
         kind, value = outcome
         if kind != "text":
             status, message, err_type = failure(kind, value)
             return error(status, message, kind=err_type)
-        return {**head, "object": object_name, "choices": [choice(value, metrics.finish_reason, False)], **finish(metrics)}
+        return {
+            **head,
+            "object": object_name,
+            "choices": [choice(value, metrics.finish_reason, False)],
+            **finish(metrics),
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):
@@ -469,7 +544,11 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
     async def chat(request: Request, req: ChatRequest):
         def choice(text, reason, streaming):
             if streaming:
-                return {"index": 0, "delta": {"role": "assistant", "content": text} if text else {}, "finish_reason": reason}
+                return {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": text} if text else {},
+                    "finish_reason": reason,
+                }
             return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
 
         return await respond(request, req, _chat_prompt(pipe.tokenizer, req.messages), "chat.completion", choice)
@@ -478,17 +557,33 @@ def create_app(pipe: Pipeline, model_name: str = "kibidango", max_prompt_tokens:
     return app
 
 
-def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, backend: str = "torch", mode: str | None = None,
-          max_prompt_tokens: int | None = None, max_tokens_limit: int = 1024, max_request_bytes: int = 4 << 20,
-          stall_seconds: float = _HEALTH_STALL_S, expect_sha256: str | None = None, **overrides: Any) -> None:  # fmt: skip
+def serve(
+    bundle: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    backend: str = "torch",
+    mode: str | None = None,
+    max_prompt_tokens: int | None = None,
+    max_tokens_limit: int = 1024,
+    max_request_bytes: int = 4 << 20,
+    stall_seconds: float = _HEALTH_STALL_S,
+    expect_sha256: str | None = None,
+    **overrides: Any,
+) -> None:
     import uvicorn
 
     # Loads the tiers of the default mode; a request may choose any mode those tiers serve
     # (a pyramid server also serves sd and ar).
     pipe = Pipeline.from_bundle(bundle, backend=backend, mode=mode, expect_sha256=expect_sha256, **overrides)
     name = pipe.bundle.meta.get("preset", "kibidango") if pipe.bundle else "kibidango"
-    app = create_app(pipe, model_name=f"kibidango-{name}", max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
-                     max_request_bytes=max_request_bytes, stall_seconds=stall_seconds)  # fmt: skip
+    app = create_app(
+        pipe,
+        model_name=f"kibidango-{name}",
+        max_prompt_tokens=max_prompt_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_request_bytes=max_request_bytes,
+        stall_seconds=stall_seconds,
+    )
     # Open streams get 5 s to finish after SIGTERM; then they are cancelled, which cancels their
     # generations (uvicorn's default waits for them however long they take).
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -5,7 +5,7 @@ committed sequence: its cache is cropped to the longest prefix it shares with th
 tokens, and the tokens it lacks are fed together with whatever it must score next, in one
 forward pass. So a rejection costs only the rejected positions; no prefix is ever fed twice.
 
-Modes (ARCHITECTURE.md §5):
+Modes (speculative sampling: Leviathan et al. 2023, arXiv 2211.17192; Pyramid SD: arXiv 2510.12966):
   ``ar``       the target alone.
   ``sd``       the draft proposes k tokens, the target scores them in one pass (lossless).
   ``pyramid``  the draft proposes l_D tokens, the qualifier verifies them in one pass, repeated
@@ -21,8 +21,8 @@ Modes (ARCHITECTURE.md §5):
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -97,7 +97,7 @@ class Metrics:
         self.num_accepted_tokens[stage] = self.num_accepted_tokens.get(stage, 0) + accepted
         self.num_rejections[stage] = self.num_rejections.get(stage, 0) + (accepted < drafted)
 
-    def add(self, other: "Metrics") -> None:
+    def add(self, other: Metrics) -> None:
         """Accumulate another request's counts (for aggregates across requests)."""
         self.prompt_tokens += other.prompt_tokens
         self.generated_tokens += other.generated_tokens
@@ -231,7 +231,9 @@ class Decoder:
         row = _sync_and_feed(sessions["target"], committed, [])[0]
         return [sampler.draw(sampler.probs(row), rng)]
 
-    def _propose(self, session: Session, committed: list[int], n: int, sampler, rng) -> tuple[list[int], list[np.ndarray]]:
+    def _propose(
+        self, session: Session, committed: list[int], n: int, sampler, rng
+    ) -> tuple[list[int], list[np.ndarray]]:
         """The draft's n tokens, each from its distribution after the previous one."""
         tokens: list[int] = []
         dists: list[np.ndarray] = []
@@ -278,6 +280,8 @@ class Decoder:
                 buffer_q.append(q[n])
         rows = _sync_and_feed(sessions["target"], committed, buffer)
         p = [sampler.probs(r) for r in rows]
-        n, token = verify(buffer, buffer_q, p[: len(buffer)], sampler, rng, tau=tau_t, div=cfg.divergence, bonus=p[len(buffer)])
+        n, token = verify(
+            buffer, buffer_q, p[: len(buffer)], sampler, rng, tau=tau_t, div=cfg.divergence, bonus=p[len(buffer)]
+        )
         metrics.count("qualifier", len(buffer), n)
         return buffer[:n] + [token]

@@ -23,8 +23,16 @@ def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, vocab: int = 64, sc
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).double()
     with torch.no_grad():  # sharper distributions than the default init, like a trained model
         model.lm_head.weight.mul_(scale)
@@ -45,7 +53,11 @@ def _perturbed(rel: float, seed: int):
 def family():
     """Three different random models sharing a 64-token vocabulary: the target, a qualifier (the
     target with 5% noise) and a draft (15% noise), so that agreement falls from qualifier to draft."""
-    models = {"draft": _perturbed(0.15, 1), "qualifier": _perturbed(0.05, 2), "target": tiny_llama(0, hidden=48, layers=3, scale=20.0)}
+    models = {
+        "draft": _perturbed(0.15, 1),
+        "qualifier": _perturbed(0.05, 2),
+        "target": tiny_llama(0, hidden=48, layers=3, scale=20.0),
+    }
     return {name: TorchModel.from_hf(m, name) for name, m in models.items()}
 
 

@@ -16,13 +16,19 @@ from tests.conftest import tiny_llama
 def _write_adapter(root, domain: str) -> None:
     peft = pytest.importorskip("peft")
     model = tiny_llama(0)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     lora.save_pretrained(str(root / domain / "adapter"))
     files = []
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         p = root / domain / "adapter" / name
-        files.append({"path": f"adapter/{name}", "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()})
-    (root / domain / "adapter.json").write_text(json.dumps({"schema": 1, "domain": domain, "base_tier": "target", "formats": {"peft": files}}))
+        files.append(
+            {"path": f"adapter/{name}", "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        )
+    (root / domain / "adapter.json").write_text(
+        json.dumps({"schema": 1, "domain": domain, "base_tier": "target", "formats": {"peft": files}})
+    )
 
 
 def test_adapters_load_lazily_and_change_the_model(tmp_path):

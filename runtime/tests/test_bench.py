@@ -33,6 +33,8 @@ def test_bench_runs_every_mode_and_the_hf_peer(tmp_path):
     assert modes == ["ar", "sd", "pyramid-fuzzy", "pyramid-exact", "HF generate(assistant_model=draft)"]
     assert all(r["tokens"] == 12 for r in result.rows)
     sd = result.rows[1]
-    assert sd["acceptance"]["draft"] == 1.0 and sd["target_forwards_per_token"] == pytest.approx(3 / 12)  # identical tiers
+    assert sd["acceptance"]["draft"] == 1.0 and sd["target_forwards_per_token"] == pytest.approx(
+        3 / 12
+    )  # identical tiers
     table = format_table(result)
     assert "Leviathan model predicts" in table and "cost of one forward step" in table

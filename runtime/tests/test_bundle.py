@@ -30,12 +30,23 @@ def stories_family(tmp_path_factory):
         for p in model.parameters():
             p.add_(0.03 * p.std() * torch.randn_like(p))
     model.save_pretrained(str(target_dir))
-    tiers = {"draft": {"hf": STORIES, "vocab_size": 512}, "qualifier": {"hf": STORIES, "vocab_size": 512},
-             "target": {"hf": target_dir, "vocab_size": 512}}  # fmt: skip
-    return write_bundle(root / "bundle", tiers, {"mode": "pyramid", "variant": "fuzzy", "stop_ids": [1, 2]}, preset="test")
+    tiers = {
+        "draft": {"hf": STORIES, "vocab_size": 512},
+        "qualifier": {"hf": STORIES, "vocab_size": 512},
+        "target": {"hf": target_dir, "vocab_size": 512},
+    }
+    return write_bundle(
+        root / "bundle", tiers, {"mode": "pyramid", "variant": "fuzzy", "stop_ids": [1, 2]}, preset="test"
+    )
 
 
-PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The cat was sad because", "One day, a big dog", "Tom had a red ball."]
+PROMPTS = [
+    "Once upon a time",
+    "Lily and Ben went to the park",
+    "The cat was sad because",
+    "One day, a big dog",
+    "Tom had a red ball.",
+]
 
 
 def test_stories260k_greedy_modes_agree_token_for_token(stories_family):

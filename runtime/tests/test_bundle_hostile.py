@@ -67,8 +67,11 @@ def test_pack_absolute_paths_and_symlinks_are_refused(clean, tmp_path, monkeypat
     pack_bundle(clean, packed, dict_size=4096)
     original = (packed / "pack.json").read_text()
     target = tmp_path / "victim.txt"
-    for field, value, message in (("path", str(target), "points outside"), ("packed", "/etc/hostname", "points outside"),
-                                  ("packed", "files/../../secret.zst", "points outside")):  # fmt: skip
+    for field, value, message in (
+        ("path", str(target), "points outside"),
+        ("packed", "/etc/hostname", "points outside"),
+        ("packed", "files/../../secret.zst", "points outside"),
+    ):
         meta = json.loads(original)
         meta["files"][0][field] = value
         (packed / "pack.json").write_text(json.dumps(meta))
@@ -120,10 +123,14 @@ def test_unlisted_files_are_refused_in_weights_dirs_and_reported_elsewhere(clean
     bundle = _copy(clean, tmp_path)
     (bundle / "NOTES.txt").write_text("hello")
     assert load_bundle(bundle).unlisted == ["NOTES.txt"]
-    out = subprocess.run([sys.executable, "-m", "kibidango", "inspect", str(bundle)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "kibidango", "inspect", str(bundle)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and "WARNING: NOTES.txt is not listed" in out.stdout
     (bundle / "tiers" / "target" / "hf" / "adapter_model.safetensors").write_bytes(b"\0" * 64)
-    with pytest.raises(BundleError, match=r"tiers/target/hf/adapter_model\.safetensors is not listed .* loaded unchecked"):
+    with pytest.raises(
+        BundleError, match=r"tiers/target/hf/adapter_model\.safetensors is not listed .* loaded unchecked"
+    ):
         load_bundle(bundle)
 
 
@@ -138,8 +145,12 @@ def test_manifest_digest_catches_edits_and_a_pin_catches_a_resigned_manifest(cle
     assert load_bundle(bundle).digest != good
     with pytest.raises(BundleError, match=f"but {good} was expected"):
         load_bundle(bundle, expect_sha256=good)
-    out = subprocess.run([sys.executable, "-m", "kibidango", "inspect", str(bundle), "--expect-sha256", good],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "kibidango", "inspect", str(bundle), "--expect-sha256", good],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and "was expected" in out.stderr
     (bundle / "bundle.json.sha256").unlink()
     with pytest.raises(BundleError, match="no bundle.json.sha256"):
@@ -155,7 +166,12 @@ def test_a_packed_bundle_with_rewritten_hashes_is_refused_when_pinned(clean, tmp
     evil = _copy(clean, tmp_path)
     config = evil / "tiers" / "target" / "hf" / "config.json"
     config.write_text(config.read_text().replace('"rms_norm_eps"', '"rms_norm_eps_" : 1, "rms_norm_eps"'))
-    _rewrite(evil, lambda m: [e.update(_entry(e["path"], config.read_bytes())) for e in m["files"] if e["path"].endswith("hf/config.json")])
+    _rewrite(
+        evil,
+        lambda m: [
+            e.update(_entry(e["path"], config.read_bytes())) for e in m["files"] if e["path"].endswith("hf/config.json")
+        ],
+    )
     pack_bundle(evil, tmp_path / "packed", dict_size=4096)
     assert load_bundle(tmp_path / "packed").digest != good  # every hash "verifies"
     with pytest.raises(BundleError, match="was expected"):

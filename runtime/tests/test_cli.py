@@ -11,7 +11,9 @@ from tests.conftest import STORIES, needs_stories
 
 
 def _kb(*args, stdin: str | None = None):
-    return subprocess.run([sys.executable, "-m", "kibidango", *args], input=stdin, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kibidango", *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_inspect_generate_and_tampering(tmp_path):
@@ -22,7 +24,7 @@ def test_inspect_generate_and_tampering(tmp_path):
     assert ok.returncode == 0 and "every sha256 verified" in ok.stdout and "draft" in ok.stdout
     gen = _kb("generate", "--bundle", str(bundle), "--max-new-tokens", "12", "--stats", "-", stdin="Once upon a time\n")
     assert gen.returncode == 0 and gen.stdout.startswith(", there was a little girl")
-    stats = json.loads(gen.stderr[gen.stderr.index("{"):])
+    stats = json.loads(gen.stderr[gen.stderr.index("{") :])
     assert stats["mode"] == "sd" and stats["generated_tokens"] == 12
     streamed = _kb("generate", "--bundle", str(bundle), "--max-new-tokens", "12", "--stream", "Once upon a time")
     assert streamed.stdout == gen.stdout

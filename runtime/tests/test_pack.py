@@ -50,7 +50,9 @@ def test_corrupted_packed_file_is_refused_by_name(bundle, tmp_path, monkeypatch)
     victim = packed / "files" / "tiers" / "target" / "hf" / "config.json.zst"
     good = victim.read_bytes()
     victim.write_bytes(good[:-7])
-    with pytest.raises(BundleError, match=r"config\.json\.zst does not decompress|tiers/target/hf/config\.json unpacks"):
+    with pytest.raises(
+        BundleError, match=r"config\.json\.zst does not decompress|tiers/target/hf/config\.json unpacks"
+    ):
         load_bundle(packed)
     assert not (tmp_path / "cache" / "unpacked").exists() or not any((tmp_path / "cache" / "unpacked").iterdir())
     victim.unlink()

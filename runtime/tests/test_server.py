@@ -27,11 +27,27 @@ def server(tmp_path_factory):
     needs_stories()
     root = tmp_path_factory.mktemp("srv")
     tiers = {t: {"hf": STORIES, "vocab_size": 512} for t in ("draft", "qualifier", "target")}
-    bundle = write_bundle(root / "bundle", tiers, {"mode": "pyramid", "variant": "fuzzy", "stop_ids": [1, 2]}, preset="tiny")
+    bundle = write_bundle(
+        root / "bundle", tiers, {"mode": "pyramid", "variant": "fuzzy", "stop_ids": [1, 2]}, preset="tiny"
+    )
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port),
-                             "--max-tokens-limit", "256"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kibidango",
+            "serve",
+            "--bundle",
+            str(bundle),
+            "--port",
+            str(port),
+            "--max-tokens-limit",
+            "256",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -60,17 +76,30 @@ def test_openai_client_completions_chat_streaming_models(server):
     assert c.usage.completion_tokens == 24 and c.usage.prompt_tokens == 5
     extra = c.model_extra["kibidango"]
     assert extra["mode"] == "pyramid" and extra["draft_acceptance_rate"]["draft"] == 1.0  # identical tiers
-    sd = client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=24, temperature=0, extra_body={"mode": "sd", "k": 3})
+    sd = client.completions.create(
+        model=model.id, prompt="Once upon a time", max_tokens=24, temperature=0, extra_body={"mode": "sd", "k": 3}
+    )
     assert sd.choices[0].text == c.choices[0].text and sd.model_extra["kibidango"]["mode"] == "sd"
-    chunks = list(client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=24, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=24, temperature=0, stream=True)
+    )
     assert "".join(ch.choices[0].text for ch in chunks) == c.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
-    chat = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=16, temperature=0)
+    chat = client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=16, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
-    stream = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Tell me a story."}],
-                                            max_tokens=16, temperature=0, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model.id,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in stream) == chat.choices[0].message.content
-    sampled = client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=3)
+    sampled = client.completions.create(
+        model=model.id, prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=3
+    )
     assert sampled.choices[0].text
 
 
@@ -88,7 +117,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "hi", "mode": "warp"}', "mode"),
     ("/v1/completions", b'{"prompt": "hi", "tau_Q": 7}', "tau_Q"),
     ("/v1/completions", b'{"prompt": "hi", "l_D": 9, "l_Q": 2}', "l_D"),
-    ("/v1/completions", ("{\"prompt\": \"" + "Once upon a time " * 300 + "\"}").encode(), "prompt"),
+    ("/v1/completions", ('{"prompt": "' + "Once upon a time " * 300 + '"}').encode(), "prompt"),
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages"),
     ("/v1/chat/completions", b"[1, 2, 3]", ""),
@@ -108,7 +137,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
         r = httpx.post(f"{server}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
         assert 400 <= r.status_code < 500, (body[:60], r.status_code, r.text[:200])
         assert "error" in r.json() and about.lower() in r.json()["error"]["message"].lower(), (body[:60], r.text[:300])
-    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}, timeout=30)
+    ok = httpx.post(
+        f"{server}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}, timeout=30
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     metrics = httpx.get(f"{server}/metrics").text
     assert 'kibidango_requests_total{model="kibidango-tiny"}' in metrics
@@ -119,20 +150,35 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
 
 def test_errors_are_openai_shaped_and_carry_no_internals(server):
     r = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "hi"}, timeout=30)
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+    assert (
+        r.status_code == 404
+        and r.json()["error"]["code"] == "model_not_found"
+        and r.json()["error"]["param"] == "model"
+    )
     for method, path in (("GET", "/v1/nothing"), ("GET", "/v1/completions")):
         r = httpx.request(method, f"{server}{path}", timeout=30)
         assert r.status_code in (404, 405) and set(r.json()["error"]) >= {"message", "type"}, r.text
-    deep = httpx.post(f"{server}/v1/completions", content=b"[" * 50_000 + b"]" * 50_000, headers={"content-type": "application/json"})
+    deep = httpx.post(
+        f"{server}/v1/completions", content=b"[" * 50_000 + b"]" * 50_000, headers={"content-type": "application/json"}
+    )
     assert deep.status_code == 400 and "Recursion" not in deep.text and "Traceback" not in deep.text
 
 
 def test_response_ids_and_objects(server):
     c = httpx.post(f"{server}/v1/completions", json={"prompt": "Once", "max_tokens": 2}, timeout=30).json()
     assert c["id"].startswith("cmpl-") and c["object"] == "text_completion"
-    chat = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, timeout=30).json()
+    chat = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        timeout=30,
+    ).json()
     assert chat["id"].startswith("chatcmpl-") and chat["object"] == "chat.completion"
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True},
+        timeout=30,
+    ) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and '"object": "chat.completion.chunk"' in lines[0]
     assert '"usage"' in lines[-2] and '"kibidango"' in lines[-2]

@@ -65,7 +65,9 @@ class Server:
         self.app = create_app(pipe, model_name="kibidango-tiny", stall_seconds=stall_seconds)
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -94,7 +96,10 @@ def _raw_request(port: int, path: str, body: dict) -> socket.socket:
     """Send a request on a raw socket and return the socket unread (the caller drops it)."""
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -122,7 +127,9 @@ def test_a_dropped_stream_cancels_its_generation_and_frees_the_server(bundle):
         assert _wait_for(lambda: srv.scheduler.active_since is not None, 10), "generation did not start"
         s.close()  # the client goes away mid-stream (curl -m 1)
         assert _wait_for(lambda: _cancelled(srv) == 1), "the abandoned generation was not cancelled"
-        r = httpx.post(f"{srv.base}/v1/completions", json={"prompt": "Once", "max_tokens": 2, "temperature": 0}, timeout=60)
+        r = httpx.post(
+            f"{srv.base}/v1/completions", json={"prompt": "Once", "max_tokens": 2, "temperature": 0}, timeout=60
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert "kibidango_requests_cancelled_total" in httpx.get(f"{srv.base}/metrics").text
     finally:
@@ -134,7 +141,9 @@ def test_a_dropped_plain_request_and_a_dropped_waiter_are_cancelled(bundle):
     try:
         first = _raw_request(srv.port, "/v1/completions", LONG)
         assert _wait_for(lambda: srv.scheduler.active_since is not None, 10)
-        second = _raw_request(srv.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200})
+        second = _raw_request(
+            srv.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200}
+        )
         assert _wait_for(lambda: srv.scheduler.waiting == 1, 10), "the second request should wait its turn"
         second.close()
         first.close()
@@ -151,7 +160,9 @@ def test_health_reports_a_stalled_generation_and_recovers(bundle):
     try:
         assert httpx.get(f"{srv.base}/health").json()["status"] == "ok"
         s = _raw_request(srv.port, "/v1/completions", {**LONG, "max_tokens": 20})
-        assert _wait_for(lambda: httpx.get(f"{srv.base}/health").status_code == 503, 20), "health never reported the stall"
+        assert _wait_for(lambda: httpx.get(f"{srv.base}/health").status_code == 503, 20), (
+            "health never reported the stall"
+        )
         body = httpx.get(f"{srv.base}/health").json()
         assert body["status"] == "wedged" and body["generating"] and body["no_progress_for_s"] > 0.5
         s.close()

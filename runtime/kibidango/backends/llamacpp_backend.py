@@ -82,7 +82,7 @@ class LlamaCppSession:
     """A llama.cpp context holds one sequence, so a model serves one session at a time; a new
     session clears the cache of the previous one."""
 
-    def __init__(self, model: "LlamaCppModel"):
+    def __init__(self, model: LlamaCppModel):
         self._model = model
         self._llm = model.llm
         self._llm.reset()
@@ -116,16 +116,27 @@ class LlamaCppSession:
 
 
 class LlamaCppModel:
-    def __init__(self, path: str | Path, name: str = "", n_ctx: int | None = None, threads: int | None = None,
-                 extra_bufts: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        path: str | Path,
+        name: str = "",
+        n_ctx: int | None = None,
+        threads: int | None = None,
+        extra_bufts: bool | None = None,
+    ):
         llama_cpp = _llama_cpp()
         self.name = name or Path(path).stem
         probe_ctx = n_ctx or 0  # 0: the model's training context
         with _model_params(_extra_bufts_default() if extra_bufts is None else extra_bufts):
             self.llm = llama_cpp.Llama(
-                model_path=str(path), n_ctx=probe_ctx, n_batch=max(probe_ctx, 512), logits_all=True,
-                n_threads=threads, verbose=False, seed=0,
-            )  # fmt: skip
+                model_path=str(path),
+                n_ctx=probe_ctx,
+                n_batch=max(probe_ctx, 512),
+                logits_all=True,
+                n_threads=threads,
+                verbose=False,
+                seed=0,
+            )
         self.context_length = self.llm.n_ctx()
         self.vocab_size = self.llm.n_vocab()
         self.active: LlamaCppSession | None = None

@@ -14,7 +14,7 @@ __all__ = ["TorchModel", "TorchSession"]
 
 
 class TorchSession:
-    def __init__(self, model: "TorchModel"):
+    def __init__(self, model: TorchModel):
         from transformers import DynamicCache
 
         self._model = model
@@ -58,7 +58,7 @@ class TorchModel:
         self.context_length = getattr(self.hf.config, "max_position_embeddings", 2048)
 
     @classmethod
-    def from_hf(cls, hf_model, name: str = "model") -> "TorchModel":
+    def from_hf(cls, hf_model, name: str = "model") -> TorchModel:
         """Wrap an in-memory transformers model (tests build tiny random ones)."""
         self = cls.__new__(cls)
         self.name, self.hf = name, hf_model.eval()

@@ -1,0 +1,167 @@
+"""The bundle's lineage and ``BUNDLE_CARD.md``: every figure in the card is read from a stage's
+metrics (the same numbers MLflow holds for that stage's run), never typed in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kibidango.bundle import TIER_ORDER
+
+__all__ = ["lineage", "bundle_card", "size_table"]
+
+
+def lineage(inputs: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """Stage id -> {key, mlflow_run_id, metrics} for every artifact the inputs were built from
+    (the inputs, their inputs, ...), found through the manifests in the artifact store
+    (``<store>/<stage>/<key>/manifest.json``)."""
+    found: dict[str, dict[str, Any]] = {}
+    todo = list(inputs.values())
+    while todo:
+        artifact = todo.pop()
+        manifest_file = artifact / "manifest.json"
+        if not manifest_file.is_file():
+            continue
+        manifest = json.loads(manifest_file.read_text())
+        stage = artifact.parent.name
+        if stage in found:
+            continue
+        found[stage] = {
+            "key": manifest.get("key", artifact.name),
+            "mlflow_run_id": manifest.get("mlflow_run_id"),
+            "git_sha": manifest.get("git_sha", "unknown"),
+            "metrics": manifest.get("metrics", {}),
+        }
+        store = artifact.parent.parent
+        for up in manifest.get("inputs", {}).values():
+            todo += [p for p in store.glob(f"*/{up['key']}") if p.is_dir()]
+    return dict(sorted(found.items()))
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.3f} MB"
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def size_table(stages: dict[str, dict[str, Any]]) -> str:
+    """Per tier: bytes of the full-precision safetensors, GGUF F16, AWQ W4A16 and the quantized
+    GGUF; perplexity after each step; the GGUF's token agreement."""
+    m = {s: v["metrics"] for s, v in stages.items()}
+    g, p, r = m.get("2D", {}), m.get("2A", {}), m.get("2F", {})
+    rows = [
+        "| tier | full precision | GGUF F16 | AWQ W4A16 | GGUF quantized | bits/weight (GGUF) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    ppl = [
+        "| tier | full precision | pruned (2A) | AWQ (2B/2C) | AWQ + recovery LoRA (2F) | GGUF | GGUF token agreement |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tier in TIER_ORDER:
+        if f"{tier}_gguf_bytes" not in g:
+            continue
+        awq = m.get("2B" if tier == "target" else "2C", {})
+        rows.append(
+            f"| {tier} | {_mb(g.get(f'{tier}_hf_bytes'))} | {_mb(g.get(f'{tier}_f16_bytes'))} | "
+            f"{_mb(awq.get(f'{tier}_bytes_after'))} | {_mb(g.get(f'{tier}_gguf_bytes'))} | {_num(g.get(f'{tier}_bits_per_weight'))} |"
+        )
+        full = p.get("val_perplexity_before") if tier == "target" and p else awq.get(f"{tier}_val_perplexity_before")
+        ppl.append(
+            f"| {tier} | {_num(full)} | {_num(p.get('val_perplexity_after')) if tier == 'target' else '-'} | "
+            f"{_num(awq.get(f'{tier}_val_perplexity_after'))} | {_num(r.get('val_perplexity_recovered')) if tier == 'target' else '-'} | "
+            f"{_num(g.get(f'{tier}_val_perplexity_gguf'))} | {_num(g.get(f'{tier}_token_agreement'), '.1%')} |"
+        )
+    return (
+        "\n".join(rows)
+        + "\n\nValidation perplexity (response tokens, the same stage-0 validation rows at every step):\n\n"
+        + "\n".join(ppl)
+    )
+
+
+def bundle_card(
+    preset: str,
+    metrics: dict[str, dict],
+    adapters: list[dict],
+    stages: dict[str, dict[str, Any]],
+    defaults: dict[str, Any],
+) -> str:
+    m = {s: v["metrics"] for s, v in stages.items()}
+    lines = [
+        f"# kibidango bundle — preset `{preset}`",
+        "",
+        "Every figure below is a stage metric recorded by the pipeline run that built this bundle "
+        f"(`python -m flows run --preset {preset}`, i.e. `make demo`); the MLflow run of each stage is listed "
+        "at the end (`make compare STAGE=<id> METRICS=<names>` prints them again). Load it with "
+        '`kibidango inspect <bundle>` / `kibidango generate --bundle <bundle> "Once upon a time"`.',
+        "",
+        "## Sizes, perplexity and GGUF agreement per tier",
+        "",
+        "Full precision: the tier before quantization (the target after pruning, stage 2A; draft and "
+        "qualifier after distillation, stage 1E). GGUF files are llama.cpp's quantization of it (stage 2D); "
+        "AWQ checkpoints are llm-compressor's W4A16 (stages 2B, 2C).",
+        "",
+        size_table(stages),
+        "",
+    ]
+    if "sparsity" in m.get("2A", {}):
+        a = m["2A"]
+        lines += [
+            f"Pruning (2A): {a['sparsity']:.1%} of the target's decoder linear weights are zero in the saved "
+            f"tensors (least/most sparse tensor {a['sparsity_min_tensor']:.1%}/{a['sparsity_max_tensor']:.1%}).",
+            "",
+        ]
+    if "recovered_share" in m.get("2F", {}):
+        f = m["2F"]
+        share = f["recovered_share"]
+        verdict = (
+            f"it wins back {share:.0%} of the perplexity compression cost"
+            if share == share
+            else "compression cost under 1% perplexity, so there was nothing to win back"
+        )
+        lines += [
+            f"Recovery LoRA (2F): trained on {int(f['hardest_rows'])} of {int(f['candidate_rows'])} training rows, the "
+            f"hardest for the compressed target; {verdict} ({f['val_perplexity_reference']:.2f} before compression, "
+            f"{f['val_perplexity_compressed']:.2f} after, {f['val_perplexity_recovered']:.2f} with the LoRA). The adapter "
+            "ships under adapters/recovery and is applied only on request.",
+            "",
+        ]
+    if adapters:
+        lines += [
+            "## Adapters",
+            "",
+            "| domain | path | base tier | formats | validation loss without -> with |",
+            "|---|---|---|---|---|",
+        ]
+        by_input = {a["stage_input"]: a for a in adapters}
+        for name, a in by_input.items():
+            am = metrics.get(name, {})
+            if "domain_val_loss_base" in am:
+                fig = f"{am['domain_val_loss_base']:.3f} -> {am['domain_val_loss_adapter']:.3f} (its domain)"
+            elif "val_perplexity_recovered" in am:
+                fig = f"perplexity {am['val_perplexity_compressed']:.2f} -> {am['val_perplexity_recovered']:.2f} (all domains)"
+            else:
+                fig = "-"
+            lines.append(f"| {a['domain']} | {a['path']} | {a['base_tier']} | {', '.join(a['formats'])} | {fig} |")
+        lines += [
+            "",
+            "Domain adapters (3-5) were trained on the full-precision target of stage 1A; the recovery "
+            "adapter on the AWQ target (torch backend).",
+            "",
+        ]
+    lines += [
+        "## Runtime defaults",
+        "",
+        "```json",
+        json.dumps(defaults, indent=2, sort_keys=True),
+        "```",
+        "",
+        "## Lineage",
+        "",
+        "| stage | cache key | MLflow run |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {s} | {v['key']} | {v.get('mlflow_run_id') or '-'} |" for s, v in stages.items()]
+    return "\n".join(lines) + "\n"

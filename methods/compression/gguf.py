@@ -1,0 +1,184 @@
+"""llama.cpp quantization of a converted GGUF, and the measurements stage 2D gates on: token
+agreement of a GGUF with the transformers model it came from, and GGUF perplexity.
+
+Quantization is llama.cpp's own ``llama_model_quantize`` through llama-cpp-python (the same
+library build the runtime loads the files with). Tensors whose rows are not a multiple of a
+k-quant's block (256) get llama.cpp's fallback type; the stage reports bits per weight from the
+file, so the fallback shows.
+
+Token agreement follows the HF model's greedy continuation of each held-out prompt: at every
+generated position, does the GGUF's argmax equal the token the HF model chose? (Teacher-forced,
+so one early difference does not count every later token as a miss; the free-running first
+difference is in the report.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.contract import KibidangoError
+from methods.training.chat import encode, messages
+
+__all__ = ["QUANT_TYPES", "AgreementReport", "fallback_tensors", "quantize", "token_agreement", "gguf_response_loss"]
+
+QUANT_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q6_K",
+    "Q5_K_M",
+    "Q5_K_S",
+    "Q5_0",
+    "Q4_K_M",
+    "Q4_K_S",
+    "Q4_0",
+    "Q3_K_M",
+    "Q2_K",
+)
+
+
+@contextlib.contextmanager
+def _native_output_to(log: Path) -> Iterator[None]:
+    """Send what native code writes to stdout/stderr (llama.cpp's per-tensor quantization lines)
+    to ``log`` instead of the console."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def fallback_tensors(log: Path) -> int:
+    """How many tensors llama.cpp stored in a fallback type (rows not a multiple of the block)."""
+    return (
+        sum("falling back to" in line for line in log.read_text(errors="replace").splitlines()) if log.is_file() else 0
+    )
+
+
+def quantize(src: Path, out: Path, qtype: str, threads: int = 0) -> Path:
+    """``llama_model_quantize(src -> out)`` to ``qtype`` (llama.cpp's names: Q5_K_M, Q4_K_M, ...);
+    llama.cpp's report goes to ``<out>.log``."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise KibidangoError(
+            "stage 2D needs llama-cpp-python (the runtime's llamacpp extra); remedy: make setup"
+        ) from e
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}", None) if qtype != "F32" else llama_cpp.LLAMA_FTYPE_ALL_F32
+    if ftype is None or qtype not in QUANT_TYPES:
+        raise KibidangoError(f"unknown llama.cpp quantization type {qtype!r}; known: {', '.join(QUANT_TYPES)}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".log")
+    with _native_output_to(log):
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
+    if rc != 0 or not out.is_file():
+        raise KibidangoError(
+            f"llama.cpp could not quantize {src} to {qtype} (llama_model_quantize returned {rc}); see {log}"
+        )
+    return out
+
+
+@dataclass
+class Divergence:
+    prompt: str
+    position: int
+    hf_token: str
+    gguf_token: str
+    hf_top2_gap: float
+
+
+@dataclass
+class AgreementReport:
+    agreement: float
+    positions: int
+    identical_prompts: int
+    prompts: int
+    divergences: list[Divergence]
+
+    def table(self, limit: int = 8) -> str:
+        """Where the GGUF first differs from the HF model, worst prompts first."""
+        rows = [
+            "| prompt (end) | first difference at | HF token | GGUF token | HF top-2 logit gap |",
+            "|---|---:|---|---|---:|",
+        ]
+        for d in self.divergences[:limit]:
+            rows.append(f"| {d.prompt!r} | {d.position} | {d.hf_token!r} | {d.gguf_token!r} | {d.hf_top2_gap:.3f} |")
+        return "\n".join(rows)
+
+
+def _greedy(session, prompt: list[int], new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """Greedy continuation and the logits row that chose each token."""
+    row = session.feed(prompt)[-1]
+    out, rows = [], []
+    for _ in range(new_tokens):
+        rows.append(row)
+        out.append(int(np.argmax(row)))
+        row = session.feed([out[-1]])[0]
+    return out, np.stack(rows)
+
+
+def token_agreement(hf, gguf, tokenizer, prompts: list[list[int]], new_tokens: int) -> AgreementReport:
+    """Agreement of ``gguf`` (a runtime llamacpp model) with ``hf`` (a runtime torch model) along
+    ``hf``'s greedy continuations of ``prompts``."""
+    agree = total = identical = 0
+    divergences = []
+    for ids in prompts:
+        path, hf_rows = _greedy(hf.new_session(), ids, new_tokens)
+        g_rows = gguf.new_session().feed(ids + path[:-1])[len(ids) - 1 :]
+        g_choice = g_rows.argmax(-1)
+        same = g_choice == np.array(path)
+        agree, total = agree + int(same.sum()), total + len(path)
+        if same.all():
+            identical += 1
+            continue
+        at = int(np.argmin(same))
+        top2 = np.sort(hf_rows[at])[-2:]
+        divergences.append(
+            Divergence(
+                tokenizer.decode(ids[-12:], skip_special_tokens=True),
+                at,
+                tokenizer.decode([path[at]]),
+                tokenizer.decode([int(g_choice[at])]),
+                float(top2[1] - top2[0]),
+            )
+        )
+    divergences.sort(key=lambda d: d.position)
+    return AgreementReport(agree / max(total, 1), total, identical, len(prompts), divergences)
+
+
+def gguf_response_loss(gguf, tokenizer, rows: list[dict], max_len: int) -> dict[str, float]:
+    """Response-token loss and perplexity of a GGUF (runtime llamacpp model) on ``rows``, counted
+    exactly as :func:`methods.measure.lm.response_loss` counts them for transformers models."""
+    total, count = 0.0, 0
+    for r in rows:
+        ids, start = encode(tokenizer, messages(r), max_len)
+        if len(ids) <= start:
+            continue
+        logits = gguf.new_session().feed(ids).astype(np.float64)
+        pred = logits[start - 1 : len(ids) - 1]
+        lse = np.log(np.exp(pred - pred.max(-1, keepdims=True)).sum(-1)) + pred.max(-1)
+        total += float((lse - pred[np.arange(len(pred)), ids[start:]]).sum())
+        count += len(ids) - start
+    loss = total / max(count, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": float(count)}

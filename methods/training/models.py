@@ -1,0 +1,126 @@
+"""Model files the training stages share: where a stage's base model comes from, fresh Llama
+initialisations, the family's tokenizer files, LoRA merging."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from core.contract import KibidangoError
+
+__all__ = [
+    "TOKENIZER_FILES",
+    "copy_tokenizer",
+    "tokenizer_files",
+    "tokenizer_type",
+    "init_llama",
+    "merge_lora",
+    "resolve_base",
+    "right_padded_tokenizer",
+]
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
+
+
+def resolve_base(base_model: str | None, upstream: Path | None, tier: str, stage: str) -> str:
+    """``base_model`` (a hub id or a directory) if given, else ``<upstream artifact>/<tier>``."""
+    if base_model:
+        if (base_model.startswith((".", "/")) or Path(base_model).exists()) and not (
+            Path(base_model) / "config.json"
+        ).is_file():
+            raise KibidangoError(
+                f"stage {stage}: base_model {base_model!r} is not a transformers model directory (no config.json)"
+            )
+        return base_model
+    if upstream is None:
+        raise KibidangoError(
+            f"stage {stage}: set 'base_model' or give the stage an upstream model input (needs: {{family: P}})"
+        )
+    path = upstream / tier
+    if not (path / "config.json").is_file():
+        known = sorted(p.name for p in upstream.iterdir() if (p / "config.json").is_file())
+        raise KibidangoError(
+            f"stage {stage}: upstream artifact {upstream} has no tier {tier!r} (has: {', '.join(known) or 'none'})"
+        )
+    return str(path)
+
+
+def tokenizer_files(path: Path) -> list[Path]:
+    """The tokenizer files present in model directory ``path``."""
+    return [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+
+
+def tokenizer_type(model: str | Path) -> str | None:
+    """axolotl's ``tokenizer_type`` for a model: ``LlamaTokenizer`` where the directory carries a
+    sentencepiece ``tokenizer.model`` (the tiny family), else None (axolotl's AutoTokenizer)."""
+    return "LlamaTokenizer" if (Path(model) / "tokenizer.model").is_file() else None
+
+
+def copy_tokenizer(src: Path | str, dest: Path) -> None:
+    """The family's tokenizer files, byte for byte where ``src`` is a directory (the runtime checks
+    that the tiers share them); saved by transformers for a hub id."""
+    dest.mkdir(parents=True, exist_ok=True)
+    src_path = Path(src)
+    if src_path.is_dir():
+        for f in tokenizer_files(src_path):
+            shutil.copy2(f, dest / f.name)
+        return
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dest))
+
+
+def right_padded_tokenizer(src: Path | str, dest: Path) -> Path:
+    """The family's tokenizer with ``padding_side: right``, for axolotl's ``tokenizer_config``.
+
+    axolotl 0.19's KD collator pads ``input_ids`` and ``labels`` on the tokenizer's padding side
+    but the teacher's top-k arrays always on the right. Llama tokenizers default to the left, so
+    in every batch each shorter row's tokens were paired with another position's teacher
+    distribution — training ran, the loss fell, and the students got worse. Same files otherwise
+    (the token ids are unchanged; stage 1E checks them against the teacher's)."""
+    import json
+
+    dest.mkdir(parents=True, exist_ok=True)
+    src_path = Path(src)
+    if src_path.is_dir():
+        copy_tokenizer(src_path, dest)
+        config_path = dest / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config["padding_side"] = "right"
+        config_path.write_text(json.dumps(config, indent=2))
+    else:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(src), padding_side="right").save_pretrained(str(dest))
+    return dest
+
+
+def init_llama(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, seed: int) -> Path:
+    """A randomly initialised Llama (``arch``: LlamaConfig fields) saved with the family's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        **arch,
+    )
+    LlamaForCausalLM(config).save_pretrained(str(out))
+    copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def merge_lora(base: str, adapter_dir: Path, out: Path) -> Path:
+    """Base weights + LoRA merged into plain weights (peft ``merge_and_unload``)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out))
+    return out

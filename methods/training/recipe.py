@@ -1,0 +1,53 @@
+"""A training recipe: the part of an axolotl config a stage's YAML sets. The stage adds the model,
+the data, the output paths and the hardware switches (:func:`methods.training.axolotl.render`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from core.contract import StageConfig
+
+__all__ = ["LoraSpec", "TrainRecipe"]
+
+
+class LoraSpec(StageConfig):
+    r: int = Field(8, description="LoRA rank.")
+    alpha: int = Field(16, description="LoRA alpha (scale = alpha / r).")
+    dropout: float = Field(0.0, description="LoRA dropout.")
+    target_linear: bool = Field(True, description="Adapt every linear layer (axolotl lora_target_linear).")
+    target_modules: list[str] = Field(
+        default_factory=list, description="Explicit modules instead of every linear layer."
+    )
+
+
+class TrainRecipe(StageConfig):
+    """Hyper-parameters of one axolotl run. Units are axolotl's."""
+
+    max_steps: int = Field(description="Optimizer steps (the run's length; epochs are not used).", gt=0)
+    micro_batch_size: int = Field(8, description="Sequences per device per forward pass.", gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    sequence_len: int = Field(256, gt=8, description="Tokens per sequence; longer examples are truncated.")
+    learning_rate: float = Field(1e-3, gt=0)
+    lr_scheduler: str = Field("cosine", description="transformers scheduler name.")
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    optimizer: str = Field("adamw_torch", description="axolotl optimizer name (adamw_torch runs everywhere).")
+    seed: int = 0
+    logging_steps: int = Field(10, gt=0, description="Loss is logged (console and MLflow) every this many steps.")
+    save_steps: int = Field(
+        100, gt=0, description="Checkpoint every this many steps; an interrupted stage resumes from the last one."
+    )
+    adapter: Literal["full", "lora"] = Field("full", description="Full fine-tune, or a LoRA adapter.")
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings (adapter: lora).")
+    merge_lora: bool = Field(False, description="Merge the trained LoRA into the base weights for the output model.")
+    axolotl: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra axolotl keys passed through unchanged (e.g. flash_attention, deepspeed, "
+        "gradient_checkpointing, sample_packing on GPU nodes). Hardware switches still win.",
+    )
+
+    @property
+    def sequences_seen(self) -> int:
+        return self.max_steps * self.micro_batch_size * self.gradient_accumulation_steps

@@ -1,0 +1,288 @@
+"""Stage 1E — distil the draft and the qualifier from the target (offline top-k KD).
+
+1. The teacher (the ``teacher`` input's tier, stage 1A's target) scores the distillation set (stage
+   0's train split in the family's chat format): its top-k log-probabilities at every position
+   are written to ``teacher/logprobs.jsonl`` — the format of axolotl's KD plugin
+   (``axolotl.integrations.kd.chat_template``: ``messages``, ``target_token_ids``, ``logprobs``).
+2. Each student (initial weights: the ``family`` input's tier of the same name, or ``init``) is
+   trained by axolotl with the KD plugin (``kd_trainer``, ``kd_alpha``, ``kd_ce_alpha``,
+   ``kd_temperature``). Before training, ``axolotl preprocess`` runs and the token ids it produced
+   are checked against the ids the teacher scored: misaligned log-probabilities would train
+   silently on garbage.
+3. Before and after KD, on held-out prompts (validation split): greedy agreement with the target
+   and expected acceptance sum_x min(p_T, p_D) per position on the target's greedy path, the
+   runtime's real ``sd`` and ``pyramid`` acceptance rates, and validation perplexity.
+
+Outputs: ``<student>/`` (transformers checkpoints + tokenizer), ``teacher/logprobs.jsonl``,
+``axolotl/<student>.yaml``, ``logs/``, ``family.json`` and ``family.md`` (the tier table).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from pydantic import Field
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from core.progress import Progress
+from methods.measure import lm
+from methods.training import axolotl
+from methods.training.chat import axolotl_dataset, encode, load_split, messages
+from methods.training.models import copy_tokenizer, resolve_base, right_padded_tokenizer, tokenizer_type
+from methods.training.recipe import TrainRecipe
+
+NAME = "draft-distill"
+RESUMABLE = True
+LIBRARIES = ("transformers", "torch")
+
+log = logging.getLogger("kibidango.stage.1E")
+KD_DATASET_TYPE = "axolotl.integrations.kd.chat_template"
+
+
+class Student(StageConfig):
+    init: str | None = Field(
+        None,
+        description="Hub id or directory of the student's initial weights; None: the `family` input's tier of this name.",
+    )
+    train: TrainRecipe
+
+
+class Config(StageConfig):
+    teacher_tier: str = Field("target", description="Tier of the `teacher` input that teaches.")
+    students: dict[str, Student] = Field(description="Tiers distilled from the teacher: draft, qualifier.")
+    top_k: int = Field(8, gt=0, le=64, description="Teacher log-probabilities kept per position.")
+    kd_alpha: float = Field(0.9, ge=0, description="Weight of the KD (forward KL on the teacher's top-k) loss.")
+    kd_ce_alpha: float = Field(0.1, ge=0, description="Weight of the plain cross-entropy on the data.")
+    kd_temperature: float = Field(1.0, gt=0)
+    kd_normalize_topk: bool = Field(
+        True,
+        description="Compare the student's distribution renormalised over the teacher's top-k (axolotl kd_normalize_topk). "
+        "Without it the student is pushed to put all its mass on the top-k (the teacher's top-k is renormalised), "
+        "sharper than the teacher: agreement rises while expected acceptance falls.",
+    )
+    distill_rows: int = Field(
+        1000,
+        gt=0,
+        description="Rows of stage 0's train split in the distillation set (those that fit in sequence_len).",
+    )
+    sequence_len: int = Field(256, gt=8, description="Tokens per distillation sequence (truncated).")
+    eval_prompts: int = Field(48, gt=0, description="Held-out prompts (validation split) for agreement and acceptance.")
+    eval_new_tokens: int = Field(32, gt=0, description="Tokens of the target's greedy path scored per prompt.")
+    eval_rows: int = Field(300, gt=0, description="Validation rows for perplexity.")
+    runtime_eval: bool = Field(
+        True, description="Also measure the runtime's sd / pyramid acceptance (needs draft, qualifier and the target)."
+    )
+
+    def kd_keys(self) -> dict:
+        return {
+            "plugins": ["axolotl.integrations.kd.KDPlugin"],
+            "kd_trainer": True,
+            "kd_alpha": self.kd_alpha,
+            "kd_ce_alpha": self.kd_ce_alpha,
+            "kd_temperature": self.kd_temperature,
+            "kd_normalize_topk": self.kd_normalize_topk,
+        }
+
+
+def _dataset(path: str) -> dict:
+    return axolotl_dataset(path, type=KD_DATASET_TYPE, logprobs_field="logprobs")
+
+
+def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
+    return {
+        name: axolotl.render(
+            s.train,
+            s.init or f"<stage P artifact>/{name}",
+            [_dataset("<artifact>/teacher/logprobs.jsonl")],
+            f"<work>/{name}",
+            extra={**cfg.kd_keys(), "tokenizer_config": f"<work>/{name}/tokenizer"},
+            cuda=cuda,
+        )
+        for name, s in cfg.students.items()
+    }
+
+
+def distillation_set(tokenizer, rows: list[dict], cfg: Config) -> list[tuple[list[dict], list[int]]]:
+    """(messages, token ids) of the first ``distill_rows`` rows whose whole conversation fits in
+    ``sequence_len``. Longer rows are left out rather than truncated: axolotl aligns the
+    teacher's log-probabilities from the end of the *untruncated* sequence and truncates after,
+    so a truncated row would pair every position with the wrong teacher distribution."""
+    out = []
+    for row in rows:
+        turns = messages(row)
+        ids, _ = encode(tokenizer, turns, 1 << 30)
+        if len(ids) <= cfg.sequence_len:
+            out.append((turns, ids))
+            if len(out) == cfg.distill_rows:
+                break
+    return out
+
+
+def teacher_logprobs(teacher, examples: list[tuple[list[dict], list[int]]], top_k: int, out: Path) -> None:
+    """Write the teacher's top-k log-probabilities at every position of every example."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    progress = Progress("1E teacher top-k log-probabilities", len(examples), log)
+    with out.open("w", encoding="utf-8") as f, torch.inference_mode():
+        for i, (turns, ids) in enumerate(examples):
+            logp = torch.log_softmax(
+                teacher(input_ids=torch.tensor([ids], device=teacher.device)).logits[0].float().cpu(), dim=-1
+            )
+            top = logp.topk(top_k, dim=-1)
+            record = {
+                "messages": turns,
+                "target_token_ids": top.indices.tolist(),
+                "logprobs": [[round(v, 5) for v in pos] for pos in top.values.tolist()],
+            }
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            progress.update(i + 1)
+    progress.finish(len(examples))
+
+
+def check_alignment(prepared: Path, scored: list[list[int]], label: str) -> None:
+    """axolotl's tokenization of the distillation set must be the ids the teacher scored."""
+    from datasets import load_from_disk
+
+    dirs = [p.parent for p in prepared.rglob("dataset_info.json")]
+    if not dirs:
+        raise KibidangoError(f"{label}: axolotl preprocess wrote no dataset under {prepared}")
+    prepared_ds = load_from_disk(str(dirs[0]))
+    for i, row in enumerate(prepared_ds):
+        if not len(row["input_ids"]) == len(row["target_logprobs"]) == len(row["target_token_ids"]):
+            raise KibidangoError(
+                f"{label}: prepared row {i} has {len(row['input_ids'])} tokens but {len(row['target_logprobs'])} "
+                "teacher positions: axolotl would pair tokens with the wrong teacher distributions"
+            )
+    theirs = sorted(tuple(r) for r in prepared_ds["input_ids"])
+    ours = sorted(tuple(r) for r in scored)
+    if theirs != ours:
+        diff = sum(a != b for a, b in zip(theirs, ours, strict=False)) + abs(len(theirs) - len(ours))
+        raise KibidangoError(
+            f"{label}: axolotl tokenized {diff} of {len(ours)} distillation rows differently from the ids the teacher "
+            "scored; the teacher's log-probabilities would be misaligned. Check the chat template "
+            "(methods/training/chat.py) and the tokenizer files of teacher and student."
+        )
+    log.info(f"{label}: axolotl's token ids match the teacher's on all {len(ours)} rows")
+
+
+def _measure(tiers: dict, tokenizer, val: list[dict], paths, prompts, cfg: Config, tag: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    teacher = tiers[cfg.teacher_tier]
+    for name, model in tiers.items():
+        out[f"{name}_val_perplexity_{tag}"] = lm.response_loss(model, tokenizer, val, cfg.sequence_len)["perplexity"]
+        if name != cfg.teacher_tier:
+            for k, v in lm.agreement(teacher, model, paths).items():
+                if k != "positions":
+                    out[f"{name}_{k}_{tag}"] = v
+    if cfg.runtime_eval and {"draft", "qualifier"} <= tiers.keys():
+        runtime = lm.runtime_acceptance(
+            {"draft": tiers["draft"], "qualifier": tiers["qualifier"], "target": teacher}, prompts, cfg.eval_new_tokens
+        )
+        out |= {f"{k}_{tag}": v for k, v in runtime.items()}
+    return out
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    from transformers import AutoTokenizer
+
+    teacher_dir = resolve_base(None, inputs["teacher"], cfg.teacher_tier, "1E")
+    inits = {name: resolve_base(s.init, inputs.get("family"), name, "1E") for name, s in cfg.students.items()}
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    for name, path in inits.items():
+        if len(AutoTokenizer.from_pretrained(path)) != len(tokenizer):
+            raise KibidangoError(
+                f"stage 1E: student {name!r} ({path}) does not share the teacher's tokenizer ({teacher_dir})"
+            )
+    data = inputs["data"] / "dataset"
+    teacher = lm.load_causal_lm(teacher_dir)
+
+    examples = distillation_set(tokenizer, load_split(data, "train"), cfg)
+    if not examples:
+        raise KibidangoError(f"stage 1E: no train row of {data} fits in sequence_len {cfg.sequence_len}")
+    log.info(f"distillation set: {len(examples):,} rows that fit in {cfg.sequence_len} tokens")
+    logprobs_file = out_dir / "teacher" / "logprobs.jsonl"
+    teacher_logprobs(teacher, examples, cfg.top_k, logprobs_file)
+    scored = [ids for _, ids in examples]
+
+    val = load_split(data, "validation", limit=cfg.eval_rows)
+    prompts = lm.held_out_prompts(tokenizer, val[: cfg.eval_prompts])
+    paths = lm.target_paths(teacher, prompts, cfg.eval_new_tokens)
+    before_tiers = {cfg.teacher_tier: teacher} | {n: lm.load_causal_lm(p) for n, p in inits.items()}
+    metrics = _measure(before_tiers, tokenizer, val, paths, prompts, cfg, "before")
+    params = {n: lm.parameters(m) for n, m in before_tiers.items()}
+
+    (out_dir / "axolotl").mkdir()
+    (out_dir / "logs").mkdir()
+    after_tiers = {cfg.teacher_tier: teacher}
+    for name, student in cfg.students.items():
+        run_dir = work_dir / name
+        tok_dir = right_padded_tokenizer(inits[name], run_dir / "tokenizer")
+        if AutoTokenizer.from_pretrained(str(tok_dir)).padding_side != "right":
+            raise KibidangoError(
+                f"stage 1E: could not make {tok_dir} pad on the right (axolotl's KD collator needs it)"
+            )
+        spec = axolotl.render(
+            student.train,
+            inits[name],
+            [_dataset(str(logprobs_file))],
+            str(run_dir),
+            extra={**cfg.kd_keys(), "tokenizer_config": str(tok_dir)},
+            tokenizer_type=tokenizer_type(tok_dir),
+        )
+        (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+        axolotl.train(spec, run_dir, f"1E/{name}", preprocess_only=True)
+        check_alignment(run_dir / "prepared", scored, f"1E/{name}")
+        last = axolotl.train(spec, run_dir, f"1E/{name}")
+        shutil.copy2(run_dir / "axolotl.log", out_dir / "logs" / f"{name}.log")
+        model_dir = axolotl.trained_files(run_dir, out_dir / name)
+        copy_tokenizer(Path(teacher_dir), model_dir)
+        metrics[f"{name}_train_loss_final"] = last.get("loss", float("nan"))
+        after_tiers[name] = lm.load_causal_lm(model_dir)
+    metrics |= _measure(after_tiers, tokenizer, val, paths, prompts, cfg, "after")
+    metrics["eval_prompts"] = float(len(prompts))
+    metrics["distill_rows"] = float(len(examples))
+
+    table = family_table(params, metrics, cfg)
+    (out_dir / "family.json").write_text(json.dumps({"parameters": params, "metrics": metrics}, indent=2))
+    (out_dir / "family.md").write_text(
+        f"# Stage 1E — the family before and after distillation\n\n{len(prompts)} held-out prompts (stage 0 validation "
+        f"split), {cfg.eval_new_tokens} tokens of the target's greedy path each; perplexity on {len(val)} validation rows.\n\n"
+        f"{table}\n"
+    )
+    return StageResult(
+        metrics,
+        ["family.md", "family.json", *[f"axolotl/{n}.yaml" for n in cfg.students]],
+        summary="stage 1E family (before KD -> after KD):\n" + table,
+    )
+
+
+def family_table(params: dict[str, int], m: dict[str, float], cfg: Config) -> str:
+    def pair(key: str) -> str:
+        b, a = m.get(f"{key}_before"), m.get(f"{key}_after")
+        return "-" if b is None else (f"{b:.3f} -> {a:.3f}" if a is not None and a != b else f"{b:.3f}")
+
+    lines = [
+        "| tier | parameters | validation perplexity | greedy agreement vs target | expected acceptance vs target |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in [*cfg.students, cfg.teacher_tier]:
+        ppl_b, ppl_a = m[f"{name}_val_perplexity_before"], m.get(f"{name}_val_perplexity_after")
+        ppl = f"{ppl_b:.2f} -> {ppl_a:.2f}" if name in cfg.students else f"{ppl_b:.2f}"
+        lines.append(
+            f"| {name} | {params[name]:,} | {ppl} | {pair(f'{name}_agreement')} | {pair(f'{name}_expected_acceptance')} |"
+        )
+    if "sd_acceptance_rate_before" in m:
+        lines += ["", "| runtime (greedy) | before KD | after KD |", "|---|---:|---:|"]
+        for key in (
+            "sd_acceptance_rate",
+            "sd_mean_acceptance_length",
+            "pyramid_draft_acceptance_rate",
+            "pyramid_qualifier_acceptance_rate",
+            "pyramid_target_forwards_per_token",
+        ):
+            lines.append(f"| {key} | {m[f'{key}_before']:.3f} | {m[f'{key}_after']:.3f} |")
+    return "\n".join(lines)

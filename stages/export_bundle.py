@@ -1,0 +1,127 @@
+"""Export the bundle the runtime loads (stage X in the presets).
+
+Assembled with the runtime's own :func:`kibidango.write_bundle`, so the pipeline writes exactly
+what ``kibidango`` reads:
+
+- ``tiers/<tier>/hf/``: the AWQ checkpoints (2B target, 2C draft and qualifier;
+  compressed-tensors, transformers-loadable), ``tiers/<tier>/gguf/``: the 2D GGUF files;
+- ``adapters/<domain>/``: the domain LoRAs (3-5) and the recovery LoRA (2F), each with its
+  ``adapter.json``;
+- ``bundle.json``: schema, preset, every file with size + sha256, every stage's cache key and
+  MLflow run id (the lineage of the inputs, read from their manifests), the tier table with each
+  tier's measured figures, runtime defaults;
+- ``BUNDLE_CARD.md``: every figure taken from the stages' metrics (:mod:`methods.compression.card`).
+
+Outputs: ``bundle/`` and a copy of the card beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from kibidango.bundle import TIER_ORDER
+from methods.compression.card import bundle_card, lineage
+
+NAME = "bundle-export"
+
+
+class Config(StageConfig):
+    preset: str = Field(description="Preset name recorded in bundle.json.")
+    hf_tiers: dict[str, str] = Field(
+        description="Tier -> input holding its transformers checkpoint (`<input>/<tier>/`)."
+    )
+    gguf_input: str = Field("gguf", description="Input holding the 2D GGUF files (`<input>/<tier>/*.gguf`).")
+    adapters: list[str] = Field(
+        default_factory=list, description="Inputs holding an adapter (adapter.json), shipped under adapters/<domain>/."
+    )
+    runtime_defaults: dict[str, Any] = Field(
+        default_factory=dict, description="Decoding defaults (mode, k, l_D, l_Q, tau_Q, tau_T, divergence, ...)."
+    )
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
+    from kibidango.bundle import load_bundle, write_bundle
+
+    for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *cfg.adapters]:
+        if name not in inputs:
+            raise KibidangoError(f"stage X: input {name!r} is not wired (add it to the preset's needs of stage X)")
+    tiers: dict[str, dict[str, Any]] = {}
+    for tier in TIER_ORDER:
+        if tier not in cfg.hf_tiers:
+            continue
+        hf = inputs[cfg.hf_tiers[tier]] / tier
+        ggufs = sorted((inputs[cfg.gguf_input] / tier).glob("*.gguf"))
+        if not (hf / "config.json").is_file():
+            raise KibidangoError(f"stage X: {hf} is not a transformers checkpoint (no config.json)")
+        if len(ggufs) != 1:
+            raise KibidangoError(f"stage X: expected one GGUF in {inputs[cfg.gguf_input] / tier}, found {len(ggufs)}")
+        config = json.loads((hf / "config.json").read_text())
+        tiers[tier] = {
+            "hf": hf,
+            "gguf": ggufs[0],
+            "vocab_size": config["vocab_size"],
+            "hidden_size": config["hidden_size"],
+            "layers": config["num_hidden_layers"],
+            "quantization": {"hf": "AWQ W4A16 (compressed-tensors)", "gguf": ggufs[0].stem.split("-")[-1]},
+        }
+
+    stages = lineage(inputs)
+    metrics = {name: stages[path.parent.name]["metrics"] for name, path in inputs.items()}
+    root = out_dir / "bundle"
+    shas = {s: v["git_sha"] for s, v in stages.items()}
+    pipeline_sha = next(iter(set(shas.values()))) if len(set(shas.values())) == 1 else "mixed (see stage_git_shas)"
+    write_bundle(
+        root,
+        tiers,
+        cfg.runtime_defaults,
+        preset=cfg.preset,
+        pipeline_git_sha=pipeline_sha,
+        stage_git_shas=shas,
+        stage_cache_keys={s: v["key"] for s, v in stages.items()},
+        mlflow_run_ids={s: v["mlflow_run_id"] for s, v in stages.items() if v.get("mlflow_run_id")},
+        card="BUNDLE_CARD.md",
+        finalize=lambda tmp: _add_extras(tmp, cfg, inputs, metrics, stages),
+    )
+    bundle = load_bundle(root)  # the runtime's own check: every hash, one tokenizer across tiers
+    shutil.copy2(root / "BUNDLE_CARD.md", out_dir / "BUNDLE_CARD.md")
+    files = bundle.meta["files"]
+    result = {"files": float(len(files)), "bundle_bytes": float(sum(f["size"] for f in files))}
+    summary = (
+        f"stage X: bundle/ with {len(files)} files, {result['bundle_bytes'] / 1e6:.2f} MB, and BUNDLE_CARD.md; "
+        f"bundle.json sha256 {bundle.digest} (pin it: kibidango generate --expect-sha256 {bundle.digest})"
+    )
+    return StageResult(result, ["BUNDLE_CARD.md"], summary)
+
+
+def _add_extras(
+    tmp: Path, cfg: Config, inputs: dict[str, Path], metrics: dict[str, dict], stages: dict
+) -> dict[str, Any]:
+    """Adapters and the card, written into the bundle before it is hashed; returns the extra
+    bundle.json fields."""
+    shipped = []
+    for name in cfg.adapters:
+        spec = json.loads((inputs[name] / "adapter.json").read_text())
+        dest = tmp / "adapters" / spec["domain"]
+        dest.mkdir(parents=True)
+        shutil.copy2(inputs[name] / "adapter.json", dest / "adapter.json")
+        for entries in spec["formats"].values():
+            for e in entries:
+                (dest / e["path"]).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(inputs[name] / e["path"], dest / e["path"])
+        shipped.append(
+            {
+                "domain": spec["domain"],
+                "path": f"adapters/{spec['domain']}",
+                "base_tier": spec.get("base_tier", "target"),
+                "formats": sorted(spec["formats"]),
+                "stage_input": name,
+            }
+        )
+    (tmp / "BUNDLE_CARD.md").write_text(bundle_card(cfg.preset, metrics, shipped, stages, cfg.runtime_defaults))
+    return {"adapters": shipped}

@@ -1,0 +1,152 @@
+"""Stage P — pretrain the tiers a preset has no checkpoint for (the CPU ``tiny`` preset).
+
+Each trained tier starts from a fresh ``LlamaConfig`` (random weights, the family's tokenizer)
+and is trained by axolotl on stage 0's train split in the family's chat format (every token
+trained). A pretrained model can join the family as-is (``draft``: stories260K, whose 512-token
+tokenizer the family shares), so one tokenizer serves every tier — speculative decoding needs it.
+
+Outputs: ``<tier>/`` (transformers checkpoints with the tokenizer), ``axolotl/<tier>.yaml`` (the
+configs that ran), ``logs/<tier>.log``, ``family.json`` (parameters and validation perplexity of
+every tier) and ``family.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from core.store import file_sha256
+from methods.measure import lm
+from methods.training import axolotl
+from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from methods.training.models import TOKENIZER_FILES, copy_tokenizer, init_llama, tokenizer_files, tokenizer_type
+from methods.training.recipe import TrainRecipe
+
+NAME = "pretrain"
+RESUMABLE = True
+LIBRARIES = ("transformers", "torch")
+
+log = logging.getLogger("kibidango.stage.P")
+
+
+class Architecture(StageConfig):
+    hidden_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    max_position_embeddings: int = Field(512, gt=0)
+    init_seed: int = Field(0, description="Seed of the random initial weights.")
+
+
+class TierPlan(StageConfig):
+    arch: Architecture
+    train: TrainRecipe
+
+
+class Config(StageConfig):
+    tokenizer: str = Field(description="Directory of the family's tokenizer (HF files).")
+    draft: str | None = Field(None, description="A pretrained HF model that joins the family as the draft, unchanged.")
+    tiers: dict[str, TierPlan] = Field(description="Tiers trained here from random weights, e.g. qualifier, target.")
+    eval_rows: int = Field(300, gt=0, description="Validation rows the perplexity is measured on.")
+    eval_max_len: int = Field(256, gt=8, description="Tokens per validation row (truncated).")
+
+
+def external_inputs(cfg: Config) -> dict[str, str]:
+    digests = {}
+    tok = Path(cfg.tokenizer)
+    if not tokenizer_files(tok):
+        raise KibidangoError(
+            f"stage P: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tok} (config key 'tokenizer')"
+        )
+    for f in tokenizer_files(tok):
+        digests[f"tokenizer/{f.name}"] = file_sha256(f)
+    if cfg.draft:
+        draft = Path(cfg.draft)
+        if not (draft / "config.json").is_file():
+            raise KibidangoError(f"stage P: 'draft' {draft} is not a transformers model directory (no config.json)")
+        for f in sorted(draft.iterdir()):
+            if f.is_file():
+                digests[f"draft/{f.name}"] = file_sha256(f)
+    return digests
+
+
+def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
+    return {
+        name: axolotl.render(
+            plan.train,
+            f"<work>/{name}/init",
+            [_dataset("<work>/data/train.jsonl")],
+            f"<work>/{name}",
+            tokenizer_type=tokenizer_type(cfg.tokenizer),
+            cuda=cuda,
+        )
+        for name, plan in cfg.tiers.items()
+    }
+
+
+def _dataset(path: str) -> dict:
+    return axolotl_dataset(path, roles=("user", "assistant"), train_on_eos="all")  # pretraining: every token
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    from transformers import AutoTokenizer
+
+    tok_dir = Path(cfg.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    data = inputs["data"] / "dataset"
+    train_rows = load_split(data, "train")
+    data_file = work_dir / "data" / "train.jsonl"
+    n = write_jsonl(data_file, ({"messages": messages(r)} for r in train_rows))
+    log.info(f"pretraining data: {n:,} rows of stage 0's train split ({data_file})")
+    dataset = _dataset(str(data_file))
+
+    family: dict[str, Path] = {}
+    if cfg.draft:
+        family["draft"] = Path(cfg.draft)
+    metrics: dict[str, float] = {}
+    (out_dir / "axolotl").mkdir(parents=True)
+    (out_dir / "logs").mkdir()
+    for name, plan in cfg.tiers.items():
+        run_dir = work_dir / name
+        init = run_dir / "init"
+        if not (init / "config.json").is_file():
+            arch = plan.arch.model_dump(exclude={"init_seed"})
+            init_llama(arch, tokenizer, tok_dir, init, plan.arch.init_seed)
+        spec = axolotl.render(plan.train, str(init), [dataset], str(run_dir), tokenizer_type=tokenizer_type(init))
+        (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+        last = axolotl.train(spec, run_dir, f"P/{name}")
+        shutil.copy2(run_dir / "axolotl.log", out_dir / "logs" / f"{name}.log")
+        family[name] = axolotl.trained_files(run_dir, out_dir / name)
+        copy_tokenizer(tok_dir, family[name])
+        metrics[f"{name}_train_loss"] = last.get("loss", float("nan"))
+    if "draft" in family:
+        shutil.copytree(family["draft"], out_dir / "draft")
+        family["draft"] = out_dir / "draft"
+
+    val = load_split(data, "validation", limit=cfg.eval_rows)
+    table = {}
+    for name, path in family.items():
+        model = lm.load_causal_lm(path)
+        res = lm.response_loss(model, tokenizer, val, cfg.eval_max_len)
+        table[name] = {"parameters": lm.parameters(model), "val_loss": res["loss"], "val_perplexity": res["perplexity"]}
+        metrics[f"{name}_parameters"] = float(table[name]["parameters"])
+        metrics[f"{name}_val_perplexity"] = res["perplexity"]
+    (out_dir / "family.json").write_text(json.dumps(table, indent=2))
+    lines = ["| tier | parameters | validation perplexity |", "|---|---:|---:|"]
+    lines += [f"| {name} | {t['parameters']:,} | {t['val_perplexity']:.2f} |" for name, t in table.items()]
+    report = "\n".join(lines)
+    (out_dir / "family.md").write_text(
+        f"# Stage P — the tiny family\n\nValidation: {len(val)} rows of stage 0's validation split.\n\n{report}\n"
+    )
+    return StageResult(
+        metrics,
+        ["family.md", "family.json", *[f"axolotl/{n}.yaml" for n in cfg.tiers]],
+        summary="stage P family:\n" + report,
+    )

@@ -1,0 +1,219 @@
+"""Stage 2F — recovery LoRA: win back what compression cost, where it cost most.
+
+1. The compressed target (stage 2B's AWQ checkpoint) is decompressed once into a dense
+   transformers checkpoint (its weights stay on the 4-bit grid): the base the LoRA trains on, in
+   a form axolotl loads without compressed-tensors.
+2. Every candidate row of stage 0's train split is scored under the compressed model; the
+   ``hardest_rows`` with the highest response-token loss are the training set (the plan: the
+   hardest 5K examples). ``selection: loss_increase`` ranks by the loss compression *added*
+   (compressed minus reference model) instead: the highest absolute losses are mostly rows the
+   model never could predict (on the tiny family: code in the stories tokenizer's byte pieces),
+   not rows compression damaged.
+3. axolotl trains a LoRA on them (``train``: a TrainRecipe, unmerged LoRA).
+4. Validation perplexity of the reference model (before compression, the ``reference`` input),
+   the compressed model, and the compressed model with the LoRA; recovered = the share of the
+   perplexity lost to compression that the LoRA wins back.
+
+The adapter applies to the compressed target as transformers loads it (torch backend). The GGUF
+target (2D) is quantized by llama.cpp from the pruned model, a different 4-bit grid, so no GGUF
+form of this adapter is shipped.
+
+Outputs: ``adapter/`` (peft), ``adapter.json`` (the runtime's manifest), ``hardest.jsonl`` (row
+index, loss), ``recovery.json``, ``axolotl.yaml``, ``logs/train.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Literal
+
+import torch
+import yaml
+from pydantic import Field, model_validator
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from core.progress import Progress
+from methods.measure import lm
+from methods.measure.lm import validation_loss
+from methods.training import axolotl
+from methods.training.adapter_manifest import write_adapter_manifest
+from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from methods.training.models import copy_tokenizer, resolve_base, tokenizer_type
+from methods.training.recipe import TrainRecipe
+
+NAME = "recovery-lora"
+RESUMABLE = True
+LIBRARIES = ("transformers", "torch", "peft", "compressed-tensors")
+
+log = logging.getLogger("kibidango.stage.recovery")
+
+
+class Config(StageConfig):
+    tier: str = Field("target", description="Tier of the `compressed` (and `reference`) input to recover.")
+    hardest_rows: int = Field(5000, gt=0, description="Train on this many highest-loss rows (the plan: 5K).")
+    selection: Literal["loss", "loss_increase"] = Field(
+        "loss", description="Rank rows by loss under the compressed model, or by how much compression raised it."
+    )
+    candidate_rows: int | None = Field(None, gt=0, description="Score only the first N train rows (None: all).")
+    train: TrainRecipe
+    eval_rows: int = Field(200, gt=0, description="Stage-0 validation rows (the rows 2A-2D use).")
+    eval_max_len: int = Field(256, gt=8)
+
+    @model_validator(mode="after")
+    def _lora(self) -> Config:
+        if self.train.adapter != "lora" or self.train.merge_lora:
+            raise ValueError(
+                "a recovery adapter is an unmerged LoRA: set train.adapter: lora and train.merge_lora: false"
+            )
+        return self
+
+
+def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
+    return {
+        "recovery": axolotl.render(
+            cfg.train,
+            "<work>/base (stage 2B's target, decompressed)",
+            [axolotl_dataset("<work>/data/hardest.jsonl")],
+            "<work>/lora",
+            cuda=cuda,
+        )
+    }
+
+
+def decompress(compressed: Path, dest: Path) -> Path:
+    """A dense copy of a compressed-tensors checkpoint (weights dequantized, no
+    ``quantization_config``), with the family's tokenizer files.
+
+    transformers decompresses the weights in memory on load, but ``save_pretrained`` of that model
+    compresses them again (weight_packed, weight_scale); with the quantization config dropped,
+    those tensors are "unexpected" and the Linear weights come back *randomly initialised*
+    (measured: perplexity 37.69 -> 378.66). So after one forward pass (which makes
+    compressed-tensors decompress the weights in memory) the dense weights are copied into a
+    fresh model of the same architecture, every key accounted for, and that model is saved."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (dest / "config.json").is_file():  # an earlier attempt of this very key did it
+        return dest
+    quantized = AutoModelForCausalLM.from_pretrained(str(compressed))
+    with torch.no_grad():  # compressed-tensors decompresses the weights in memory on the first forward pass
+        quantized(input_ids=torch.tensor([[quantized.config.bos_token_id or 1]]))
+    config = AutoConfig.from_pretrained(str(compressed))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    dense = AutoModelForCausalLM.from_config(config)
+    weights = quantized.state_dict()
+    missing = [k for k in dense.state_dict() if k not in weights]
+    if missing:
+        raise KibidangoError(f"stage 2F: {compressed} decompressed without dense weights for {missing[:4]}")
+    dense.load_state_dict({k: weights[k] for k in dense.state_dict()}, strict=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dense.save_pretrained(str(tmp))
+    copy_tokenizer(compressed, tmp)
+    tmp.rename(dest)
+    return dest
+
+
+def _score(model_dir: Path, tokenizer, rows: list[dict], max_len: int, label: str) -> list[float]:
+    """Per-row response loss under ``model_dir``; a row with no response token scores -1 (never hard)."""
+    model = lm.load_causal_lm(model_dir)
+    progress = Progress(f"2F: scoring rows under the {label} model", len(rows), log)
+    losses: list[float] = []
+    for i in range(0, len(rows), 256):
+        losses += lm.row_losses(model, tokenizer, rows[i : i + 256], max_len)
+        progress.update(len(losses))
+    progress.finish(len(rows))
+    return [x if x == x else -1.0 for x in losses]
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    from transformers import AutoTokenizer
+
+    compressed = Path(resolve_base(None, inputs.get("compressed"), cfg.tier, NAME))
+    reference = Path(resolve_base(None, inputs.get("reference"), cfg.tier, NAME))
+    base = decompress(compressed, work_dir / "base")
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    data = inputs["data"] / "dataset"
+
+    rows = load_split(data, "train", limit=cfg.candidate_rows)
+    if not rows:
+        raise KibidangoError(f"stage 2F: stage 0's train split ({data}) is empty")
+    losses = _score(base, tokenizer, rows, cfg.train.sequence_len, "compressed")
+    rank = losses
+    if cfg.selection == "loss_increase":
+        reference_losses = _score(reference, tokenizer, rows, cfg.train.sequence_len, "reference")
+        rank = [a - b for a, b in zip(losses, reference_losses)]
+    hardest = sorted(range(len(rows)), key=lambda i: -rank[i])[: cfg.hardest_rows]
+    write_jsonl(out_dir / "hardest.jsonl", ({"row": i, "loss": losses[i], "rank_score": rank[i]} for i in hardest))
+    data_file = work_dir / "data" / "hardest.jsonl"
+    write_jsonl(data_file, ({"messages": messages(rows[i])} for i in hardest))
+    log.info(
+        f"2F: {len(hardest):,} hardest of {len(rows):,} rows (loss {losses[hardest[-1]]:.3f} .. {losses[hardest[0]]:.3f})"
+    )
+
+    spec = axolotl.render(
+        cfg.train,
+        str(base),
+        [axolotl_dataset(str(data_file))],
+        str(work_dir / "lora"),
+        tokenizer_type=tokenizer_type(base),
+    )
+    (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    last = axolotl.train(spec, work_dir / "lora", "2F/recovery")
+    (out_dir / "logs").mkdir()
+    shutil.copy2(work_dir / "lora" / "axolotl.log", out_dir / "logs" / "train.log")
+    adapter = axolotl.trained_files(work_dir / "lora", out_dir / "adapter")
+    if not (adapter / "adapter_config.json").is_file():
+        raise KibidangoError(f"stage 2F: axolotl wrote no adapter_config.json; see {out_dir / 'logs' / 'train.log'}")
+
+    ref = validation_loss(reference, data, cfg.eval_rows, cfg.eval_max_len)
+    comp = validation_loss(compressed, data, cfg.eval_rows, cfg.eval_max_len)
+    dense = validation_loss(base, data, cfg.eval_rows, cfg.eval_max_len)
+    if abs(dense["loss"] - comp["loss"]) > 1e-3 * max(
+        comp["loss"], 1e-9
+    ):  # the LoRA's base must be the compressed model
+        raise KibidangoError(
+            f"stage 2F: the decompressed base {base} does not reproduce {compressed} "
+            f"(validation loss {dense['loss']:.4f} vs {comp['loss']:.4f})"
+        )
+    rec = validation_loss(base, data, cfg.eval_rows, cfg.eval_max_len, adapter=adapter)
+    lost = comp["perplexity"] - ref["perplexity"]
+    metrics = {
+        "val_perplexity_reference": ref["perplexity"],
+        "val_perplexity_compressed": comp["perplexity"],
+        "val_perplexity_recovered": rec["perplexity"],
+        # share of the compression cost won back; only defined where compression cost > 1% perplexity
+        "recovered_share": (comp["perplexity"] - rec["perplexity"]) / lost
+        if lost > 0.01 * ref["perplexity"]
+        else float("nan"),
+        "hardest_rows": float(len(hardest)),
+        "candidate_rows": float(len(rows)),
+        "hardest_mean_loss": sum(losses[i] for i in hardest) / len(hardest),
+        "all_mean_loss": sum(losses) / len(losses),
+        "train_loss_final": last.get("loss", float("nan")),
+    }
+    write_adapter_manifest(
+        out_dir,
+        {"peft": ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]},
+        domain="recovery",
+        base_tier=cfg.tier,
+        base_model=f"stage 2B {cfg.tier} (AWQ, compressed-tensors)",
+        lora=cfg.train.lora.model_dump(),
+        metrics=metrics,
+    )
+    (out_dir / "recovery.json").write_text(json.dumps(metrics, indent=2))
+    share = metrics["recovered_share"]
+    summary = (
+        f"stage 2F: validation perplexity reference {ref['perplexity']:.2f}, compressed {comp['perplexity']:.2f}, "
+        f"compressed + recovery LoRA {rec['perplexity']:.2f} ("
+        + (
+            f"{share:.0%} of the compression cost recovered"
+            if share == share
+            else "compression cost under 1%: nothing to recover"
+        )
+        + f"; {len(hardest):,} rows by {cfg.selection})"
+    )
+    return StageResult(metrics, ["recovery.json", "adapter.json", "axolotl.yaml"], summary)

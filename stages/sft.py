@@ -1,0 +1,122 @@
+"""Stage 1A — student SFT: fine-tune the target tier on stage 0's train split with axolotl.
+
+The base is a hub id or directory (``base_model``; the GPU presets' Llama-3.1-8B-Instruct), or the
+``family`` input's tier (stage P's target in the tiny preset). Full fine-tune or LoRA per recipe;
+a LoRA is merged into the base weights (peft ``merge_and_unload``) when ``train.merge_lora`` is
+set, else the output is the adapter. Validation loss and perplexity of the response tokens are
+measured on stage 0's validation split before and after.
+
+Outputs: ``<tier>/`` (transformers checkpoint, or a peft adapter), ``axolotl.yaml``,
+``logs/train.log``, ``sft.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from methods.measure import lm
+from methods.training import axolotl
+from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from methods.training.models import copy_tokenizer, merge_lora, resolve_base, tokenizer_type
+from methods.training.recipe import TrainRecipe
+
+NAME = "student-sft"
+RESUMABLE = True
+LIBRARIES = ("transformers", "torch", "peft")
+
+log = logging.getLogger("kibidango.stage.1A")
+
+
+class Config(StageConfig):
+    base_model: str | None = Field(
+        None, description="Hub id or directory of the student; None: the `family` input's `tier`."
+    )
+    tier: str = Field("target", description="Tier of the `family` input to fine-tune (when base_model is None).")
+    tokenizer_type: str | None = Field(
+        None,
+        description="axolotl tokenizer_type; None: LlamaTokenizer where the base has a sentencepiece tokenizer.model, else axolotl's AutoTokenizer.",
+    )
+    domains: list[str] | None = Field(None, description="Train only on these stage-0 domains (None: all).")
+    max_train_rows: int | None = Field(None, gt=0, description="Cap on training rows (None: the whole train split).")
+    train: TrainRecipe
+    eval_rows: int = Field(300, gt=0, description="Validation rows the loss is measured on.")
+    eval_max_len: int = Field(256, gt=8)
+
+
+def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
+    """The axolotl YAML this stage runs, with placeholders for paths known only at run time."""
+    base = cfg.base_model or f"<stage P artifact>/{cfg.tier}"
+    return {
+        "sft": axolotl.render(
+            cfg.train,
+            base,
+            [axolotl_dataset("<work>/data/train.jsonl")],
+            "<work>/sft",
+            tokenizer_type=cfg.tokenizer_type,
+            cuda=cuda,
+        )
+    }
+
+
+def _rows(data: Path, split: str, domains: list[str] | None, limit: int | None) -> list[dict]:
+    rows = [r for r in load_split(data, split) if domains is None or r["domain"] in domains]
+    return rows[:limit] if limit else rows
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    from transformers import AutoTokenizer
+
+    base = resolve_base(cfg.base_model, inputs.get("family"), cfg.tier, "1A")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    data = inputs["data"] / "dataset"
+    train_rows = _rows(data, "train", cfg.domains, cfg.max_train_rows)
+    if not train_rows:
+        raise KibidangoError(f"stage 1A: no training rows in {data} for domains {cfg.domains}")
+    data_file = work_dir / "data" / "train.jsonl"
+    write_jsonl(data_file, ({"messages": messages(r)} for r in train_rows))
+    log.info(f"SFT data: {len(train_rows):,} rows (domains: {cfg.domains or 'all'})")
+
+    val = _rows(data, "validation", cfg.domains, cfg.eval_rows)
+    before = lm.response_loss(lm.load_causal_lm(base), tokenizer, val, cfg.eval_max_len)
+
+    spec = axolotl.render(
+        cfg.train,
+        base,
+        [axolotl_dataset(str(data_file))],
+        str(work_dir / "sft"),
+        tokenizer_type=cfg.tokenizer_type or tokenizer_type(base),
+    )
+    (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    last = axolotl.train(spec, work_dir / "sft", "1A/sft")
+    (out_dir / "logs").mkdir()
+    shutil.copy2(work_dir / "sft" / "axolotl.log", out_dir / "logs" / "train.log")
+    model_dir = out_dir / cfg.tier
+    if cfg.train.adapter == "lora" and cfg.train.merge_lora:
+        merge_lora(base, axolotl.trained_files(work_dir / "sft", work_dir / "adapter"), model_dir)
+    else:
+        axolotl.trained_files(work_dir / "sft", model_dir)
+    copy_tokenizer(Path(base), model_dir)
+
+    after = lm.response_loss(lm.load_causal_lm(model_dir), tokenizer, val, cfg.eval_max_len)
+    metrics = {
+        "val_loss_before": before["loss"],
+        "val_perplexity_before": before["perplexity"],
+        "val_loss_after": after["loss"],
+        "val_perplexity_after": after["perplexity"],
+        "train_rows": float(len(train_rows)),
+        "val_rows": float(len(val)),
+        "train_loss_final": last.get("loss", float("nan")),
+    }
+    (out_dir / "sft.json").write_text(json.dumps(metrics, indent=2))
+    summary = (
+        f"stage 1A: validation perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f} "
+        f"({len(val)} rows, response tokens; {len(train_rows):,} training rows)"
+    )
+    return StageResult(metrics, ["axolotl.yaml", "sft.json"], summary)
