@@ -94,7 +94,7 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
         tracker.end_run(run_id, ok=True)
         log.info(f"stage {stage_id} ({module.NAME}): cache hit {key} -> {cached.path}")
         if manifest.get("summary"):
-            log.info(manifest["summary"])
+            log.info(f"stage {stage_id} ({module.NAME}): {manifest['summary']}")
         return cached
 
     reason = "forced" if cached is not None else "no cached artifact"
@@ -138,8 +138,6 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
     except KibidangoError as e:
         store.discard(staging)
         tracker.end_run(run_id, ok=False)
-        if str(e).lower().startswith(f"stage {stage_id.lower()}"):
-            raise
         raise KibidangoError(f"stage {stage_id} ({module.NAME}): {e}") from e
     except BaseException:
         store.discard(staging)
@@ -152,7 +150,7 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
     tracker.log_files(run_id, Path(artifact.path), [*result.files_to_log, "manifest.json"])
     tracker.end_run(run_id, ok=True)
     if result.summary:
-        log.info(result.summary)
+        log.info(f"stage {stage_id} ({module.NAME}): {result.summary}")
     return artifact
 
 

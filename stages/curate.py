@@ -129,7 +129,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         **{f"split/{k}": v for k, v in stats["splits"].items()},
     }
     summary = ("SYNTHETIC DATA (no source present): " if synthetic else "") + (
-        f"stage 0: {rows_in:,} valid rows in, {stats['rejected']:,} quarantined, {len(kept):,} out "
+        f"{rows_in:,} valid rows in, {stats['rejected']:,} quarantined, {len(kept):,} out "
         f"({exact:,} exact + {near:,} near duplicates, {sum(drops.values()) - dups:,} filtered); "
         f"splits {stats['splits']}"
     )
@@ -176,7 +176,7 @@ def _ingest(cfg: Config, rejects_path: Path) -> tuple[list[Example], list[dict]]
     if not examples:
         if not cfg.synthetic_rows:
             raise KibidangoError(
-                "stage 0: no source is present and synthetic_rows is 0: " + ", ".join(s.location for s in cfg.sources)
+                "no source is present and synthetic_rows is 0: " + ", ".join(s.location for s in cfg.sources)
             )
         log.warning(
             f"SYNTHETIC DATA: no source is present ({', '.join(s.location for s in cfg.sources)}); generating "

@@ -189,20 +189,20 @@ def _measure(tiers: dict, tokenizer, val: list[dict], paths, prompts, cfg: Confi
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
-    teacher_dir = resolve_base(None, inputs["teacher"], cfg.teacher_tier, "1E")
-    inits = {name: resolve_base(s.init, inputs.get("family"), name, "1E") for name, s in cfg.students.items()}
+    teacher_dir = resolve_base(None, inputs["teacher"], cfg.teacher_tier, "teacher")
+    inits = {
+        name: resolve_base(s.init, inputs.get("family"), name, f"student {name}") for name, s in cfg.students.items()
+    }
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     for name, path in inits.items():
         if len(AutoTokenizer.from_pretrained(path)) != len(tokenizer):
-            raise KibidangoError(
-                f"stage 1E: student {name!r} ({path}) does not share the teacher's tokenizer ({teacher_dir})"
-            )
+            raise KibidangoError(f"student {name!r} ({path}) does not share the teacher's tokenizer ({teacher_dir})")
     data = inputs["data"] / "dataset"
     teacher = lm.load_causal_lm(teacher_dir)
 
     examples = distillation_set(tokenizer, load_split(data, "train"), cfg)
     if not examples:
-        raise KibidangoError(f"stage 1E: no train row of {data} fits in sequence_len {cfg.sequence_len}")
+        raise KibidangoError(f"no train row of {data} fits in sequence_len {cfg.sequence_len}")
     log.info(f"distillation set: {len(examples):,} rows that fit in {cfg.sequence_len} tokens")
     logprobs_file = out_dir / "teacher" / "logprobs.jsonl"
     teacher_logprobs(teacher, examples, cfg.top_k, logprobs_file)
@@ -222,9 +222,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         run_dir = work_dir / name
         tok_dir = right_padded_tokenizer(inits[name], run_dir / "tokenizer")
         if AutoTokenizer.from_pretrained(str(tok_dir)).padding_side != "right":
-            raise KibidangoError(
-                f"stage 1E: could not make {tok_dir} pad on the right (axolotl's KD collator needs it)"
-            )
+            raise KibidangoError(f"could not make {tok_dir} pad on the right (axolotl's KD collator needs it)")
         spec = axolotl.render(
             student.train,
             inits[name],
@@ -256,7 +254,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     return StageResult(
         metrics,
         ["family.md", "family.json", *[f"axolotl/{n}.yaml" for n in cfg.students]],
-        summary="stage 1E family (before KD -> after KD):\n" + table,
+        summary="family (before KD -> after KD):\n" + table,
     )
 
 

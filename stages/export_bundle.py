@@ -50,7 +50,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
 
     for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *cfg.adapters]:
         if name not in inputs:
-            raise KibidangoError(f"stage X: input {name!r} is not wired (add it to the preset's needs of stage X)")
+            raise KibidangoError(f"input {name!r} is not wired (add it to the preset's needs of stage X)")
     tiers: dict[str, dict[str, Any]] = {}
     for tier in TIER_ORDER:
         if tier not in cfg.hf_tiers:
@@ -58,9 +58,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         hf = inputs[cfg.hf_tiers[tier]] / tier
         ggufs = sorted((inputs[cfg.gguf_input] / tier).glob("*.gguf"))
         if not (hf / "config.json").is_file():
-            raise KibidangoError(f"stage X: {hf} is not a transformers checkpoint (no config.json)")
+            raise KibidangoError(f"{hf} is not a transformers checkpoint (no config.json)")
         if len(ggufs) != 1:
-            raise KibidangoError(f"stage X: expected one GGUF in {inputs[cfg.gguf_input] / tier}, found {len(ggufs)}")
+            raise KibidangoError(f"expected one GGUF in {inputs[cfg.gguf_input] / tier}, found {len(ggufs)}")
         config = json.loads((hf / "config.json").read_text())
         tiers[tier] = {
             "hf": hf,
@@ -93,7 +93,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     files = bundle.meta["files"]
     result = {"files": float(len(files)), "bundle_bytes": float(sum(f["size"] for f in files))}
     summary = (
-        f"stage X: bundle/ with {len(files)} files, {result['bundle_bytes'] / 1e6:.2f} MB, and BUNDLE_CARD.md; "
+        f"bundle/ with {len(files)} files, {result['bundle_bytes'] / 1e6:.2f} MB, and BUNDLE_CARD.md; "
         f"bundle.json sha256 {bundle.digest} (pin it: kibidango generate --expect-sha256 {bundle.digest})"
     )
     return StageResult(result, ["BUNDLE_CARD.md"], summary)

@@ -68,14 +68,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     report, failed = ["# Stage 2D — GGUF export", ""], []
     for tier, spec in cfg.tiers.items():
         if spec.quant not in QUANT_TYPES:
-            raise KibidangoError(
-                f"stage 2D: tier {tier}: unknown quant {spec.quant!r}; known: {', '.join(QUANT_TYPES)}"
-            )
+            raise KibidangoError(f"tier {tier}: unknown quant {spec.quant!r}; known: {', '.join(QUANT_TYPES)}")
         if spec.input not in inputs:
             raise KibidangoError(
-                f"stage 2D: tier {tier} reads input {spec.input!r}, which the preset does not give (needs: {{{spec.input}: ...}})"
+                f"tier {tier} reads input {spec.input!r}, which the preset does not give (needs: {{{spec.input}: ...}})"
             )
-        hf_dir = Path(resolve_base(None, inputs[spec.input], tier, f"2D ({tier})"))
+        hf_dir = Path(resolve_base(None, inputs[spec.input], tier, f"GGUF export ({tier})"))
         f16 = convert_hf_to_gguf(hf_dir, out_dir / tier / f"{tier}-F16.gguf", "f16")
         gguf = quantize(f16, out_dir / tier / f"{tier}-{spec.quant}.gguf", spec.quant)
         f16_bytes = f16.stat().st_size
@@ -122,7 +120,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         del model
     text = "\n".join(report)
     if failed:
-        raise KibidangoError(f"stage 2D: GGUF token-agreement gate failed: {'; '.join(failed)}\n\n{text}")
+        raise KibidangoError(f"GGUF token-agreement gate failed: {'; '.join(failed)}\n\n{text}")
     (out_dir / "gguf_report.md").write_text(text + "\n")
     (out_dir / "gguf.json").write_text(
         json.dumps({"tiers": {t: s.model_dump() for t, s in cfg.tiers.items()}, "metrics": metrics}, indent=2)

@@ -62,15 +62,13 @@ def external_inputs(cfg: Config) -> dict[str, str]:
     digests = {}
     tok = Path(cfg.tokenizer)
     if not tokenizer_files(tok):
-        raise KibidangoError(
-            f"stage P: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tok} (config key 'tokenizer')"
-        )
+        raise KibidangoError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tok} (config key 'tokenizer')")
     for f in tokenizer_files(tok):
         digests[f"tokenizer/{f.name}"] = file_sha256(f)
     if cfg.draft:
         draft = Path(cfg.draft)
         if not (draft / "config.json").is_file():
-            raise KibidangoError(f"stage P: 'draft' {draft} is not a transformers model directory (no config.json)")
+            raise KibidangoError(f"'draft' {draft} is not a transformers model directory (no config.json)")
         for f in sorted(draft.iterdir()):
             if f.is_file():
                 digests[f"draft/{f.name}"] = file_sha256(f)
@@ -148,5 +146,5 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     return StageResult(
         metrics,
         ["family.md", "family.json", *[f"axolotl/{n}.yaml" for n in cfg.tiers]],
-        summary="stage P family:\n" + report,
+        summary="family:\n" + report,
     )

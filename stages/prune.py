@@ -49,9 +49,9 @@ def external_inputs(cfg: Config) -> dict[str, str]:
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
-    source = resolve_base(cfg.base_model, inputs.get("model"), cfg.tier, NAME)
+    source = resolve_base(cfg.base_model, inputs.get("model"), cfg.tier, "pruning")
     recipe = llmc.recipe_file(cfg.recipe)
-    (out_dir / "llmcompressor_recipe.yaml").write_text(llmc.read_recipe(recipe, NAME))
+    (out_dir / "llmcompressor_recipe.yaml").write_text(llmc.read_recipe(recipe, "SparseGPT"))
     data = inputs["data"] / "dataset"
     pruned = out_dir / cfg.tier
     llmc.compress(
@@ -59,7 +59,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         recipe,
         data,
         pruned,
-        stage=NAME,
+        stage="SparseGPT",
         samples=cfg.calibration_samples,
         max_len=cfg.calibration_max_len,
         seed=cfg.seed,
@@ -70,7 +70,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     sparsity = weight_sparsity(pruned)
     if sparsity["sparsity"] < cfg.min_sparsity:
         raise KibidangoError(
-            f"stage 2A: the saved model {pruned} is {sparsity['sparsity']:.1%} sparse, below min_sparsity "
+            f"the saved model {pruned} is {sparsity['sparsity']:.1%} sparse, below min_sparsity "
             f"{cfg.min_sparsity:.1%}; check the recipe's targets/ignore ({recipe})"
         )
     before = validation_loss(source, data, cfg.eval_rows, cfg.eval_max_len)
@@ -85,7 +85,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     }
     (out_dir / "prune.json").write_text(json.dumps({"source": source, "metrics": metrics}, indent=2))
     summary = (
-        f"stage 2A: {cfg.tier} pruned to {sparsity['sparsity']:.1%} zeros in the saved decoder weights "
+        f"{cfg.tier} pruned to {sparsity['sparsity']:.1%} zeros in the saved decoder weights "
         f"(2:4 groups {sparsity['share_2of4_groups']:.1%}); validation perplexity "
         f"{before['perplexity']:.2f} -> {after['perplexity']:.2f}"
     )

@@ -56,7 +56,7 @@ def external_inputs(cfg: Config) -> dict[str, str]:
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     recipe = llmc.recipe_file(cfg.recipe)
-    (out_dir / "llmcompressor_recipe.yaml").write_text(llmc.read_recipe(recipe, NAME))
+    (out_dir / "llmcompressor_recipe.yaml").write_text(llmc.read_recipe(recipe, "AWQ"))
     data = inputs["data"] / "dataset"
     metrics: dict[str, float] = {}
     lines = []

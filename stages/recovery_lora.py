@@ -107,7 +107,7 @@ def decompress(compressed: Path, dest: Path) -> Path:
     weights = quantized.state_dict()
     missing = [k for k in dense.state_dict() if k not in weights]
     if missing:
-        raise KibidangoError(f"stage 2F: {compressed} decompressed without dense weights for {missing[:4]}")
+        raise KibidangoError(f"{compressed} decompressed without dense weights for {missing[:4]}")
     dense.load_state_dict({k: weights[k] for k in dense.state_dict()}, strict=True)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -132,15 +132,15 @@ def _score(model_dir: Path, tokenizer, rows: list[dict], max_len: int, label: st
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
-    compressed = Path(resolve_base(None, inputs.get("compressed"), cfg.tier, NAME))
-    reference = Path(resolve_base(None, inputs.get("reference"), cfg.tier, NAME))
+    compressed = Path(resolve_base(None, inputs.get("compressed"), cfg.tier, "compressed model"))
+    reference = Path(resolve_base(None, inputs.get("reference"), cfg.tier, "reference model"))
     base = decompress(compressed, work_dir / "base")
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     data = inputs["data"] / "dataset"
 
     rows = load_split(data, "train", limit=cfg.candidate_rows)
     if not rows:
-        raise KibidangoError(f"stage 2F: stage 0's train split ({data}) is empty")
+        raise KibidangoError(f"stage 0's train split ({data}) is empty")
     losses = _score(base, tokenizer, rows, cfg.train.sequence_len, "compressed")
     rank = losses
     if cfg.selection == "loss_increase":
@@ -167,7 +167,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     shutil.copy2(work_dir / "lora" / "axolotl.log", out_dir / "logs" / "train.log")
     adapter = axolotl.trained_files(work_dir / "lora", out_dir / "adapter")
     if not (adapter / "adapter_config.json").is_file():
-        raise KibidangoError(f"stage 2F: axolotl wrote no adapter_config.json; see {out_dir / 'logs' / 'train.log'}")
+        raise KibidangoError(f"axolotl wrote no adapter_config.json; see {out_dir / 'logs' / 'train.log'}")
 
     ref = validation_loss(reference, data, cfg.eval_rows, cfg.eval_max_len)
     comp = validation_loss(compressed, data, cfg.eval_rows, cfg.eval_max_len)
@@ -176,7 +176,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         comp["loss"], 1e-9
     ):  # the LoRA's base must be the compressed model
         raise KibidangoError(
-            f"stage 2F: the decompressed base {base} does not reproduce {compressed} "
+            f"the decompressed base {base} does not reproduce {compressed} "
             f"(validation loss {dense['loss']:.4f} vs {comp['loss']:.4f})"
         )
     rec = validation_loss(base, data, cfg.eval_rows, cfg.eval_max_len, adapter=adapter)
@@ -207,7 +207,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     (out_dir / "recovery.json").write_text(json.dumps(metrics, indent=2))
     share = metrics["recovered_share"]
     summary = (
-        f"stage 2F: validation perplexity reference {ref['perplexity']:.2f}, compressed {comp['perplexity']:.2f}, "
+        f"validation perplexity reference {ref['perplexity']:.2f}, compressed {comp['perplexity']:.2f}, "
         f"compressed + recovery LoRA {rec['perplexity']:.2f} ("
         + (
             f"{share:.0%} of the compression cost recovered"

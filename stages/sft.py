@@ -73,12 +73,12 @@ def _rows(data: Path, split: str, domains: list[str] | None, limit: int | None) 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
-    base = resolve_base(cfg.base_model, inputs.get("family"), cfg.tier, "1A")
+    base = resolve_base(cfg.base_model, inputs.get("family"), cfg.tier, "SFT")
     tokenizer = AutoTokenizer.from_pretrained(base)
     data = inputs["data"] / "dataset"
     train_rows = _rows(data, "train", cfg.domains, cfg.max_train_rows)
     if not train_rows:
-        raise KibidangoError(f"stage 1A: no training rows in {data} for domains {cfg.domains}")
+        raise KibidangoError(f"no training rows in {data} for domains {cfg.domains}")
     data_file = work_dir / "data" / "train.jsonl"
     write_jsonl(data_file, ({"messages": messages(r)} for r in train_rows))
     log.info(f"SFT data: {len(train_rows):,} rows (domains: {cfg.domains or 'all'})")
@@ -116,7 +116,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     }
     (out_dir / "sft.json").write_text(json.dumps(metrics, indent=2))
     summary = (
-        f"stage 1A: validation perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f} "
+        f"validation perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f} "
         f"({len(val)} rows, response tokens; {len(train_rows):,} training rows)"
     )
     return StageResult(metrics, ["axolotl.yaml", "sft.json"], summary)

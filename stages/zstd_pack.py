@@ -38,7 +38,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
 
     bundle = inputs["bundle"] / "bundle"
     if not (bundle / "bundle.json").is_file():
-        raise KibidangoError(f"stage 2E: {bundle} is not a bundle (no bundle.json); wire stage X as input 'bundle'")
+        raise KibidangoError(f"{bundle} is not a bundle (no bundle.json); wire stage X as input 'bundle'")
     packed = out_dir / "packed"
     meta = pack_bundle(bundle, packed, dict_size=cfg.dict_size, level=cfg.level)
 
@@ -46,7 +46,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         restored = unpack_bundle(packed, Path(tmp) / "restored")
         for e in meta["files"]:
             if not filecmp.cmp(bundle / e["path"], restored / e["path"], shallow=False):
-                raise KibidangoError(f"stage 2E: {e['path']} does not survive the zstd round trip byte for byte")
+                raise KibidangoError(f"{e['path']} does not survive the zstd round trip byte for byte")
 
     weights = [e for e in meta["files"] if e["path"].endswith(_WEIGHTS)]
     other = [e for e in meta["files"] if not e["path"].endswith(_WEIGHTS)]
@@ -78,7 +78,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     (out_dir / "pack_report.md").write_text("\n".join(report) + "\n")
     (out_dir / "pack.json").write_text(json.dumps(metrics, indent=2))
     summary = (
-        f"stage 2E: {meta['bytes'] / 1e6:.2f} MB -> {meta['packed_bytes'] / 1e6:.2f} MB with the dictionary "
+        f"{meta['bytes'] / 1e6:.2f} MB -> {meta['packed_bytes'] / 1e6:.2f} MB with the dictionary "
         f"(x{metrics['ratio']:.3f}; without it x{metrics['ratio_without_dictionary']:.3f}; weights x{metrics['weights_ratio']:.3f}); "
         f"round trip verified"
     )

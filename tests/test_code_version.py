@@ -56,3 +56,24 @@ def test_a_plumbing_edit_keeps_every_key(baseline):
     src = _source("core.store")
     edited = src.replace("h = hashlib.sha256()", "h = hashlib.sha256()  # noqa\n    h.update(b'')", 1)
     assert edited != src and _versions({"core.store": edited}) == baseline
+
+
+def test_moving_a_definition_to_another_module_keeps_every_key(baseline):
+    """normalize_text moves from records.py into a new module, and ingest.py imports it from there."""
+    records = _source("methods.curation.records")
+    start = records.index("def normalize_text(")
+    moved = "import unicodedata\n\n\n" + records[start:]
+    sources = {
+        "methods.curation.records": records[:start],
+        "methods.curation.text": moved,
+        "methods.curation.ingest": _source("methods.curation.ingest").replace(
+            "from methods.curation.records import Example, Reject, normalize_text",
+            "from methods.curation.records import Example, Reject\nfrom methods.curation.text import normalize_text",
+        ),
+    }
+    assert sources["methods.curation.ingest"] != _source("methods.curation.ingest")
+    assert _versions(sources) == baseline
+    # the same move with a changed body is a change
+    sources["methods.curation.text"] = moved.replace(".strip()", '.strip(" ")')
+    changed = {sid for sid, v in _versions(sources).items() if v != baseline[sid]}
+    assert changed == {"0"}

@@ -51,20 +51,18 @@ def read_recipe(path: str | Path, stage: str) -> str:
     """The text of an llm-compressor recipe file, checked to be YAML with at least one stage."""
     p = Path(path)
     if not p.is_file():
-        raise KibidangoError(f"stage {stage}: llm-compressor recipe not found: {p}")
+        raise KibidangoError(f"{stage}: llm-compressor recipe not found: {p}")
     text = p.read_text()
     try:
         body = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise KibidangoError(f"stage {stage}: {p} is not valid YAML: {e}") from e
+        raise KibidangoError(f"{stage}: {p} is not valid YAML: {e}") from e
     if not isinstance(body, dict) or not body:
-        raise KibidangoError(
-            f"stage {stage}: {p} is not an llm-compressor recipe (expected top-level '<name>_stage:' keys)"
-        )
+        raise KibidangoError(f"{stage}: {p} is not an llm-compressor recipe (expected top-level '<name>_stage:' keys)")
     skipped = [k for k in body if not str(k).endswith("_stage")]
     if skipped:  # llm-compressor 0.14 ignores such blocks without a word: the model would leave uncompressed
         raise KibidangoError(
-            f"stage {stage}: {p}: top-level key(s) {skipped} do not end in '_stage'; llm-compressor would skip them"
+            f"{stage}: {p}: top-level key(s) {skipped} do not end in '_stage'; llm-compressor would skip them"
         )
     return text
 
@@ -126,7 +124,7 @@ def compress(
         from llmcompressor.logger import LoggerConfig, configure_logger
     except ImportError as e:
         raise KibidangoError(
-            f"stage {stage}: llm-compressor is not installed; remedy: make setup (pip install llmcompressor)"
+            f"{stage}: llm-compressor is not installed; remedy: make setup (pip install llmcompressor)"
         ) from e
     log_file.parent.mkdir(parents=True, exist_ok=True)
 
@@ -136,7 +134,7 @@ def compress(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(seed)
     log.info(
-        f"stage {stage}: llm-compressor oneshot {recipe.name} on {model_dir} ({len(dataset)} calibration rows, <= {max_len} tokens)"
+        f"{stage}: llm-compressor oneshot {recipe.name} on {model_dir} ({len(dataset)} calibration rows, <= {max_len} tokens)"
     )
     started = time.monotonic()
     try:
@@ -148,7 +146,7 @@ def compress(
             contextlib.redirect_stderr(bars),
         ):
             configure_logger(LoggerConfig(console_log_level="ERROR", log_file=str(log_file), log_file_level="INFO"))
-            log.info(f"stage {stage}: llm-compressor oneshot {recipe.name} started (per-layer progress: {bars.name})")
+            log.info(f"{stage}: llm-compressor oneshot {recipe.name} started (per-layer progress: {bars.name})")
             oneshot(
                 model=model,
                 dataset=dataset,
@@ -161,7 +159,7 @@ def compress(
             model.save_pretrained(str(out), save_compressed=save_compressed)
     except torch.OutOfMemoryError as e:
         raise KibidangoError(
-            f"stage {stage}: out of memory while compressing {model_dir} ({e.__class__.__name__}); remedy: fewer "
+            f"{stage}: out of memory while compressing {model_dir} ({e.__class__.__name__}); remedy: fewer "
             f"calibration_samples or a shorter calibration_max_len in the stage recipe, or a larger GPU"
         ) from e
     except ValueError as e:  # llm-compressor's recipe and divisibility checks: the message is for people
@@ -171,9 +169,9 @@ def compress(
                 "\nremedy: a group_size that divides every listed width, or per-channel weights "
                 "(strategy: channel, as recipes/stage2B/awq-w4a16-channel.llmc.yaml)"
             )
-        raise KibidangoError(f"stage {stage}: llm-compressor refused recipe {recipe}:\n{e}{remedy}") from e
-    log.info(f"stage {stage}: llm-compressor oneshot done in {time.monotonic() - started:.0f}s")
+        raise KibidangoError(f"{stage}: llm-compressor refused recipe {recipe}:\n{e}{remedy}") from e
+    log.info(f"{stage}: llm-compressor oneshot done in {time.monotonic() - started:.0f}s")
     (out / "recipe.yaml").unlink(missing_ok=True)  # oneshot's copy; the stages keep llmcompressor_recipe.yaml
     if not (out / "config.json").is_file():
-        raise KibidangoError(f"stage {stage}: llm-compressor saved no config.json into {out}")
+        raise KibidangoError(f"{stage}: llm-compressor saved no config.json into {out}")
     copy_tokenizer(Path(model_dir), out)

@@ -22,25 +22,25 @@ __all__ = [
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
 
 
-def resolve_base(base_model: str | None, upstream: Path | None, tier: str, stage: str) -> str:
+def resolve_base(base_model: str | None, upstream: Path | None, tier: str, what: str) -> str:
     """``base_model`` (a hub id or a directory) if given, else ``<upstream artifact>/<tier>``."""
     if base_model:
         if (base_model.startswith((".", "/")) or Path(base_model).exists()) and not (
             Path(base_model) / "config.json"
         ).is_file():
             raise KibidangoError(
-                f"stage {stage}: base_model {base_model!r} is not a transformers model directory (no config.json)"
+                f"{what}: base_model {base_model!r} is not a transformers model directory (no config.json)"
             )
         return base_model
     if upstream is None:
         raise KibidangoError(
-            f"stage {stage}: set 'base_model' or give the stage an upstream model input (needs: {{family: P}})"
+            f"{what}: set 'base_model' or give the stage an upstream model input (needs: {{family: P}})"
         )
     path = upstream / tier
     if not (path / "config.json").is_file():
         known = sorted(p.name for p in upstream.iterdir() if (p / "config.json").is_file())
         raise KibidangoError(
-            f"stage {stage}: upstream artifact {upstream} has no tier {tier!r} (has: {', '.join(known) or 'none'})"
+            f"{what}: upstream artifact {upstream} has no tier {tier!r} (has: {', '.join(known) or 'none'})"
         )
     return str(path)
 
