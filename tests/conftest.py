@@ -55,3 +55,18 @@ def cli_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env.update(KIBIDANGO_HOME=str(home), PYTHONUNBUFFERED="1")
     return env
+
+
+def start_flow(preset: Path, home: Path):
+    """``python -m flows run --preset PRESET`` in a new session (so a test can kill it, or its whole
+    group), as a user starts it."""
+    import subprocess
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows", "run", "--preset", str(preset)],
+        cwd=REPO,
+        env=cli_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )

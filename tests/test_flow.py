@@ -16,7 +16,7 @@ import yaml
 
 from core.store import ArtifactStore
 from flows.tracking import TAG
-from tests.conftest import REPO, cli_env, write_jsonl
+from tests.conftest import REPO, cli_env, start_flow, write_jsonl
 
 
 def _cli(home: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -96,14 +96,7 @@ def test_kill_9_in_the_middle_of_stage_0_then_rerun(tmp_path):
     preset = _preset(tmp_path, write_jsonl(tmp_path / "big.jsonl", rows), language={"enabled": False})
     home = tmp_path / "home"
     stage_dir = home / "store" / "0"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows", "run", "--preset", str(preset)],
-        cwd=REPO,
-        env=cli_env(home),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_flow(preset, home)
     try:
         deadline = time.monotonic() + 180
         while not (stage_dir.is_dir() and any(p.name.startswith(".tmp-") for p in stage_dir.iterdir())):

@@ -7,17 +7,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from core.paths import REPO_ROOT
 from core.store import ArtifactStore
 from eval.shared_data import SHARED
-from methods.training.axolotl import REPO_ROOT
-from tests.conftest import REPO, cli_env
+from tests.conftest import start_flow
 from tests.test_flow import _cli
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
@@ -85,14 +84,7 @@ def _preset(tmp_path: Path) -> Path:
 def test_kill_9_during_training_then_rerun_resumes_from_the_checkpoint(tmp_path):
     _needs_axolotl_and_shared()
     preset, home = _preset(tmp_path), tmp_path / "home"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows", "run", "--preset", str(preset)],
-        cwd=REPO,
-        env=cli_env(home),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_flow(preset, home)
     deadline = time.monotonic() + 400
     checkpoint = None
     while time.monotonic() < deadline and proc.poll() is None:

@@ -216,11 +216,7 @@ def _jsonl_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, dict | 
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            reason = f"invalid UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
-            yield (
-                line_no,
-                Reject(spec.name, spec.path, line_no, "", reason, raw[:_RAW_CHARS].decode("utf-8", "replace")),
-            )
+            yield line_no, _not_utf8(spec, line_no, "", raw, e)
             continue
         try:
             record = json.loads(text)
@@ -232,6 +228,11 @@ def _jsonl_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, dict | 
             yield line_no, Reject(spec.name, spec.path, line_no, "", reason, text[:_RAW_CHARS])
             continue
         yield line_no, record
+
+
+def _not_utf8(spec: SourceSpec, line_no: int, field: str, raw: bytes, e: UnicodeDecodeError) -> Reject:
+    reason = f"invalid UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+    return Reject(spec.name, spec.path, line_no, field, reason, raw[:_RAW_CHARS].decode("utf-8", "replace"))
 
 
 def _decode_whole(spec: SourceSpec, data: bytes) -> str:
@@ -321,11 +322,7 @@ def _text_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, dict | R
         try:
             line = raw.decode("utf-8").rstrip("\r")
         except UnicodeDecodeError as e:
-            reason = f"invalid UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
-            yield (
-                line_no,
-                Reject(spec.name, spec.path, line_no, "text", reason, raw[:_RAW_CHARS].decode("utf-8", "replace")),
-            )
+            yield line_no, _not_utf8(spec, line_no, "text", raw, e)
             continue
         blank = not line.strip()
         ends_doc = {
