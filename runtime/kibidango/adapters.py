@@ -14,6 +14,7 @@ passed to llama.cpp (``Llama(lora_path=...)``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,16 @@ class Adapter:
     base_tier: str
     formats: dict[str, list[dict[str, Any]]]
     metrics: dict[str, float] = field(default_factory=dict)
+    listed: Callable[[Path], bool] | None = None
+    """For an adapter inside a bundle: whether bundle.json lists (and so hashed) a file."""
 
     @classmethod
-    def from_dir(cls, root: str | Path) -> Adapter:
+    def from_dir(cls, root: str | Path, listed: Callable[[Path], bool] | None = None) -> Adapter:
         root = Path(root)
         spec = read_json(root / "adapter.json", f"{root}: no adapter.json")
-        return cls(root, spec["domain"], spec.get("base_tier", "target"), spec["formats"], spec.get("metrics", {}))
+        return cls(
+            root, spec["domain"], spec.get("base_tier", "target"), spec["formats"], spec.get("metrics", {}), listed
+        )
 
     def files(self, fmt: str) -> list[Path]:
         """The adapter's files in ``fmt`` ('peft' or 'gguf'), each checked against its sha256."""
@@ -48,6 +53,10 @@ class Adapter:
             path = contained(self.root, entry.get("path"), f"{self.root / 'adapter.json'}: {fmt} file")
             if not path.is_file():
                 raise BundleError(f"adapter {self.domain!r}: file {entry['path']} is missing")
+            if self.listed is not None and not self.listed(path):
+                raise BundleError(
+                    f"adapter {self.domain!r}: file {entry['path']} is not listed in bundle.json: refused"
+                )
             if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
                 raise BundleError(
                     f"adapter {self.domain!r}: file {entry['path']} does not match its sha256 (tampered or corrupted)"
@@ -71,8 +80,9 @@ class Adapter:
 class AdapterSet:
     """Every adapter under a directory (``<dir>/<name>/adapter.json``), read on first use."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, listed: Callable[[Path], bool] | None = None):
         self.root = Path(root)
+        self.listed = listed  # in a bundle: only adapters whose files bundle.json lists
         self._index: dict[str, Path] | None = None
         self._loaded: dict[str, Adapter] = {}
 
@@ -84,7 +94,8 @@ class AdapterSet:
         if self._index is None:
             self._index = {}
             for manifest in sorted(self.root.glob("*/adapter.json")):
-                self._index[json.loads(manifest.read_text())["domain"]] = manifest.parent
+                if self.listed is None or self.listed(manifest):
+                    self._index[json.loads(manifest.read_text())["domain"]] = manifest.parent
         return self._index
 
     def get(self, domain: str) -> Adapter:
@@ -94,5 +105,5 @@ class AdapterSet:
                 raise BundleError(
                     f"no adapter for domain {domain!r} under {self.root}; have: {', '.join(sorted(index)) or 'none'}"
                 )
-            self._loaded[domain] = Adapter.from_dir(index[domain])
+            self._loaded[domain] = Adapter.from_dir(index[domain], self.listed)
         return self._loaded[domain]

@@ -63,6 +63,21 @@ class Bundle:
     unlisted: list[str] = field(default_factory=list)
     """Files in the bundle directory that bundle.json does not list (never loaded)."""
 
+    def listed(self, path: Path) -> bool:
+        """Whether bundle.json lists ``path`` (a file inside the bundle)."""
+        try:
+            rel = Path(path).resolve().relative_to(self.root.resolve()).as_posix()
+        except ValueError:
+            return False
+        return rel in {f["path"] for f in self.meta.get("files", [])}
+
+    @property
+    def adapters(self):
+        """The bundle's domain adapters (``adapters/<domain>/``), limited to the listed files."""
+        from kibidango.adapters import AdapterSet
+
+        return AdapterSet(self.root / "adapters", listed=self.listed)
+
     def tier(self, name: str, backend: str = "torch") -> Tier:
         if name not in self.tiers:
             have = ", ".join(self.tiers) or "none"

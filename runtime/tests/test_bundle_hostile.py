@@ -176,3 +176,37 @@ def test_a_packed_bundle_with_rewritten_hashes_is_refused_when_pinned(clean, tmp
     assert load_bundle(tmp_path / "packed").digest != good  # every hash "verifies"
     with pytest.raises(BundleError, match="was expected"):
         load_bundle(tmp_path / "packed", expect_sha256=good)
+
+
+def test_only_listed_adapters_are_loaded_from_a_bundle(clean, tmp_path):
+    bundle = _copy(clean, tmp_path)
+    planted = bundle / "adapters" / "code"
+    (planted / "adapter").mkdir(parents=True)
+    data = b'{"r": 8}'
+    (planted / "adapter" / "adapter_config.json").write_bytes(data)
+    entry = {"path": "adapter/adapter_config.json", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (planted / "adapter.json").write_text(json.dumps({"domain": "code", "formats": {"peft": [entry]}}))
+    loaded = load_bundle(bundle)
+    assert loaded.adapters.domains == []  # the planted adapter's own hashes count for nothing
+    assert "adapters/code/adapter.json" in loaded.unlisted
+
+
+def test_a_listed_adapter_is_loaded_and_checked(tmp_path):
+    needs_stories()
+    data = b'{"r": 8}'
+
+    def add_adapter(tmp: Path) -> dict:
+        (tmp / "adapters" / "code" / "adapter").mkdir(parents=True)
+        (tmp / "adapters" / "code" / "adapter" / "adapter_config.json").write_bytes(data)
+        entry = {"path": "adapter/adapter_config.json", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        (tmp / "adapters" / "code" / "adapter.json").write_text(
+            json.dumps({"domain": "code", "formats": {"peft": [entry]}})
+        )
+        return {}
+
+    root = write_bundle(
+        tmp_path / "b", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar"}, finalize=add_adapter
+    )
+    adapters = load_bundle(root).adapters
+    assert adapters.domains == ["code"]
+    assert [p.name for p in adapters.get("code").files("peft")] == ["adapter_config.json"]
