@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.hashing import file_sha256
+from core.processes import pid_alive
+
 __all__ = [
     "Artifact",
     "ArtifactStore",
     "cache_key",
-    "file_sha256",
-    "pid_alive",
     "read_manifest",
     "verify_files",
     "MANIFEST",
@@ -56,24 +57,6 @@ def cache_key(stage_id: str, code_version: str, config: dict, input_digests: dic
     """sha256 over the stage id, its code version, its canonical config and its inputs' digests."""
     payload = canonical_json({"stage": stage_id, "code": code_version, "config": config, "inputs": input_digests})
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
-
-
-_HASHED: dict[tuple, str] = {}
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    """sha256 of a file, remembered for this process while the file's size, mtime and inode stay
-    the same (the CLI's preflight and the flow both digest the raw sources: big files are read once)."""
-    st = os.stat(path)
-    memo = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-    if memo in _HASHED:
-        return _HASHED[memo]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    _HASHED[memo] = h.hexdigest()
-    return _HASHED[memo]
 
 
 def _content_digest(files: list[dict]) -> str:
@@ -257,19 +240,6 @@ def _owner_alive(tmp: Path) -> bool:
     except (IndexError, ValueError):
         return False
     return pid_alive(pid)
-
-
-def pid_alive(pid: int) -> bool:
-    """True if a process with this id runs on this machine (ours included)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
 
 
 def _write_durably(path: Path, text: str) -> None:

@@ -16,8 +16,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
+from core.processes import pid_alive
 from core.redaction import is_secret_key, redact_text
-from core.store import pid_alive
 from flows.workspace import default_artifact_location, tracking_uri
 
 __all__ = ["Tracker", "flatten_params", "TAG"]

@@ -21,7 +21,7 @@ import yaml
 from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
-from core.store import file_sha256
+from core.hashing import file_sha256
 from methods.measure import lm
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl

@@ -8,7 +8,7 @@ import datasets
 import pytest
 
 from core.contract import KibidangoError
-from core.store import file_sha256
+from core.hashing import file_sha256
 from stages import load_stage
 from tests.conftest import write_jsonl
 

@@ -19,8 +19,8 @@ import torch
 import yaml
 
 from core.contract import KibidangoError
+from core.hashing import file_sha256
 from core.paths import REPO_ROOT
-from core.store import file_sha256
 from methods.training.chat import encode, load_split, messages
 from methods.training.models import copy_tokenizer
 

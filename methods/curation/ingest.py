@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
-from core.store import file_sha256
+from core.hashing import file_sha256
 from methods.curation.records import Example, Reject, normalize_text
 
 __all__ = ["SourceError", "SourceSpec", "read_source", "source_digest"]

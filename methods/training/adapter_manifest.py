@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core.store import file_sha256
+from core.hashing import file_sha256
 
 __all__ = ["write_adapter_manifest"]
 

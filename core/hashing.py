@@ -1,0 +1,26 @@
+"""File hashing shared by the store, the stages' external inputs and the adapter manifests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+__all__ = ["file_sha256"]
+
+_HASHED: dict[tuple, str] = {}
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of a file, remembered for this process while the file's size, mtime and inode stay
+    the same (the CLI's preflight and the flow both digest the raw sources: big files are read once)."""
+    st = os.stat(path)
+    memo = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if memo in _HASHED:
+        return _HASHED[memo]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    _HASHED[memo] = h.hexdigest()
+    return _HASHED[memo]
