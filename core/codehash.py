@@ -108,6 +108,12 @@ class _Graph:
     def __init__(self, packages: tuple[str, ...], skip: tuple[str, ...], sources: dict[str, str]):
         self.packages, self.skip, self.sources = packages, skip, sources
 
+    def project(self, module: str) -> bool:
+        """A module of this project, plumbing included: its imports are not behaviour (what they
+        bind is followed by name), so they are left out of the normalised form."""
+        top = module.split(".")[0]
+        return top in self.packages or any(top == s.split(".")[0] for s in self.skip)
+
     def ours(self, module: str) -> bool:
         top_ok = module.split(".")[0] in self.packages
         return top_ok and not any(module == s or module.startswith(s + ".") for s in self.skip)
@@ -182,7 +188,8 @@ def _chain(node: ast.Attribute) -> list[str]:
 
 
 class _Normalise(ast.NodeTransformer):
-    """Drop docstrings and the imports of modules of ours (a move rewrites those, not behaviour)."""
+    """Drop docstrings and the imports of the project's modules, plumbing included (a move rewrites
+    those, not behaviour)."""
 
     def __init__(self, graph: _Graph, module: _Module):
         self.graph, self.module = graph, module
@@ -203,7 +210,7 @@ class _Normalise(ast.NodeTransformer):
         return super().generic_visit(node)
 
     def visit_Import(self, node: ast.Import):
-        keep = [a for a in node.names if not self.graph.ours(a.name)]
+        keep = [a for a in node.names if not self.graph.project(a.name)]
         if not keep:
             return None
         node.names = keep
@@ -211,7 +218,7 @@ class _Normalise(ast.NodeTransformer):
 
     def visit_ImportFrom(self, node: ast.ImportFrom):
         source = _absolute(self.module.name, self.module.is_package, node.level, node.module)
-        return None if self.graph.ours(source) else node
+        return None if self.graph.project(source) else node
 
 
 def _normalised(graph: _Graph, ref: Ref) -> str:

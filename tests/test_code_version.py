@@ -77,3 +77,12 @@ def test_moving_a_definition_to_another_module_keeps_every_key(baseline):
     sources["methods.curation.text"] = moved.replace(".strip()", '.strip(" ")')
     changed = {sid for sid, v in _versions(sources).items() if v != baseline[sid]}
     assert changed == {"0"}
+
+
+def test_moving_plumbing_keeps_every_key(baseline):
+    """A stage that imports a helper from a plumbing module keeps its version when the helper's
+    import moves to another plumbing module (the import lines themselves are not hashed)."""
+    src = _source("stages.pretrain")
+    moved = src.replace("from core.hashing import file_sha256", "from core.store import file_sha256")
+    assert moved != src
+    assert _versions({"stages.pretrain": moved}) == baseline
