@@ -1,12 +1,20 @@
-"""File hashing shared by the store, the stages' external inputs and the adapter manifests."""
+"""Hashing shared by the plumbing and the stages: canonical JSON (cache keys, content digests) and
+file sha256 (artifacts, raw sources, recipes, adapter manifests)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["file_sha256"]
+__all__ = ["canonical_json", "file_sha256"]
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
 
 _HASHED: dict[tuple, str] = {}
 

@@ -26,9 +26,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from core.hashing import file_sha256
+from core.hashing import canonical_json, file_sha256
 from core.processes import pid_alive
 
 __all__ = [
@@ -47,10 +46,6 @@ _WORK_PREFIX = ".work-"
 _TRASH_PREFIX = ".trash-"
 
 log = logging.getLogger("kibidango.store")
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def cache_key(stage_id: str, code_version: str, config: dict, input_digests: dict[str, str]) -> str:
