@@ -212,7 +212,8 @@ def extract_code(answer: str) -> str:
     """The program in an answer: the first fenced block if there is one, else the whole text."""
     if "```" in answer:
         body = answer.split("```", 2)[1]
-        return body.split("\n", 1)[1] if body.split("\n", 1)[0].strip().isalpha() else body
+        first, _, rest = body.partition("\n")
+        return rest if first.strip().isalpha() else body  # a language tag on the fence line
     return answer
 
 
