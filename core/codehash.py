@@ -15,6 +15,7 @@ of exactly the stages that reach that function. The versions of the libraries th
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -225,8 +226,6 @@ def _normalised(graph: _Graph, ref: Ref) -> str:
     module = graph.module(ref[0])
     if module is None:
         return ""
-    import copy
-
     nodes = module.tree.body if ref[1] == "*" else [module.defs[ref[1]]]
     out = []
     for node in nodes:

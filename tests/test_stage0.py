@@ -128,6 +128,9 @@ def test_synthetic_fallback_when_no_source_is_present(tmp_path):
     assert {"domain/general", "domain/math", "domain/code"} <= result.metrics.keys()
     card = (out / "data_card.md").read_text()
     assert "| gone |" in card and "| absent |" in card and "| synthetic |" in card
+    # announced loudly: summary, metric and card
+    assert result.summary.startswith("SYNTHETIC DATA") and result.metrics["synthetic"] == 1.0
+    assert "**SYNTHETIC DATA.**" in card
     out2 = tmp_path / "out2"
     out2.mkdir()
     with pytest.raises(KibidangoError, match="no source is present and synthetic_rows is 0"):
@@ -145,17 +148,6 @@ def test_a_present_source_with_no_valid_rows_is_an_error_not_a_synthetic_fallbac
         match=r"source 'mine': .*broken.jsonl yielded no valid rows \(27 quarantined; first: .*:1: field 'instruction' missing",
     ):
         s0.run(s0.Config(sources=sources, synthetic_rows=2000), {}, out)
-
-
-def test_synthetic_data_is_announced_loudly(tmp_path):
-    absent = [
-        {"name": "gone", "path": str(tmp_path / "missing.json"), "format": "alpaca", "license": "MIT", "optional": True}
-    ]
-    out = tmp_path / "out"
-    out.mkdir()
-    result = s0.run(s0.Config(sources=absent, synthetic_rows=100), {}, out)
-    assert result.summary.startswith("SYNTHETIC DATA") and result.metrics["synthetic"] == 1.0
-    assert "**SYNTHETIC DATA.**" in (out / "data_card.md").read_text()
 
 
 def test_external_inputs_change_with_source_bytes(tmp_path):

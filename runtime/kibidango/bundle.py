@@ -20,6 +20,7 @@ when it built the bundle: with a pin, a bundle whose manifest differs is refused
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -69,7 +70,11 @@ class Bundle:
             rel = Path(path).resolve().relative_to(self.root.resolve()).as_posix()
         except ValueError:
             return False
-        return rel in {f["path"] for f in self.meta.get("files", [])}
+        return rel in self._listed_paths
+
+    @functools.cached_property
+    def _listed_paths(self) -> frozenset[str]:
+        return frozenset(f["path"] for f in self.meta.get("files", []))
 
     @property
     def adapters(self):
