@@ -11,6 +11,7 @@ import pytest
 
 from methods.judges import Task, make_judge
 from methods.judges.math import final_number
+from tests.conftest import OPENAI_KEY_ENV
 
 
 def test_math_judge_reads_the_final_number_whatever_its_format():
@@ -128,3 +129,89 @@ def test_the_sandbox_says_how_it_isolates(code):
     assert set(iso) == {"network_namespace", "user_nobody", "python"}
     if os.geteuid() == 0 and iso["network_namespace"]:
         assert iso["user_nobody"]
+
+
+# ---- llm judge: against a real OpenAI-compatible server on 127.0.0.1 ----------------------------
+
+
+def test_llm_verdict_parsing_never_passes_what_it_cannot_read():
+    from methods.judges.llm import parse_verdict
+
+    assert parse_verdict('{"passed": true, "score": 0.9, "reason": "right"}') == {
+        "passed": True,
+        "score": 0.9,
+        "reason": "right",
+    }
+    assert parse_verdict('```json\n{"passed": false, "score": 0, "reason": "wrong"}\n```')["passed"] is False
+    for bad, why in (
+        ("Sure! The answer looks right.", "not JSON"),
+        ('["passed"]', "not an object"),
+        ('{"passed": "yes", "score": 1, "reason": "r"}', "boolean"),
+        ('{"passed": true, "score": 7, "reason": "r"}', "score"),
+        ('{"passed": true, "score": true, "reason": "r"}', "score"),
+        ('{"passed": true, "score": 1}', "reason"),
+        ("", "empty"),
+    ):
+        assert why in parse_verdict(bad)["error"], bad
+    assert "refused" in parse_verdict(None, refusal="I can't help with that")["error"]
+    assert "cut" in parse_verdict('{"passed": true, "score": 1, "reason": "r"}', finish_reason="length")["error"]
+
+
+def test_llm_judge_against_a_real_openai_compatible_server(openai_server, monkeypatch):
+    import httpx
+
+    from methods.judges.llm import LLMJudge, parse_verdict
+
+    base, key = openai_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    task = Task("g-1", "What colour is the sky?", reference="Blue.")
+    judge = make_judge(
+        "llm", base_url=base, model="stories260K", api_key_env=OPENAI_KEY_ENV, response_format="json_object"
+    )
+    verdict = judge(task, "The sky is blue.")
+    # The server's own reply to the same request, read without the openai client: the judge's
+    # verdict is exactly what parsing that reply gives (a tiny story model's verdict quality is
+    # beside the point; greedy decoding makes the reply repeatable).
+    raw = httpx.post(
+        base + "/chat/completions",
+        json=judge._request(task, "The sky is blue."),
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    ).json()
+    choice = raw["choices"][0]
+    expected = parse_verdict(choice["message"]["content"], None, choice["finish_reason"])
+    if "error" in expected:
+        assert verdict.outcome == "judge_error" and not verdict.passed and verdict.reason == expected["error"]
+    else:
+        assert (verdict.passed, verdict.score) == (expected["passed"], expected["score"])
+    assert verdict.details["prompt_tokens"] == raw["usage"]["prompt_tokens"] > 0
+    assert verdict.cost > 0 and key not in repr(verdict)
+
+    # No structured output asked for: the story model writes a story, cut at max_tokens.
+    free = LLMJudge(base, "stories260K", OPENAI_KEY_ENV, response_format="none", max_tokens=16)
+    assert free(task, "Blue.").outcome == "judge_error"
+
+    # An endpoint that rejects the request shape (llama-cpp-python knows no json_schema format).
+    strict = LLMJudge(base, "stories260K", OPENAI_KEY_ENV, response_format="json_schema", max_retries=0)
+    assert strict(task, "Blue.").outcome == "judge_error"
+
+
+def test_llm_judge_errors_name_the_variable_never_the_key(openai_server, monkeypatch):
+    from core.contract import KibidangoError
+    from methods.judges.llm import JudgeConfigError, LLMJudge
+
+    base, key = openai_server
+    monkeypatch.delenv(OPENAI_KEY_ENV, raising=False)
+    with pytest.raises(KibidangoError, match=OPENAI_KEY_ENV):
+        LLMJudge(base, "stories260K", OPENAI_KEY_ENV)
+    wrong = "sk-" + "x" * 40
+    monkeypatch.setenv(OPENAI_KEY_ENV, wrong)
+    with pytest.raises(JudgeConfigError, match="401") as err:
+        LLMJudge(base, "stories260K", OPENAI_KEY_ENV, response_format="json_object")(Task("t", "?"), "a")
+    assert wrong not in str(err.value) and key not in str(err.value) and OPENAI_KEY_ENV in str(err.value)
+
+    # An endpoint that does not answer: a retryable judge_error, never a pass.
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    gone = LLMJudge("http://127.0.0.1:9/v1", "m", OPENAI_KEY_ENV, max_retries=0, timeout_s=2)
+    verdict = gone(Task("t", "?"), "a")
+    assert verdict.outcome == "judge_error" and verdict.details["retryable"] and not verdict.passed

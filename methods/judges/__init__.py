@@ -3,7 +3,9 @@ one kind per way of knowing:
 
 - ``math`` (:mod:`methods.judges.math`): the final number against the reference, exactly;
 - ``code`` (:mod:`methods.judges.code`): the program run against the task's tests in a sandbox;
-- ``reference`` (:mod:`methods.judges.reference`): chrF against the gold answer, with a threshold.
+- ``reference`` (:mod:`methods.judges.reference`): chrF against the gold answer, with a threshold;
+- ``llm`` (:mod:`methods.judges.llm`): a rubric prompt to an OpenAI-compatible endpoint, the reply
+  parsed as JSON against a schema.
 
 Judges are pure library code: stages (failure mining, critique filtering, gates) and evaluation
 scripts build one with :func:`make_judge` from a recipe's settings.
@@ -17,7 +19,7 @@ __all__ = ["Judge", "Task", "Verdict", "make_judge"]
 
 
 def make_judge(kind: str, **settings) -> Judge:
-    """A judge of ``kind`` ("math", "code", "reference") with the recipe's ``settings``."""
+    """A judge of ``kind`` ("math", "code", "reference", "llm") with the recipe's ``settings``."""
     if kind == "math":
         from methods.judges.math import MathJudge
 
@@ -30,4 +32,8 @@ def make_judge(kind: str, **settings) -> Judge:
         from methods.judges.reference import ReferenceJudge
 
         return ReferenceJudge(**settings)
-    raise ValueError(f"unknown judge kind {kind!r}; known: math, code, reference")
+    if kind == "llm":
+        from methods.judges.llm import LLMJudge
+
+        return LLMJudge(**settings)
+    raise ValueError(f"unknown judge kind {kind!r}; known: math, code, reference, llm")

@@ -1,0 +1,196 @@
+"""The LLM judge: a rubric prompt to any OpenAI-compatible endpoint (OpenAI, OpenRouter, vLLM,
+llama.cpp's server, ...) through the ``openai`` client, and the answer parsed as JSON against a
+schema.
+
+The recipe gives the endpoint (``base_url``), the ``model`` and the *name* of the environment
+variable holding the key (``api_key_env``), never the key: it is read when the judge is built,
+and no reason, error or detail this module writes can hold it.
+
+Structured output, by ``response_format``:
+
+- ``json_schema``: OpenAI's structured outputs (``{"type": "json_schema", ...}``), also served by
+  vLLM and OpenRouter;
+- ``json_object``: ``{"type": "json_object", "schema": ...}``, the form llama.cpp's and
+  llama-cpp-python's servers constrain with a grammar;
+- ``none``: the schema is only described in the prompt.
+
+Whatever the endpoint promised, the reply is parsed and validated here: text that is not a JSON
+object of the schema, a refusal, or a reply cut at ``max_tokens`` is a ``judge_error`` verdict,
+never a pass. So is an endpoint that stays unreachable (timeouts, 5xx, rate limits) after the
+client's retries: ``details["retryable"]`` says a later run may judge that answer again. A wrong
+key, an unknown model or a malformed request are configuration errors and raise
+:class:`JudgeConfigError`: every verdict after them would fail the same way.
+
+``cost`` is the wall seconds of the call; ``details`` carries the token usage and, where the recipe
+gives prices, the dollars.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from core.contract import KibidangoError
+from core.redaction import redact_text, secret_from_env
+from methods.judges.base import Task, Verdict
+
+__all__ = ["DEFAULT_RUBRIC", "VERDICT_SCHEMA", "JudgeConfigError", "LLMJudge", "parse_verdict"]
+
+VERDICT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "passed": {"type": "boolean"},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "reason": {"type": "string"},
+    },
+    "required": ["passed", "score", "reason"],
+    "additionalProperties": False,
+}
+
+DEFAULT_RUBRIC = (
+    "You grade an assistant's answer to a task. Judge correctness first, then completeness and "
+    "clarity. Reply with a JSON object only: "
+    '{"passed": true or false, "score": a number from 0 to 1, "reason": "one sentence"}.'
+)
+
+_USER = "Task:\n{prompt}\n\nReference answer (may be empty):\n{reference}\n\nAnswer to grade:\n{answer}"
+
+
+class JudgeConfigError(KibidangoError):
+    """The endpoint refuses the judge's configuration (key, model, request): stop, do not count."""
+
+
+def parse_verdict(content: str | None, refusal: str | None = None, finish_reason: str | None = None) -> dict:
+    """The verdict fields of a reply, or ``{"error": why}``: a refusal, a reply cut at the token
+    limit or by a content filter, text that is not JSON, or JSON outside the schema."""
+    if refusal:
+        return {"error": f"the judge refused: {refusal[:200]}"}
+    if finish_reason in ("length", "content_filter"):
+        return {"error": f"the judge's reply was cut ({finish_reason})"}
+    if not content or not content.strip():
+        return {"error": "the judge's reply is empty"}
+    text = content.strip()
+    if text.startswith("```"):  # a fenced reply: take the block
+        text = text.strip("`").removeprefix("json").strip()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return {"error": f"the judge's reply is not JSON ({e.msg} at char {e.pos}): {text[:80]!r}"}
+    if not isinstance(data, dict):
+        return {"error": f"the judge's reply is JSON but not an object: {text[:80]!r}"}
+    passed, score, reason = data.get("passed"), data.get("score"), data.get("reason")
+    if not isinstance(passed, bool):
+        return {"error": "the judge's reply has no boolean 'passed'"}
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0 <= score <= 1:
+        return {"error": f"the judge's 'score' is not a number in [0, 1]: {score!r}"}
+    if not isinstance(reason, str):
+        return {"error": "the judge's reply has no string 'reason'"}
+    return {"passed": passed, "score": float(score), "reason": reason}
+
+
+@dataclass
+class LLMJudge:
+    base_url: str
+    model: str
+    api_key_env: str | None = None
+    """Name of the environment variable holding the key (None: a local endpoint without one)."""
+    rubric: str = DEFAULT_RUBRIC
+    response_format: str = "json_schema"
+    max_tokens: int = 256
+    temperature: float = 0.0
+    timeout_s: float = 60.0
+    max_retries: int = 2
+    usd_per_1k_prompt: float = 0.0
+    usd_per_1k_completion: float = 0.0
+    max_chars: int = 6000
+    """Task, reference and answer are each cut to this many characters in the prompt."""
+    kind: str = "llm"
+    _client: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from openai import OpenAI
+
+        if self.response_format not in ("json_schema", "json_object", "none"):
+            raise KibidangoError(
+                f"llm judge: response_format {self.response_format!r}: use json_schema, json_object or none"
+            )
+        key = secret_from_env(self.api_key_env, f"llm judge {self.model}") if self.api_key_env else "none"
+        self._client = OpenAI(base_url=self.base_url, api_key=key, timeout=self.timeout_s, max_retries=self.max_retries)
+
+    def _request(self, task: Task, answer: str) -> dict:
+        cut = self.max_chars
+        user = _USER.format(prompt=task.prompt[:cut], reference=task.reference[:cut], answer=answer[:cut])
+        kw: dict = {
+            "model": self.model,
+            "messages": [{"role": "system", "content": self.rubric}, {"role": "user", "content": user}],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
+        if self.response_format == "json_schema":
+            kw["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "verdict", "schema": VERDICT_SCHEMA, "strict": True},
+            }
+        elif self.response_format == "json_object":
+            kw["response_format"] = {"type": "json_object", "schema": VERDICT_SCHEMA}
+        return kw
+
+    def __call__(self, task: Task, answer: str) -> Verdict:
+        import openai
+
+        started = time.monotonic()
+        try:
+            reply = self._client.chat.completions.create(**self._request(task, answer))
+        except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as e:
+            raise JudgeConfigError(
+                f"llm judge {self.model} at {self.base_url}: the endpoint refused the request "
+                f"(HTTP {e.status_code}): {_why(e)}; check base_url, model and {self.api_key_env or 'the key'}"
+            ) from None
+        except openai.BadRequestError as e:
+            raise JudgeConfigError(
+                f"llm judge {self.model} at {self.base_url}: bad request (HTTP 400): {_why(e)}"
+            ) from None
+        except (
+            openai.APIConnectionError,
+            openai.APITimeoutError,
+            openai.RateLimitError,
+            openai.InternalServerError,
+        ) as e:
+            return Verdict(
+                False,
+                0.0,
+                f"judge unreachable after {self.max_retries} retries: {type(e).__name__}: {_why(e)}",
+                "judge_error",
+                time.monotonic() - started,
+                {"retryable": True},
+            )
+        except openai.APIStatusError as e:
+            return Verdict(
+                False, 0.0, f"judge error HTTP {e.status_code}: {_why(e)}", "judge_error", time.monotonic() - started
+            )
+        elapsed = time.monotonic() - started
+        usage = reply.usage
+        details = {"prompt_tokens": usage.prompt_tokens if usage else 0}
+        details["completion_tokens"] = usage.completion_tokens if usage else 0
+        details["usd"] = (
+            details["prompt_tokens"] * self.usd_per_1k_prompt
+            + details["completion_tokens"] * self.usd_per_1k_completion
+        ) / 1000
+        if not reply.choices:
+            return Verdict(False, 0.0, "the judge's reply has no choices", "judge_error", elapsed, details)
+        choice = reply.choices[0]
+        parsed = parse_verdict(choice.message.content, getattr(choice.message, "refusal", None), choice.finish_reason)
+        if "error" in parsed:
+            return Verdict(False, 0.0, redact_text(parsed["error"]), "judge_error", elapsed, details)
+        passed, score = parsed["passed"], parsed["score"]
+        return Verdict(
+            passed, score, redact_text(parsed["reason"][:500]), "passed" if passed else "failed", elapsed, details
+        )
+
+
+def _why(e: Exception) -> str:
+    """An API error's message, short, with anything key-shaped masked."""
+    body = getattr(e, "body", None)
+    message = body.get("message") if isinstance(body, dict) and isinstance(body.get("message"), str) else str(e)
+    return redact_text(message[:300])
