@@ -33,6 +33,7 @@ __all__ = [
     "Stage",
     "StageConfig",
     "StageResult",
+    "TABLE_ROWS",
     "code_version",
 ]
 
@@ -62,6 +63,12 @@ class StageResult:
     """Small files (paths relative to ``out_dir``) logged as MLflow artifacts: cards, plots."""
     summary: str = ""
     """A few human lines printed by the flow after the stage."""
+    tables: dict[str, str] = field(default_factory=dict)
+    """MLflow tables: artifact name (``answers.json``) -> a JSONL file under ``out_dir`` whose
+    first :data:`TABLE_ROWS` rows are logged with ``log_table`` (the whole file stays in the artifact)."""
+
+
+TABLE_ROWS = 1000
 
 
 class Stage(Protocol):

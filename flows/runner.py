@@ -13,7 +13,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from core.contract import KibidangoError, StageConfig, code_version, config_to_dict
+from core.contract import TABLE_ROWS, KibidangoError, StageConfig, code_version, config_to_dict
 from core.progress import metric_sink
 from core.redaction import redact
 from core.store import Artifact, ArtifactStore, cache_key
@@ -148,6 +148,8 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
     tracker.set_tags(run_id, {f"{TAG}artifact": artifact.path, f"{TAG}digest": artifact.digest})
     tracker.log_metrics(run_id, result.metrics)
     tracker.log_files(run_id, Path(artifact.path), [*result.files_to_log, "manifest.json"])
+    for name, rel in result.tables.items():
+        tracker.log_table(run_id, Path(artifact.path) / rel, name, TABLE_ROWS)
     tracker.end_run(run_id, ok=True)
     if result.summary:
         log.info(f"stage {stage_id} ({module.NAME}): {result.summary}")

@@ -44,6 +44,12 @@ def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _cell(value: Any) -> Any:
+    if isinstance(value, (dict, list)):
+        value = json.dumps(value, ensure_ascii=False)
+    return redact_text(value) if isinstance(value, str) else value
+
+
 class Tracker:
     def __init__(self, experiment: str):
         self.client = MlflowClient(tracking_uri())
@@ -81,6 +87,21 @@ class Tracker:
             path = root / rel
             if path.is_file():
                 self.client.log_artifact(run_id, str(path), artifact_path=str(Path(rel).parent) if "/" in rel else None)
+
+    def log_table(self, run_id: str, path: Path, artifact_file: str, max_rows: int) -> None:
+        """The first ``max_rows`` rows of the JSONL file ``path`` as an MLflow table (columns of
+        nested values are stored as JSON text; strings are redacted)."""
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if len(rows) >= max_rows:
+                    break
+                rows.append(json.loads(line))
+        if not rows:
+            return
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        data = {c: [_cell(r.get(c)) for r in rows] for c in columns}
+        self.client.log_table(run_id, data=data, artifact_file=artifact_file)
 
     def reap_orphans(self) -> list[str]:
         """Mark KILLED the runs left RUNNING by a process of this host that no longer exists

@@ -12,6 +12,8 @@ STAGES: dict[str, str] = {
     "0": "stages.curate",
     "P": "stages.pretrain",
     "1A": "stages.sft",
+    "1B": "stages.mine_failures",
+    "1C": "stages.critique_filter",
     "1E": "stages.distill",
     "3": "stages.domain_lora",
     "4": "stages.domain_lora",

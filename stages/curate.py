@@ -94,6 +94,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         "sources": source_stats,
         "rows_in": rows_in,
         "rejected": sum(s["rejected"] for s in source_stats),
+        "held_out": sum(s.get("held_out", 0) for s in source_stats),
         "reject_reasons": _reject_reasons(out_dir / "rejects.jsonl"),
         "after_filters": after_filters,
         "drops": dict(drops),
@@ -118,6 +119,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         "synthetic": float(synthetic),
         "rows_in": rows_in,
         "rows_rejected": stats["rejected"],
+        "rows_held_out": stats["held_out"],
         "rows_after_filters": after_filters,
         "rows_out": len(kept),
         "exact_duplicates": exact,
@@ -151,7 +153,8 @@ def _ingest(cfg: Config, rejects_path: Path) -> tuple[list[Example], list[dict]]
                 continue
             progress = Progress(f"ingest {spec.name}", spec.limit, log)
             read = rejected = 0
-            for item in read_source(spec):
+            held_out: list[str] = []  # a benchmark's evaluation part: never read (methods/benchmarks.py)
+            for item in read_source(spec, held_out):
                 if isinstance(item, Reject):
                     rejected += 1
                     n_rejects += 1
@@ -170,7 +173,11 @@ def _ingest(cfg: Config, rejects_path: Path) -> tuple[list[Example], list[dict]]
                     f"{'; '.join(_first_rejects(rejects_path, spec.name, 3)) or 'none'}). "
                     f"Check its `format` ({spec.format}) and `fields`, or remove the source."
                 )
-            source_stats.append({**stat, "status": "read", "rows_read": read, "rejected": rejected})
+            if held_out:
+                log.info(f"source '{spec.name}': {len(held_out):,} {spec.benchmark} evaluation tasks held out")
+            source_stats.append(
+                {**stat, "status": "read", "rows_read": read, "rejected": rejected, "held_out": len(held_out)}
+            )
     if n_rejects > _REJECTS_SHOWN:
         log.warning(f"{n_rejects:,} rows quarantined in all; every one is in {rejects_path}")
     if not examples:

@@ -75,6 +75,7 @@ def render_card(stats: dict, title: str) -> str:
         "| step | rows |",
         "|---|---:|",
         f"| read | {rows_in + rejected:,} |",
+        f"| benchmark evaluation tasks held out, never read (`methods/benchmarks.py`) | {stats.get('held_out', 0):,} |",
         f"| rejected as unreadable (quarantined in `rejects.jsonl`) | {rejected:,} |",
         f"| valid rows in | {rows_in:,} |",
         f"| after quality and language filters | {after_filters:,} |",

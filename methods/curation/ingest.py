@@ -33,7 +33,7 @@ from core.contract import KibidangoError
 from core.hashing import file_sha256
 from methods.curation.records import Example, Reject, normalize_text
 
-__all__ = ["SourceError", "SourceSpec", "read_source", "source_digest"]
+__all__ = ["SourceError", "SourceSpec", "read_source", "records", "source_digest"]
 
 Format = Literal["alpaca", "sharegpt", "gsm8k", "mbpp", "humaneval", "text"]
 _RAW_CHARS = 300  # how much of a rejected row the rejects file keeps
@@ -81,6 +81,11 @@ class SourceSpec(BaseModel):
         "`single_newline` (documents end at a single newline; a blank line is a paragraph break inside one).",
     )
     optional: bool = Field(False, description="Skip the source with a warning when its file is absent.")
+    benchmark: Literal["gsm8k", "mbpp", "humaneval"] | None = Field(
+        None,
+        description="This file is that benchmark's task file: rows of its evaluation part (methods/benchmarks.py) "
+        "are held out, never read into the dataset; only its mining part is curated.",
+    )
 
     @model_validator(mode="after")
     def _one_location(self) -> SourceSpec:
@@ -123,14 +128,23 @@ def source_digest(spec: SourceSpec) -> str:
     return f"hf:{spec.hf}@{spec.hf_revision or 'main'}:{spec.hf_config}:{spec.hf_split}"
 
 
-def read_source(spec: SourceSpec) -> Iterator[Example | Reject]:
-    """Every row of the source as an Example (domain may still be `auto`) or a Reject."""
+def read_source(spec: SourceSpec, held_out: list[str] | None = None) -> Iterator[Example | Reject]:
+    """Every row of the source as an Example (domain may still be `auto`) or a Reject. A benchmark
+    source's evaluation rows are skipped; their task ids are appended to ``held_out``."""
+    from methods.benchmarks import part, task_id
+
     n_valid = n_seen = 0
-    for line, record in _records(spec):
+    for line, record in records(spec):
         n_seen += 1
         if isinstance(record, Reject):
             yield record
             continue
+        if spec.benchmark is not None:
+            tid = task_id(spec.benchmark, record, line, spec.location)
+            if part(spec.benchmark, tid) == "evaluation":
+                if held_out is not None:
+                    held_out.append(tid)
+                continue
         try:
             instruction, input_, output = _parse(spec.format, record, spec.fields)
         except FieldError as e:
@@ -154,7 +168,9 @@ def read_source(spec: SourceSpec) -> Iterator[Example | Reject]:
 # ---- containers: yield (line or row number, record dict | Reject) ---------------------------
 
 
-def _records(spec: SourceSpec) -> Iterator[tuple[int, dict | Reject]]:
+def records(spec: SourceSpec) -> Iterator[tuple[int, dict | Reject]]:
+    """Every record of the source's container (JSON array, JSONL, text, HF dataset) with its line
+    or row number, or a Reject for one that cannot be read (before any format's fields are read)."""
     if spec.hf is not None:
         yield from _hf_records(spec)
         return

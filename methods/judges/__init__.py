@@ -15,25 +15,49 @@ from __future__ import annotations
 
 from methods.judges.base import Judge, Task, Verdict
 
-__all__ = ["Judge", "Task", "Verdict", "make_judge"]
+__all__ = ["KINDS", "Judge", "Task", "Verdict", "check_settings", "make_judge"]
+
+KINDS = ("math", "code", "reference", "llm")
 
 
-def make_judge(kind: str, **settings) -> Judge:
-    """A judge of ``kind`` ("math", "code", "reference", "llm") with the recipe's ``settings``."""
+def _class(kind: str) -> type:
     if kind == "math":
         from methods.judges.math import MathJudge
 
-        return MathJudge(**settings)
+        return MathJudge
     if kind == "code":
         from methods.judges.code import CodeJudge
 
-        return CodeJudge(**settings)
+        return CodeJudge
     if kind == "reference":
         from methods.judges.reference import ReferenceJudge
 
-        return ReferenceJudge(**settings)
+        return ReferenceJudge
     if kind == "llm":
         from methods.judges.llm import LLMJudge
 
-        return LLMJudge(**settings)
-    raise ValueError(f"unknown judge kind {kind!r}; known: math, code, reference, llm")
+        return LLMJudge
+    raise ValueError(f"unknown judge kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def check_settings(kind: str, settings: dict) -> None:
+    """Raise ValueError naming an unknown kind, an unknown setting or a missing one, without
+    building the judge (so a recipe is checked before a stage starts, and no key is read)."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(_class(kind)) if f.init and f.name != "kind"}
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise ValueError(f"{kind} judge: unknown setting(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in settings and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ValueError(f"{kind} judge: missing setting(s) {', '.join(missing)}")
+
+
+def make_judge(kind: str, **settings) -> Judge:
+    """A judge of ``kind`` (one of :data:`KINDS`) with the recipe's ``settings``."""
+    return _class(kind)(**settings)

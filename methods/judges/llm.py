@@ -17,8 +17,9 @@ Structured output, by ``response_format``:
 Whatever the endpoint promised, the reply is parsed and validated here: text that is not a JSON
 object of the schema, a refusal, or a reply cut at ``max_tokens`` is a ``judge_error`` verdict,
 never a pass. So is an endpoint that stays unreachable (timeouts, 5xx, rate limits) after the
-client's retries: ``details["retryable"]`` says a later run may judge that answer again. A wrong
-key, an unknown model or a malformed request are configuration errors and raise
+client's retries: ``details["retryable"]`` says a later run may judge that answer again; so is a
+request the endpoint rejects (HTTP 400: too long for its context, filtered), not retryable. A
+wrong key or an unknown model (401, 403, 404) are configuration errors and raise
 :class:`JudgeConfigError`: every verdict after them would fail the same way.
 
 ``cost`` is the wall seconds of the call; ``details`` carries the token usage and, where the recipe
@@ -147,10 +148,14 @@ class LLMJudge:
                 f"llm judge {self.model} at {self.base_url}: the endpoint refused the request "
                 f"(HTTP {e.status_code}): {_why(e)}; check base_url, model and {self.api_key_env or 'the key'}"
             ) from None
-        except openai.BadRequestError as e:
-            raise JudgeConfigError(
-                f"llm judge {self.model} at {self.base_url}: bad request (HTTP 400): {_why(e)}"
-            ) from None
+        except openai.BadRequestError as e:  # this request (too long for the context, filtered, ...)
+            return Verdict(
+                False,
+                0.0,
+                f"the judge rejected the request (HTTP 400): {_why(e)}",
+                "judge_error",
+                time.monotonic() - started,
+            )
         except (
             openai.APIConnectionError,
             openai.APITimeoutError,

@@ -1,0 +1,85 @@
+"""A model answering instructions with the runtime (``kibidango``): greedy, target-only decoding in
+the family's chat format (:mod:`methods.training.chat`), and how confident the model was of what it
+wrote (the mean log-probability of the answer's tokens under the same model).
+
+Used by failure mining (1B), critique (1C) and evaluation: they see the answers a bundle user
+would get from the same weights, not a second generation loop's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from methods.training.chat import TEMPLATE
+
+__all__ = ["Answer", "Answerer"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    tokens: int
+    """Generated tokens (the stop token excluded)."""
+    finish_reason: str
+    """``stop`` (an end-of-text token or a stop string), ``length`` (max_new_tokens), ``context``."""
+    mean_logprob: float
+    """Mean log-probability of the answer's tokens under the model (0 for an empty answer)."""
+    seconds: float
+
+    @property
+    def confidence(self) -> float:
+        """exp(mean log-probability): the model's per-token confidence in what it wrote, in (0, 1]."""
+        return math.exp(self.mean_logprob)
+
+
+class Answerer:
+    """``Answerer(model_dir)(instruction, input)`` -> :class:`Answer`. ``model_dir`` is a
+    transformers checkpoint with its tokenizer (a stage's tier directory)."""
+
+    def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, stop: tuple[str, ...] = ()):
+        from transformers import AutoTokenizer
+
+        from kibidango import DecodeConfig, Pipeline
+        from kibidango.backends.torch_backend import TorchModel
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = TorchModel(model_dir, name="target")
+        # Documents were separated by BOS in pretraining: a model emits it where it thinks a text ends.
+        stop_ids = tuple(i for i in (self.tokenizer.eos_token_id, self.tokenizer.bos_token_id) if i is not None)
+        self.config = DecodeConfig(mode="ar", temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        self.pipeline = Pipeline(self.tokenizer, {"target": self.model}, self.config)
+        self.stop = list(stop)
+
+    def prompt_ids(self, instruction: str, input_: str = "") -> list[int]:
+        prompt = "\n\n".join(part for part in (instruction, input_) if part)
+        turns = [{"role": "user", "content": prompt}]
+        return list(self.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False))
+
+    def __call__(self, instruction: str, input_: str = "") -> Answer:
+        started = time.monotonic()
+        ids = self.prompt_ids(instruction, input_)
+        room = self.model.context_length - len(ids)
+        if room < 1:
+            return Answer("", 0, "context", 0.0, time.monotonic() - started)
+        result = self.pipeline.generate(ids, stop=self.stop, max_new_tokens=min(self.config.max_new_tokens, room))
+        out = [t for t in result.token_ids if t not in self.config.stop_ids]
+        finish = result.metrics.finish_reason or ("length" if len(out) >= self.config.max_new_tokens else "stop")
+        return Answer(result.text, len(out), finish, self.mean_logprob(ids, out), time.monotonic() - started)
+
+    def mean_logprob(self, prompt_ids: list[int], answer_ids: list[int]) -> float:
+        """Mean log-probability of ``answer_ids`` after ``prompt_ids``: one forward pass."""
+        if not answer_ids:
+            return 0.0
+        ids = (prompt_ids + answer_ids)[: self.model.context_length]
+        n = len(ids) - len(prompt_ids)
+        if n < 1:
+            return 0.0
+        logits = self.model.new_session().feed(ids)[len(prompt_ids) - 1 : -1]
+        logits = logits - logits.max(axis=-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        return float(logp[np.arange(n), ids[len(prompt_ids) :]].mean())

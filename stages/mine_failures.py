@@ -1,0 +1,355 @@
+"""Stage 1B — failure mining: the 1A student answers held-out tasks and every answer is judged.
+
+Samples (the recipe's ``samples``): the **mining** half of the verifiable benchmarks (GSM8K test,
+MBPP, HumanEval; :mod:`methods.benchmarks`), less any task whose text is in stage 0's train split,
+and rows of stage 0's held-out splits (validation, test) per domain. Each domain is judged by the
+recipe's judge for it (``judges``: math, code, reference or llm; :mod:`methods.judges`). The
+student generates with the runtime (``kibidango``, greedy, the family's chat format).
+
+Resumable: every judged row is appended (fsynced) to the work directory's ``rows.jsonl``; a
+killed attempt's rerun generates and judges only the rows not there, and re-judges only answers
+whose judge was unreachable (``judge_error``, retryable) — a paid judge call is never repeated.
+
+Outputs: ``answers/`` (a ``datasets`` table: id, sample, domain, prompt, answer, reference,
+verdict, score, reason, judge kind, tokens, confidence, ...), ``answers.jsonl`` (the same rows;
+the first 1,000 are an MLflow table), ``mining.json`` (every figure) and ``MINING_CARD.md``.
+Failure = an answer the judge read and rejected (failed, timeout, error); a judge error is no
+verdict on the student and is counted apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from core.hashing import file_sha256
+from core.progress import Progress, report_metrics
+from methods.benchmarks import BENCHMARKS, load_tasks
+from methods.failures import RowLog, row_key, sample, training_texts
+from methods.judges import KINDS, Task, check_settings, make_judge
+from methods.measure.generate import Answerer
+from methods.training.chat import load_split
+
+NAME = "failure-mining"
+RESUMABLE = True
+LIBRARIES = ("transformers", "torch", "datasets", "sacrebleu")
+
+log = logging.getLogger("kibidango.stage.1B")
+
+FAILED = ("failed", "timeout", "error")
+"""Outcomes that are failures of the student (a ``judge_error`` is not a verdict)."""
+
+
+class Sample(StageConfig):
+    name: str = Field(description="Label of this sample in the table and the metrics.")
+    source: Literal["gsm8k", "mbpp", "humaneval", "stage0"] = Field(
+        description="A benchmark's mining half, or stage 0's held-out rows (`domain`)."
+    )
+    path: str | None = Field(None, description="The benchmark's task file (source other than stage0).")
+    domain: str | None = Field(None, description="stage0: the stage-0 domain to sample; benchmarks: their own.")
+    size: int = Field(gt=0, description="Rows to test (fewer when fewer are held out).")
+    optional: bool = Field(True, description="Skip with a warning when the benchmark file is absent.")
+
+    @model_validator(mode="after")
+    def _where(self) -> Sample:
+        if self.source == "stage0":
+            if not self.domain or self.path:
+                raise ValueError(f"sample {self.name!r}: a stage0 sample names a `domain` and no `path`")
+        elif not self.path:
+            raise ValueError(f"sample {self.name!r}: benchmark {self.source} needs its `path`")
+        return self
+
+    @property
+    def sample_domain(self) -> str:
+        return self.domain or BENCHMARKS[self.source]["domain"]
+
+
+class Config(StageConfig):
+    tier: str = Field("target", description="Tier directory of the `student` input (stage 1A's output).")
+    samples: list[Sample] = Field(min_length=1, description="What the student is tested on.")
+    judges: dict[str, dict] = Field(
+        description="Per domain, the judge: {kind: math|code|reference|llm, ...its settings} "
+        "(methods/judges). llm: base_url, model and api_key_env (the variable's name, never the key)."
+    )
+    held_out_splits: list[str] = Field(["validation", "test"], description="Stage-0 splits stage0 samples draw from.")
+    max_new_tokens: int = Field(128, gt=0, description="Tokens the student may write per answer.")
+    seed: int = Field(0, description="Which rows a sample of a given size takes.")
+    max_judge_error_rate: float = Field(
+        0.5, ge=0, le=1, description="Fail the stage (rows kept for the rerun) when more answers got no verdict."
+    )
+
+    @model_validator(mode="after")
+    def _judged(self) -> Config:
+        for s in self.samples:
+            judge = self.judges.get(s.sample_domain)
+            if judge is None:
+                raise ValueError(f"sample {s.name!r}: no judge for its domain {s.sample_domain!r} in `judges`")
+            if s.source == "stage0" and judge.get("kind") == "code":
+                raise ValueError(f"sample {s.name!r}: stage-0 rows carry no tests; the code judge needs a benchmark")
+        for domain, judge in self.judges.items():
+            if judge.get("kind") not in KINDS:
+                raise ValueError(f"judges.{domain}: kind must be one of {', '.join(KINDS)}")
+            try:
+                check_settings(judge["kind"], {k: v for k, v in judge.items() if k != "kind"})
+            except ValueError as e:
+                raise ValueError(f"judges.{domain}: {e}") from None
+        return self
+
+
+def external_inputs(cfg: Config) -> dict[str, str]:
+    """The benchmark files' digests ("absent" for a missing optional one)."""
+    out = {}
+    for s in cfg.samples:
+        if s.path is not None:
+            present = Path(s.path).is_file()
+            if not present and not s.optional:
+                raise KibidangoError(f"sample {s.name!r}: benchmark file not found: {s.path}")
+            out[f"benchmark:{s.name}"] = file_sha256(Path(s.path)) if present else "absent"
+    return out
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    data = inputs["data"] / "dataset"
+    seen = training_texts(load_split(data, "train"))
+    rows, excluded = _select(cfg, data, seen)
+    if not rows:
+        raise KibidangoError("no held-out rows to test: every sample is absent or empty")
+    judges = {
+        domain: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for domain, j in cfg.judges.items()
+    }
+    student_dir = inputs["student"] / cfg.tier
+    if not (student_dir / "config.json").is_file():
+        raise KibidangoError(f"the student input has no transformers checkpoint at {student_dir}")
+
+    done = RowLog(work_dir / "rows.jsonl")
+    if done.resumed:
+        log.info(f"resuming: {done.resumed:,} of {len(rows):,} rows were judged by an earlier attempt")
+    answerer = None
+    generated = rejudged = 0
+    gen_seconds = 0.0
+    progress = Progress("1B answers", len(rows), log)
+    try:
+        for i, row in enumerate(rows, 1):
+            prior = done.get(row["id"])
+            if prior is not None and not prior.get("retryable"):
+                continue
+            judge = judges[row["domain"]]
+            if prior is not None:  # answered before; its judge was unreachable: judge it again
+                answer = {k: prior[k] for k in ("answer", "tokens", "finish_reason", "mean_logprob", "confidence")}
+                answer["gen_seconds"] = prior["gen_seconds"]
+                rejudged += 1
+            else:
+                if answerer is None:
+                    answerer = Answerer(student_dir, cfg.max_new_tokens)
+                a = answerer(row["instruction"], row["input"])
+                answer = {
+                    "answer": a.text,
+                    "tokens": a.tokens,
+                    "finish_reason": a.finish_reason,
+                    "mean_logprob": a.mean_logprob,
+                    "confidence": a.confidence,
+                    "gen_seconds": a.seconds,
+                }
+                generated += 1
+                gen_seconds += a.seconds
+            verdict = judge(row["task"], answer["answer"])
+            done.add({**_public(row), **answer, **_verdict(verdict, judge.kind)})
+            progress.update(i)
+            if generated and generated % 25 == 0:
+                report_metrics(
+                    {"answers_done": len(done), "failure_rate_so_far": _failure_rate(list(done))[0]}, len(done)
+                )
+        progress.finish(len(rows))
+    finally:
+        done.close()
+
+    table = [done.get(r["id"]) for r in rows]
+    errors = sum(1 for r in table if r["outcome"] == "judge_error")
+    if errors > cfg.max_judge_error_rate * len(table):
+        first = next(r["reason"] for r in table if r["outcome"] == "judge_error")
+        raise KibidangoError(
+            f"{errors:,} of {len(table):,} answers got no verdict (max_judge_error_rate {cfg.max_judge_error_rate}); "
+            f"first: {first}. The answers are kept: a rerun judges only these again."
+        )
+    metrics, stats = _figures(cfg, table, excluded, generated, rejudged, done.resumed, gen_seconds)
+    _write_table(table, out_dir)
+    (out_dir / "mining.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
+    (out_dir / "MINING_CARD.md").write_text(_card(stats))
+    summary = (
+        f"{stats['tested']:,} answers judged, {stats['failed']:,} failures "
+        f"({stats['failure_rate']:.1%} of {stats['judged']:,} with a verdict), {errors:,} judge errors; "
+        + ", ".join(f"{d} {v['failure_rate']:.0%}" for d, v in stats["domains"].items())
+        + f"; {generated:,} generated now, {done.resumed:,} resumed"
+    )
+    return StageResult(metrics, ["MINING_CARD.md", "mining.json"], summary, tables={"answers.json": "answers.jsonl"})
+
+
+def _select(cfg: Config, data: Path, seen: set[str]) -> tuple[list[dict], dict[str, int]]:
+    """The rows to test, in a fixed order, and per sample how many were left out as seen in training."""
+    rows: list[dict] = []
+    excluded: dict[str, int] = {}
+    taken: set[str] = set()
+    for s in cfg.samples:
+        if s.source == "stage0":
+            pool = []
+            for split in cfg.held_out_splits:
+                for r in load_split(data, split, s.sample_domain):
+                    if not r["instruction"]:  # a plain text (a story) is no task to answer
+                        continue
+                    task = Task(r["id"], "\n\n".join(p for p in (r["instruction"], r["input"]) if p), r["output"])
+                    pool.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": task})
+            excluded[s.name] = 0
+        else:
+            if not Path(s.path).is_file():
+                log.warning(f"sample {s.name!r}: {s.path} is absent; skipped (optional)")
+                continue
+            pool, excluded[s.name] = [], 0
+            for bt in load_tasks(s.source, s.path, "mining"):
+                instruction, input_ = bt.instruction()
+                if row_key(instruction, input_) in seen:
+                    excluded[s.name] += 1  # curated into training by stage 0: not held out
+                    continue
+                pool.append({"id": bt.id, "instruction": instruction, "input": input_, "task": bt.task})
+        chosen = [r for r in sample(pool, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in taken][: s.size]
+        if len(chosen) < s.size:
+            log.warning(f"sample {s.name!r}: {len(chosen)} held-out rows, fewer than its size {s.size}")
+        for r in chosen:
+            taken.add(r["id"])
+            rows.append({**r, "sample": s.name, "source": s.source, "domain": s.sample_domain})
+    return rows, excluded
+
+
+def _public(row: dict) -> dict:
+    t: Task = row["task"]
+    return {
+        "id": row["id"],
+        "sample": row["sample"],
+        "source": row["source"],
+        "domain": row["domain"],
+        "prompt": t.prompt,
+        "instruction": row["instruction"],
+        "input": row["input"],
+        "reference": t.reference,
+    }
+
+
+def _verdict(v, kind: str) -> dict:
+    return {
+        "outcome": v.outcome,
+        "passed": bool(v.passed),
+        "score": float(v.score),
+        "reason": v.reason,
+        "judge": kind,
+        "judge_seconds": float(v.cost),
+        "judge_usd": float(v.details.get("usd", 0.0)),
+        "retryable": bool(v.details.get("retryable", False)),
+    }
+
+
+def _failure_rate(rows: list[dict]) -> tuple[float, int, int]:
+    judged = [r for r in rows if r["outcome"] != "judge_error"]
+    failed = sum(1 for r in judged if r["outcome"] in FAILED)
+    return (failed / len(judged) if judged else 0.0), failed, len(judged)
+
+
+def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) -> tuple[dict, dict]:
+    rate, failed, judged = _failure_rate(table)
+    domains = {}
+    for d in sorted({r["domain"] for r in table}):
+        d_rate, d_failed, d_judged = _failure_rate([r for r in table if r["domain"] == d])
+        domains[d] = {"tested": sum(1 for r in table if r["domain"] == d), "failed": d_failed, "judged": d_judged}
+        domains[d]["failure_rate"] = d_rate
+    samples = {}
+    for s in cfg.samples:
+        mine = [r for r in table if r["sample"] == s.name]
+        samples[s.name] = {
+            "source": s.source,
+            "tested": len(mine),
+            "failed": _failure_rate(mine)[1],
+            "seen_in_training_excluded": excluded.get(s.name, 0),
+            "outcomes": dict(Counter(r["outcome"] for r in mine)),
+        }
+    stats = {
+        "command": "make stage-1b",
+        "tested": len(table),
+        "judged": judged,
+        "failed": failed,
+        "failure_rate": rate,
+        "judge_errors": len(table) - judged,
+        "outcomes": dict(Counter(r["outcome"] for r in table)),
+        "domains": domains,
+        "samples": samples,
+        "generated_now": generated,
+        "resumed": resumed,
+        "rejudged": rejudged,
+        "answers_per_second": generated / gen_seconds if gen_seconds else 0.0,
+        "mean_tokens": sum(r["tokens"] for r in table) / len(table),
+        "judge_usd": sum(r["judge_usd"] for r in table),
+        "judges": {d: j["kind"] for d, j in cfg.judges.items()},
+    }
+    metrics = {
+        "tested": len(table),
+        "judged": judged,
+        "failed": failed,
+        "failure_rate": rate,
+        "judge_errors": stats["judge_errors"],
+        "rows_generated": generated,
+        "rows_resumed": resumed,
+        "rows_rejudged": rejudged,
+        "answers_per_second": stats["answers_per_second"],
+        "judge_usd": stats["judge_usd"],
+        **{f"failure_rate/{d}": v["failure_rate"] for d, v in domains.items()},
+        **{f"tested/{d}": v["tested"] for d, v in domains.items()},
+    }
+    return metrics, stats
+
+
+def _write_table(table: list[dict], out_dir: Path) -> None:
+    from datasets import Dataset
+
+    with open(out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
+        for r in table:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    Dataset.from_list(table).save_to_disk(str(out_dir / "answers"))
+
+
+def _card(stats: dict) -> str:
+    lines = [
+        "# Failure mining (stage 1B)",
+        "",
+        f"Every figure below was computed by the stage that wrote this card (`{stats['command']}`).",
+        "",
+        "| sample | source | tested | failed | outcomes | left out (seen in training) |",
+        "|---|---|---:|---:|---|---:|",
+    ]
+    for name, s in stats["samples"].items():
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items()))
+        lines.append(
+            f"| {name} | {s['source']} | {s['tested']:,} | {s['failed']:,} | {outcomes} "
+            f"| {s['seen_in_training_excluded']:,} |"
+        )
+    lines += [
+        "",
+        "| domain | judge | tested | with a verdict | failed | failure rate |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for d, v in stats["domains"].items():
+        lines.append(
+            f"| {d} | {stats['judges'].get(d, '?')} | {v['tested']:,} | {v['judged']:,} | {v['failed']:,} "
+            f"| {v['failure_rate']:.1%} |"
+        )
+    lines += [
+        f"| **all** | | {stats['tested']:,} | {stats['judged']:,} | {stats['failed']:,} | **{stats['failure_rate']:.1%}** |",
+        "",
+        f"Judge errors (no verdict): {stats['judge_errors']:,}. Mean answer length {stats['mean_tokens']:.1f} tokens; "
+        f"{stats['answers_per_second']:.2f} answers/s generated in this run ({stats['generated_now']:,} generated, "
+        f"{stats['resumed']:,} resumed from an interrupted attempt). Judge spend ${stats['judge_usd']:.4f}.",
+        "",
+    ]
+    return "\n".join(lines)

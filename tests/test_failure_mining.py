@@ -1,0 +1,239 @@
+"""Stages 1B (failure mining) and 1C (critique filtering) on real data and a real model: stage 0's
+tiny recipe on ../shared, and stories260K (the family's draft tier) standing in for the 1A student.
+
+The 1B run goes through the runner and the store in a child process, as a flow runs it: killed
+with SIGKILL mid-run, it publishes nothing, and the rerun generates only the rows not yet judged.
+Its general rows are judged by the ``llm`` judge against llama-cpp-python's server on loopback,
+with the key in an environment variable: the key is then looked for everywhere the run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.paths import REPO_ROOT
+from core.store import ArtifactStore
+from eval.shared_data import SHARED
+from methods.failures import row_key
+from tests.conftest import OPENAI_KEY_ENV, cli_env, needs_shared
+
+STORIES = SHARED / "models" / "stories260K" / "hf"
+DATA = SHARED / "data"
+
+CHILD = """
+import json, sys
+from core.store import Artifact
+from flows.runner import RunContext, execute_stage
+from stages import load_stage
+spec = json.loads(sys.argv[1])
+cfg = load_stage(spec["stage"]).Config(**spec["config"])
+inputs = {n: Artifact(s, "k-" + n, p, "d-" + n) for n, (s, p) in spec["inputs"].items()}
+artifact = execute_stage(spec["stage"], cfg, inputs, RunContext("test", "kibidango-test", spec["store"]))
+print("ARTIFACT " + artifact.path)
+"""
+
+
+def _run_stage(spec: dict, env: dict, wait: bool = True) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(spec)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    if wait:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+        proc.output = out
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stage0(tmp_path_factory) -> Path:
+    """Stage 0's output for the tiny recipe (real sources; ~5 s)."""
+    needs_shared()
+    import stages.curate as curate
+
+    out = tmp_path_factory.mktemp("stage0")
+    cfg = curate.Config(**yaml.safe_load((REPO_ROOT / "recipes/stage0/tiny.yaml").read_text()))
+    curate.run(cfg, {}, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory) -> Path:
+    if not STORIES.is_dir():
+        pytest.skip(f"needs {STORIES} (../shared)")
+    root = tmp_path_factory.mktemp("student")
+    shutil.copytree(STORIES, root / "target")
+    return root
+
+
+def _config_1b(base_url: str | None = None) -> dict:
+    general = {"kind": "reference", "threshold": 0.4}
+    if base_url:
+        general = {
+            "kind": "llm",
+            "base_url": base_url,
+            "model": "stories260K",
+            "api_key_env": OPENAI_KEY_ENV,
+            "response_format": "json_object",
+            "max_tokens": 48,
+            "max_retries": 0,
+            "max_chars": 200,  # the test server's context is 512 tokens
+        }
+    return {
+        "samples": [
+            {"name": "gsm8k", "source": "gsm8k", "path": str(DATA / "gsm8k/test.jsonl"), "size": 8},
+            {"name": "mbpp", "source": "mbpp", "path": str(DATA / "mbpp/mbpp.jsonl"), "size": 8},
+            {"name": "humaneval", "source": "humaneval", "path": str(DATA / "humaneval/HumanEval.jsonl.gz"), "size": 4},
+            {"name": "general", "source": "stage0", "domain": "general", "size": 12},
+        ],
+        "judges": {
+            "math": {"kind": "math"},
+            "code": {"kind": "code", "wall_seconds": 8, "cpu_seconds": 3, "memory_mb": 512},
+            "general": general,
+        },
+        "max_new_tokens": 48,
+        "max_judge_error_rate": 1.0,
+    }
+
+
+def test_held_out_rows_are_never_training_rows(stage0):
+    from methods.training.chat import load_split
+    from stages.mine_failures import Config, _select
+
+    data = stage0 / "dataset"
+    train = {row_key(r["instruction"], r["input"]) for r in load_split(data, "train")}
+    cfg = Config(**{**_config_1b(), "samples": [{**s, "size": 1000} for s in _config_1b()["samples"]]})
+    rows, excluded = _select(cfg, data, train)
+    assert not {row_key(r["instruction"], r["input"]) for r in rows} & train
+    assert excluded["mbpp"] > 300  # MBPP's mining half is curated: most of it is in the train split
+    assert excluded["gsm8k"] == excluded["humaneval"] == 0  # never curated
+    assert len({r["id"] for r in rows}) == len(rows)
+    general_ids = {r["id"] for r in rows if r["sample"] == "general"}
+    held_out = {r["id"] for s in ("validation", "test") for r in load_split(data, s, "general")}
+    assert general_ids and general_ids <= held_out
+
+
+def test_1b_resumes_after_kill_9_and_never_leaks_the_key(stage0, student, openai_server, workspace, tmp_path):
+    base_url, key = openai_server
+    env = {**cli_env(workspace), OPENAI_KEY_ENV: key}
+    store_root = workspace / "store"
+    spec = {
+        "stage": "1B",
+        "config": _config_1b(base_url),
+        "inputs": {"student": ["1A", str(student)], "data": ["0", str(stage0)]},
+        "store": str(store_root),
+    }
+    proc = _run_stage(spec, env, wait=False)
+    deadline = time.monotonic() + 300
+    rows_file = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list((store_root / "1B").glob(".work-*/rows.jsonl")) if (store_root / "1B").is_dir() else []
+        if found and len(found[0].read_text().splitlines()) >= 10:
+            rows_file = found[0]
+            break
+        time.sleep(0.1)
+    assert rows_file is not None, f"1B never got to 10 rows: {proc.communicate()[0][-2000:]}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = len([line for line in rows_file.read_text().splitlines() if line.strip()])
+    store = ArtifactStore(store_root)
+    assert not list(store.artifacts("1B")), "a killed 1B published an artifact"
+
+    done = _run_stage(spec, env)
+    artifact = Path(done.output.split("ARTIFACT ")[-1].strip())
+    metrics = json.loads((artifact / "manifest.json").read_text())["metrics"]
+    assert metrics["tested"] == 32
+    assert metrics["rows_resumed"] >= killed_at - 1  # the line being written at the kill may be torn
+    assert metrics["rows_generated"] + metrics["rows_resumed"] == 32
+    assert not rows_file.parent.exists(), "the work directory outlived the published artifact"
+
+    from datasets import load_from_disk
+
+    table = load_from_disk(str(artifact / "answers"))
+    assert len(table) == 32 and len(set(table["id"])) == 32
+    for column in ("id", "domain", "prompt", "answer", "reference", "outcome", "score", "reason", "judge", "tokens"):
+        assert column in table.column_names
+    assert set(table["judge"]) == {"math", "code", "llm"}
+    assert {o for o, j in zip(table["outcome"], table["judge"]) if j == "llm"} <= {"passed", "failed", "judge_error"}
+    # Every failure is a verdict: failure rate = failed / judged, judge errors apart.
+    stats = json.loads((artifact / "mining.json").read_text())
+    assert stats["failed"] + stats["outcomes"].get("passed", 0) + stats["judge_errors"] == 32
+
+    # The MLflow table artifact, and the key nowhere.
+    tables = list((workspace / "mlartifacts").rglob("answers.json"))
+    assert tables and len(json.loads(tables[0].read_text())["data"]) == 32
+    leaks = [
+        p
+        for p in workspace.rglob("*")
+        if p.is_file() and key.encode() in p.read_bytes()  # the store, MLflow's db and artifacts
+    ]
+    assert not leaks, f"the API key was written to {leaks}"
+    assert key not in done.output
+
+
+def test_1c_funnel_collapses_duplicates_and_keeps_the_most_severe(tmp_path):
+    """1C on a handmade 1B table: a near-duplicate cluster keeps its most severe row, each domain
+    keeps its top_k, passes and judge errors never enter the funnel's failures."""
+    from stages.critique_filter import Config, run
+
+    mined = tmp_path / "mined"
+    mined.mkdir()
+    rows = []
+
+    def row(i, domain, outcome, score, confidence, prompt, judge="math"):
+        rows.append(
+            {
+                "id": f"r{i}",
+                "domain": domain,
+                "outcome": outcome,
+                "score": score,
+                "confidence": confidence,
+                "prompt": prompt,
+                "answer": "42",
+                "reference": "#### 7",
+                "reason": "final number 42 differs from the reference 7",
+                "judge": judge,
+            }
+        )
+
+    row(0, "math", "passed", 1.0, 0.9, "Add 3 and 4 apples in a basket for the fair.")
+    row(1, "math", "judge_error", 0.0, 0.9, "A reference with no number in it at all here.")
+    row(2, "math", "failed", 0.0, 0.2, "Tom has 3 red apples and 4 green apples; how many apples in all?")
+    row(3, "math", "failed", 0.0, 0.9, "Tom has 3 red apples and 4 green apples; how many apples in total?")
+    row(4, "math", "failed", 0.0, 0.5, "A train leaves at 9 and arrives at 11; how long is the trip?")
+    row(5, "math", "failed", 0.0, 0.1, "How many legs do five spiders have together on a wall?")
+    row(6, "code", "timeout", 0.0, 0.4, "Write a function that reverses a list.", "code")
+    row(7, "code", "failed", 0.5, 0.4, "Write a function that sums the digits of a number.", "code")
+    (mined / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    cfg = Config(top_k=2, critique="none", dedup={"threshold": 0.5, "shingle_size": 2})
+    result = run(cfg, {"mined": mined}, out, work)
+    funnel = json.loads((out / "funnel.json").read_text())
+    assert funnel["all"] == {"tested": 8, "judged": 7, "failed": 6, "unique": 5, "critical": 4}
+    assert funnel["domains"]["math"] == {"tested": 6, "judged": 5, "failed": 4, "unique": 3, "critical": 2}
+    kept = [json.loads(line) for line in (out / "critical.jsonl").read_text().splitlines()]
+    ids = {r["id"] for r in kept}
+    assert "r3" in ids and "r2" not in ids  # the cluster's more confident (more severe) failure
+    assert "r4" in ids and "r5" not in ids  # top 2 of math by severity
+    assert {"r6", "r7"} <= ids
+    code = {r["id"]: r["severity"] for r in kept if r["domain"] == "code"}
+    assert code["r6"] > code["r7"]  # a timeout (score 0) is worse than half the asserts passing
+    assert result.metrics["critical"] == 4 and "FAILURE_CARD.md" in result.files_to_log
+    assert "| **all** | 8 | 7 | 6 | 5 | **4** |" in (out / "FAILURE_CARD.md").read_text()
