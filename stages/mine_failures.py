@@ -290,6 +290,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "rejudged": rejudged,
         "answers_per_second": generated / gen_seconds if gen_seconds else 0.0,
         "mean_tokens": sum(r["tokens"] for r in table) / len(table),
+        "finish_reasons": dict(Counter(r["finish_reason"] for r in table)),
         "judge_usd": sum(r["judge_usd"] for r in table),
         "judges": {d: j["kind"] for d, j in cfg.judges.items()},
     }
@@ -350,6 +351,9 @@ def _card(stats: dict) -> str:
         f"Judge errors (no verdict): {stats['judge_errors']:,}. Mean answer length {stats['mean_tokens']:.1f} tokens; "
         f"{stats['answers_per_second']:.2f} answers/s generated in this run ({stats['generated_now']:,} generated, "
         f"{stats['resumed']:,} resumed from an interrupted attempt). Judge spend ${stats['judge_usd']:.4f}.",
+        "Answers by how they ended: "
+        + ", ".join(f"{k} {v:,}" for k, v in sorted(stats["finish_reasons"].items()))
+        + " (`length`: cut at max_new_tokens; `context`: the prompt alone fills the student's context, no answer).",
         "",
     ]
     return "\n".join(lines)

@@ -237,3 +237,60 @@ def test_1c_funnel_collapses_duplicates_and_keeps_the_most_severe(tmp_path):
     assert code["r6"] > code["r7"]  # a timeout (score 0) is worse than half the asserts passing
     assert result.metrics["critical"] == 4 and "FAILURE_CARD.md" in result.files_to_log
     assert "| **all** | 8 | 7 | 6 | 5 | **4** |" in (out / "FAILURE_CARD.md").read_text()
+
+
+def test_1c_llm_critic_is_resumable_and_only_disputes_the_weak_judge(openai_server, monkeypatch, tmp_path):
+    """1C with an LLM critic (llama-cpp-python's server on loopback): every kept failure has a
+    critique or the critic's error; a critic's "passed" drops a chrF-judged failure, never a
+    verifiable one; a rerun on the same work directory asks the critic nothing again."""
+    from stages.critique_filter import Config, run
+
+    base_url, key = openai_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    mined = tmp_path / "mined"
+    mined.mkdir()
+    rows = []
+    for i in range(6):
+        judge = "reference" if i % 2 else "math"
+        rows.append(
+            {
+                "id": f"r{i}",
+                "domain": "general" if i % 2 else "math",
+                "outcome": "failed",
+                "score": 0.1 * i,
+                "confidence": 0.5,
+                "prompt": f"Task number {i}: name {i + 2} colours of the rainbow, one per line.",
+                "answer": "Red.",
+                "reference": "Red, orange, yellow, green, blue.",
+                "reason": "chrF++ 0.2 < threshold 0.4" if judge == "reference" else "final number 1 differs",
+                "judge": judge,
+            }
+        )
+    (mined / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    critic = {
+        "base_url": base_url,
+        "model": "stories260K",
+        "api_key_env": OPENAI_KEY_ENV,
+        "response_format": "json_object",
+        "max_tokens": 48,
+        "max_retries": 0,
+        "max_chars": 200,
+    }
+    cfg = Config(top_k=5, critique="llm", critic=critic, dedup={"threshold": 0.9})
+    work = tmp_path / "work"
+    work.mkdir()
+    outs = []
+    for attempt in (1, 2):
+        out = tmp_path / f"out{attempt}"
+        out.mkdir()
+        outs.append((run(cfg, {"mined": mined}, out, work), out))
+    (first, out1), (second, out2) = outs
+    notes = [json.loads(line) for line in (work / "critiques.jsonl").read_text().splitlines()]
+    assert len(notes) == 6 and second.metrics["critiques_resumed"] == 6 and first.metrics["critiques_resumed"] == 0
+    assert all(n.get("critique") or n.get("critic_error") for n in notes)
+    kept = [json.loads(line) for line in (out1 / "critical.jsonl").read_text().splitlines()]
+    disputed = {n["id"] for n in notes if n.get("passed") and rows[int(n["id"][1:])]["judge"] == "reference"}
+    assert {r["id"] for r in kept} == {r["id"] for r in rows} - disputed
+    assert first.metrics["disputed"] == len(disputed)
+    assert (out1 / "critical.jsonl").read_text() == (out2 / "critical.jsonl").read_text()
+    assert key not in (work / "critiques.jsonl").read_text()

@@ -74,8 +74,14 @@ def test_overrides_set_one_value(tmp_path):
         load_preset(path, ["0.dedup.threshold"])
 
 
-def test_gpu_preset_dry_run_prints_the_plan():
+def test_gpu_preset_dry_run_prints_the_plan(monkeypatch):
+    monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)  # a dry run reads no key
     text = describe_plan(load_preset("llama31-8b"))
     assert "stage 0 (curate): key " in text
     assert "input source:dolly: hf:databricks/databricks-dolly-15k@main:None:train" in text
     assert "hf: Open-Orca/OpenOrca" in text
+    # The plan's failure mining: 50K answers, K = 4,000, general rows judged by an LLM whose key
+    # is named, not given (the dry run needs no key).
+    assert "stage 1B (failure-mining)" in text and "api_key_env: OPENROUTER_API_KEY" in text
+    assert "kind: llm" in text and "size: 48827" in text
+    assert "stage 1C (critique-filter)" in text and "general: 3200" in text
