@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import secrets
 import shutil
@@ -236,11 +237,9 @@ class CodeJudge:
         if task.entry_point:  # HumanEval: the check function, then one call of it
             setup = (setup + "\n" + "\n".join(tests)).strip()
             tests = [f"check({task.entry_point})"]
-        program = (
-            (task.prompt + extract_code(answer))
-            if task.entry_point and "def " not in extract_code(answer)
-            else extract_code(answer)
-        )
+        program = extract_code(answer)
+        if task.entry_point and not re.search(rf"^def {re.escape(task.entry_point)}\s*\(", program, re.MULTILINE):
+            program = task.prompt + program  # HumanEval: a body completing the prompt's signature
         limits = SandboxLimits(
             wall_seconds=self.wall_seconds, cpu_seconds=self.cpu_seconds, memory_bytes=self.memory_mb << 20
         )
