@@ -80,19 +80,21 @@ def student(tmp_path_factory) -> Path:
     return root
 
 
+def _llm(base_url: str) -> dict:
+    """llm judge settings for the loopback server (stories260K: a 512-token context)."""
+    return {
+        "base_url": base_url,
+        "model": "stories260K",
+        "api_key_env": OPENAI_KEY_ENV,
+        "response_format": "json_object",
+        "max_tokens": 48,
+        "max_retries": 0,
+        "max_chars": 200,
+    }
+
+
 def _config_1b(base_url: str | None = None) -> dict:
-    general = {"kind": "reference", "threshold": 0.4}
-    if base_url:
-        general = {
-            "kind": "llm",
-            "base_url": base_url,
-            "model": "stories260K",
-            "api_key_env": OPENAI_KEY_ENV,
-            "response_format": "json_object",
-            "max_tokens": 48,
-            "max_retries": 0,
-            "max_chars": 200,  # the test server's context is 512 tokens
-        }
+    general = {"kind": "llm", **_llm(base_url)} if base_url else {"kind": "reference", "threshold": 0.4}
     return {
         "samples": [
             {"name": "gsm8k", "source": "gsm8k", "path": str(DATA / "gsm8k/test.jsonl"), "size": 8},
@@ -267,16 +269,7 @@ def test_1c_llm_critic_is_resumable_and_only_disputes_the_weak_judge(openai_serv
             }
         )
     (mined / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    critic = {
-        "base_url": base_url,
-        "model": "stories260K",
-        "api_key_env": OPENAI_KEY_ENV,
-        "response_format": "json_object",
-        "max_tokens": 48,
-        "max_retries": 0,
-        "max_chars": 200,
-    }
-    cfg = Config(top_k=5, critique="llm", critic=critic, dedup={"threshold": 0.9})
+    cfg = Config(top_k=5, critique="llm", critic=_llm(base_url), dedup={"threshold": 0.9})
     work = tmp_path / "work"
     work.mkdir()
     outs = []
