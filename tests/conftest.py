@@ -79,46 +79,15 @@ OPENAI_KEY_ENV = "KIBIDANGO_TEST_JUDGE_KEY"
 @pytest.fixture(scope="session")
 def openai_server():
     """A real OpenAI-compatible server on 127.0.0.1: llama-cpp-python's, serving the family's
-    draft tier as a GGUF (stories260K), with an API key. Yields ``(base_url, key)``; the server
-    is stopped at the end of the session. Skips when llama-cpp-python's server extra or the GGUF
-    is absent."""
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-
+    draft tier as a GGUF (stories260K) under the model name ``stories260K``, with an API key.
+    Yields ``(base_url, key)``; stopped at the end of the session. Skips when llama-cpp-python's
+    server extra or the GGUF is absent."""
     pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (make setup)")
+    from methods.serving import llama_cpp_server
+
     gguf = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
     if not gguf.is_file():
         pytest.skip(f"needs {gguf} (absent on this machine)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     key = "kbd-test-" + os.urandom(8).hex()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
-        + ["--n_ctx", "512", "--api_key", key, "--model_alias", "stories260K"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            req = urllib.request.Request(base + "/models", headers={"Authorization": f"Bearer {key}"})
-            urllib.request.urlopen(req, timeout=2).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"llama-cpp-python's server did not start on {base} (exit code {proc.poll()})")
-            time.sleep(0.3)
-    try:
+    with llama_cpp_server({"stories260K": gguf}, api_key=key) as base:
         yield base, key
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()

@@ -1,0 +1,108 @@
+"""A real OpenAI-compatible server on 127.0.0.1: llama-cpp-python's, serving local GGUF files.
+
+Local teacher tiers (stage 1D's tiny preset) and the tests of everything that talks to an
+OpenAI-compatible API use it: the code under test speaks HTTP to a real server, never to a mock of
+the client. ``llama_cpp_server({"alias": gguf_path, ...})`` is a context manager yielding the base
+URL (``http://127.0.0.1:PORT/v1``); each GGUF is served under its alias as the ``model`` name. The
+server's settings (with the API key, when one is asked for) are written to a private temporary file
+(mode 0600) removed when the server stops, so the key is never on a command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from core.contract import KibidangoError
+
+__all__ = ["free_port", "llama_cpp_server"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def llama_cpp_server(
+    models: dict[str, Path | str],
+    api_key: str | None = None,
+    n_ctx: int = 512,
+    start_timeout_s: float = 120.0,
+    log_path: Path | None = None,
+) -> Iterator[str]:
+    try:
+        import llama_cpp.server.app  # noqa: F401
+    except ImportError as e:
+        raise KibidangoError(
+            f"llama-cpp-python's server cannot be imported ({e}); install the runtime's llamacpp extra "
+            "and sse-starlette, starlette-context (make setup)"
+        ) from None
+    for alias, path in models.items():
+        if not Path(path).is_file():
+            raise KibidangoError(f"model {alias!r}: GGUF file not found: {path}")
+    port = free_port()
+    settings = {
+        "host": "127.0.0.1",
+        "port": port,
+        "models": [
+            {"model": str(path), "model_alias": alias, "n_ctx": n_ctx, "verbose": False}
+            for alias, path in models.items()
+        ],
+    }
+    if api_key:
+        settings["api_key"] = api_key
+    with tempfile.TemporaryDirectory(prefix="kbd-llama-server-") as tmp:
+        config = Path(tmp) / "server.json"
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(settings, f)
+        log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the server's lifetime
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--config_file", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        base = f"http://127.0.0.1:{port}/v1"
+        try:
+            _wait_ready(base, api_key, proc, start_timeout_s)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+def _wait_ready(base: str, api_key: str | None, proc: subprocess.Popen, timeout_s: float) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(urllib.request.Request(base + "/models", headers=headers), timeout=2).read()
+            return
+        except (urllib.error.URLError, OSError):
+            if proc.poll() is not None:
+                raise KibidangoError(
+                    f"llama-cpp-python's server exited with code {proc.returncode} while starting"
+                ) from None
+            if time.monotonic() > deadline:
+                raise KibidangoError(
+                    f"llama-cpp-python's server did not answer on {base} within {timeout_s:.0f}s"
+                ) from None
+            time.sleep(0.3)
