@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["RowLog", "row_key", "sample", "severity", "training_texts"]
+__all__ = ["RowLog", "row_key", "sample", "severity", "task_of", "training_texts"]
 
 log = logging.getLogger("kibidango.failures")
 
@@ -34,6 +34,20 @@ def row_key(instruction: str, input_: str = "") -> str:
 def training_texts(rows: Iterable[dict]) -> set[str]:
     """:func:`row_key` of every row (stage 0's train split)."""
     return {row_key(r["instruction"], r["input"]) for r in rows}
+
+
+def task_of(row: dict):
+    """The judge task of a 1B/1C table row (it carries the prompt, reference and tests)."""
+    from methods.judges import Task
+
+    return Task(
+        row["id"],
+        row["prompt"],
+        row.get("reference", ""),
+        tuple(row.get("tests") or ()),
+        row.get("entry_point") or None,
+        row.get("setup", ""),
+    )
 
 
 def sample(items: list, size: int | None, seed: int, key=lambda x: x) -> list:

@@ -31,8 +31,8 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.curation.dedup import DedupConfig, find_duplicates
-from methods.failures import RowLog, severity
-from methods.judges import Task, check_settings, make_judge
+from methods.failures import RowLog, severity, task_of
+from methods.judges import check_settings, make_judge
 
 NAME = "critique-filter"
 RESUMABLE = True
@@ -163,7 +163,7 @@ def _critic(cfg: Config, inputs: dict[str, Path]):
         judge = make_judge("llm", **{"rubric": CRITIC_RUBRIC, **settings})
 
         def ask_llm(r: dict) -> dict:
-            v = judge(Task(r["id"], r["prompt"], r["reference"]), r["answer"])
+            v = judge(task_of(r), r["answer"])
             if v.outcome == "judge_error":  # no critique; the failure stands
                 return {"critique": "", "passed": None, "critic_error": v.reason, "usd": v.details.get("usd", 0.0)}
             return {"critique": v.reason, "passed": v.passed, "usd": v.details.get("usd", 0.0)}

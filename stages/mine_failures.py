@@ -11,7 +11,7 @@ killed attempt's rerun generates and judges only the rows not there, and re-judg
 whose judge was unreachable (``judge_error``, retryable) — a paid judge call is never repeated.
 
 Outputs: ``answers/`` (a ``datasets`` table: id, sample, domain, prompt, answer, reference,
-verdict, score, reason, judge kind, tokens, confidence, ...), ``answers.jsonl`` (the same rows;
+verdict, score, reason, judge kind, tokens, confidence, the task's tests, ...), ``answers.jsonl`` (the same rows;
 the first 1,000 are an MLflow table), ``mining.json`` (every figure) and ``MINING_CARD.md``.
 Failure = an answer the judge read and rejected (failed, timeout, error); a judge error is no
 verdict on the student and is counted apart.
@@ -236,6 +236,10 @@ def _public(row: dict) -> dict:
         "instruction": row["instruction"],
         "input": row["input"],
         "reference": t.reference,
+        # the task itself, so that later stages (1D) judge new answers without the source files
+        "tests": list(t.tests),
+        "entry_point": t.entry_point or "",
+        "setup": t.setup,
     }
 
 
