@@ -1,0 +1,95 @@
+"""Teacher tiers against a real OpenAI-compatible server on loopback, behind a fault-injecting
+proxy: retries by cause, Retry-After, dead endpoints by name, and a budget never overspent."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from methods.teachers import Budget, TeacherClient, TierConfig, TierDead, worst_case_usd
+from tests.conftest import OPENAI_KEY_ENV
+from tests.fault_proxy import FaultProxy
+
+
+@pytest.fixture
+def proxy(openai_server):
+    base, _ = openai_server
+    p = FaultProxy(base.removesuffix("/v1"), hold_s=2.5)
+    yield p
+    p.close()
+
+
+def _tier(base_url: str, **kw) -> TierConfig:
+    settings = {
+        "name": "open",
+        "base_url": base_url,
+        "model": "stories260K",
+        "api_key_env": OPENAI_KEY_ENV,
+        "max_tokens": 24,
+        "timeout_s": 1.5,
+        "backoff_s": 0.01,
+        "usd_per_1k_prompt": 0.5,
+        "usd_per_1k_completion": 1.5,
+        **kw,
+    }
+    return TierConfig(**settings)
+
+
+def test_every_fault_is_retried_and_counted(openai_server, proxy, monkeypatch):
+    _, key = openai_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    slept: list[float] = []
+    client = TeacherClient(_tier(proxy.base_url, max_attempts=6), sleep=slept.append)
+    proxy.script("429", "500", "truncate", "timeout")
+    reply = client.ask("Once upon a time")
+    assert reply.text and reply.attempts == 5
+    assert dict(reply.retries) == {"rate_limited": 1, "server_error": 1, "malformed": 1, "timeout": 1}
+    assert slept[0] == 1.0  # the 429's Retry-After, honoured
+    assert reply.maybe_paid  # the timed-out request was served upstream
+    assert reply.prompt_tokens > 0 and reply.completion_tokens > 0
+    # upstream saw the truncated, the timed-out and the final request; the 429 and 500 never left the proxy
+    assert len(proxy.prompts()) == 3
+
+
+def test_a_call_that_exhausts_its_attempts_says_why(openai_server, proxy, monkeypatch):
+    _, key = openai_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    client = TeacherClient(_tier(proxy.base_url, max_attempts=2), sleep=lambda s: None)
+    proxy.script("500", "500")
+    reply = client.ask("Once upon a time")
+    assert reply.text is None and reply.attempts == 2 and "HTTP 500" in reply.error
+
+
+def test_dead_tiers_are_reported_by_name(openai_server, monkeypatch):
+    base, key = openai_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, "sk-" + "y" * 40)
+    with pytest.raises(TierDead, match="teacher tier open .*HTTP 401") as err:
+        TeacherClient(_tier(base)).ask("hello")
+    assert "y" * 40 not in str(err.value)
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    with pytest.raises(TierDead, match="teacher tier open .*unreachable"):
+        TeacherClient(_tier("http://127.0.0.1:9/v1", max_attempts=2), sleep=lambda s: None).ask("hello")
+
+
+def test_the_budget_holds_the_worst_case_and_never_overspends():
+    tier = TierConfig(name="t", base_url="http://x/v1", model="m", usd_per_1k_prompt=1.0, usd_per_1k_completion=2.0)
+    worst = worst_case_usd(tier, "abc")
+    assert worst == pytest.approx(((len(tier.system) + 3 + 64) * 1.0 + 256 * 2.0) / 1000)
+    budget = Budget(limit_usd=worst * 10.5)
+    granted = []
+
+    def take():
+        while budget.reserve(worst):
+            granted.append(worst)
+            budget.settle(worst, worst * 0.5)  # the endpoint reports less than the worst case
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert budget.spent <= budget.limit and budget.reserved == pytest.approx(0)
+    assert budget.limit - budget.spent < worst  # it stopped only when the worst case no longer fit
+    reference = TierConfig(name="gold", kind="reference", usd_per_answer=0.25)
+    assert worst_case_usd(reference, "anything") == 0.25 and reference.paid
