@@ -3,7 +3,8 @@
 Local teacher tiers (stage 1D's tiny preset) and the tests of everything that talks to an
 OpenAI-compatible API use it: the code under test speaks HTTP to a real server, never to a mock of
 the client. ``llama_cpp_server({"alias": gguf_path, ...})`` is a context manager yielding the base
-URL (``http://127.0.0.1:PORT/v1``); each GGUF is served under its alias as the ``model`` name. The
+URL (``http://127.0.0.1:PORT/v1``); each GGUF is served under its alias as the ``model`` name (a
+dict value adds llama-cpp-python's per-model settings: ``{"model": path, "chat_format": "alpaca"}``). The
 server's settings (with the API key, when one is asked for) are written to a private temporary file
 (mode 0600) removed when the server stops, so the key is never on a command line.
 """
@@ -36,7 +37,7 @@ def free_port() -> int:
 
 @contextmanager
 def llama_cpp_server(
-    models: dict[str, Path | str],
+    models: dict[str, Path | str | dict],
     api_key: str | None = None,
     n_ctx: int = 512,
     start_timeout_s: float = 120.0,
@@ -49,18 +50,14 @@ def llama_cpp_server(
             f"llama-cpp-python's server cannot be imported ({e}); install the runtime's llamacpp extra "
             "and sse-starlette, starlette-context (make setup)"
         ) from None
-    for alias, path in models.items():
-        if not Path(path).is_file():
-            raise KibidangoError(f"model {alias!r}: GGUF file not found: {path}")
+    served = []
+    for alias, spec in models.items():
+        spec = dict(spec) if isinstance(spec, dict) else {"model": str(spec)}
+        if not Path(spec["model"]).is_file():
+            raise KibidangoError(f"model {alias!r}: GGUF file not found: {spec['model']}")
+        served.append({"n_ctx": n_ctx, "verbose": False, **spec, "model": str(spec["model"]), "model_alias": alias})
     port = free_port()
-    settings = {
-        "host": "127.0.0.1",
-        "port": port,
-        "models": [
-            {"model": str(path), "model_alias": alias, "n_ctx": n_ctx, "verbose": False}
-            for alias, path in models.items()
-        ],
-    }
+    settings = {"host": "127.0.0.1", "port": port, "models": served}
     if api_key:
         settings["api_key"] = api_key
     with tempfile.TemporaryDirectory(prefix="kbd-llama-server-") as tmp:

@@ -30,6 +30,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -178,7 +179,13 @@ class TeacherReply:
     seconds: float = 0.0
     error: str = ""
     maybe_paid: bool = False
-    """True when an attempt timed out after the request left: it may have been served and billed."""
+    """True when an attempt may have been served and billed without a usable reply."""
+
+    @property
+    def unread(self) -> int:
+        """Attempts that may have been served and billed but gave no usable reply (timeouts,
+        malformed replies): charged their worst case."""
+        return self.retries["timeout"] + self.retries["malformed"]
 
 
 class TeacherClient:
@@ -193,7 +200,10 @@ class TeacherClient:
         self._client = OpenAI(base_url=self.base_url, api_key=key, timeout=tier.timeout_s, max_retries=0)
         self._sleep = sleep
 
-    def ask(self, prompt: str) -> TeacherReply:
+    def ask(self, prompt: str, may_resend: Callable[[], bool] | None = None) -> TeacherReply:
+        """The tier's answer to ``prompt``. After an attempt that may have been served and billed
+        without a usable reply (a timeout, a malformed reply), ``may_resend`` is asked before the
+        prompt is sent again (the stage reserves another worst case there); False ends the call."""
         import openai
 
         t = self.tier
@@ -231,6 +241,9 @@ class TeacherClient:
                 reply.retries["timeout"] += 1
                 reply.maybe_paid = True
                 reply.error = f"timed out after {t.timeout_s:g}s"
+                if attempt < t.max_attempts and may_resend is not None and not may_resend():
+                    reply.error += "; the budget leaves no room to send it again"
+                    break
             except openai.APIConnectionError as e:
                 reply.retries["connection"] += 1
                 reply.error = f"connection failed: {_why(e)}"
@@ -248,8 +261,12 @@ class TeacherClient:
                 TypeError,
                 openai.APIResponseValidationError,
             ) as e:
-                reply.retries["malformed"] += 1  # truncated JSON, no choices, no text
+                reply.retries["malformed"] += 1  # truncated JSON, no choices, no text: served, unreadable
+                reply.maybe_paid = True
                 reply.error = f"malformed reply: {type(e).__name__}: {redact_text(str(e))[:160]}"
+                if attempt < t.max_attempts and may_resend is not None and not may_resend():
+                    reply.error += "; the budget leaves no room to send it again"
+                    break
             if attempt < t.max_attempts:
                 self._sleep(wait if wait is not None else _backoff(t.backoff_s, attempt))
         reply.seconds = time.monotonic() - started

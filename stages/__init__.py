@@ -14,6 +14,7 @@ STAGES: dict[str, str] = {
     "1A": "stages.sft",
     "1B": "stages.mine_failures",
     "1C": "stages.critique_filter",
+    "1D": "stages.teach_cascade",
     "1E": "stages.distill",
     "3": "stages.domain_lora",
     "4": "stages.domain_lora",

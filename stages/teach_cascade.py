@@ -1,0 +1,474 @@
+"""Stage 1D — cascaded teachers: every critical failure of 1C is answered by the cheapest teacher
+tier first, and escalated to the next, pricier tier only when 1B's judge rejects the answer.
+
+Tiers (the recipe's ordered ``tiers``; :mod:`methods.teachers`) are OpenAI-compatible endpoints
+or ``kind: reference`` (the dataset's gold answer at a flat price). A tier with ``serve`` is a
+local model the stage serves itself: its checkpoint (a GGUF file, or a transformers directory
+converted to GGUF in the work directory) under llama-cpp-python's server on 127.0.0.1.
+
+The budget is hard: a request leaves only if its worst-case cost fits what is left; once nothing
+fits, the remaining rows are skipped and counted. Every paid request is journaled before it is
+sent (``work_dir/journal.jsonl``): a killed run's rerun never sends a prompt to a tier twice — a
+request that was in flight at the kill is charged its worst case and the row moves on.
+
+Outputs: ``pairs/`` (a ``datasets`` table of corrected pairs: the prompt and the first answer a
+judge passed, with its tier), ``pairs.jsonl``, ``ledger.jsonl`` (one line per request: tier,
+tokens, dollars, verdict, seconds), ``cost.json``, ``COST_CARD.md`` and ``cost_per_tier.png``. The
+cost report sets the cascade's spend beside the counterfactual of sending every row to the top
+tier, priced from the same token counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from core.hashing import file_sha256
+from core.progress import Progress
+from methods.failures import task_of
+from methods.judges import make_judge
+from methods.teachers import Budget, Journal, TeacherClient, TierConfig, TierDead, worst_case_usd
+
+NAME = "cascaded-teachers"
+RESUMABLE = True
+LIBRARIES = ("openai", "datasets", "sacrebleu", "llama-cpp-python")
+
+log = logging.getLogger("kibidango.stage.1D")
+
+
+class Config(StageConfig):
+    tiers: list[TierConfig] = Field(min_length=1, description="Teacher tiers, cheapest first.")
+    budget_usd: float = Field(gt=0, description="Hard limit on the run's spend, in dollars.")
+    serve_n_ctx: int = Field(512, gt=0, description="Context of locally served tiers.")
+    serve_chat_format: str = Field("alpaca", description="llama-cpp-python chat format of locally served tiers.")
+
+    @model_validator(mode="after")
+    def _names(self) -> Config:
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique: {names}")
+        return self
+
+
+def external_inputs(cfg: Config) -> dict[str, str]:
+    """Digests of locally served checkpoints."""
+    out = {}
+    for t in cfg.tiers:
+        if t.serve is not None:
+            path = Path(t.serve)
+            if not path.exists():
+                raise KibidangoError(f"tier {t.name!r}: `serve` checkpoint not found: {path}")
+            files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+            out[f"serve:{t.name}"] = ",".join(f"{p.name}:{file_sha256(p)[:16]}" for p in files)
+    return out
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    rows = _read(inputs["critical"] / "critical.jsonl")
+    judges_cfg = json.loads((inputs["mined"] / "manifest.json").read_text())["config"]["judges"]
+    judges = {d: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for d, j in judges_cfg.items()}
+    journal = Journal(work_dir / "journal.jsonl")
+    state = _replay(journal.events)
+    for (row, tier), reserved in state.lost.items():  # charged their worst case, never sent again
+        event = {"event": "error", "row": row, "tier": tier, "usd": reserved, "attempts": 0, "retries": {}}
+        event["reason"] = "in flight when an earlier attempt was killed: charged its worst case, not resent"
+        journal.write(event)
+        state.spent += reserved
+        state.done[(row, tier)] = event
+    budget = Budget(cfg.budget_usd, state.spent)
+    if journal.resumed:
+        log.info(
+            f"resuming: {len(state.done):,} (row, tier) pairs settled, {len(state.lost)} in flight at the kill "
+            f"(charged, not resent), ${state.spent:.4f} spent"
+        )
+    cascade = _Cascade(cfg, rows, judges, journal, state, budget)
+    try:
+        with ExitStack() as stack:
+            urls = _serve(cfg, work_dir, stack)
+            for tier in cfg.tiers:
+                cascade.run_tier(tier, urls.get(tier.name))
+    finally:
+        journal.close()
+
+    ledger = _ledger(journal.events)
+    pairs, status = _outcomes(cfg, rows, ledger, state)
+    report = _report(cfg, rows, ledger, pairs, status, budget, cascade.dead)
+    _write(out_dir, pairs, ledger, report)
+    metrics = {
+        "rows": len(rows),
+        "pairs": len(pairs),
+        "unresolved": status["unresolved"],
+        "skipped_budget": status["skipped_budget"],
+        "spend_usd": report["spend_usd"],
+        "budget_usd": cfg.budget_usd,
+        "top_tier_only_usd": report["top_tier_only_usd"],
+        "cost_cut": report["cost_cut"],
+        "pairs_per_usd": report["pairs_per_usd"],
+        "requests": len(ledger),
+        "journal_resumed_events": journal.resumed,
+        **{f"spend_usd/{n}": v["usd"] for n, v in report["tiers"].items()},
+        **{f"answered_by/{n}": v["passed"] for n, v in report["tiers"].items()},
+        **{f"retries/{k}": v for k, v in report["retries"].items()},
+    }
+    summary = (
+        f"{len(pairs):,} corrected pairs from {len(rows):,} critical failures; tier split "
+        + ", ".join(f"{n} {v['passed']}" for n, v in report["tiers"].items())
+        + f"; spent ${report['spend_usd']:.4f} of ${cfg.budget_usd:g} "
+        f"(top tier only: ${report['top_tier_only_usd']:.4f}, cut {report['cost_cut']:.0%})"
+        + (f"; {status['skipped_budget']} rows skipped at the budget" if status["skipped_budget"] else "")
+        + (f"; DEAD tiers: {', '.join(cascade.dead)}" if cascade.dead else "")
+    )
+    return StageResult(
+        metrics, ["COST_CARD.md", "cost.json", "cost_per_tier.png"], summary, tables={"pairs.json": "pairs.jsonl"}
+    )
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise KibidangoError(f"the critical input has no {path.name} (is it stage 1C's output?): {path}")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+class _State:
+    """What the journal says: per (row, tier) the settled outcome, the requests lost in flight,
+    and the money spent."""
+
+    def __init__(self) -> None:
+        self.done: dict[tuple[str, str], dict] = {}  # verdict or terminal event
+        self.replies: dict[tuple[str, str], dict] = {}  # answered, maybe not yet judged
+        self.lost: dict[tuple[str, str], float] = {}
+        self.spent = 0.0
+
+
+def _replay(events: list[dict]) -> _State:
+    state = _State()
+    sent: dict[tuple[str, str], float] = {}
+    for e in events:
+        key = (e["row"], e["tier"])
+        kind = e["event"]
+        if kind == "sent":
+            sent[key] = e["reserved"]
+        elif kind == "reply":
+            sent.pop(key, None)
+            state.replies[key] = e
+            state.spent += e["usd"]
+        elif kind in ("error", "skipped", "dead"):
+            sent.pop(key, None)
+            state.spent += e.get("usd", 0.0)
+            state.done[key] = e
+        elif kind == "verdict":
+            state.done[key] = e
+    state.lost = sent  # in flight at the kill: maybe served and billed
+    return state
+
+
+class _Cascade:
+    def __init__(self, cfg, rows, judges, journal, state, budget):
+        self.cfg, self.rows, self.judges, self.journal, self.state, self.budget = (
+            cfg,
+            rows,
+            judges,
+            journal,
+            state,
+            budget,
+        )
+        self.dead: list[str] = []
+        self._dead_lock = threading.Lock()
+
+    def _resolved(self, row_id: str, upto: int) -> bool:
+        """True once a tier before ``upto`` passed the row, or the budget skipped it."""
+        for tier in self.cfg.tiers[:upto]:
+            e = self.state.done.get((row_id, tier.name))
+            if e is not None and (e.get("passed") or e["event"] == "skipped"):
+                return True
+        return False
+
+    def run_tier(self, tier: TierConfig, served_url: str | None) -> None:
+        index = self.cfg.tiers.index(tier)
+        todo = [
+            r for r in self.rows if not self._resolved(r["id"], index) and (r["id"], tier.name) not in self.state.done
+        ]
+        if not todo:
+            return
+        client = None
+        if tier.kind == "openai" and tier.name not in self.dead:
+            client = TeacherClient(tier, served_url)
+        progress = Progress(f"1D tier {tier.name}", len(todo), log)
+        done = [0]
+        lock = threading.Lock()
+
+        def one(row: dict) -> None:
+            self._ask(tier, client, row)
+            with lock:
+                done[0] += 1
+                progress.update(done[0])
+
+        with ThreadPoolExecutor(max_workers=tier.concurrency) as pool:
+            list(pool.map(one, todo))
+        progress.finish(done[0])
+
+    def _ask(self, tier: TierConfig, client: TeacherClient | None, row: dict) -> None:
+        key = (row["id"], tier.name)
+        reply = self.state.replies.get(key)
+        if reply is None:
+            if tier.name in self.dead:
+                self.journal.write({"event": "dead", "row": row["id"], "tier": tier.name, "usd": 0.0})
+                self.state.done[key] = self.journal.events[-1]
+                return
+            reply = self._request(tier, client, row)
+            if reply is None:
+                return
+        verdict = self.judges[row["domain"]](task_of(row), reply["text"])
+        event = {
+            "event": "verdict",
+            "row": row["id"],
+            "tier": tier.name,
+            "passed": bool(verdict.passed),
+            "outcome": verdict.outcome,
+            "score": float(verdict.score),
+            "reason": verdict.reason,
+        }
+        self.journal.write(event)
+        self.state.done[key] = event
+
+    def _request(self, tier: TierConfig, client: TeacherClient | None, row: dict) -> dict | None:
+        """Send the row to the tier under the budget; the reply event, or None (journaled why)."""
+        key = (row["id"], tier.name)
+        prompt = row["prompt"]
+        worst = worst_case_usd(tier, prompt)
+        if not self.budget.reserve(worst):
+            event = {"event": "skipped", "row": row["id"], "tier": tier.name, "reason": "budget", "usd": 0.0}
+            self.journal.write(event)
+            self.state.done[key] = event
+            return None
+        self.journal.write({"event": "sent", "row": row["id"], "tier": tier.name, "reserved": worst})
+        if tier.kind == "reference":
+            event = {"event": "reply", "row": row["id"], "tier": tier.name, "text": row["reference"], "usd": worst}
+            event.update(prompt_tokens=0, completion_tokens=0, attempts=1, retries={}, seconds=0.0)
+            self.budget.settle(worst, worst)
+            self.journal.write(event)
+            return event
+        held = [worst]
+
+        def may_resend() -> bool:  # a timed-out attempt may have been billed: hold another worst case
+            if self.budget.reserve(worst):
+                held.append(worst)
+                return True
+            return False
+
+        try:
+            r = client.ask(prompt, may_resend)
+        except TierDead as e:
+            with self._dead_lock:
+                if tier.name not in self.dead:
+                    self.dead.append(tier.name)
+                    log.error(f"{e}; its rows escalate to the next tier")
+            self.budget.settle(sum(held), 0.0)
+            event = {"event": "dead", "row": row["id"], "tier": tier.name, "usd": 0.0, "reason": str(e)}
+            self.journal.write(event)
+            self.state.done[key] = event
+            return None
+        # Unread attempts (timeouts, malformed replies) are charged their worst case; the answer what the endpoint reported.
+        usd = worst * r.unread + (tier.usd(r.prompt_tokens, r.completion_tokens) if r.text is not None else 0.0)
+        usd = min(usd, sum(held))
+        self.budget.settle(sum(held), usd)
+        common = {"row": row["id"], "tier": tier.name, "usd": usd, "attempts": r.attempts}
+        common.update(retries=dict(r.retries), seconds=round(r.seconds, 3))
+        if r.text is None:
+            event = {"event": "error", **common, "reason": r.error}
+            self.journal.write(event)
+            self.state.done[key] = event
+            return None
+        event = {"event": "reply", **common, "text": r.text}
+        event.update(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens)
+        self.journal.write(event)
+        return event
+
+
+def _serve(cfg: Config, work_dir: Path, stack: ExitStack) -> dict[str, str]:
+    """Start one llama-cpp-python server for the tiers with ``serve``; their base URLs by name."""
+    local = [t for t in cfg.tiers if t.serve is not None]
+    if not local:
+        return {}
+    from methods.llama_cpp_tools import convert_hf_to_gguf
+    from methods.serving import llama_cpp_server
+
+    models = {}
+    for t in local:
+        path = Path(t.serve)
+        if path.is_dir():
+            gguf = work_dir / "gguf" / f"{t.name}.gguf"
+            if not gguf.is_file():
+                gguf.parent.mkdir(parents=True, exist_ok=True)
+                log.info(f"tier {t.name}: converting {path} to GGUF (f16) for the local server")
+                convert_hf_to_gguf(path, gguf, "f16")
+            path = gguf
+        models[t.model or t.serve] = {"model": path, "chat_format": cfg.serve_chat_format}
+    base = stack.enter_context(llama_cpp_server(models, n_ctx=cfg.serve_n_ctx, log_path=work_dir / "server.log"))
+    log.info(f"serving {', '.join(models)} on {base}")
+    return {t.name: base for t in local}
+
+
+def _ledger(events: list[dict]) -> list[dict]:
+    """One line per request (row, tier): its reply or error, verdict, dollars and seconds."""
+    by_key: dict[tuple[str, str], dict] = {}
+    for e in events:
+        key = (e["row"], e["tier"])
+        if e["event"] in ("reply", "error"):
+            entry = {k: v for k, v in e.items() if k not in ("event", "text")}
+            entry["answer"] = e.get("text")
+            by_key[key] = {**by_key.get(key, {}), **entry}
+        elif e["event"] == "verdict":
+            by_key.setdefault(key, {"row": e["row"], "tier": e["tier"]})
+            by_key[key].update({k: e[k] for k in ("passed", "outcome", "score", "reason")})
+    for entry in by_key.values():
+        entry.setdefault("passed", False)
+        entry.setdefault("usd", 0.0)
+    return list(by_key.values())
+
+
+def _outcomes(cfg: Config, rows: list[dict], ledger: list[dict], state: _State) -> tuple[list[dict], Counter]:
+    first_pass = {}
+    order = {t.name: i for i, t in enumerate(cfg.tiers)}
+    for entry in sorted(ledger, key=lambda e: order[e["tier"]]):
+        if entry["passed"] and entry["row"] not in first_pass:
+            first_pass[entry["row"]] = entry
+    spent_by_row = Counter()
+    for entry in ledger:
+        spent_by_row[entry["row"]] += entry["usd"]
+    skipped = {k[0] for k, e in state.done.items() if e["event"] == "skipped"}
+    status: Counter[str] = Counter()
+    pairs = []
+    for r in rows:
+        hit = first_pass.get(r["id"])
+        if hit is not None:
+            pairs.append(
+                {
+                    "id": r["id"],
+                    "domain": r["domain"],
+                    "instruction": r["instruction"],
+                    "input": r["input"],
+                    "output": hit["answer"].strip(),
+                    "tier": hit["tier"],
+                    "score": hit["score"],
+                    "teacher_usd": spent_by_row[r["id"]],
+                }
+            )
+            status["paired"] += 1
+        elif r["id"] in skipped:
+            status["skipped_budget"] += 1
+        else:
+            status["unresolved"] += 1
+    return pairs, status
+
+
+def _report(cfg, rows, ledger, pairs, status, budget, dead) -> dict:
+    tiers = {}
+    for t in cfg.tiers:
+        mine = [e for e in ledger if e["tier"] == t.name]
+        tiers[t.name] = {
+            "requests": len(mine),
+            "passed": sum(1 for p in pairs if p["tier"] == t.name),
+            "usd": sum(e["usd"] for e in mine),
+            "prompt_tokens": sum(e.get("prompt_tokens", 0) for e in mine),
+            "completion_tokens": sum(e.get("completion_tokens", 0) for e in mine),
+            "dead": t.name in dead,
+        }
+    retries: Counter[str] = Counter()
+    for e in ledger:
+        retries.update(e.get("retries") or {})
+    # Every row sent to the top tier, priced from the same token counts: the most tokens any tier
+    # saw for the row (0 for a row no tier answered), at the top tier's prices.
+    top = cfg.tiers[-1]
+    tokens: dict[str, tuple[int, int]] = {}
+    for e in ledger:
+        p, c = tokens.get(e["row"], (0, 0))
+        tokens[e["row"]] = (max(p, e.get("prompt_tokens", 0)), max(c, e.get("completion_tokens", 0)))
+    handled = {e["row"] for e in ledger}
+    top_only = sum(top.usd(*tokens.get(r["id"], (0, 0))) for r in rows if r["id"] in handled)
+    return {
+        "command": "make stage-1d",
+        "rows": len(rows),
+        "pairs": len(pairs),
+        "status": dict(status),
+        "tiers": tiers,
+        "retries": dict(retries),
+        "spend_usd": budget.spent,
+        "ledger_usd": sum(e["usd"] for e in ledger),
+        "budget_usd": cfg.budget_usd,
+        "top_tier": top.name,
+        "top_tier_only_usd": top_only,
+        "cost_cut": 1 - budget.spent / top_only if top_only else 0.0,
+        "pairs_per_usd": len(pairs) / budget.spent if budget.spent else 0.0,
+        "dead_tiers": list(dead),
+        "domains": dict(Counter(p["domain"] for p in pairs)),
+    }
+
+
+def _write(out_dir: Path, pairs: list[dict], ledger: list[dict], report: dict) -> None:
+    from datasets import Dataset
+
+    for name, rows in (("pairs.jsonl", pairs), ("ledger.jsonl", ledger)):
+        with open(out_dir / name, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    if pairs:
+        Dataset.from_list(pairs).save_to_disk(str(out_dir / "pairs"))
+    (out_dir / "cost.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    (out_dir / "COST_CARD.md").write_text(_card(report))
+    _plot(report, out_dir / "cost_per_tier.png")
+
+
+def _card(r: dict) -> str:
+    lines = [
+        "# Cascaded teachers (stage 1D)",
+        "",
+        f"Every figure below was computed by the stage that wrote this card (`{r['command']}`).",
+        "",
+        "| tier | requests | answers passed (pairs) | prompt tokens | completion tokens | spend ($) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, t in r["tiers"].items():
+        dead = " (DEAD)" if t["dead"] else ""
+        lines.append(
+            f"| {name}{dead} | {t['requests']:,} | {t['passed']:,} | {t['prompt_tokens']:,} "
+            f"| {t['completion_tokens']:,} | {t['usd']:.4f} |"
+        )
+    s = r["status"]
+    lines += [
+        "",
+        f"- critical failures in: {r['rows']:,}; corrected pairs: **{r['pairs']:,}**; unresolved (every tier "
+        f"failed): {s.get('unresolved', 0):,}; skipped at the budget: {s.get('skipped_budget', 0):,}",
+        f"- spend: **${r['spend_usd']:.4f}** of a ${r['budget_usd']:g} budget; pairs per dollar: {r['pairs_per_usd']:.1f}",
+        f"- every row sent to the top tier ({r['top_tier']}) instead, from the same token counts: "
+        f"${r['top_tier_only_usd']:.4f}; the cascade's cost cut: **{r['cost_cut']:.1%}**",
+        f"- retries by cause: {', '.join(f'{k} {v}' for k, v in sorted(r['retries'].items())) or 'none'}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(r["tiers"])
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax[0].bar(names, [r["tiers"][n]["passed"] for n in names], color="#4a7")
+    ax[0].set_title("corrected pairs by tier")
+    ax[1].bar(["cascade", f"{r['top_tier']} only"], [r["spend_usd"], r["top_tier_only_usd"]], color=["#47a", "#a74"])
+    ax[1].set_title("spend ($)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
