@@ -1,0 +1,179 @@
+"""Stage 1D against real OpenAI-compatible servers on loopback (llama-cpp-python serving
+stories260K's GGUF): escalation stops at the first pass, the budget is never overspent, faults
+injected by a proxy are retried and counted, and a run killed with SIGKILL never sends a prompt to
+a tier twice when it is rerun. The key is looked for in everything the runs wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from eval.shared_data import SHARED
+from tests.conftest import OPENAI_KEY_ENV, cli_env
+from tests.fault_proxy import FaultProxy
+from tests.test_failure_mining import _run_stage
+
+GGUF = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
+
+JUDGES = {
+    "math": {"kind": "math"},  # a story model never gets a number right: escalates to the gold answer
+    "easy": {"kind": "reference", "threshold": 0.0},  # any answer passes: the cascade stops at tier 1
+}
+
+
+def _inputs(tmp_path: Path, n_math: int = 4, n_easy: int = 3) -> dict[str, Path]:
+    critical, mined = tmp_path / "critical", tmp_path / "mined"
+    critical.mkdir(parents=True)
+    mined.mkdir()
+    rows = []
+    for i in range(n_math):
+        q = f"Tom has {i + 2} apples and buys {i + 5} more. How many apples does he have now?"
+        rows.append({"id": f"m{i}", "domain": "math", "prompt": q, "instruction": q, "input": ""})
+        rows[-1]["reference"] = f"{i + 2} + {i + 5} = {2 * i + 7}\n#### {2 * i + 7}"
+    for i in range(n_easy):
+        q = f"Tell a short story about a cat named Tom number {i}."
+        rows.append({"id": f"e{i}", "domain": "easy", "prompt": q, "instruction": q, "input": ""})
+        rows[-1]["reference"] = "Tom the cat slept in the sun."
+    (critical / "critical.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (mined / "manifest.json").write_text(json.dumps({"config": {"judges": JUDGES}}))
+    return {"critical": critical, "mined": mined}
+
+
+def _tier(name: str, **kw) -> dict:
+    return {
+        "name": name,
+        "max_tokens": 16,
+        "timeout_s": 5.0,
+        "backoff_s": 0.01,
+        "usd_per_1k_prompt": 0.1,
+        "usd_per_1k_completion": 0.2,
+        **kw,
+    }
+
+
+def _run(cfg: dict, inputs: dict, tmp_path: Path, name: str = "out"):
+    from stages.teach_cascade import Config, run
+
+    out, work = tmp_path / name, tmp_path / "work"
+    out.mkdir(parents=True)
+    work.mkdir(exist_ok=True)
+    result = run(Config(**cfg), inputs, out, work)
+    return result, out
+
+
+def test_escalation_stops_at_the_first_pass_on_locally_served_tiers(tmp_path):
+    if not GGUF.is_file():
+        pytest.skip(f"needs {GGUF}")
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra")
+    inputs = _inputs(tmp_path)
+    tiers = [
+        _tier("open", serve=str(GGUF)),
+        _tier("mid", serve=str(GGUF), model="mid", usd_per_1k_prompt=1.0, usd_per_1k_completion=2.0),
+        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
+    ]
+    result, out = _run({"tiers": tiers, "budget_usd": 10.0}, inputs, tmp_path)
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    pairs = {p["id"]: p for p in map(json.loads, (out / "pairs.jsonl").read_text().splitlines())}
+    by_row: dict[str, list[str]] = {}
+    for e in ledger:
+        by_row.setdefault(e["row"], []).append(e["tier"])
+    for i in range(3):
+        assert by_row[f"e{i}"] == ["open"] and pairs[f"e{i}"]["tier"] == "open"  # passed: no escalation
+    for i in range(4):  # failed at open and mid, passed with the gold answer
+        assert by_row[f"m{i}"] == ["open", "mid", "gold"] and pairs[f"m{i}"]["tier"] == "gold"
+        assert pairs[f"m{i}"]["output"].endswith(f"#### {2 * i + 7}")
+    m = result.metrics
+    assert m["pairs"] == 7 and m["answered_by/open"] == 3 and m["answered_by/gold"] == 4
+    cost = json.loads((out / "cost.json").read_text())
+    assert m["spend_usd"] == pytest.approx(sum(e["usd"] for e in ledger)) and m["spend_usd"] <= 10.0
+    assert cost["tiers"]["gold"]["usd"] == pytest.approx(4 * 0.05)
+    assert m["top_tier_only_usd"] == pytest.approx(7 * 0.05)  # the gold tier is flat-priced
+    assert (out / "cost_per_tier.png").stat().st_size > 0 and "cost cut" in (out / "COST_CARD.md").read_text()
+
+
+def test_faults_are_retried_and_the_budget_is_never_overspent(openai_server, monkeypatch, tmp_path):
+    base, key = openai_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    proxy = FaultProxy(base.removesuffix("/v1"), hold_s=6.0)
+    try:
+        inputs = _inputs(tmp_path)
+        tiers = [
+            _tier("open", base_url=proxy.base_url, model="stories260K", api_key_env=OPENAI_KEY_ENV, max_attempts=6)
+        ]
+        tiers.append({"name": "gold", "kind": "reference", "usd_per_answer": 0.05})
+        proxy.script("429", "500", "truncate", "timeout")  # all on the first row's call: the 5th attempt answers
+        result, out = _run({"tiers": tiers, "budget_usd": 10.0}, inputs, tmp_path)
+        m = result.metrics
+        assert m["pairs"] == 7  # the stage finished every row despite the faults
+        assert {k: m[f"retries/{k}"] for k in ("rate_limited", "server_error", "malformed", "timeout")} == {
+            "rate_limited": 1,
+            "server_error": 1,
+            "malformed": 1,
+            "timeout": 1,
+        }
+        # Upstream requests: one per (tier, prompt), plus the two served but unread (truncated,
+        # timed out) — which the ledger charged at their worst case.
+        assert len(proxy.prompts()) == 7 + 2
+
+        # A budget that covers only part of the rows: spend <= budget, exactly, and the rest skipped.
+        from methods.teachers import TierConfig, worst_case_usd
+
+        worst = worst_case_usd(TierConfig(**tiers[0]), "x" * 80)
+        budget = 2.5 * worst + 0.05
+        result, out = _run({"tiers": tiers, "budget_usd": budget}, _inputs(tmp_path / "b"), tmp_path / "b")
+        m = result.metrics
+        assert m["spend_usd"] <= budget and m["skipped_budget"] > 0
+        assert m["pairs"] + m["unresolved"] + m["skipped_budget"] == 7
+        card = (out / "COST_CARD.md").read_text()
+        assert "skipped at the budget" in card and key not in card
+    finally:
+        proxy.close()
+
+
+def test_a_killed_run_never_sends_a_prompt_to_a_tier_twice(openai_server, workspace, tmp_path):
+    base, key = openai_server
+    proxy = FaultProxy(base.removesuffix("/v1"))
+    try:
+        inputs = _inputs(tmp_path, n_math=12, n_easy=12)
+        tiers = [_tier("open", base_url=proxy.base_url, model="stories260K", api_key_env=OPENAI_KEY_ENV, max_tokens=64)]
+        tiers.append({"name": "gold", "kind": "reference", "usd_per_answer": 0.05})
+        store = workspace / "store"
+        spec = {
+            "stage": "1D",
+            "config": {"tiers": tiers, "budget_usd": 10.0},
+            "inputs": {"critical": ["1C", str(inputs["critical"])], "mined": ["1B", str(inputs["mined"])]},
+            "store": str(store),
+        }
+        env = {**cli_env(workspace), OPENAI_KEY_ENV: key}
+        proc = _run_stage(spec, env, wait=False)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(proxy.prompts()) < 6 and proc.poll() is None:
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        before = len(proxy.prompts())
+        assert 6 <= before < 24, "the kill came too late to test a resume"
+        done = _run_stage(spec, env)
+        sent = proxy.prompts("stories260K")
+        assert len(sent) == len(set(sent)), "a prompt was sent to the paid tier twice"
+        # each row once: answered, or in flight at the kill (charged; it may not have left the machine)
+        assert 24 - _lost(store) <= len(sent) <= 24
+        artifact = Path(done.output.split("ARTIFACT ")[-1].strip())
+        m = json.loads((artifact / "manifest.json").read_text())["metrics"]
+        assert m["journal_resumed_events"] > 0 and m["pairs"] + m["unresolved"] == 24
+        leaks = [p for p in workspace.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+        assert not leaks and key not in done.output
+    finally:
+        proxy.close()
+
+
+def _lost(store: Path) -> int:
+    """Requests in flight at the kill (charged, never resent): read from the published ledger."""
+    [artifact] = [p for p in (store / "1D").iterdir() if not p.name.startswith(".")]
+    ledger = [json.loads(line) for line in (artifact / "ledger.jsonl").read_text().splitlines()]
+    return sum(1 for e in ledger if "earlier attempt was killed" in (e.get("reason") or ""))
