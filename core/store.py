@@ -21,9 +21,11 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +45,7 @@ MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = 1
 _TMP_PREFIX = ".tmp-"
 _WORK_PREFIX = ".work-"
+_LOCK_PREFIX = ".lock-"
 _TRASH_PREFIX = ".trash-"
 
 log = logging.getLogger("kibidango.store")
@@ -111,6 +114,35 @@ class ArtifactStore:
         tmp = self._stage_dir(stage_id) / f"{_TMP_PREFIX}{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         return tmp
+
+    @contextmanager
+    def computing(self, stage_id: str, key: str, on_wait: Callable[[str], None] | None = None) -> Iterator[bool]:
+        """Hold the right to compute ``key`` (an exclusive ``flock`` on ``.lock-<key>``, released
+        when this process ends however it ends): two flows computing the same key at once would
+        share its work directory. Yields whether it had to wait for another process (which may
+        have published the artifact meanwhile)."""
+        import fcntl
+
+        path = self._stage_dir(stage_id) / f"{_LOCK_PREFIX}{key}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as f:
+            waited = False
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                if on_wait is not None:
+                    on_wait(f.read().strip() or "another process")
+                fcntl.flock(f, fcntl.LOCK_EX)
+                waited = True
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+            f.flush()
+            try:
+                yield waited
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def work_dir(self, stage_id: str, key: str) -> Path:
         """A directory that survives a failed or killed attempt of ``key`` (training

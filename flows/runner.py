@@ -78,25 +78,42 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
 
     cached = store.get(stage_id, key)
     if cached is not None and stage_id not in ctx.force:
-        manifest = cached.manifest
-        run_id = tracker.start_run(
-            run_name,
-            {
-                **tags,
-                f"{TAG}cached": "yes",
-                f"{TAG}source_run_id": manifest.get("mlflow_run_id") or "",
-                f"{TAG}artifact": cached.path,
-            },
-            params,
-            ctx.parent_run_id,
-        )
-        tracker.log_metrics(run_id, manifest.get("metrics", {}))
-        tracker.end_run(run_id, ok=True)
-        log.info(f"stage {stage_id} ({module.NAME}): cache hit {key} -> {cached.path}")
-        if manifest.get("summary"):
-            log.info(f"stage {stage_id} ({module.NAME}): {manifest['summary']}")
-        return cached
+        return _record_hit(stage_id, module.NAME, cached, tracker, run_name, tags, params, ctx)
+    with store.computing(
+        stage_id,
+        key,
+        lambda who: log.info(f"stage {stage_id} ({module.NAME}): key {key} is being computed by {who}; waiting"),
+    ) as waited:
+        if waited and stage_id not in ctx.force:  # the other run may have published it
+            cached = store.get(stage_id, key)
+            if cached is not None:
+                return _record_hit(stage_id, module.NAME, cached, tracker, run_name, tags, params, ctx)
+        return _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, tags, cached)
 
+
+def _record_hit(stage_id, name, cached, tracker, run_name, tags, params, ctx) -> Artifact:
+    manifest = cached.manifest
+    run_id = tracker.start_run(
+        run_name,
+        {
+            **tags,
+            f"{TAG}cached": "yes",
+            f"{TAG}source_run_id": manifest.get("mlflow_run_id") or "",
+            f"{TAG}artifact": cached.path,
+        },
+        params,
+        ctx.parent_run_id,
+    )
+    tracker.log_metrics(run_id, manifest.get("metrics", {}))
+    tracker.end_run(run_id, ok=True)
+    log.info(f"stage {stage_id} ({name}): cache hit {cached.key} -> {cached.path}")
+    if manifest.get("summary"):
+        log.info(f"stage {stage_id} ({name}): {manifest['summary']}")
+    return cached
+
+
+def _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, tags, cached) -> Artifact:
+    key, digests, params = sk.key, sk.digests, sk.config
     reason = "forced" if cached is not None else "no cached artifact"
     log.info(f"stage {stage_id} ({module.NAME}): running ({reason}), key {key}")
     run_id = tracker.start_run(run_name, {**tags, f"{TAG}cached": "no"}, params, ctx.parent_run_id)

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["RowLog", "row_key", "sample", "severity", "task_of", "training_texts"]
+__all__ = ["RowLog", "held_out", "row_key", "sample", "severity", "task_of", "training_texts"]
 
 log = logging.getLogger("kibidango.failures")
 
@@ -48,6 +48,12 @@ def task_of(row: dict):
         row.get("entry_point") or None,
         row.get("setup", ""),
     )
+
+
+def held_out(row_id: str, share: float) -> bool:
+    """True for the ``share`` of row ids (by a salted hash) kept out of teaching and training."""
+    h = int.from_bytes(hashlib.sha256(f"kibidango/held-out-failures/v1:{row_id}".encode()).digest()[:8], "big")
+    return h / 2**64 < share
 
 
 def sample(items: list, size: int | None, seed: int, key=lambda x: x) -> list:

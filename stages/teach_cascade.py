@@ -11,8 +11,11 @@ fits, the remaining rows are skipped and counted. Every paid request is journale
 sent (``work_dir/journal.jsonl``): a killed run's rerun never sends a prompt to a tier twice — a
 request that was in flight at the kill is charged its worst case and the row moves on.
 
+A share of the critical failures (``holdout_share``, by a hash of the row id) is held out: never
+sent to a teacher, never trained on; the retraining round measures its failure rate on them.
+
 Outputs: ``pairs/`` (a ``datasets`` table of corrected pairs: the prompt and the first answer a
-judge passed, with its tier), ``pairs.jsonl``, ``ledger.jsonl`` (one line per request: tier,
+judge passed, with its tier), ``pairs.jsonl``, ``held_out.jsonl``, ``ledger.jsonl`` (one line per request: tier,
 tokens, dollars, verdict, seconds), ``cost.json``, ``COST_CARD.md`` and ``cost_per_tier.png``. The
 cost report sets the cascade's spend beside the counterfactual of sending every row to the top
 tier, priced from the same token counts.
@@ -33,7 +36,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256
 from core.progress import Progress
-from methods.failures import task_of
+from methods.failures import held_out, task_of
 from methods.judges import make_judge
 from methods.teachers import Budget, Journal, TeacherClient, TierConfig, TierDead, worst_case_usd
 
@@ -47,6 +50,13 @@ log = logging.getLogger("kibidango.stage.1D")
 class Config(StageConfig):
     tiers: list[TierConfig] = Field(min_length=1, description="Teacher tiers, cheapest first.")
     budget_usd: float = Field(gt=0, description="Hard limit on the run's spend, in dollars.")
+    holdout_share: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="Share of the critical failures (by a hash of the row id) never sent to a teacher nor trained "
+        "on: the retraining round measures its failure rate on them (held_out.jsonl).",
+    )
     serve_n_ctx: int = Field(512, gt=0, description="Context of locally served tiers.")
     serve_chat_format: str = Field("alpaca", description="llama-cpp-python chat format of locally served tiers.")
 
@@ -72,7 +82,13 @@ def external_inputs(cfg: Config) -> dict[str, str]:
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
-    rows = _read(inputs["critical"] / "critical.jsonl")
+    critical = _read(inputs["critical"] / "critical.jsonl")
+    held = [r for r in critical if held_out(r["id"], cfg.holdout_share)]
+    rows = [r for r in critical if not held_out(r["id"], cfg.holdout_share)]
+    with open(out_dir / "held_out.jsonl", "w", encoding="utf-8") as f:
+        for r in held:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    log.info(f"{len(rows):,} critical failures to the teachers, {len(held):,} held out for the retraining's evaluation")
     judges_cfg = json.loads((inputs["mined"] / "manifest.json").read_text())["config"]["judges"]
     judges = {d: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for d, j in judges_cfg.items()}
     journal = Journal(work_dir / "journal.jsonl")
@@ -104,6 +120,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     _write(out_dir, pairs, ledger, report)
     metrics = {
         "rows": len(rows),
+        "held_out": len(held),
         "pairs": len(pairs),
         "unresolved": status["unresolved"],
         "skipped_budget": status["skipped_budget"],

@@ -62,7 +62,7 @@ def _run(cfg: dict, inputs: dict, tmp_path: Path, name: str = "out"):
     out, work = tmp_path / name, tmp_path / "work"
     out.mkdir(parents=True)
     work.mkdir(exist_ok=True)
-    result = run(Config(**cfg), inputs, out, work)
+    result = run(Config(**{"holdout_share": 0.0, **cfg}), inputs, out, work)
     return result, out
 
 
@@ -145,7 +145,7 @@ def test_a_killed_run_never_sends_a_prompt_to_a_tier_twice(openai_server, worksp
         store = workspace / "store"
         spec = {
             "stage": "1D",
-            "config": {"tiers": tiers, "budget_usd": 10.0},
+            "config": {"tiers": tiers, "budget_usd": 10.0, "holdout_share": 0.0},
             "inputs": {"critical": ["1C", str(inputs["critical"])], "mined": ["1B", str(inputs["mined"])]},
             "store": str(store),
         }

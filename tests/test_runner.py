@@ -83,7 +83,8 @@ def test_a_failing_stage_publishes_nothing_and_marks_the_run_failed(workspace, t
     cfg = s0.Config(sources=[{"name": "src", "path": str(bad), "format": "alpaca", "license": "MIT"}])
     with pytest.raises(Exception, match="malformed JSON"):
         execute_stage("0", cfg, {}, _ctx(workspace, None))
-    assert not any((workspace / "store" / "0").iterdir())  # staging discarded, nothing published
+    left = [p.name for p in (workspace / "store" / "0").iterdir() if not p.name.startswith(".lock-")]
+    assert not left  # staging discarded, nothing published (the key's lock file stays, released)
     (run,) = _runs()
     assert run.info.status == "FAILED"
 
@@ -91,3 +92,25 @@ def test_a_failing_stage_publishes_nothing_and_marks_the_run_failed(workspace, t
 def test_secrets_never_reach_mlflow_params():
     params = flatten_params({"cloud": {"api_key": "sk-live-123", "base_url": "https://x"}, "OPENAI_API_KEY": "sk-2"})
     assert params == {"cloud.api_key": "***", "cloud.base_url": "https://x", "OPENAI_API_KEY": "***"}
+
+
+def test_a_second_run_of_the_same_key_waits_instead_of_sharing_its_work_dir(workspace, source):
+    """Two flows computing one key at once (a scheduled run and a manual one) would train into the
+    same work directory; the second waits for the first's lock, then finds its artifact."""
+    import threading
+    import time
+
+    from core.store import ArtifactStore
+    from flows.runner import stage_key
+
+    cfg = s0.Config(sources=[{"name": "src", "path": str(source), "format": "alpaca", "license": "MIT"}])
+    key = stage_key("0", cfg, {}).key
+    store = ArtifactStore(workspace / "store")
+    results = []
+    with store.computing("0", key):
+        waiter = threading.Thread(target=lambda: results.append(execute_stage("0", cfg, {}, _ctx(workspace, None))))
+        waiter.start()
+        time.sleep(1.5)
+        assert waiter.is_alive() and store.get("0", key) is None  # blocked on the lock, computed nothing
+    waiter.join(120)
+    assert results and store.get("0", key) == results[0]
