@@ -15,6 +15,7 @@ STAGES: dict[str, str] = {
     "1B": "stages.mine_failures",
     "1C": "stages.critique_filter",
     "1D": "stages.teach_cascade",
+    "1R": "stages.retrain",
     "1E": "stages.distill",
     "3": "stages.domain_lora",
     "4": "stages.domain_lora",

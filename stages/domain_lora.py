@@ -1,5 +1,6 @@
 """Stages 3-5 — domain modifiers: one LoRA adapter per domain, trained by axolotl on that domain's
-slice of stage 0, on top of the student (stage 1A's target). Stage ids 3, 4 and 5 run this module
+slice of stage 0 and, where a ``pairs`` input is wired, the domain's corrected pairs from the
+cascaded teachers (1D), on top of the student (the retrained 1R target, or 1A's). Stage ids 3, 4 and 5 run this module
 with different ``domain`` configs, so each adapter is its own cached, forceable stage.
 
 Measured: the domain's validation loss with and without the adapter, and the general (all
@@ -13,6 +14,7 @@ manifest the runtime reads to lazy-load the adapter: domain, base, formats, file
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -44,6 +46,9 @@ class Config(StageConfig):
     tier: str = Field("target", description="Tier of the `base` input the adapter modifies.")
     train: TrainRecipe
     max_train_rows: int | None = Field(None, gt=0)
+    pair_repeats: int = Field(
+        2, ge=1, description="With a `pairs` input (stage 1D): each corrected pair of the domain appears this often."
+    )
     eval_rows: int = Field(200, gt=0, description="Validation rows of the domain (and of all domains) for the loss.")
     eval_max_len: int = Field(256, gt=8)
     gguf: bool = Field(True, description="Also write the adapter as a llama.cpp GGUF LoRA.")
@@ -66,6 +71,17 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     }
 
 
+def _pairs(pairs_dir: Path | None, domain: str) -> list[dict]:
+    """The domain's corrected pairs of stage 1D (instruction, input, output), if wired."""
+    if pairs_dir is None:
+        return []
+    path = pairs_dir / "pairs.jsonl"
+    if not path.is_file():
+        raise KibidangoError(f"the pairs input has no pairs.jsonl (is it stage 1D's output?): {pairs_dir}")
+    with open(path, encoding="utf-8") as f:
+        return [p for p in map(json.loads, f) if p["domain"] == domain]
+
+
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
@@ -75,9 +91,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     train_rows = load_split(data, "train", domain=cfg.domain, limit=cfg.max_train_rows)
     if not train_rows:
         raise KibidangoError(f"domain {cfg.domain!r}: stage 0's train split ({data}) has no rows of this domain")
+    pairs = _pairs(inputs.get("pairs"), cfg.domain)
     data_file = work_dir / "data" / f"{cfg.domain}.jsonl"
-    write_jsonl(data_file, ({"messages": messages(r)} for r in train_rows))
-    log.info(f"domain {cfg.domain}: {len(train_rows):,} training rows")
+    mix = [*train_rows, *(p for p in pairs for _ in range(cfg.pair_repeats))]
+    write_jsonl(data_file, ({"messages": messages(r)} for r in mix))
+    log.info(f"domain {cfg.domain}: {len(train_rows):,} training rows + {len(pairs):,} corrected pairs from 1D")
 
     spec = axolotl.render(
         cfg.train, base, [axolotl_dataset(str(data_file))], str(work_dir / "lora"), tokenizer_type=tokenizer_type(base)
@@ -101,6 +119,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "all_val_loss_base": lm.response_loss(plain, tokenizer, every, cfg.eval_max_len)["loss"],
         "all_val_loss_adapter": lm.response_loss(tuned, tokenizer, every, cfg.eval_max_len)["loss"],
         "train_rows": float(len(train_rows)),
+        "corrected_pairs": float(len(pairs)),
         "domain_val_rows": float(len(own)),
         "train_loss_final": last.get("loss", float("nan")),
     }
