@@ -287,3 +287,44 @@ def test_1c_llm_critic_is_resumable_and_only_disputes_the_weak_judge(openai_serv
     assert first.metrics["disputed"] == len(disputed)
     assert (out1 / "critical.jsonl").read_text() == (out2 / "critical.jsonl").read_text()
     assert key not in (work / "critiques.jsonl").read_text()
+
+
+def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage0, student, tmp_path):
+    """The retraining round with real axolotl on stories260K (4 steps): trains on the pairs plus
+    replay rows, never on a held-out failure, and judges the held-out failures before and after."""
+    from tests.test_training_resume import _needs_axolotl_and_shared
+
+    _needs_axolotl_and_shared()
+    from methods.benchmarks import load_tasks
+    from stages.retrain import Config, run
+
+    tasks = load_tasks("gsm8k", DATA / "gsm8k/test.jsonl", "mining")[:10]
+
+    def row(bt, answer=None):
+        instruction, input_ = bt.instruction()
+        r = {"id": bt.id, "domain": "math", "instruction": instruction, "input": input_, "prompt": bt.task.prompt}
+        r.update(reference=bt.task.reference, tests=[], entry_point="", setup="")
+        return {**r, "output": answer} if answer is not None else r
+
+    pairs_dir, mined = tmp_path / "pairs", tmp_path / "mined"
+    pairs_dir.mkdir()
+    mined.mkdir()
+    pairs = [row(bt, bt.task.reference) | {"tier": "gold"} for bt in tasks[:6]]
+    held = [row(bt) for bt in tasks[6:]]
+    (pairs_dir / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (pairs_dir / "held_out.jsonl").write_text("".join(json.dumps(h) + "\n" for h in held))
+    (mined / "manifest.json").write_text(json.dumps({"config": {"judges": {"math": {"kind": "math"}}}}))
+    train = {"max_steps": 4, "micro_batch_size": 2, "sequence_len": 128, "learning_rate": 0.001, "warmup_steps": 1}
+    train.update(logging_steps=1, save_steps=2)
+    cfg = Config(replay_share=0.5, pair_repeats=2, train=train, max_new_tokens=24, tokenizer_type="LlamaTokenizer")
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    inputs = {"student": student, "pairs": pairs_dir, "mined": mined, "data": stage0}
+    result = run(cfg, inputs, out, work)
+    m = result.metrics
+    assert m["pairs"] == 6 and m["replay_rows"] == 12 and m["held_out"] == 4
+    assert 0 <= m["failure_rate_after"] <= 1 and m["failure_rate_before"] == 1.0  # a story model gets no sum right
+    trained = (work / "data" / "train.jsonl").read_text()
+    assert all(h["instruction"] not in trained for h in held)  # never trained on a held-out failure
+    assert (out / "target" / "config.json").is_file() and "| **all** | 4 |" in (out / "RETRAIN_CARD.md").read_text()
