@@ -158,6 +158,8 @@ def test_a_killed_run_never_sends_a_prompt_to_a_tier_twice(openai_server, worksp
         proc.wait()
         before = len(proxy.prompts())
         assert 6 <= before < 24, "the kill came too late to test a resume"
+        [journal] = (store / "1D").glob(".work-*/journal.jsonl")
+        assert '"event": "sent"' in journal.read_text() and key not in journal.read_text()
         done = _run_stage(spec, env)
         sent = proxy.prompts("stories260K")
         assert len(sent) == len(set(sent)), "a prompt was sent to the paid tier twice"
