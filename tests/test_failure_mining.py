@@ -328,3 +328,21 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     trained = (work / "data" / "train.jsonl").read_text()
     assert all(h["instruction"] not in trained for h in held)  # never trained on a held-out failure
     assert (out / "target" / "config.json").is_file() and "| **all** | 4 |" in (out / "RETRAIN_CARD.md").read_text()
+
+
+def test_an_answer_that_cannot_start_has_no_confidence(student):
+    """A prompt that fills the student's context gets no answer: confidence 0, so it never ranks as
+    a confidently wrong failure."""
+    from methods.measure.generate import Answerer
+
+    answerer = Answerer(student / "target", max_new_tokens=8)
+    empty = answerer("word " * 2000)
+    assert (empty.text, empty.tokens, empty.finish_reason, empty.mean_logprob, empty.confidence) == (
+        "",
+        0,
+        "context",
+        None,
+        0.0,
+    )
+    some = answerer("Once upon a time")
+    assert some.tokens > 0 and 0 < some.confidence <= 1 and some.mean_logprob < 0

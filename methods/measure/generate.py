@@ -27,14 +27,15 @@ class Answer:
     """Generated tokens (the stop token excluded)."""
     finish_reason: str
     """``stop`` (an end-of-text token or a stop string), ``length`` (max_new_tokens), ``context``."""
-    mean_logprob: float
-    """Mean log-probability of the answer's tokens under the model (0 for an empty answer)."""
+    mean_logprob: float | None
+    """Mean log-probability of the answer's tokens under the model (None for an empty answer)."""
     seconds: float
 
     @property
     def confidence(self) -> float:
-        """exp(mean log-probability): the model's per-token confidence in what it wrote, in (0, 1]."""
-        return math.exp(self.mean_logprob)
+        """exp(mean log-probability): the model's per-token confidence in what it wrote, in (0, 1];
+        0 for an empty answer (no confidence in anything)."""
+        return 0.0 if self.mean_logprob is None else math.exp(self.mean_logprob)
 
 
 class Answerer:
@@ -65,20 +66,19 @@ class Answerer:
         ids = self.prompt_ids(instruction, input_)
         room = self.model.context_length - len(ids)
         if room < 1:
-            return Answer("", 0, "context", 0.0, time.monotonic() - started)
+            return Answer("", 0, "context", None, time.monotonic() - started)
         result = self.pipeline.generate(ids, stop=self.stop, max_new_tokens=min(self.config.max_new_tokens, room))
         out = [t for t in result.token_ids if t not in self.config.stop_ids]
         finish = result.metrics.finish_reason or ("length" if len(out) >= self.config.max_new_tokens else "stop")
         return Answer(result.text, len(out), finish, self.mean_logprob(ids, out), time.monotonic() - started)
 
-    def mean_logprob(self, prompt_ids: list[int], answer_ids: list[int]) -> float:
-        """Mean log-probability of ``answer_ids`` after ``prompt_ids``: one forward pass."""
-        if not answer_ids:
-            return 0.0
+    def mean_logprob(self, prompt_ids: list[int], answer_ids: list[int]) -> float | None:
+        """Mean log-probability of ``answer_ids`` after ``prompt_ids``: one forward pass (None
+        for an empty answer)."""
         ids = (prompt_ids + answer_ids)[: self.model.context_length]
         n = len(ids) - len(prompt_ids)
         if n < 1:
-            return 0.0
+            return None
         logits = self.model.new_session().feed(ids)[len(prompt_ids) - 1 : -1]
         logits = logits - logits.max(axis=-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
