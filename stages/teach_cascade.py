@@ -109,8 +109,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     try:
         with ExitStack() as stack:
             urls = _serve(cfg, work_dir, stack)
+            # every client (and so every key) before the first request: a missing key fails the run
+            # before anything is paid
+            clients = {t.name: TeacherClient(t, urls.get(t.name)) for t in cfg.tiers if t.kind == "openai"}
             for tier in cfg.tiers:
-                cascade.run_tier(tier, urls.get(tier.name))
+                cascade.run_tier(tier, clients.get(tier.name))
     finally:
         journal.close()
 
@@ -209,16 +212,13 @@ class _Cascade:
                 return True
         return False
 
-    def run_tier(self, tier: TierConfig, served_url: str | None) -> None:
+    def run_tier(self, tier: TierConfig, client: TeacherClient | None) -> None:
         index = self.cfg.tiers.index(tier)
         todo = [
             r for r in self.rows if not self._resolved(r["id"], index) and (r["id"], tier.name) not in self.state.done
         ]
         if not todo:
             return
-        client = None
-        if tier.kind == "openai" and tier.name not in self.dead:
-            client = TeacherClient(tier, served_url)
         progress = Progress(f"1D tier {tier.name}", len(todo), log)
         done = [0]
         lock = threading.Lock()

@@ -179,3 +179,15 @@ def _lost(store: Path) -> int:
     [artifact] = [p for p in (store / "1D").iterdir() if not p.name.startswith(".")]
     ledger = [json.loads(line) for line in (artifact / "ledger.jsonl").read_text().splitlines()]
     return sum(1 for e in ledger if "earlier attempt was killed" in (e.get("reason") or ""))
+
+
+def test_a_missing_key_stops_the_run_before_anything_is_paid(monkeypatch, tmp_path):
+    from core.contract import KibidangoError
+
+    monkeypatch.delenv(OPENAI_KEY_ENV, raising=False)
+    tiers = [{"name": "gold", "kind": "reference", "usd_per_answer": 0.05}]
+    tiers.insert(0, _tier("open", base_url="http://127.0.0.1:9/v1", model="m", api_key_env=OPENAI_KEY_ENV))
+    tiers.insert(0, {"name": "free", "kind": "reference", "usd_per_answer": 0.0})
+    with pytest.raises(KibidangoError, match=f"teacher tier open: environment variable {OPENAI_KEY_ENV} is not set"):
+        _run({"tiers": tiers, "budget_usd": 1.0}, _inputs(tmp_path), tmp_path)
+    assert not (tmp_path / "work" / "journal.jsonl").read_text()  # not even the free tier was asked
