@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections import Counter
 from pathlib import Path
 
-import yaml
 from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
@@ -26,7 +24,7 @@ from methods.failures import sample, task_of
 from methods.judges import make_judge
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
-from methods.training.models import copy_tokenizer, merge_lora, tokenizer_type
+from methods.training.finetune import fine_tune
 from methods.training.recipe import TrainRecipe
 
 NAME = "retrain"
@@ -86,23 +84,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     log.info(f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows")
 
     before = _failure_rate(student, held, judges, cfg.max_new_tokens, "before")
-    spec = axolotl.render(
-        cfg.train,
-        str(student),
-        [axolotl_dataset(str(data_file))],
-        str(work_dir / "sft"),
-        tokenizer_type=cfg.tokenizer_type or tokenizer_type(student),
+    model_dir, last = fine_tune(
+        cfg.train, student, data_file, work_dir, out_dir, cfg.tier, "1R/retrain", cfg.tokenizer_type
     )
-    (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    last = axolotl.train(spec, work_dir / "sft", "1R/retrain")
-    (out_dir / "logs").mkdir()
-    shutil.copy2(work_dir / "sft" / "axolotl.log", out_dir / "logs" / "train.log")
-    model_dir = out_dir / cfg.tier
-    if cfg.train.adapter == "lora" and cfg.train.merge_lora:
-        merge_lora(str(student), axolotl.trained_files(work_dir / "sft", work_dir / "adapter"), model_dir)
-    else:
-        axolotl.trained_files(work_dir / "sft", model_dir)
-    copy_tokenizer(student, model_dir)
     after = _failure_rate(model_dir, held, judges, cfg.max_new_tokens, "after")
 
     stats = {

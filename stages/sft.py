@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
-import yaml
 from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from methods.measure import lm
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
-from methods.training.models import copy_tokenizer, merge_lora, resolve_base, tokenizer_type
+from methods.training.finetune import fine_tune
+from methods.training.models import resolve_base
 from methods.training.recipe import TrainRecipe
 
 NAME = "student-sft"
@@ -86,23 +85,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     val = _rows(data, "validation", cfg.domains, cfg.eval_rows)
     before = lm.response_loss(lm.load_causal_lm(base), tokenizer, val, cfg.eval_max_len)
 
-    spec = axolotl.render(
-        cfg.train,
-        base,
-        [axolotl_dataset(str(data_file))],
-        str(work_dir / "sft"),
-        tokenizer_type=cfg.tokenizer_type or tokenizer_type(base),
-    )
-    (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    last = axolotl.train(spec, work_dir / "sft", "1A/sft")
-    (out_dir / "logs").mkdir()
-    shutil.copy2(work_dir / "sft" / "axolotl.log", out_dir / "logs" / "train.log")
-    model_dir = out_dir / cfg.tier
-    if cfg.train.adapter == "lora" and cfg.train.merge_lora:
-        merge_lora(base, axolotl.trained_files(work_dir / "sft", work_dir / "adapter"), model_dir)
-    else:
-        axolotl.trained_files(work_dir / "sft", model_dir)
-    copy_tokenizer(Path(base), model_dir)
+    model_dir, last = fine_tune(cfg.train, base, data_file, work_dir, out_dir, cfg.tier, "1A/sft", cfg.tokenizer_type)
 
     after = lm.response_loss(lm.load_causal_lm(model_dir), tokenizer, val, cfg.eval_max_len)
     metrics = {

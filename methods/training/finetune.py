@@ -1,0 +1,50 @@
+"""One supervised fine-tune of a checkpoint on a chat JSONL file with axolotl, as stages 1A (SFT) and
+1R (the retraining round) run it: the YAML saved beside the output, the training log copied, a LoRA
+merged into the base when the recipe asks, and the base's own tokenizer files copied byte for byte."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from methods.training import axolotl
+from methods.training.chat import axolotl_dataset
+from methods.training.models import copy_tokenizer, merge_lora, tokenizer_type
+from methods.training.recipe import TrainRecipe
+
+__all__ = ["fine_tune"]
+
+
+def fine_tune(
+    recipe: TrainRecipe,
+    base: str | Path,
+    data_file: Path,
+    work_dir: Path,
+    out_dir: Path,
+    tier: str,
+    label: str,
+    tokenizer: str | None = None,
+) -> tuple[Path, dict[str, float]]:
+    """Train ``base`` on ``data_file`` (``{"messages": ...}`` rows); the model goes to
+    ``out_dir/<tier>`` (or a peft adapter there, for an unmerged LoRA), ``axolotl.yaml`` and
+    ``logs/train.log`` beside it. Returns the model directory and the last logged metrics."""
+    spec = axolotl.render(
+        recipe,
+        str(base),
+        [axolotl_dataset(str(data_file))],
+        str(work_dir / "sft"),
+        tokenizer_type=tokenizer or tokenizer_type(base),
+    )
+    (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    last = axolotl.train(spec, work_dir / "sft", label)
+    (out_dir / "logs").mkdir()
+    shutil.copy2(work_dir / "sft" / "axolotl.log", out_dir / "logs" / "train.log")
+    model_dir = out_dir / tier
+    if recipe.adapter == "lora" and recipe.merge_lora:
+        merge_lora(str(base), axolotl.trained_files(work_dir / "sft", work_dir / "adapter"), model_dir)
+    else:
+        axolotl.trained_files(work_dir / "sft", model_dir)
+    copy_tokenizer(Path(base), model_dir)
+    return model_dir, last
