@@ -1,0 +1,169 @@
+"""Confidence calibration (stage 2G): temperature scaling of next-token distributions, Platt
+scaling of answer-level features, and the measures that say whether either helped.
+
+- :func:`fit_temperature`: the T > 0 minimising the NLL of ``softmax(logits / T)`` on the labels
+  (one parameter, fitted on log T with L-BFGS, so T stays positive);
+- :func:`ece`: expected calibration error with **equal-mass** bins by default (each bin holds the
+  same number of predictions, so a skewed confidence distribution does not leave most bins empty),
+  or equal-width bins;
+- :class:`Platt`: logistic regression from answer features to P(the judge passes), fitted with
+  L-BFGS and a small L2 penalty on standardised features (a one-feature Platt scaling is the
+  special case);
+- :func:`brier`, :func:`auroc`, :func:`reliability_plot`.
+
+Everything here is numpy/torch: the parameters are small JSON the runtime can read without the
+pipeline or scikit-learn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Platt", "auroc", "brier", "ece", "fit_temperature", "reliability_plot", "token_confidence"]
+
+
+def fit_temperature(logits: np.ndarray, labels: np.ndarray, max_iter: int = 100) -> float:
+    """The temperature minimising mean NLL of ``labels`` under ``softmax(logits / T)``
+    (``logits``: [N, V], ``labels``: [N] token ids)."""
+    import torch
+
+    x = torch.as_tensor(np.asarray(logits), dtype=torch.float64)
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([log_t], lr=0.5, max_iter=max_iter, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(x / log_t.exp(), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return float(log_t.detach().exp())
+
+
+def token_confidence(logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0) -> dict[str, np.ndarray]:
+    """Per position: the top-1 probability (``confidence``), whether top-1 is the label
+    (``correct``) and the label's NLL, under ``softmax(logits / temperature)``."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    z = z - z.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    top = logp.argmax(axis=-1)
+    labels = np.asarray(labels)
+    return {
+        "confidence": np.exp(logp.max(axis=-1)),
+        "correct": (top == labels).astype(np.float64),
+        "nll": -logp[np.arange(len(labels)), labels],
+    }
+
+
+def ece(confidence: np.ndarray, correct: np.ndarray, bins: int = 15, scheme: str = "equal_mass") -> float:
+    """Expected calibration error: sum over bins of (bin share) x |accuracy - mean confidence|."""
+    conf, hit = np.asarray(confidence, dtype=np.float64), np.asarray(correct, dtype=np.float64)
+    if conf.size == 0:
+        return 0.0
+    total = 0.0
+    for members in _bins(conf, bins, scheme):
+        if members.size:
+            total += members.size / conf.size * abs(hit[members].mean() - conf[members].mean())
+    return float(total)
+
+
+def _bins(conf: np.ndarray, bins: int, scheme: str) -> list[np.ndarray]:
+    if scheme == "equal_mass":
+        return [b for b in np.array_split(np.argsort(conf, kind="stable"), bins) if b.size]
+    if scheme == "equal_width":
+        edges = np.linspace(0, 1, bins + 1)
+        index = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, bins - 1)
+        return [np.flatnonzero(index == b) for b in range(bins)]
+    raise ValueError(f"unknown binning {scheme!r}: equal_mass or equal_width")
+
+
+def brier(probability: np.ndarray, outcome: np.ndarray) -> float:
+    p, y = np.asarray(probability, dtype=np.float64), np.asarray(outcome, dtype=np.float64)
+    return float(np.mean((p - y) ** 2)) if p.size else 0.0
+
+
+def auroc(score: np.ndarray, outcome: np.ndarray) -> float | None:
+    """Area under the ROC curve (rank statistic, ties averaged); None with one class only."""
+    s, y = np.asarray(score, dtype=np.float64), np.asarray(outcome, dtype=bool)
+    pos, neg = int(y.sum()), int((~y).sum())
+    if pos == 0 or neg == 0:
+        return None
+    order = np.argsort(s, kind="stable")
+    ranks = np.empty(len(s))
+    sorted_s = s[order]
+    i = 0
+    while i < len(s):  # average ranks over ties
+        j = i
+        while j + 1 < len(s) and sorted_s[j + 1] == sorted_s[i]:
+            j += 1
+        ranks[order[i : j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+@dataclass
+class Platt:
+    """Logistic regression on standardised features: P(pass) = sigmoid(w . (x - mean) / std + b)."""
+
+    weights: list[float]
+    bias: float
+    mean: list[float]
+    std: list[float]
+    features: list[str]
+
+    @classmethod
+    def fit(cls, x: np.ndarray, y: np.ndarray, features: list[str], l2: float = 1e-3) -> Platt:
+        import torch
+
+        x = np.asarray(x, dtype=np.float64)
+        mean, std = x.mean(axis=0), x.std(axis=0)
+        std = np.where(std > 1e-12, std, 1.0)
+        xs = torch.as_tensor((x - mean) / std)
+        ys = torch.as_tensor(np.asarray(y, dtype=np.float64))
+        w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+        b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.LBFGS([w, b], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(xs @ w + b, ys) + l2 * (w**2).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return cls(w.detach().tolist(), float(b.detach()), mean.tolist(), std.tolist(), list(features))
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.std @ np.asarray(self.weights) + self.bias
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def reliability_plot(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path, title: str, bins: int = 15) -> None:
+    """Accuracy against mean confidence per equal-mass bin, one line per curve (name -> (confidence,
+    correct)), beside the diagonal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.2, 4.2))
+    ax.plot([0, 1], [0, 1], color="#999", lw=1, ls="--")
+    for name, (conf, hit) in curves.items():
+        conf, hit = np.asarray(conf), np.asarray(hit)
+        groups = _bins(conf, bins, "equal_mass")
+        ax.plot([conf[g].mean() for g in groups], [hit[g].mean() for g in groups], marker="o", ms=3, label=name)
+    ax.set_xlabel("confidence")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,61 @@
+"""Calibration measures and fits on synthetic data where the answer is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from methods.calibration import Platt, auroc, brier, ece, fit_temperature, reliability_plot, token_confidence
+
+
+def _overconfident(n: int = 4000, v: int = 20, sharpen: float = 3.0, seed: int = 0):
+    """Labels drawn from softmax(z); the model reports softmax(sharpen * z): over-confident by a
+    known factor, so the best temperature is ``sharpen``."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n, v))
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    labels = np.array([rng.choice(v, p=row) for row in p])
+    return sharpen * z, labels
+
+
+def test_temperature_scaling_recovers_the_known_temperature_and_lowers_ece():
+    logits, labels = _overconfident()
+    fit, held = slice(0, 2000), slice(2000, None)
+    t = fit_temperature(logits[fit], labels[fit])
+    assert t == pytest.approx(3.0, rel=0.15)
+    before, after = token_confidence(logits[held], labels[held]), token_confidence(logits[held], labels[held], t)
+    assert ece(after["confidence"], after["correct"]) < ece(before["confidence"], before["correct"]) / 2
+    assert after["nll"].mean() < before["nll"].mean()
+
+
+def test_ece_binning_schemes_and_edge_cases():
+    conf = np.array([0.9] * 10)
+    hit = np.array([1] * 9 + [0])
+    assert ece(conf, hit, bins=1) == pytest.approx(0.0) and ece(conf, hit, scheme="equal_width") == pytest.approx(0.0)
+    assert ece(conf, hit) == pytest.approx(0.18)  # 15 equal-mass bins of 10 predictions: one each
+    assert ece(np.array([1.0, 1.0]), np.array([0, 0])) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        ece(conf, hit, scheme="nope")
+
+
+def test_platt_scaling_learns_a_monotone_map_and_the_scores():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3000, 2))
+    y = (rng.random(3000) < 1 / (1 + np.exp(-(2 * x[:, 0] - 0.5)))).astype(float)  # feature 1 is noise
+    model = Platt.fit(x[:2000], y[:2000], ["signal", "noise"])
+    p = model.predict(x[2000:])
+    assert abs(model.weights[0]) > 5 * abs(model.weights[1])
+    assert auroc(p, y[2000:]) > 0.8 and brier(p, y[2000:]) < brier(np.full(1000, y[:2000].mean()), y[2000:])
+    assert ece(p, y[2000:]) < 0.06
+    assert Platt(**model.to_dict()).predict(x[:3]).tolist() == model.predict(x[:3]).tolist()
+
+
+def test_auroc_known_values(tmp_path):
+    assert auroc(np.array([0.1, 0.2, 0.8, 0.9]), np.array([0, 0, 1, 1])) == 1.0
+    assert auroc(np.array([0.5, 0.5]), np.array([0, 1])) == 0.5
+    assert auroc(np.array([0.1, 0.2]), np.array([1, 1])) is None  # one class: undefined, not 0.5
+    logits, labels = _overconfident(500)
+    c = token_confidence(logits, labels)
+    reliability_plot({"before": (c["confidence"], c["correct"])}, tmp_path / "r.png", "tokens")
+    assert (tmp_path / "r.png").stat().st_size > 0
