@@ -27,6 +27,7 @@ STAGES: dict[str, str] = {
     "2F": "stages.recovery_lora",
     "X": "stages.export_bundle",
     "2E": "stages.zstd_pack",
+    "6A": "stages.train_router",
 }
 
 

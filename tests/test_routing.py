@@ -5,44 +5,41 @@ router reads back exactly what was trained and refuses a malformed file."""
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
 import yaml
 
 from core.paths import REPO_ROOT
-from methods.routing import confusion, train_router
+from methods.routing import train_router
 from tests.conftest import needs_shared
 
 
 @pytest.fixture(scope="module")
-def splits(tmp_path_factory):
+def stage0(tmp_path_factory):
     needs_shared()
     import stages.curate as curate
-    from methods.training.chat import load_split
 
     out = tmp_path_factory.mktemp("stage0")
     curate.run(curate.Config(**yaml.safe_load((REPO_ROOT / "recipes/stage0/tiny.yaml").read_text())), {}, out)
-
-    def rows(split):
-        data = load_split(out / "dataset", split)
-        return [r["instruction"] or r["output"][:200] for r in data], [r["domain"] for r in data]
-
-    return rows("train"), rows("test")
+    return out
 
 
-def test_the_router_beats_the_majority_class_and_a_shuffled_control_does_not(splits):
-    (train_x, train_y), (test_x, test_y) = splits
-    labels = sorted(set(train_y))
-    majority = max(test_y.count(d) for d in labels) / len(test_y)
-    router = train_router(train_x, train_y, labels, epochs=15)
-    result = confusion(router, test_x, test_y)
-    assert result["accuracy"] > majority + 0.05, (result["accuracy"], majority)
-    shuffled = train_y[:]
-    random.Random(0).shuffle(shuffled)
-    control = confusion(train_router(train_x, shuffled, labels, epochs=15), test_x, test_y)
-    assert control["accuracy"] < result["accuracy"] - 0.2
+def test_the_router_beats_the_majority_class_and_a_shuffled_control_does_not(stage0, tmp_path):
+    """Stage 6A with the tiny recipe on the real stage-0 output."""
+    from kibidango.router import Router
+    from stages.train_router import Config, run
+
+    result = run(
+        Config(**yaml.safe_load((REPO_ROOT / "recipes/stage6A/tiny.yaml").read_text())), {"data": stage0}, tmp_path
+    )
+    m = result.metrics
+    assert m["test_accuracy"] > m["majority_baseline"] + 0.05, m
+    assert m["shuffled_label_control"] < m["test_accuracy"] - 0.2, m
+    router = Router.load(tmp_path / "router.json")
+    assert router.labels == ["code", "math", "general", "base"] and len(router.layers) == 3
+    assert [w.shape for w, _ in router.layers] == [(128, 64), (64, 32), (32, 4)]
+    assert "| code |" in (tmp_path / "ROUTER_CARD.md").read_text()
 
 
 def test_the_runtime_router_reads_back_what_was_trained(tmp_path):
