@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
+from core.paths import home
 from core.store import ArtifactStore
-from flows.workspace import home
 
 
 def main() -> int:

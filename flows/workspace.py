@@ -8,13 +8,14 @@ import signal
 import time
 from pathlib import Path
 
+from core import paths
 from core.store import ArtifactStore
 
 __all__ = ["home", "store", "tracking_uri", "configure_environment", "reap_orphan_prefect_servers"]
 
 
 def home() -> Path:
-    return Path(os.environ.get("KIBIDANGO_HOME", ".kibidango")).resolve()
+    return paths.home()
 
 
 def store() -> ArtifactStore:

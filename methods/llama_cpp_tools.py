@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from core.contract import KibidangoError
+from core.paths import home
 
 __all__ = ["LLAMA_CPP_PYTHON", "convert_hf_to_gguf", "convert_lora_to_gguf", "converter_dir"]
 
@@ -34,8 +35,7 @@ def converter_dir() -> Path:
         if not (Path(override) / "convert_hf_to_gguf.py").is_file():
             raise KibidangoError(f"KIBIDANGO_LLAMA_CPP_DIR={override} has no convert_hf_to_gguf.py")
         return Path(override)
-    home = Path(os.environ.get("KIBIDANGO_HOME", ".kibidango")).resolve()
-    target = home / "tools" / f"llama.cpp-from-llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    target = home() / "tools" / f"llama.cpp-from-llama-cpp-python-{LLAMA_CPP_PYTHON}"
     if all((target / part).exists() for part in _PARTS):
         return target
     with tempfile.TemporaryDirectory(dir=home if home.exists() else None) as tmp:
