@@ -22,6 +22,7 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.failures import sample, task_of
 from methods.judges import make_judge
+from methods.measure import lm
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
 from methods.training.finetune import fine_tune
@@ -46,6 +47,8 @@ class Config(StageConfig):
     seed: int = Field(0, description="Which replay rows are drawn.")
     train: TrainRecipe
     max_new_tokens: int = Field(96, gt=0, description="Tokens the student may write per held-out answer.")
+    eval_rows: int = Field(300, gt=0, description="Stage-0 validation rows the loss is measured on (forgetting).")
+    eval_max_len: int = Field(256, gt=8)
 
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
@@ -83,11 +86,17 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     write_jsonl(data_file, ({"messages": messages(r)} for r in [*train_rows, *replay]))
     log.info(f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows")
 
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(student))
+    val = load_split(inputs["data"] / "dataset", "validation", limit=cfg.eval_rows)
+    loss_before = lm.response_loss(lm.load_causal_lm(student), tokenizer, val, cfg.eval_max_len)
     before = _failure_rate(student, held, judges, cfg.max_new_tokens, "before")
     model_dir, last = fine_tune(
         cfg.train, student, data_file, work_dir, out_dir, cfg.tier, "1R/retrain", cfg.tokenizer_type
     )
     after = _failure_rate(model_dir, held, judges, cfg.max_new_tokens, "after")
+    loss_after = lm.response_loss(lm.load_causal_lm(model_dir), tokenizer, val, cfg.eval_max_len)
 
     stats = {
         "command": "make stage-1r",
@@ -99,6 +108,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "after": after,
         "pair_tiers": dict(Counter(p.get("tier", "?") for p in pairs)),
         "train_loss_final": last.get("loss", float("nan")),
+        "val_rows": len(val),
+        "val_perplexity_before": loss_before["perplexity"],
+        "val_perplexity_after": loss_after["perplexity"],
     }
     (out_dir / "retrain.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
     (out_dir / "RETRAIN_CARD.md").write_text(_card(stats))
@@ -111,10 +123,15 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         **{f"failure_rate_before/{d}": v["rate"] for d, v in before["domains"].items()},
         **{f"failure_rate_after/{d}": v["rate"] for d, v in after["domains"].items()},
         "train_loss_final": stats["train_loss_final"],
+        "val_loss_before": loss_before["loss"],
+        "val_loss_after": loss_after["loss"],
+        "val_perplexity_before": loss_before["perplexity"],
+        "val_perplexity_after": loss_after["perplexity"],
     }
     summary = (
         f"failure rate on {len(held)} held-out critical failures: {before['rate']:.1%} -> {after['rate']:.1%} "
-        f"({len(pairs):,} corrected pairs + {len(replay):,} replay rows)"
+        f"({len(pairs):,} corrected pairs + {len(replay):,} replay rows); validation perplexity "
+        f"{loss_before['perplexity']:.2f} -> {loss_after['perplexity']:.2f} ({len(val)} rows: what it forgot)"
     )
     return StageResult(metrics, ["RETRAIN_CARD.md", "retrain.json", "axolotl.yaml"], summary)
 
@@ -174,6 +191,9 @@ def _card(s: dict) -> str:
     b, a = s["before"], s["after"]
     lines += [
         f"| **all** | {b['judged']} | {b['failed']} | {a['failed']} | **{b['rate']:.1%}** | **{a['rate']:.1%}** |",
+        "",
+        f"Forgetting guard: validation perplexity (response tokens, {s['val_rows']} stage-0 validation rows) "
+        f"{s['val_perplexity_before']:.2f} before, {s['val_perplexity_after']:.2f} after.",
         "",
     ]
     return "\n".join(lines)

@@ -325,6 +325,7 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     m = result.metrics
     assert m["pairs"] == 6 and m["replay_rows"] == 12 and m["held_out"] == 4
     assert 0 <= m["failure_rate_after"] <= 1 and m["failure_rate_before"] == 1.0  # a story model gets no sum right
+    assert m["val_perplexity_before"] > 1 and m["val_perplexity_after"] > 1  # the forgetting guard is measured
     trained = (work / "data" / "train.jsonl").read_text()
     assert all(h["instruction"] not in trained for h in held)  # never trained on a held-out failure
     assert (out / "target" / "config.json").is_file() and "| **all** | 4 |" in (out / "RETRAIN_CARD.md").read_text()
