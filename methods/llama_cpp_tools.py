@@ -35,10 +35,11 @@ def converter_dir() -> Path:
         if not (Path(override) / "convert_hf_to_gguf.py").is_file():
             raise KibidangoError(f"KIBIDANGO_LLAMA_CPP_DIR={override} has no convert_hf_to_gguf.py")
         return Path(override)
-    target = home() / "tools" / f"llama.cpp-from-llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    ws = home()
+    target = ws / "tools" / f"llama.cpp-from-llama-cpp-python-{LLAMA_CPP_PYTHON}"
     if all((target / part).exists() for part in _PARTS):
         return target
-    with tempfile.TemporaryDirectory(dir=home if home.exists() else None) as tmp:
+    with tempfile.TemporaryDirectory(dir=ws if ws.exists() else None) as tmp:
         cmd = [
             sys.executable,
             "-m",
