@@ -40,6 +40,9 @@ class Config(StageConfig):
     adapters: list[str] = Field(
         default_factory=list, description="Inputs holding an adapter (adapter.json), shipped under adapters/<domain>/."
     )
+    router: str | None = Field(
+        None, description="Input holding the domain router (stage 6A's router.json), shipped as router/router.json."
+    )
     runtime_defaults: dict[str, Any] = Field(
         default_factory=dict, description="Decoding defaults (mode, k, l_D, l_Q, tau_Q, tau_T, divergence, ...)."
     )
@@ -48,7 +51,7 @@ class Config(StageConfig):
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from kibidango.bundle import load_bundle, write_bundle
 
-    for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *cfg.adapters]:
+    for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *cfg.adapters, *([cfg.router] if cfg.router else [])]:
         if name not in inputs:
             raise KibidangoError(f"input {name!r} is not wired (add it to the preset's needs of stage X)")
     tiers: dict[str, dict[str, Any]] = {}
@@ -124,4 +127,9 @@ def _add_extras(
             }
         )
     (tmp / "BUNDLE_CARD.md").write_text(bundle_card(cfg.preset, metrics, shipped, stages, cfg.runtime_defaults))
-    return {"adapters": shipped}
+    extra: dict[str, Any] = {"adapters": shipped}
+    if cfg.router:
+        (tmp / "router").mkdir()
+        shutil.copy2(inputs[cfg.router] / "router.json", tmp / "router" / "router.json")
+        extra["router"] = "router/router.json"
+    return extra

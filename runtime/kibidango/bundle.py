@@ -83,6 +83,21 @@ class Bundle:
 
         return AdapterSet(self.root / "adapters", listed=self.listed)
 
+    def router(self):
+        """The bundle's domain router (stage 6A, ``router/router.json``), or None when it ships
+        none. Only a file bundle.json lists (so hashed at load) is read."""
+        rel = self.meta.get("router")
+        if rel is None:
+            return None
+        from kibidango.router import Router
+
+        path = contained(self.root, rel, f"{self.root}: router")
+        if not self.listed(path):
+            raise BundleError(
+                f"{self.root}: router {rel!r} is not in bundle.json's files, so it was never hashed: refused"
+            )
+        return Router.load(path)
+
     def tier(self, name: str, backend: str = "torch") -> Tier:
         if name not in self.tiers:
             have = ", ".join(self.tiers) or "none"
