@@ -6,7 +6,7 @@ what ``kibidango`` reads:
 - ``tiers/<tier>/hf/``: the AWQ checkpoints (2B target, 2C draft and qualifier;
   compressed-tensors, transformers-loadable), ``tiers/<tier>/gguf/``: the 2D GGUF files;
 - ``adapters/<domain>/``: the domain LoRAs (3-5) and the recovery LoRA (2F), each with its
-  ``adapter.json``;
+  ``adapter.json``; ``router/router.json``: the domain router (6A), when wired;
 - ``bundle.json``: schema, preset, every file with size + sha256, every stage's cache key and
   MLflow run id (the lineage of the inputs, read from their manifests), the tier table with each
   tier's measured figures, runtime defaults;
