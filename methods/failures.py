@@ -9,7 +9,10 @@ is.
   smaller one);
 - :class:`RowLog`: one JSON line per finished row, appended and fsynced, read back on resume (a
   line torn by a kill is ignored; a later line for the same id wins);
-- :func:`severity`: domain weight x how wrong (1 - judge score) x how sure the student was.
+- :func:`severity`: domain weight x how wrong (1 - judge score) x how sure the student was;
+- :data:`FAILURES` and :func:`failure_rate`: what counts as a failure, and the rate over verdicts;
+- :func:`read_jsonl` and :func:`mined_judges`: what the downstream stages (1C, 1D, 1R, 3-5) read
+  of their inputs.
 """
 
 from __future__ import annotations
@@ -21,9 +24,51 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["RowLog", "held_out", "row_key", "sample", "severity", "task_of", "training_texts"]
+from core.contract import KibidangoError
+
+__all__ = [
+    "FAILURES",
+    "RowLog",
+    "failure_rate",
+    "held_out",
+    "mined_judges",
+    "read_jsonl",
+    "row_key",
+    "sample",
+    "severity",
+    "task_of",
+    "training_texts",
+]
 
 log = logging.getLogger("kibidango.failures")
+
+FAILURES = ("failed", "timeout", "error")
+"""Outcomes that are failures of the answer; a ``judge_error`` is no verdict on it."""
+
+
+def failure_rate(outcomes: Iterable[str]) -> tuple[float, int, int]:
+    """``(failed / judged, failed, judged)`` over verdict outcomes; judge errors are not judged."""
+    outcomes = list(outcomes)
+    judged = sum(1 for o in outcomes if o != "judge_error")
+    failed = sum(1 for o in outcomes if o in FAILURES)
+    return (failed / judged if judged else 0.0), failed, judged
+
+
+def read_jsonl(path: Path, what: str) -> list[dict]:
+    """The rows of a JSONL file an upstream stage wrote; ``what`` names the input and its stage
+    for the error (``"the mined input (stage 1B)"``)."""
+    if not path.is_file():
+        raise KibidangoError(f"{what} has no {path.name}: {path}")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def mined_judges(mined_dir: Path) -> dict:
+    """The judges stage 1B judged with (its recipe's ``judges``, from its manifest): later stages
+    judge new answers exactly as 1B did."""
+    from methods.judges import make_judges
+
+    return make_judges(json.loads((mined_dir / "manifest.json").read_text())["config"]["judges"])
 
 
 def row_key(instruction: str, input_: str = "") -> str:

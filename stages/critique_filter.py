@@ -31,7 +31,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.curation.dedup import DedupConfig, find_duplicates
-from methods.failures import RowLog, severity, task_of
+from methods.failures import FAILURES, RowLog, read_jsonl, severity, task_of
 from methods.judges import check_settings, make_judge
 
 NAME = "critique-filter"
@@ -40,7 +40,6 @@ LIBRARIES = ("datasketch", "datasets", "transformers", "torch")
 
 log = logging.getLogger("kibidango.stage.1C")
 
-FAILED = ("failed", "timeout", "error")
 
 CRITIQUE_PROMPT = "The answer below was judged wrong ({reason}). Explain the mistake in one or two sentences."
 CRITIC_RUBRIC = (
@@ -87,9 +86,9 @@ class Config(StageConfig):
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
-    answers = _read(inputs["mined"] / "answers.jsonl")
+    answers = read_jsonl(inputs["mined"] / "answers.jsonl", "the mined input (stage 1B)")
     judged = [r for r in answers if r["outcome"] != "judge_error"]
-    failed = [r for r in judged if r["outcome"] in FAILED]
+    failed = [r for r in judged if r["outcome"] in FAILURES]
     for r in failed:
         r["severity"] = severity(
             r["score"], r["confidence"], cfg.domain_weights.get(r["domain"], 1.0), cfg.confidence_weight
@@ -145,13 +144,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     return StageResult(
         metrics, ["FAILURE_CARD.md", "funnel.json"], summary, tables={"critical_failures.json": "critical.jsonl"}
     )
-
-
-def _read(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise KibidangoError(f"the mined input has no {path.name} (is it stage 1B's output?): {path}")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def _critic(cfg: Config, inputs: dict[str, Path]):

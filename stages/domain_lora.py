@@ -14,7 +14,6 @@ manifest the runtime reads to lazy-load the adapter: domain, base, formats, file
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
+from methods.failures import read_jsonl
 from methods.llama_cpp_tools import convert_lora_to_gguf
 from methods.measure import lm
 from methods.training import axolotl
@@ -75,11 +75,7 @@ def _pairs(pairs_dir: Path | None, domain: str) -> list[dict]:
     """The domain's corrected pairs of stage 1D (instruction, input, output), if wired."""
     if pairs_dir is None:
         return []
-    path = pairs_dir / "pairs.jsonl"
-    if not path.is_file():
-        raise KibidangoError(f"the pairs input has no pairs.jsonl (is it stage 1D's output?): {pairs_dir}")
-    with open(path, encoding="utf-8") as f:
-        return [p for p in map(json.loads, f) if p["domain"] == domain]
+    return [p for p in read_jsonl(pairs_dir / "pairs.jsonl", "the pairs input (stage 1D)") if p["domain"] == domain]
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:

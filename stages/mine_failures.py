@@ -31,8 +31,8 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256
 from core.progress import Progress, report_metrics
 from methods.benchmarks import BENCHMARKS, load_tasks
-from methods.failures import RowLog, row_key, sample, training_texts
-from methods.judges import KINDS, Task, check_settings, make_judge
+from methods.failures import RowLog, failure_rate, row_key, sample, training_texts
+from methods.judges import KINDS, Task, check_settings, make_judges
 from methods.measure.generate import Answerer
 from methods.training.chat import load_split
 
@@ -41,9 +41,6 @@ RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "datasets", "sacrebleu")
 
 log = logging.getLogger("kibidango.stage.1B")
-
-FAILED = ("failed", "timeout", "error")
-"""Outcomes that are failures of the student (a ``judge_error`` is not a verdict)."""
 
 
 class Sample(StageConfig):
@@ -120,9 +117,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     rows, excluded = _select(cfg, data, seen)
     if not rows:
         raise KibidangoError("no held-out rows to test: every sample is absent or empty")
-    judges = {
-        domain: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for domain, j in cfg.judges.items()
-    }
+    judges = make_judges(cfg.judges)
     student_dir = inputs["student"] / cfg.tier
     if not (student_dir / "config.json").is_file():
         raise KibidangoError(f"the student input has no transformers checkpoint at {student_dir}")
@@ -162,9 +157,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             done.add({**_public(row), **answer, **_verdict(verdict, judge.kind)})
             progress.update(i)
             if generated and generated % 25 == 0:
-                report_metrics(
-                    {"answers_done": len(done), "failure_rate_so_far": _failure_rate(list(done))[0]}, len(done)
-                )
+                report_metrics({"answers_done": len(done), "failure_rate_so_far": _failure_rate(done)[0]}, len(done))
         progress.finish(len(rows))
     finally:
         done.close()
@@ -256,10 +249,8 @@ def _verdict(v, kind: str) -> dict:
     }
 
 
-def _failure_rate(rows: list[dict]) -> tuple[float, int, int]:
-    judged = [r for r in rows if r["outcome"] != "judge_error"]
-    failed = sum(1 for r in judged if r["outcome"] in FAILED)
-    return (failed / len(judged) if judged else 0.0), failed, len(judged)
+def _failure_rate(rows) -> tuple[float, int, int]:
+    return failure_rate(r["outcome"] for r in rows)
 
 
 def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) -> tuple[dict, dict]:

@@ -20,8 +20,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
-from methods.failures import sample, task_of
-from methods.judges import make_judge
+from methods.failures import failure_rate, mined_judges, read_jsonl, sample, task_of
 from methods.measure import lm
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
@@ -33,8 +32,6 @@ RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft", "sacrebleu")
 
 log = logging.getLogger("kibidango.stage.1R")
-
-FAILED = ("failed", "timeout", "error")
 
 
 class Config(StageConfig):
@@ -69,15 +66,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     student = inputs["student"] / cfg.tier
     if not (student / "config.json").is_file():
         raise KibidangoError(f"the student input has no transformers checkpoint at {student}")
-    pairs = _jsonl(inputs["pairs"] / "pairs.jsonl")
-    held = _jsonl(inputs["pairs"] / "held_out.jsonl")
+    pairs = read_jsonl(inputs["pairs"] / "pairs.jsonl", "the pairs input (stage 1D)")
+    held = read_jsonl(inputs["pairs"] / "held_out.jsonl", "the pairs input (stage 1D)")
     if not pairs:
         raise KibidangoError(f"no corrected pairs in {inputs['pairs']} (stage 1D answered none): nothing to retrain on")
     leaked = {p["id"] for p in pairs} & {h["id"] for h in held}
     if leaked:
         raise KibidangoError(f"{len(leaked)} held-out failures have corrected pairs (e.g. {sorted(leaked)[0]})")
-    judges_cfg = json.loads((inputs["mined"] / "manifest.json").read_text())["config"]["judges"]
-    judges = {d: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for d, j in judges_cfg.items()}
+    judges = mined_judges(inputs["mined"])
 
     train_rows = [r for r in pairs for _ in range(cfg.pair_repeats)]
     n_replay = round(len(train_rows) * cfg.replay_share / (1 - cfg.replay_share))
@@ -136,13 +132,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     return StageResult(metrics, ["RETRAIN_CARD.md", "retrain.json", "axolotl.yaml"], summary)
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise KibidangoError(f"{path.name} not found in the pairs input (is it stage 1D's output?): {path}")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 def _failure_rate(model_dir: Path, rows: list[dict], judges: dict, max_new_tokens: int, label: str) -> dict:
     """The model's answers to ``rows`` judged by the domain's judge: failures / verdicts."""
     from methods.measure.generate import Answerer
@@ -158,9 +147,8 @@ def _failure_rate(model_dir: Path, rows: list[dict], judges: dict, max_new_token
         progress.finish(len(rows))
 
     def rate(c: Counter) -> dict:
-        judged = sum(v for k, v in c.items() if k != "judge_error")
-        failed = sum(c[k] for k in FAILED)
-        return {"judged": judged, "failed": failed, "rate": failed / judged if judged else 0.0, "outcomes": dict(c)}
+        value, failed, judged = failure_rate(c.elements())
+        return {"judged": judged, "failed": failed, "rate": value, "outcomes": dict(c)}
 
     total = sum(outcomes.values(), Counter())
     return {**rate(total), "domains": {d: rate(c) for d, c in sorted(outcomes.items())}}

@@ -36,8 +36,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256
 from core.progress import Progress
-from methods.failures import held_out, task_of
-from methods.judges import make_judge
+from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.teachers import Budget, Journal, TeacherClient, TierConfig, TierDead, worst_case_usd
 
 NAME = "cascaded-teachers"
@@ -82,15 +81,14 @@ def external_inputs(cfg: Config) -> dict[str, str]:
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
-    critical = _read(inputs["critical"] / "critical.jsonl")
+    critical = read_jsonl(inputs["critical"] / "critical.jsonl", "the critical input (stage 1C)")
     held = [r for r in critical if held_out(r["id"], cfg.holdout_share)]
     rows = [r for r in critical if not held_out(r["id"], cfg.holdout_share)]
     with open(out_dir / "held_out.jsonl", "w", encoding="utf-8") as f:
         for r in held:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     log.info(f"{len(rows):,} critical failures to the teachers, {len(held):,} held out for the retraining's evaluation")
-    judges_cfg = json.loads((inputs["mined"] / "manifest.json").read_text())["config"]["judges"]
-    judges = {d: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for d, j in judges_cfg.items()}
+    judges = mined_judges(inputs["mined"])
     journal = Journal(work_dir / "journal.jsonl")
     state = _replay(journal.events)
     for (row, tier), reserved in state.lost.items():  # charged their worst case, never sent again
@@ -149,13 +147,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     return StageResult(
         metrics, ["COST_CARD.md", "cost.json", "cost_per_tier.png"], summary, tables={"pairs.json": "pairs.jsonl"}
     )
-
-
-def _read(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise KibidangoError(f"the critical input has no {path.name} (is it stage 1C's output?): {path}")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 class _State:

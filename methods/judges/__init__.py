@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from methods.judges.base import Judge, Task, Verdict
 
-__all__ = ["KINDS", "Judge", "Task", "Verdict", "check_settings", "make_judge"]
+__all__ = ["KINDS", "Judge", "Task", "Verdict", "check_settings", "make_judge", "make_judges"]
 
 KINDS = ("math", "code", "reference", "llm")
 
@@ -61,3 +61,8 @@ def check_settings(kind: str, settings: dict) -> None:
 def make_judge(kind: str, **settings) -> Judge:
     """A judge of ``kind`` (one of :data:`KINDS`) with the recipe's ``settings``."""
     return _class(kind)(**settings)
+
+
+def make_judges(specs: dict[str, dict]) -> dict[str, Judge]:
+    """One judge per domain from a recipe's ``judges`` table (``{domain: {kind: ..., **settings}}``)."""
+    return {domain: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for domain, j in specs.items()}
