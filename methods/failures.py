@@ -20,11 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from core.contract import KibidangoError
+from methods.journal import Journal
 
 __all__ = [
     "FAILURES",
@@ -112,28 +112,13 @@ def sample(items: list, size: int | None, seed: int, key=lambda x: x) -> list:
 
 
 class RowLog:
-    """Finished rows of a resumable stage, one JSON object per line, keyed by ``id``."""
+    """Finished rows of a resumable stage, keyed by ``id`` (a later line for an id wins), over a
+    :class:`methods.journal.Journal`."""
 
     def __init__(self, path: Path):
-        self.path = path
-        self.rows: dict[str, dict] = {}
-        if path.is_file():
-            torn = 0
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    torn += 1  # the line being written when the last attempt was killed
-                    continue
-                self.rows[row["id"]] = row
-            if torn:
-                log.warning(f"{path}: {torn} incomplete line(s) from an interrupted attempt ignored")
+        self._journal = Journal(path)
+        self.rows: dict[str, dict] = {row["id"]: row for row in self._journal.events}
         self.resumed = len(self.rows)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open for appends
-
-    def __contains__(self, row_id: str) -> bool:
-        return row_id in self.rows
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -143,13 +128,11 @@ class RowLog:
 
     def add(self, row: dict) -> None:
         """Append ``row`` durably: once this returns, a kill does not lose it."""
-        self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._journal.write(row)
         self.rows[row["id"]] = row
 
     def close(self) -> None:
-        self._file.close()
+        self._journal.close()
 
     def __iter__(self) -> Iterator[dict]:
         return iter(self.rows.values())

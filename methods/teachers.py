@@ -15,34 +15,31 @@ dollar budget, and a journal of every paid request.
   ``Retry-After``), 5xx and malformed replies (truncated JSON, no choices, empty text) are retried
   with exponential backoff and full jitter and counted by cause; 401/403/404 and a connection that
   never opens make the tier **dead** (reported by name; its rows escalate).
-- :class:`Journal`: an fsynced JSONL of events. ``sent`` is written *before* a paid request leaves,
-  ``reply``/``error`` after, so a run killed in between knows the request may have been paid: it
-  charges the reservation and never sends that prompt to that tier again.
+The stage journals every paid request (:class:`methods.journal.Journal`): ``sent`` is written
+*before* it leaves, ``reply``/``error`` after, so a run killed in between knows the request may
+have been paid: it charges the reservation and never sends that prompt to that tier again.
 """
 
 from __future__ import annotations
 
 import email.utils
-import json
 import logging
-import os
 import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
+from methods.judges.llm import api_error_text
 
 __all__ = [
     "Budget",
-    "Journal",
     "TeacherClient",
     "TeacherReply",
     "TierConfig",
@@ -130,39 +127,6 @@ class Budget:
             self.reserved -= reserved
             self.spent += actual
 
-    @property
-    def left(self) -> float:
-        with self._lock:
-            return self.limit - self.spent - self.reserved
-
-
-class Journal:
-    """Append-only, fsynced events of a run (``work_dir/journal.jsonl``), replayed on resume."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.events: list[dict] = []
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    self.events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    log.warning(f"{path}: an incomplete line from an interrupted attempt ignored")
-        self.resumed = len(self.events)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open for appends
-        self._lock = threading.Lock()
-
-    def write(self, event: dict) -> None:
-        with self._lock:
-            self._file.write(json.dumps(event, ensure_ascii=False) + "\n")
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self.events.append(event)
-
-    def close(self) -> None:
-        self._file.close()
-
 
 class TierDead(KibidangoError):
     """The tier cannot answer at all (bad key, unknown model, nothing listening)."""
@@ -212,6 +176,7 @@ class TeacherClient:
         for attempt in range(1, t.max_attempts + 1):
             reply.attempts = attempt
             wait = None
+            unread = False  # served, perhaps billed, but no usable reply
             try:
                 done = self._client.chat.completions.create(
                     model=t.model or t.serve,
@@ -239,11 +204,8 @@ class TeacherClient:
                 reply.error = f"HTTP 429: {_why(e)}"
             except openai.APITimeoutError:
                 reply.retries["timeout"] += 1
-                reply.maybe_paid = True
+                unread = True
                 reply.error = f"timed out after {t.timeout_s:g}s"
-                if attempt < t.max_attempts and may_resend is not None and not may_resend():
-                    reply.error += "; the budget leaves no room to send it again"
-                    break
             except openai.APIConnectionError as e:
                 reply.retries["connection"] += 1
                 reply.error = f"connection failed: {_why(e)}"
@@ -261,9 +223,11 @@ class TeacherClient:
                 TypeError,
                 openai.APIResponseValidationError,
             ) as e:
-                reply.retries["malformed"] += 1  # truncated JSON, no choices, no text: served, unreadable
-                reply.maybe_paid = True
+                reply.retries["malformed"] += 1  # truncated JSON, no choices, no text
+                unread = True
                 reply.error = f"malformed reply: {type(e).__name__}: {redact_text(str(e))[:160]}"
+            if unread:
+                reply.maybe_paid = True
                 if attempt < t.max_attempts and may_resend is not None and not may_resend():
                     reply.error += "; the budget leaves no room to send it again"
                     break
@@ -293,6 +257,4 @@ def _retry_after(headers) -> float | None:
 
 
 def _why(e: Exception) -> str:
-    body = getattr(e, "body", None)
-    message = body.get("message") if isinstance(body, dict) and isinstance(body.get("message"), str) else str(e)
-    return redact_text(message[:200])
+    return api_error_text(e, limit=200)

@@ -37,7 +37,8 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256
 from core.progress import Progress
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
-from methods.teachers import Budget, Journal, TeacherClient, TierConfig, TierDead, worst_case_usd
+from methods.journal import Journal
+from methods.teachers import Budget, TeacherClient, TierConfig, TierDead, worst_case_usd
 
 NAME = "cascaded-teachers"
 RESUMABLE = True

@@ -36,7 +36,7 @@ from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
 from methods.judges.base import Task, Verdict
 
-__all__ = ["DEFAULT_RUBRIC", "VERDICT_SCHEMA", "JudgeConfigError", "LLMJudge", "parse_verdict"]
+__all__ = ["DEFAULT_RUBRIC", "VERDICT_SCHEMA", "JudgeConfigError", "LLMJudge", "api_error_text", "parse_verdict"]
 
 VERDICT_SCHEMA = {
     "type": "object",
@@ -146,13 +146,13 @@ class LLMJudge:
         except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as e:
             raise JudgeConfigError(
                 f"llm judge {self.model} at {self.base_url}: the endpoint refused the request "
-                f"(HTTP {e.status_code}): {_why(e)}; check base_url, model and {self.api_key_env or 'the key'}"
+                f"(HTTP {e.status_code}): {api_error_text(e)}; check base_url, model and {self.api_key_env or 'the key'}"
             ) from None
         except openai.BadRequestError as e:  # this request (too long for the context, filtered, ...)
             return Verdict(
                 False,
                 0.0,
-                f"the judge rejected the request (HTTP 400): {_why(e)}",
+                f"the judge rejected the request (HTTP 400): {api_error_text(e)}",
                 "judge_error",
                 time.monotonic() - started,
             )
@@ -165,14 +165,18 @@ class LLMJudge:
             return Verdict(
                 False,
                 0.0,
-                f"judge unreachable after {self.max_retries} retries: {type(e).__name__}: {_why(e)}",
+                f"judge unreachable after {self.max_retries} retries: {type(e).__name__}: {api_error_text(e)}",
                 "judge_error",
                 time.monotonic() - started,
                 {"retryable": True},
             )
         except openai.APIStatusError as e:
             return Verdict(
-                False, 0.0, f"judge error HTTP {e.status_code}: {_why(e)}", "judge_error", time.monotonic() - started
+                False,
+                0.0,
+                f"judge error HTTP {e.status_code}: {api_error_text(e)}",
+                "judge_error",
+                time.monotonic() - started,
             )
         elapsed = time.monotonic() - started
         usage = reply.usage
@@ -194,8 +198,9 @@ class LLMJudge:
         )
 
 
-def _why(e: Exception) -> str:
-    """An API error's message, short, with anything key-shaped masked."""
+def api_error_text(e: Exception, limit: int = 300) -> str:
+    """An OpenAI-compatible API error's message (the body's ``message`` where there is one), cut
+    to ``limit`` characters, with anything key-shaped masked."""
     body = getattr(e, "body", None)
     message = body.get("message") if isinstance(body, dict) and isinstance(body.get("message"), str) else str(e)
-    return redact_text(message[:300])
+    return redact_text(message[:limit])
