@@ -33,6 +33,7 @@ __all__ = [
     "load_tasks",
     "part",
     "task_id",
+    "unit_hash",
 ]
 
 Benchmark = Literal["gsm8k", "mbpp", "humaneval"]
@@ -60,10 +61,15 @@ def task_id(benchmark: str, record: dict, line: int, file: str = "") -> str:
     raise KibidangoError(f"unknown benchmark {benchmark!r}; known: {', '.join(BENCHMARKS)}")
 
 
+def unit_hash(key: str) -> float:
+    """``key`` hashed to [0, 1) (the first 64 bits of its sha256): a share of keys picked by it
+    stays picked whatever else is added."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+
+
 def part(benchmark: str, tid: str) -> Literal["mining", "evaluation"]:
     """The part ``tid`` of ``benchmark`` belongs to, forever."""
-    h = int.from_bytes(hashlib.sha256(f"{_SALT}:{benchmark}:{tid}".encode()).digest()[:8], "big")
-    return "evaluation" if h / 2**64 < EVALUATION_SHARE else "mining"
+    return "evaluation" if unit_hash(f"{_SALT}:{benchmark}:{tid}") < EVALUATION_SHARE else "mining"
 
 
 @dataclass(frozen=True)

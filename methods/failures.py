@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from core.contract import KibidangoError
+from methods.benchmarks import unit_hash
 from methods.journal import Journal
 
 __all__ = [
@@ -97,8 +98,7 @@ def task_of(row: dict):
 
 def held_out(row_id: str, share: float) -> bool:
     """True for the ``share`` of row ids (by a salted hash) kept out of teaching and training."""
-    h = int.from_bytes(hashlib.sha256(f"kibidango/held-out-failures/v1:{row_id}".encode()).digest()[:8], "big")
-    return h / 2**64 < share
+    return unit_hash(f"kibidango/held-out-failures/v1:{row_id}") < share
 
 
 def sample(items: list, size: int | None, seed: int, key=lambda x: x) -> list:
