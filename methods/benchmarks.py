@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from core.contract import KibidangoError
-from methods.curation.ingest import SourceSpec, records
+from methods.curation.ingest import FieldError, SourceSpec, parse_record, records
 from methods.curation.records import Reject, normalize_text
 from methods.judges.base import Task
 
@@ -79,6 +79,8 @@ class BenchmarkTask:
     judge: str
     part: str
     task: Task
+    curated: tuple[str, str]
+    """(instruction, input) exactly as stage 0 curates the row (its own reader): the student's format."""
 
     @property
     def id(self) -> str:
@@ -86,12 +88,7 @@ class BenchmarkTask:
 
     def instruction(self) -> tuple[str, str]:
         """(instruction, input) as stage 0 curates this benchmark's rows: the student's own format."""
-        t = self.task
-        if self.benchmark == "mbpp":
-            return t.prompt, "Your code should pass these tests:\n" + "\n".join(t.tests)
-        if self.benchmark == "humaneval":
-            return "Complete the following Python function.", normalize_text(t.prompt)
-        return t.prompt, ""
+        return self.curated
 
 
 def load_tasks(benchmark: str, path: str | Path, which: str | None = None) -> list[BenchmarkTask]:
@@ -113,9 +110,13 @@ def load_tasks(benchmark: str, path: str | Path, which: str | None = None) -> li
             continue
         try:
             task = _task(benchmark, tid, rec)
+            instruction, input_, _ = parse_record(meta["format"], rec, {})
         except KeyError as e:
             raise KibidangoError(f"benchmark {benchmark}: {path}:{line}: field {e.args[0]!r} is missing") from None
-        out.append(BenchmarkTask(benchmark, meta["domain"], meta["judge"], p, task))
+        except FieldError as e:
+            raise KibidangoError(f"benchmark {benchmark}: {path}:{line}: field {e.field!r}: {e.reason}") from None
+        curated = (normalize_text(instruction), normalize_text(input_))
+        out.append(BenchmarkTask(benchmark, meta["domain"], meta["judge"], p, task, curated))
     return out
 
 

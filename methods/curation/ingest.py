@@ -33,7 +33,7 @@ from core.contract import KibidangoError
 from core.hashing import file_sha256
 from methods.curation.records import Example, Reject, normalize_text
 
-__all__ = ["SourceError", "SourceSpec", "read_source", "records", "source_digest"]
+__all__ = ["FieldError", "SourceError", "SourceSpec", "parse_record", "read_source", "records", "source_digest"]
 
 Format = Literal["alpaca", "sharegpt", "gsm8k", "mbpp", "humaneval", "text"]
 _RAW_CHARS = 300  # how much of a rejected row the rejects file keeps
@@ -146,7 +146,7 @@ def read_source(spec: SourceSpec, held_out: list[str] | None = None) -> Iterator
                     held_out.append(tid)
                 continue
         try:
-            instruction, input_, output = _parse(spec.format, record, spec.fields)
+            instruction, input_, output = parse_record(spec.format, record, spec.fields)
         except FieldError as e:
             yield Reject(spec.name, spec.location, line, e.field, e.reason, _raw(record))
             continue
@@ -373,7 +373,10 @@ def _hf_records(spec: SourceSpec) -> Iterator[tuple[int, dict | Reject]]:
 # ---- formats: record dict -> (instruction, input, output) ------------------------------------
 
 
-def _parse(fmt: str, rec: dict, fields: dict[str, str]) -> tuple[str, str, str]:
+def parse_record(fmt: str, rec: dict, fields: dict[str, str]) -> tuple[str, str, str]:
+    """(instruction, input, output) of a record in layout ``fmt`` (before normalisation); a
+    missing or mistyped field raises :class:`FieldError`."""
+
     def get(name: str, required: bool = True) -> str:
         key = fields.get(name, name)
         if key not in rec or rec[key] is None:
