@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["canonical_json", "file_sha256"]
+__all__ = ["canonical_json", "file_sha256", "tree_sha256"]
 
 
 def canonical_json(value: Any) -> str:
@@ -32,3 +32,13 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
             h.update(block)
     _HASHED[memo] = h.hexdigest()
     return _HASHED[memo]
+
+
+def tree_sha256(root: Path) -> str:
+    """sha256 over every file under ``root`` (its path relative to ``root`` and its sha256, in
+    sorted order): a directory's digest for a cache key (a local dataset, a served checkpoint)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file():
+            h.update(f"{p.relative_to(root)}:{file_sha256(p)}".encode())
+    return h.hexdigest()

@@ -34,7 +34,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
-from core.hashing import file_sha256
+from core.hashing import file_sha256, tree_sha256
 from core.progress import Progress
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
@@ -76,8 +76,7 @@ def external_inputs(cfg: Config) -> dict[str, str]:
             path = Path(t.serve)
             if not path.exists():
                 raise KibidangoError(f"tier {t.name!r}: `serve` checkpoint not found: {path}")
-            files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-            out[f"serve:{t.name}"] = ",".join(f"{p.name}:{file_sha256(p)[:16]}" for p in files)
+            out[f"serve:{t.name}"] = file_sha256(path) if path.is_file() else tree_sha256(path)
     return out
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import codecs
 import gzip
-import hashlib
 import json
 import zlib
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
-from core.hashing import file_sha256
+from core.hashing import file_sha256, tree_sha256
 from methods.curation.records import Example, Reject, normalize_text
 
 __all__ = ["FieldError", "SourceError", "SourceSpec", "parse_record", "read_source", "records", "source_digest"]
@@ -120,11 +119,7 @@ def source_digest(spec: SourceSpec) -> str:
             raise SourceError(f"source '{spec.name}': {path} is empty (0 bytes)")
         return file_sha256(path)
     if _looks_local(spec.hf):
-        h = hashlib.sha256()
-        for p in sorted(Path(spec.hf).rglob("*")):
-            if p.is_file():
-                h.update(f"{p.relative_to(spec.hf)}:{file_sha256(p)}".encode())
-        return h.hexdigest()
+        return tree_sha256(Path(spec.hf))
     return f"hf:{spec.hf}@{spec.hf_revision or 'main'}:{spec.hf_config}:{spec.hf_split}"
 
 
