@@ -184,14 +184,12 @@ def _replay(events: list[dict]) -> _State:
 
 class _Cascade:
     def __init__(self, cfg, rows, judges, journal, state, budget):
-        self.cfg, self.rows, self.judges, self.journal, self.state, self.budget = (
-            cfg,
-            rows,
-            judges,
-            journal,
-            state,
-            budget,
-        )
+        self.cfg = cfg
+        self.rows = rows
+        self.judges = judges
+        self.journal = journal
+        self.state = state
+        self.budget = budget
         self.dead: list[str] = []
         self._dead_lock = threading.Lock()
 
