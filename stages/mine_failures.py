@@ -34,7 +34,7 @@ from methods.benchmarks import BENCHMARKS, load_tasks
 from methods.failures import RowLog, failure_rate, row_key, sample, training_texts
 from methods.judges import KINDS, Task, check_settings, make_judges
 from methods.measure.generate import Answerer
-from methods.training.chat import load_split
+from methods.training.chat import load_split, prompt_text
 
 NAME = "failure-mining"
 RESUMABLE = True
@@ -195,7 +195,7 @@ def _select(cfg: Config, data: Path, seen: set[str]) -> tuple[list[dict], dict[s
                 for r in load_split(data, split, s.sample_domain):
                     if not r["instruction"]:  # a plain text (a story) is no task to answer
                         continue
-                    task = Task(r["id"], "\n\n".join(p for p in (r["instruction"], r["input"]) if p), r["output"])
+                    task = Task(r["id"], prompt_text(r["instruction"], r["input"]), r["output"])
                     pool.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": task})
             excluded[s.name] = 0
         else:

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from methods.routing import confusion, train_router
-from methods.training.chat import load_split
+from methods.training.chat import load_split, prompt_text
 
 NAME = "domain-router"
 LIBRARIES = ("torch", "numpy", "datasets")
@@ -42,8 +42,7 @@ class Config(StageConfig):
 
 def query_text(row: dict) -> str:
     """What the router sees of a stage-0 row: the instruction and input, or a plain text's start."""
-    prompt = "\n\n".join(p for p in (row["instruction"], row["input"]) if p)
-    return prompt or row["output"][:200]
+    return prompt_text(row["instruction"], row["input"]) or row["output"][:200]
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["TEMPLATE", "axolotl_dataset", "messages", "write_jsonl", "load_split", "encode"]
+__all__ = ["TEMPLATE", "axolotl_dataset", "messages", "prompt_text", "write_jsonl", "load_split", "encode"]
 
 TEMPLATE = (
     "{{ bos_token }}"
@@ -26,10 +26,15 @@ TEMPLATE = (
 )
 
 
+def prompt_text(instruction: str, input_: str = "") -> str:
+    """The user turn of a row: its instruction, then its input, a blank line apart."""
+    return "\n\n".join(part for part in (instruction, input_) if part)
+
+
 def messages(row: dict) -> list[dict[str, str]]:
     """Chat turns of a stage-0 row (fields instruction, input, output)."""
     turns = []
-    prompt = "\n\n".join(part for part in (row["instruction"], row["input"]) if part)
+    prompt = prompt_text(row["instruction"], row["input"])
     if prompt:
         turns.append({"role": "user", "content": prompt})
     turns.append({"role": "assistant", "content": row["output"]})
