@@ -6,10 +6,10 @@ scaling of answer-level features, and the measures that say whether either helpe
 - :func:`ece`: expected calibration error with **equal-mass** bins by default (each bin holds the
   same number of predictions, so a skewed confidence distribution does not leave most bins empty),
   or equal-width bins;
-- :class:`Platt`: logistic regression from answer features to P(the judge passes), fitted with
-  L-BFGS and a small L2 penalty on standardised features (a one-feature Platt scaling is the
-  special case);
-- :func:`brier`, :func:`auroc`, :func:`reliability_plot`.
+- :func:`fit_logistic`: logistic regression from answer features to P(the judge passes) (Platt
+  scaling; 6B's detector too), fitted with L-BFGS and a small L2 penalty on standardised
+  features, returned as the runtime's :class:`kibidango.confidence.Logistic`;
+- :func:`brier`, :func:`auroc`, :func:`precision_at_recall`, :func:`reliability_plot`.
 
 Everything here is numpy/torch: the parameters are small JSON the runtime can read without the
 pipeline or scikit-learn.
@@ -17,12 +17,22 @@ pipeline or scikit-learn.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Platt", "auroc", "brier", "ece", "fit_temperature", "reliability_plot", "token_confidence"]
+from kibidango.confidence import Logistic
+
+__all__ = [
+    "auroc",
+    "brier",
+    "ece",
+    "fit_logistic",
+    "fit_temperature",
+    "precision_at_recall",
+    "reliability_plot",
+    "token_confidence",
+]
 
 
 def fit_temperature(logits: np.ndarray, labels: np.ndarray, max_iter: int = 100) -> float:
@@ -106,44 +116,42 @@ def auroc(score: np.ndarray, outcome: np.ndarray) -> float | None:
     return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
-@dataclass
-class Platt:
-    """Logistic regression on standardised features: P(pass) = sigmoid(w . (x - mean) / std + b)."""
+def fit_logistic(x: np.ndarray, y: np.ndarray, features: list[str], l2: float = 1e-3) -> Logistic:
+    """Logistic regression on standardised features, fitted with L-BFGS and an L2 penalty: the
+    runtime's :class:`kibidango.confidence.Logistic` (Platt scaling is the one-feature case)."""
+    import torch
 
-    weights: list[float]
-    bias: float
-    mean: list[float]
-    std: list[float]
-    features: list[str]
+    x = np.asarray(x, dtype=np.float64)
+    mean, std = x.mean(axis=0), x.std(axis=0)
+    std = np.where(std > 1e-12, std, 1.0)
+    xs = torch.as_tensor((x - mean) / std)
+    ys = torch.as_tensor(np.asarray(y, dtype=np.float64))
+    w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
 
-    @classmethod
-    def fit(cls, x: np.ndarray, y: np.ndarray, features: list[str], l2: float = 1e-3) -> Platt:
-        import torch
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(xs @ w + b, ys) + l2 * (w**2).sum()
+        loss.backward()
+        return loss
 
-        x = np.asarray(x, dtype=np.float64)
-        mean, std = x.mean(axis=0), x.std(axis=0)
-        std = np.where(std > 1e-12, std, 1.0)
-        xs = torch.as_tensor((x - mean) / std)
-        ys = torch.as_tensor(np.asarray(y, dtype=np.float64))
-        w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
-        b = torch.zeros((), dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.LBFGS([w, b], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+    opt.step(closure)
+    return Logistic(list(features), w.detach().tolist(), float(b.detach()), mean.tolist(), std.tolist())
 
-        def closure():
-            opt.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(xs @ w + b, ys) + l2 * (w**2).sum()
-            loss.backward()
-            return loss
 
-        opt.step(closure)
-        return cls(w.detach().tolist(), float(b.detach()), mean.tolist(), std.tolist(), list(features))
-
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.std @ np.asarray(self.weights) + self.bias
-        return 1.0 / (1.0 + np.exp(-z))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+def precision_at_recall(score: np.ndarray, outcome: np.ndarray, recall: float) -> tuple[float, float] | None:
+    """The highest score threshold whose recall of ``outcome`` reaches ``recall``, and the
+    precision there (None without a positive)."""
+    s, y = np.asarray(score, dtype=np.float64), np.asarray(outcome, dtype=bool)
+    if not y.any():
+        return None
+    order = np.argsort(-s, kind="stable")
+    hits = np.cumsum(y[order])
+    need = int(np.ceil(recall * y.sum()))
+    k = int(np.argmax(hits >= need))  # first position (highest threshold) reaching the recall
+    k = max(i for i in range(k, len(s)) if s[order[i]] == s[order[k]])  # ties go in together
+    return float(s[order[k]]), float(hits[k] / (k + 1))
 
 
 def reliability_plot(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path, title: str, bins: int = 15) -> None:

@@ -28,6 +28,9 @@ STAGES: dict[str, str] = {
     "X": "stages.export_bundle",
     "2E": "stages.zstd_pack",
     "6A": "stages.train_router",
+    "2G": "stages.calibrate",
+    "6B": "stages.escalation",
+    "6C": "stages.thresholds",
 }
 
 

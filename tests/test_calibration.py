@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from methods.calibration import Platt, auroc, brier, ece, fit_temperature, reliability_plot, token_confidence
+from kibidango.confidence import Logistic
+from methods.calibration import (
+    auroc,
+    brier,
+    ece,
+    fit_logistic,
+    fit_temperature,
+    precision_at_recall,
+    reliability_plot,
+    token_confidence,
+)
 
 
 def _overconfident(n: int = 4000, v: int = 20, sharpen: float = 3.0, seed: int = 0):
@@ -43,12 +53,22 @@ def test_platt_scaling_learns_a_monotone_map_and_the_scores():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(3000, 2))
     y = (rng.random(3000) < 1 / (1 + np.exp(-(2 * x[:, 0] - 0.5)))).astype(float)  # feature 1 is noise
-    model = Platt.fit(x[:2000], y[:2000], ["signal", "noise"])
+    model = fit_logistic(x[:2000], y[:2000], ["signal", "noise"])
     p = model.predict(x[2000:])
     assert abs(model.weights[0]) > 5 * abs(model.weights[1])
     assert auroc(p, y[2000:]) > 0.8 and brier(p, y[2000:]) < brier(np.full(1000, y[:2000].mean()), y[2000:])
     assert ece(p, y[2000:]) < 0.06
-    assert Platt(**model.to_dict()).predict(x[:3]).tolist() == model.predict(x[:3]).tolist()
+    again = Logistic.from_dict(model.to_dict(), "round trip")
+    assert again.predict(x[:3]).tolist() == model.predict(x[:3]).tolist()
+
+
+def test_precision_at_recall():
+    score = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    hit = np.array([1, 0, 1, 0, 1, 0])
+    assert precision_at_recall(score, hit, 1 / 3) == (0.9, 1.0)
+    assert precision_at_recall(score, hit, 2 / 3) == (0.7, pytest.approx(2 / 3))
+    assert precision_at_recall(score, hit, 1.0) == (0.5, pytest.approx(0.6))
+    assert precision_at_recall(score, np.zeros(6), 0.5) is None
 
 
 def test_auroc_known_values(tmp_path):

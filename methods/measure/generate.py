@@ -82,3 +82,37 @@ class Answerer:
         logits = logits - logits.max(axis=-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
         return float(logp[np.arange(n), ids[len(prompt_ids) :]].mean())
+
+
+class ScoredAnswerer(Answerer):
+    """An :class:`Answerer` that can run the target with a domain adapter (the runtime's
+    :class:`kibidango.adapters.LoadedAdapters`) and returns, with each answer, the features the
+    runtime's calibrator reads (:func:`kibidango.confidence.score_answer`: one forward pass)."""
+
+    def __init__(self, model_dir: str | Path, max_new_tokens: int = 128, adapter_dirs: list[Path] = ()):
+        super().__init__(model_dir, max_new_tokens)
+        from kibidango.adapters import AdapterSet, LoadedAdapters
+
+        found = AdapterSet.from_dirs(list(adapter_dirs))
+        self.adapters = LoadedAdapters(self.model, found, size=max(1, len(found.domains))) if adapter_dirs else None
+
+    def answer(
+        self, instruction: str, input_: str = "", adapter: str | None = None, temperature: float = 1.0
+    ) -> tuple[Answer, dict | None]:
+        from kibidango.confidence import score_answer
+
+        if self.adapters is not None:
+            self.adapters.use(adapter)
+        elif adapter is not None:
+            raise ValueError(f"adapter {adapter!r} asked for, but no adapters directory was given")
+        started = time.monotonic()
+        ids = self.prompt_ids(instruction, input_)
+        room = self.model.context_length - len(ids)
+        if room < 1:
+            return Answer("", 0, "context", None, time.monotonic() - started), None
+        result = self.pipeline.generate(ids, stop=self.stop, max_new_tokens=min(self.config.max_new_tokens, room))
+        out = [t for t in result.token_ids if t not in self.config.stop_ids]
+        finish = result.metrics.finish_reason or ("length" if len(out) >= self.config.max_new_tokens else "stop")
+        feats = score_answer(self.model, ids, out, temperature)
+        mean = feats["mean_logprob"] if feats else None
+        return Answer(result.text, len(out), finish, mean, time.monotonic() - started), feats

@@ -21,7 +21,7 @@ from typing import Any
 
 from kibidango.integrity import BundleError, contained, read_json, sha256_file
 
-__all__ = ["Adapter", "AdapterSet"]
+__all__ = ["Adapter", "AdapterSet", "LoadedAdapters"]
 
 
 @dataclass
@@ -76,6 +76,10 @@ class Adapter:
     def gguf_path(self) -> Path:
         return self.files("gguf")[0]
 
+    def peft_dir(self) -> Path:
+        """The directory of the peft files (each checked against its sha256)."""
+        return next(p for p in self.files("peft") if p.name == "adapter_config.json").parent
+
 
 class AdapterSet:
     """Every adapter under a directory (``<dir>/<name>/adapter.json``), read on first use."""
@@ -85,6 +89,17 @@ class AdapterSet:
         self.listed = listed  # in a bundle: only adapters whose files bundle.json lists
         self._index: dict[str, Path] | None = None
         self._loaded: dict[str, Adapter] = {}
+
+    @classmethod
+    def from_dirs(cls, dirs: list[str | Path]) -> AdapterSet:
+        """Adapters that live in separate directories, each with its ``adapter.json`` (the
+        pipeline's stage outputs), keyed by their domain."""
+        self = cls(Path("."))
+        self._index = {}
+        for d in dirs:
+            spec = read_json(Path(d) / "adapter.json", f"{d}: no adapter.json")
+            self._index[spec["domain"]] = Path(d)
+        return self
 
     @property
     def domains(self) -> list[str]:
@@ -107,3 +122,43 @@ class AdapterSet:
                 )
             self._loaded[domain] = Adapter.from_dir(index[domain], self.listed)
         return self._loaded[domain]
+
+
+class LoadedAdapters:
+    """The adapters applied to one model (a bundle's ``base_tier``, the target), least recently
+    used first out: ``use(domain)`` makes ``domain``'s adapter the active one, loading it on first
+    use (files checked against their sha256) and unloading the least recently used one when more
+    than ``size`` would be loaded; ``use(None)`` runs the base weights. ``loads`` counts loads
+    (an adapter evicted and asked for again is loaded again). Not thread-safe: the caller holds
+    the model for the whole generation."""
+
+    def __init__(self, model, adapters: AdapterSet, size: int = 2):
+        if size < 1:
+            raise ValueError("the adapter cache holds at least one adapter")
+        self.model = model
+        self.adapters = adapters
+        self.size = size
+        self.loaded: dict[str, Adapter] = {}  # insertion order = recency, oldest first
+        self.active: str | None = None
+        self.loads = 0
+        self.evictions = 0
+
+    def use(self, domain: str | None) -> None:
+        if domain is not None and domain not in self.loaded:
+            adapter = self.adapters.get(domain)
+            while len(self.loaded) >= self.size:
+                oldest = next(iter(self.loaded))
+                if self.active == oldest:
+                    self.model.set_lora(None)
+                    self.active = None
+                self.model.unload_lora(oldest)
+                del self.loaded[oldest]
+                self.evictions += 1
+            self.model.load_lora(domain, adapter)
+            self.loaded[domain] = adapter
+            self.loads += 1
+        elif domain is not None:
+            self.loaded[domain] = self.loaded.pop(domain)  # most recently used
+        if domain != self.active:
+            self.model.set_lora(domain)
+            self.active = domain

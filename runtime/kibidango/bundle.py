@@ -83,20 +83,46 @@ class Bundle:
 
         return AdapterSet(self.root / "adapters", listed=self.listed)
 
+    def _part(self, key: str) -> Path | None:
+        """The listed file bundle.json names under ``key``, or None when it names none."""
+        rel = self.meta.get(key)
+        if rel is None:
+            return None
+        path = contained(self.root, rel, f"{self.root}: {key}")
+        if not self.listed(path):
+            raise BundleError(
+                f"{self.root}: {key} {rel!r} is not in bundle.json's files, so it was never hashed: refused"
+            )
+        return path
+
     def router(self):
         """The bundle's domain router (stage 6A, ``router/router.json``), or None when it ships
         none. Only a file bundle.json lists (so hashed at load) is read."""
-        rel = self.meta.get("router")
-        if rel is None:
-            return None
         from kibidango.router import Router
 
-        path = contained(self.root, rel, f"{self.root}: router")
-        if not self.listed(path):
-            raise BundleError(
-                f"{self.root}: router {rel!r} is not in bundle.json's files, so it was never hashed: refused"
-            )
-        return Router.load(path)
+        path = self._part("router")
+        return None if path is None else Router.load(path)
+
+    def calibrator(self):
+        """Stage 2G's calibrator (``calibration/calibration.json``), or None."""
+        from kibidango.confidence import Calibrator
+
+        path = self._part("calibration")
+        return None if path is None else Calibrator.load(path)
+
+    def escalation(self):
+        """Stage 6B's escalation detector (``escalation/escalation.json``), or None."""
+        from kibidango.confidence import EscalationDetector
+
+        path = self._part("escalation")
+        return None if path is None else EscalationDetector.load(path)
+
+    def cascade(self) -> dict[str, Any] | None:
+        """Stage 6C's cascade thresholds (``cascade/cascade.json``), or None."""
+        from kibidango.integrity import read_json
+
+        path = self._part("cascade")
+        return None if path is None else read_json(path, f"{path}: no cascade file")
 
     def tier(self, name: str, backend: str = "torch") -> Tier:
         if name not in self.tiers:

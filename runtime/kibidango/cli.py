@@ -33,6 +33,15 @@ def _pin_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _adapter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--adapter",
+        default="auto",
+        help="the target's domain adapter: auto (the bundle's router picks; default), none, or a domain's name",
+    )
+    p.add_argument("--adapter-cache", type=int, default=2, help="domain adapters kept loaded (least recently used out)")
+
+
 def _overrides(args: argparse.Namespace) -> dict:
     keys = ("variant", "k", "l_D", "l_Q", "tau_Q", "tau_T", "divergence", "temperature", "top_p", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
@@ -44,7 +53,13 @@ def _generate(args: argparse.Namespace) -> None:
 
     prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read().rstrip("\n")
     pipe = Pipeline.from_bundle(
-        args.bundle, backend=args.backend, mode=args.mode, expect_sha256=args.expect_sha256, **_overrides(args)
+        args.bundle,
+        backend=args.backend,
+        mode=args.mode,
+        expect_sha256=args.expect_sha256,
+        adapter=args.adapter,
+        adapter_cache=args.adapter_cache,
+        **_overrides(args),
     )
     metrics = Metrics(pipe.defaults.mode)
     kw = {"max_new_tokens": args.max_new_tokens, **({"stop_ids": args.stop_id} if args.stop_id else {})}
@@ -118,6 +133,8 @@ def _serve(args: argparse.Namespace) -> None:
         max_request_bytes=args.max_request_bytes,
         stall_seconds=args.stall_seconds,
         expect_sha256=args.expect_sha256,
+        adapter=args.adapter,
+        adapter_cache=args.adapter_cache,
         **_overrides(args),
     )
 
@@ -137,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--stats", action="store_true", help="print the request's metrics (JSON) to stderr")
     _decode_args(gen)
+    _adapter_args(gen)
     _pin_arg(gen)
     gen.set_defaults(func=_generate)
 
@@ -174,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         help="/health answers 503 when a generation made no progress for this long",
     )
     _decode_args(srv)
+    _adapter_args(srv)
     _pin_arg(srv)
     srv.set_defaults(func=_serve)
 

@@ -1,5 +1,12 @@
-"""The Python API: ``Pipeline.from_bundle(path, backend=..., mode=...)``, then ``generate`` (text
-and metrics) or ``stream`` (text chunks)."""
+"""The Python API: ``Pipeline.from_bundle(path, backend=..., mode=..., adapter=...)``, then
+``generate`` (text and metrics) or ``stream`` (text chunks).
+
+Per request, where the bundle ships them: the domain router (6A) picks a domain from the query and
+the target runs with that domain's adapter (``adapter="auto"``; loaded on first use, an LRU of
+``adapter_cache`` adapters), or with the adapter named, or with none (``adapter="none"``); after
+decoding, the calibrator (2G) turns one forward pass of the target over the answer into a
+calibrated confidence. ``Metrics`` carries ``domain``, ``router_confidence``, ``adapter`` and
+``confidence``."""
 
 from __future__ import annotations
 
@@ -9,9 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kibidango.adapters import LoadedAdapters
 from kibidango.backends import load_model
 from kibidango.backends.base import Model
-from kibidango.bundle import Bundle, load_bundle
+from kibidango.bundle import Bundle, BundleError, load_bundle
+from kibidango.confidence import Calibrator, score_answer
+from kibidango.router import Router
 from kibidango.speculative import TIERS, DecodeConfig, Decoder, Metrics
 
 __all__ = ["GenerationResult", "Pipeline"]
@@ -32,6 +42,11 @@ class Pipeline:
         defaults: DecodeConfig,
         bundle: Bundle | None = None,
         backend: str = "torch",
+        adapter: str = "none",
+        adapters: LoadedAdapters | None = None,
+        router: Router | None = None,
+        router_threshold: float = 0.0,
+        calibrator: Calibrator | None = None,
     ):
         self.tokenizer = tokenizer
         self.models = models
@@ -39,6 +54,14 @@ class Pipeline:
         self.bundle = bundle
         self.backend = backend
         self.decoder = Decoder(models)
+        if adapter not in ("auto", "none") and (adapters is None or adapter not in adapters.adapters.domains):
+            have = ", ".join(adapters.adapters.domains) if adapters is not None else "none"
+            raise BundleError(f"--adapter {adapter!r}: no such domain adapter (the bundle has: {have})")
+        self.adapter = adapter
+        self.adapters = adapters
+        self.router = router
+        self.router_threshold = router_threshold
+        self.calibrator = calibrator
 
     @classmethod
     def from_bundle(
@@ -48,12 +71,16 @@ class Pipeline:
         mode: str | None = None,
         verify: bool = True,
         expect_sha256: str | None = None,
+        adapter: str = "auto",
+        adapter_cache: int = 2,
         **overrides: Any,
     ) -> Pipeline:
         """Load a bundle's tokenizer and the tiers ``mode`` needs (default: the bundle's runtime
         defaults), after checking every file's hash. ``overrides`` set decoding defaults
         (``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence``, ...);
-        ``expect_sha256`` pins bundle.json's digest (see :func:`kibidango.bundle.load_bundle`)."""
+        ``expect_sha256`` pins bundle.json's digest (see :func:`kibidango.bundle.load_bundle`).
+        ``adapter``: ``auto`` (the router's domain, when its confidence reaches the bundle's
+        cascade threshold), ``none``, or a domain's name; ``adapter_cache``: adapters kept loaded."""
         from transformers import AutoTokenizer
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
@@ -66,7 +93,14 @@ class Pipeline:
         cfg = DecodeConfig(**defaults)
         tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
         models = {name: load_model(backend, bundle.tier(name, backend)) for name in TIERS[cfg.mode]}
-        return cls(tokenizer, models, cfg, bundle, backend)
+        router = bundle.router()
+        domains = [d for d in bundle.adapters.domains if router is None or d in router.labels]
+        loaded = LoadedAdapters(models["target"], bundle.adapters, adapter_cache) if domains else None
+        if adapter == "auto" and (router is None or loaded is None):
+            adapter = "none"  # nothing to route to
+        cascade = bundle.cascade() or {}
+        threshold = float((cascade.get("router") or {}).get("threshold", 0.0))
+        return cls(tokenizer, models, cfg, bundle, backend, adapter, loaded, router, threshold, bundle.calibrator())
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
@@ -83,23 +117,68 @@ class Pipeline:
         stop: list[str] | None = None,
         metrics: Metrics | None = None,
         should_stop: Callable[[], bool] | None = None,
+        query: str | None = None,
+        adapter: str | None = None,
+        score: bool | None = None,
         **kw: Any,
     ) -> Iterator[str]:
         """Yield text as it is committed; a stop string ends the stream before it.
         ``should_stop`` is asked after every decoding round (the server's cancellation: a client
-        that went away); when it answers True the stream ends with finish reason "cancelled"."""
+        that went away); when it answers True the stream ends with finish reason "cancelled".
+        ``query``: the text the router reads (default: the prompt); ``adapter`` overrides the
+        pipeline's adapter policy for this request; ``score``: compute the calibrated confidence
+        (default: when the bundle ships a calibrator)."""
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = metrics if metrics is not None else Metrics(cfg.mode)
-        yield from self._text(ids, cfg, stop or [], metrics, [], should_stop)
+        query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
+        out: list[int] = []
+        self._route(query, adapter, metrics)
+        yield from self._text(ids, cfg, stop or [], metrics, out, should_stop)
+        self._score(ids, out, metrics, score)
 
-    def generate(self, prompt: str | list[int], stop: list[str] | None = None, **kw: Any) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str | list[int],
+        stop: list[str] | None = None,
+        query: str | None = None,
+        adapter: str | None = None,
+        score: bool | None = None,
+        **kw: Any,
+    ) -> GenerationResult:
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = Metrics(cfg.mode)
+        query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
+        self._route(query, adapter, metrics)
         text = "".join(self._text(ids, cfg, stop or [], metrics, out))
+        self._score(ids, out, metrics, score)
         return GenerationResult(text, out, metrics)
+
+    def _route(self, query: str, adapter: str | None, metrics: Metrics) -> None:
+        """Pick and activate the target's adapter for one request (see ``from_bundle``)."""
+        policy = adapter or self.adapter
+        chosen = None
+        if self.router is not None:
+            metrics.domain, metrics.router_confidence = self.router.route(query)
+        if policy == "auto" and self.router is not None:
+            if metrics.domain in self.adapters.adapters.domains and metrics.router_confidence >= self.router_threshold:
+                chosen = metrics.domain
+        elif policy != "none":
+            chosen = policy
+        if self.adapters is not None:
+            self.adapters.use(chosen)
+        elif chosen is not None:
+            raise BundleError(f"adapter {chosen!r}: the bundle ships no domain adapters")
+        metrics.adapter = chosen
+
+    def _score(self, ids: list[int], out: list[int], metrics: Metrics, score: bool | None) -> None:
+        if self.calibrator is None or score is False or metrics.finish_reason == "cancelled":
+            return
+        answer = [t for t in out if t not in self.defaults.stop_ids]
+        feats = score_answer(self.models["target"], ids, answer, self.calibrator.temperature_for(self.backend))
+        metrics.confidence = self.calibrator.confidence(feats)
 
     def _text(
         self,

@@ -63,6 +63,7 @@ class _Decoding(BaseModel):
     tau_Q: float | None = Field(None, ge=0, le=1)
     tau_T: float | None = Field(None, ge=0, le=1)
     divergence: Literal["tv", "js", "kl"] | None = None
+    adapter: str | None = Field(None, max_length=64, description="auto, none or a domain; default: the server's")
 
     @field_validator("stop")
     @classmethod
@@ -110,13 +111,29 @@ class _Stats:
         self.requests = 0
         self.errors = 0
         self.totals = Metrics("all")
+        self.domains: dict[str, int] = {}
+        self.adapters: dict[str, int] = {}
+        self.confidence_sum = 0.0
+        self.confidence_count = 0
         self.lock = threading.Lock()
+
+    def count(self, metrics: Metrics) -> None:
+        with self.lock:
+            self.requests += 1
+            self.totals.add(metrics)
+            if metrics.domain is not None:
+                self.domains[metrics.domain] = self.domains.get(metrics.domain, 0) + 1
+            name = metrics.adapter or "none"
+            self.adapters[name] = self.adapters.get(name, 0) + 1
+            if metrics.confidence is not None:
+                self.confidence_sum += metrics.confidence
+                self.confidence_count += 1
 
     def count_error(self) -> None:
         with self.lock:
             self.errors += 1
 
-    def prometheus(self, model: str, cancelled: int = 0) -> str:
+    def prometheus(self, model: str, cancelled: int = 0, adapter_loads: int = 0) -> str:
         t = self.totals
         lines = [
             "# HELP kibidango_requests_total Generation requests served.",
@@ -145,6 +162,19 @@ class _Stats:
                 f'kibidango_spec_decode_num_accepted_tokens_total{{model="{model}",stage="{s}"}} {n}'
                 for s, n in t.num_accepted_tokens.items()
             ),
+            "# HELP kibidango_requests_by_domain_total Requests by the domain the router chose.",
+            "# TYPE kibidango_requests_by_domain_total counter",
+            *(f'kibidango_requests_by_domain_total{{model="{model}",domain="{d}"}} {n}' for d, n in self.domains.items()),
+            "# HELP kibidango_requests_by_adapter_total Requests by the adapter the target ran with.",
+            "# TYPE kibidango_requests_by_adapter_total counter",
+            *(f'kibidango_requests_by_adapter_total{{model="{model}",adapter="{a}"}} {n}' for a, n in self.adapters.items()),
+            "# HELP kibidango_adapter_loads_total Domain adapters loaded (an evicted one asked for again loads again).",
+            "# TYPE kibidango_adapter_loads_total counter",
+            f'kibidango_adapter_loads_total{{model="{model}"}} {adapter_loads}',
+            "# HELP kibidango_answer_confidence Calibrated answer confidence (2G) over the requests scored.",
+            "# TYPE kibidango_answer_confidence summary",
+            f'kibidango_answer_confidence_sum{{model="{model}"}} {self.confidence_sum:.6f}',
+            f'kibidango_answer_confidence_count{{model="{model}"}} {self.confidence_count}',
         ]
         return "\n".join(lines) + "\n"
 
@@ -372,7 +402,7 @@ def create_app(
         log.error(f"request {ref} failed", exc_info=exc)
         return error(500, f"internal error (reference {ref}; the server log has the details)", kind="server_error")
 
-    def prepare(req: _Decoding, prompt: str) -> tuple[list[int], dict[str, Any]] | JSONResponse:
+    def prepare(req: _Decoding, prompt: str, query: str) -> tuple[list[int], dict[str, Any]] | JSONResponse:
         if req.model is not None and req.model != model_name:
             return error(
                 404,
@@ -418,12 +448,16 @@ def create_app(
             pipe.config(**kw)
         except ValueError as e:
             return error(400, str(e))
+        if req.adapter is not None:
+            known = pipe.adapters.adapters.domains if pipe.adapters is not None else []
+            if req.adapter not in ("auto", "none", *known):
+                return error(400, f"adapter: {req.adapter!r} is not auto, none or one of: {', '.join(known) or '-'}", "adapter")
+            kw["adapter"] = req.adapter
+        kw["query"] = query
         return ids, kw
 
     def finish(metrics: Metrics) -> dict:
-        with stats.lock:
-            stats.requests += 1
-            stats.totals.add(metrics)
+        stats.count(metrics)
         usage = {
             "prompt_tokens": metrics.prompt_tokens,
             "completion_tokens": metrics.generated_tokens,
@@ -493,13 +527,13 @@ def create_app(
     @app.get("/metrics")
     def metrics():
         return PlainTextResponse(
-            stats.prometheus(model_name, scheduler.cancelled), media_type="text/plain; version=0.0.4"
+            stats.prometheus(model_name, scheduler.cancelled, pipe.adapters.loads if pipe.adapters else 0), media_type="text/plain; version=0.0.4"
         )
 
-    async def respond(request: Request, req: _Decoding, prompt: str, object_name: str, choice):
+    async def respond(request: Request, req: _Decoding, prompt: str, object_name: str, choice, query: str):
         """The body of both endpoints: ``choice(text, finish_reason, streaming)`` builds one
-        choice of the endpoint's response or stream chunk."""
-        prepared = prepare(req, prompt)
+        choice of the endpoint's response or stream chunk; ``query`` is what the router reads."""
+        prepared = prepare(req, prompt, query)
         if isinstance(prepared, JSONResponse):
             return prepared
         ids, kw = prepared
@@ -538,7 +572,7 @@ def create_app(
         def choice(text, reason, streaming):
             return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
 
-        return await respond(request, req, req.prompt, "text_completion", choice)
+        return await respond(request, req, req.prompt, "text_completion", choice, req.prompt)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatRequest):
@@ -551,7 +585,9 @@ def create_app(
                 }
             return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
 
-        return await respond(request, req, _chat_prompt(pipe.tokenizer, req.messages), "chat.completion", choice)
+        query = next((m.content for m in reversed(req.messages) if m.role == "user"), req.messages[-1].content)
+        prompt = _chat_prompt(pipe.tokenizer, req.messages)
+        return await respond(request, req, prompt, "chat.completion", choice, query)
 
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes, on_refuse=stats.count_error)
     return app
@@ -568,13 +604,23 @@ def serve(
     max_request_bytes: int = 4 << 20,
     stall_seconds: float = _HEALTH_STALL_S,
     expect_sha256: str | None = None,
+    adapter: str = "auto",
+    adapter_cache: int = 2,
     **overrides: Any,
 ) -> None:
     import uvicorn
 
     # Loads the tiers of the default mode; a request may choose any mode those tiers serve
     # (a pyramid server also serves sd and ar).
-    pipe = Pipeline.from_bundle(bundle, backend=backend, mode=mode, expect_sha256=expect_sha256, **overrides)
+    pipe = Pipeline.from_bundle(
+        bundle,
+        backend=backend,
+        mode=mode,
+        expect_sha256=expect_sha256,
+        adapter=adapter,
+        adapter_cache=adapter_cache,
+        **overrides,
+    )
     name = pipe.bundle.meta.get("preset", "kibidango") if pipe.bundle else "kibidango"
     app = create_app(
         pipe,

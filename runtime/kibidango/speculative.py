@@ -91,6 +91,14 @@ class Metrics:
     tokens_fed: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     finish_reason: str = "length"
+    # Set by the pipeline around the decoding (None where the bundle ships no router/calibrator):
+    domain: str | None = None
+    """What the router (6A) chose for the request (``base``: no domain adapter)."""
+    router_confidence: float | None = None
+    adapter: str | None = None
+    """The domain adapter the target ran with (None: the base weights)."""
+    confidence: float | None = None
+    """Calibrated P(the answer passes its judge) (2G)."""
 
     def count(self, stage: str, drafted: int, accepted: int) -> None:
         self.num_draft_tokens[stage] = self.num_draft_tokens.get(stage, 0) + drafted
@@ -156,6 +164,10 @@ class Metrics:
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
             "finish_reason": self.finish_reason,
+            "domain": self.domain,
+            "router_confidence": self.router_confidence,
+            "adapter": self.adapter,
+            "confidence": self.confidence,
         }
 
 

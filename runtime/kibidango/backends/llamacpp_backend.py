@@ -140,6 +140,37 @@ class LlamaCppModel:
         self.context_length = self.llm.n_ctx()
         self.vocab_size = self.llm.n_vocab()
         self.active: LlamaCppSession | None = None
+        self._loras: dict[str, object] = {}
+
+    # llama.cpp LoRA adapters (GGUF), loaded against the model and switched on the context; a
+    # session started after a switch starts from an empty cache.
+    def load_lora(self, name: str, adapter) -> None:
+        llama_cpp = _llama_cpp()
+        path = adapter.gguf_path()
+        ptr = llama_cpp.llama_adapter_lora_init(self.llm._model.model, str(path).encode())
+        if not ptr:
+            from kibidango.integrity import BundleError
+
+            raise BundleError(f"llama.cpp could not load the LoRA adapter {path}")
+        self._loras[name] = ptr
+
+    def set_lora(self, name: str | None) -> None:
+        import ctypes
+
+        llama_cpp = _llama_cpp()
+        if name is None:
+            llama_cpp.llama_set_adapters_lora(self.llm._ctx.ctx, None, 0, None)
+        else:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._loras[name])
+            scales = (ctypes.c_float * 1)(1.0)
+            if llama_cpp.llama_set_adapters_lora(self.llm._ctx.ctx, adapters, 1, scales):
+                raise RuntimeError(f"{self.name}: llama.cpp refused the LoRA adapter {name!r}")
+        self.active = None  # the cached positions were computed with the previous weights
+
+    def unload_lora(self, name: str) -> None:
+        ptr = self._loras.pop(name, None)
+        if ptr is not None:
+            _llama_cpp().llama_adapter_lora_free(ptr)
 
     def new_session(self) -> LlamaCppSession:
         return LlamaCppSession(self)

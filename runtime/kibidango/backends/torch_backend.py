@@ -56,6 +56,7 @@ class TorchModel:
         self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(self.device).eval()
         self.vocab_size = self.hf.config.vocab_size
         self.context_length = getattr(self.hf.config, "max_position_embeddings", 2048)
+        self._peft = None
 
     @classmethod
     def from_hf(cls, hf_model, name: str = "model") -> TorchModel:
@@ -65,7 +66,44 @@ class TorchModel:
         self.device = next(hf_model.parameters()).device
         self.vocab_size = hf_model.config.vocab_size
         self.context_length = getattr(hf_model.config, "max_position_embeddings", 2048)
+        self._peft = None
         return self
+
+    # LoRA adapters (peft), several loaded side by side, one active: peft injects its layers into
+    # ``self.hf`` in place, so sessions keep calling ``self.hf``; ``set_lora(None)`` disables them.
+    def load_lora(self, name: str, adapter) -> None:
+        """Load ``adapter`` (a :class:`kibidango.adapters.Adapter` with peft files) as ``name``."""
+        try:
+            from peft import PeftModel
+        except ImportError as e:
+            from kibidango.integrity import BundleError
+
+            raise BundleError("peft adapters need the `peft` package (pip install peft)") from e
+        where = str(adapter.peft_dir())
+        if self._peft is None:
+            # A compressed-tensors checkpoint (the AWQ target) decompresses its weights on the first
+            # forward pass (a hook); peft needs them as plain weights, so one token goes first.
+            with torch.inference_mode():
+                self.hf(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device))
+            self._peft = PeftModel.from_pretrained(self.hf, where, adapter_name=name, is_trainable=False)
+        else:
+            self._peft.load_adapter(where, adapter_name=name, is_trainable=False)
+        self._peft.eval()
+
+    def set_lora(self, name: str | None) -> None:
+        if self._peft is None:
+            if name is not None:
+                raise KeyError(f"{self.name}: adapter {name!r} is not loaded")
+            return
+        if name is None:
+            self._peft.base_model.disable_adapter_layers()
+        else:
+            self._peft.base_model.enable_adapter_layers()
+            self._peft.set_adapter(name)
+
+    def unload_lora(self, name: str) -> None:
+        if self._peft is not None:
+            self._peft.delete_adapter(name)
 
     def new_session(self) -> TorchSession:
         return TorchSession(self)

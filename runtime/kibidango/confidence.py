@@ -1,0 +1,196 @@
+"""How sure the target is of an answer it wrote, calibrated (stage 2G), and how likely the answer
+is to fail (stage 6B's escalation detector) — numpy only, from small JSON files in the bundle.
+
+- :func:`answer_features`: from the target's logits over the answer (one forward pass of prompt +
+  answer), the features stage 2G fits on: mean and min token log-probability, mean entropy, the
+  length, and the mean log-probability under the calibrated temperature;
+- :class:`Logistic`: ``sigmoid(w . (x - mean) / std + b)``, the form of both 2G's Platt scaling
+  and 6B's detector;
+- :class:`Calibrator` (``calibration/calibration.json``): per-backend token temperature and the
+  answer-level Platt model; ``confidence(features)`` is P(the judge passes the answer);
+- :class:`EscalationDetector` (``escalation/escalation.json``): P(the local answer fails) from the
+  query's hashed n-grams (:func:`kibidango.router.features`) and the calibrated confidence.
+
+The pipeline fits these with the same feature code (it imports this module), so training and
+serving cannot disagree on a feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kibidango.integrity import BundleError, read_json
+
+__all__ = ["ANSWER_FEATURES", "Calibrator", "EscalationDetector", "Logistic", "answer_features", "score_answer"]
+
+ANSWER_FEATURES = ("mean_logprob", "min_logprob", "mean_entropy", "tokens", "calibrated_mean_logprob")
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = np.asarray(z, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def answer_features(logits: np.ndarray, answer_ids: list[int], temperature: float = 1.0) -> dict[str, float] | None:
+    """Features of an answer from the logits that predicted its tokens (``logits[i]`` predicts
+    ``answer_ids[i]``); None for an empty answer."""
+    n = len(answer_ids)
+    if n == 0:
+        return None
+    logits = np.asarray(logits)[:n]
+    idx = np.arange(n), np.asarray(answer_ids)
+    logp = _log_softmax(logits)
+    token_logp = logp[idx]
+    entropy = -(np.exp(logp) * logp).sum(axis=-1)
+    calibrated = _log_softmax(logits / temperature)[idx]
+    return {
+        "mean_logprob": float(token_logp.mean()),
+        "min_logprob": float(token_logp.min()),
+        "mean_entropy": float(entropy.mean()),
+        "tokens": float(n),
+        "calibrated_mean_logprob": float(calibrated.mean()),
+    }
+
+
+def score_answer(model, prompt_ids: list[int], answer_ids: list[int], temperature: float = 1.0) -> dict | None:
+    """:func:`answer_features` of ``answer_ids`` after ``prompt_ids`` under ``model`` (a backend
+    model): one forward pass in a fresh session, cut to the model's context."""
+    ids = (list(prompt_ids) + list(answer_ids))[: model.context_length]
+    n = len(ids) - len(prompt_ids)
+    if n < 1 or not prompt_ids:
+        return None
+    logits = model.new_session().feed(ids)[len(prompt_ids) - 1 : -1]
+    return answer_features(logits, ids[len(prompt_ids) :], temperature)
+
+
+@dataclass
+class Logistic:
+    """P = sigmoid(w . (x - mean) / std + b) over named features."""
+
+    features: list[str]
+    weights: list[float]
+    bias: float
+    mean: list[float]
+    std: list[float]
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> Logistic:
+        try:
+            m = cls(list(d["features"]), [float(x) for x in d["weights"]], float(d["bias"]),
+                    [float(x) for x in d["mean"]], [float(x) for x in d["std"]])  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"{where}: not a logistic model: {e}") from None
+        n = len(m.features)
+        if not (len(m.weights) == len(m.mean) == len(m.std) == n):
+            raise BundleError(f"{where}: {n} features but {len(m.weights)} weights / {len(m.mean)} means")
+        values = np.asarray([*m.weights, m.bias, *m.mean, *m.std])
+        if not np.isfinite(values).all() or min(m.std, default=1.0) <= 0:
+            raise BundleError(f"{where}: non-finite weights or a non-positive scale")
+        return m
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        x = np.atleast_2d(np.asarray(x, dtype=np.float64))
+        z = ((x - np.asarray(self.mean)) / np.asarray(self.std)) @ np.asarray(self.weights) + self.bias
+        return 1.0 / (1.0 + np.exp(-np.clip(z, -500, 500)))
+
+
+@dataclass
+class Calibrator:
+    """Stage 2G's ``calibration.json``: ``{"schema": 1, "temperature": {"torch": T, "llamacpp": T},
+    "answer": <Logistic over ANSWER_FEATURES> | null, "metrics": {...}}``. Without an answer model
+    (one label class in the fitting data) the confidence is exp(calibrated mean log-probability)."""
+
+    temperature: dict[str, float]
+    answer: Logistic | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibrator:
+        spec = read_json(Path(path), f"{path}: no calibration file")
+        if not isinstance(spec, dict) or spec.get("schema") != 1:
+            raise BundleError(f"{path}: unknown calibration schema")
+        temps = spec.get("temperature")
+        if not isinstance(temps, dict) or not all(
+            isinstance(t, int | float) and np.isfinite(t) and t > 0 for t in temps.values()
+        ):
+            raise BundleError(f"{path}: temperature must map a backend to a positive number")
+        answer = Logistic.from_dict(spec["answer"], f"{path}: answer") if spec.get("answer") else None
+        if answer is not None and not set(answer.features) <= set(ANSWER_FEATURES):
+            raise BundleError(f"{path}: unknown answer features {sorted(set(answer.features) - set(ANSWER_FEATURES))}")
+        return cls({k: float(v) for k, v in temps.items()}, answer, spec.get("metrics", {}))
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": 1,
+            "temperature": self.temperature,
+            "answer": self.answer.to_dict() if self.answer else None,
+            "metrics": self.metrics,
+        }
+
+    def temperature_for(self, backend: str) -> float:
+        return self.temperature.get(backend, self.temperature.get("torch", 1.0))
+
+    def confidence(self, feats: dict[str, float] | None) -> float:
+        """P(the answer passes its judge); 0 for no answer."""
+        if feats is None:
+            return 0.0
+        if self.answer is None:
+            return float(np.exp(feats["calibrated_mean_logprob"]))
+        return float(self.answer.predict([feats[f] for f in self.answer.features])[0])
+
+
+@dataclass
+class EscalationDetector:
+    """Stage 6B's ``escalation.json``: ``{"schema": 1, "query_features": {"kind": "hashed-ngrams",
+    "dim": 128, "salt": ...}, "model": <Logistic over q0..q127 + confidence>, "threshold": t,
+    "metrics": {...}}``; ``p_fail`` >= ``threshold`` flags the answer for escalation."""
+
+    model: Logistic
+    dim: int
+    salt: str
+    threshold: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | Path) -> EscalationDetector:
+        spec = read_json(Path(path), f"{path}: no escalation detector file")
+        try:
+            if spec.get("schema") != 1 or spec["query_features"].get("kind") != "hashed-ngrams":
+                raise ValueError("unknown schema or query feature kind")
+            query = spec["query_features"]
+            dim, salt, threshold = int(query["dim"]), str(query["salt"]), float(spec["threshold"])
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"{path}: not a valid escalation detector: {e}") from None
+        model = Logistic.from_dict(spec["model"], f"{path}: model")
+        if len(model.features) != dim + 1:
+            raise BundleError(f"{path}: {len(model.features)} features, expected {dim} query dims + confidence")
+        return cls(model, dim, salt, threshold, spec.get("metrics", {}))
+
+    @staticmethod
+    def feature_names(dim: int) -> list[str]:
+        return [*(f"q{i}" for i in range(dim)), "confidence"]
+
+    def vector(self, query: str, confidence: float) -> np.ndarray:
+        from kibidango.router import features
+
+        return np.concatenate([features(query, self.dim, self.salt).astype(np.float64), [confidence]])
+
+    def p_fail(self, query: str, confidence: float) -> float:
+        return float(self.model.predict(self.vector(query, confidence))[0])
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": 1,
+            "query_features": {"kind": "hashed-ngrams", "dim": self.dim, "salt": self.salt},
+            "model": self.model.to_dict(),
+            "threshold": self.threshold,
+            "metrics": self.metrics,
+        }

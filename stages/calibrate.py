@@ -1,0 +1,320 @@
+"""Stage 2G — confidence calibration of the compressed target, as the bundle ships it (the 2B
+checkpoint for torch, the 2D GGUF for llama.cpp).
+
+1. **Token level**: temperature scaling. Stage 0's validation rows in the chat format; the
+   target's next-token logits over each answer; rows split by a salted hash into a fitting half
+   and an evaluation half. One temperature per backend minimises the fitting half's NLL
+   (:func:`methods.calibration.fit_temperature`); ECE (15 **equal-mass** bins of top-1
+   confidence) and NLL before/after are measured on the evaluation half.
+2. **Answer level**: Platt scaling. The target answers held-out tasks (the samples of stage 1B's
+   form: benchmarks' mining halves, stage 0's held-out rows), once with the base weights and once
+   with the domain adapter the router (6A) picks, and every answer is judged (1B's judges). An
+   answer's features (:data:`kibidango.confidence.ANSWER_FEATURES`: mean and min token
+   log-probability, mean entropy, length, mean log-probability at the fitted temperature) ->
+   logistic regression to P(judge passes), fitted on one half of the tasks, measured on the other:
+   ECE, Brier and AUROC of the raw confidence (exp mean log-probability) and of the calibrated one.
+   With one label class in the fitting half there is nothing to fit: no answer model is written
+   and the runtime falls back to exp(calibrated mean log-probability); the card says so.
+
+Resumable like 1B: every judged task is appended to the work directory's ``rows.jsonl``.
+
+Outputs: ``calibration.json`` (the runtime's :class:`kibidango.confidence.Calibrator`),
+``answers.jsonl`` (every judged answer with its features, split, route: stages 6B and 6C read
+it), ``calibration_eval.json``, ``reliability_tokens.png``, ``reliability_answers.png``,
+``CALIBRATION_CARD.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from core.progress import Progress
+from kibidango.confidence import ANSWER_FEATURES, Calibrator
+from kibidango.router import Router
+from methods.benchmarks import unit_hash
+from methods.calibration import auroc, brier, ece, fit_logistic, fit_temperature, reliability_plot, token_confidence
+from methods.failures import RowLog, training_texts
+from methods.judges import make_judges
+from methods.measure.generate import ScoredAnswerer
+from methods.training.chat import encode, load_split, messages, prompt_text
+from stages.mine_failures import Config as MiningConfig
+from stages.mine_failures import _public, _select, _verdict
+
+NAME = "calibration"
+RESUMABLE = True
+LIBRARIES = ("transformers", "torch", "llama_cpp_python", "datasets", "sacrebleu", "peft")
+
+log = logging.getLogger("kibidango.stage.2G")
+
+BINS = 15
+
+
+class Config(MiningConfig):
+    gguf: bool = Field(True, description="Also fit the temperature of the target's GGUF (llama.cpp backend).")
+    token_rows: int = Field(300, gt=1, description="Stage-0 validation rows for the token-level fit and measure.")
+    max_positions: int = Field(40000, gt=10, description="At most this many answer positions (logits held in memory).")
+    max_len: int = Field(256, gt=8, description="Tokens per validation row.")
+    fit_share: float = Field(0.5, gt=0, lt=1, description="Share of rows / tasks (by hash) used for fitting.")
+    l2: float = Field(1e-2, ge=0, description="L2 penalty of the answer-level logistic regression.")
+    seed: int = Field(1, description="Which held-out tasks a sample takes (1B's default is 0).")
+
+
+def _fit_half(row_id: str, share: float) -> bool:
+    return unit_hash(f"kibidango/calibration-split/v1:{row_id}") < share
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    data = inputs["data"] / "dataset"
+    target = inputs["target"] / cfg.tier
+    if not (target / "config.json").is_file():
+        raise KibidangoError(f"the target input has no transformers checkpoint at {target}")
+    adapter_dirs = sorted(p for p in inputs.values() if (p / "adapter.json").is_file())
+    router = Router.load(inputs["router"] / "router.json") if "router" in inputs else None
+
+    answerer = ScoredAnswerer(target, cfg.max_new_tokens, adapter_dirs)
+    tokens = _token_level(cfg, data, answerer, inputs, out_dir)
+    temperature = tokens["torch"]["temperature"]
+
+    seen = training_texts(load_split(data, "train"))
+    rows, _ = _select(cfg, data, seen)
+    if not rows:
+        raise KibidangoError("no held-out tasks to answer: every sample is absent or empty")
+    table = _answers(cfg, rows, answerer, router, temperature, work_dir)
+    answers = _answer_level(cfg, table, out_dir)
+
+    calibrator = Calibrator(
+        {backend: v["temperature"] for backend, v in tokens.items()},
+        answers.pop("model"),
+        {"token": tokens, "answer": {k: v for k, v in answers.items() if k != "curves"}},
+    )
+    (out_dir / "calibration.json").write_text(json.dumps(calibrator.to_dict(), indent=2, sort_keys=True))
+    with open(out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
+        for r in table:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    report = {"command": "make stage-2g", "bins": f"{BINS} equal-mass", "token": tokens, "answer": answers}
+    reliability_plot(answers.pop("curves"), out_dir / "reliability_answers.png", "answers: P(judge passes)", BINS)
+    (out_dir / "calibration_eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    (out_dir / "CALIBRATION_CARD.md").write_text(_card(report))
+
+    metrics = {f"token/{b}/{k}": v for b, d in tokens.items() for k, v in d.items() if isinstance(v, int | float)}
+    metrics.update({f"answer/{k}": v for k, v in answers.items() if isinstance(v, int | float) and v is not None})
+    t = tokens["torch"]
+    summary = (
+        f"token ECE {t['ece_before']:.3f} -> {t['ece_after']:.3f} at T={t['temperature']:.2f} (torch"
+        + (f"; gguf T={tokens['llamacpp']['temperature']:.2f}" if "llamacpp" in tokens else "")
+        + f"); answers: {answers['answers']} judged, pass rate {answers['pass_rate']:.1%}; "
+        + (
+            f"ECE {answers['ece_before']:.3f} -> {answers['ece_after']:.3f}, Brier {answers['brier_before']:.3f} -> "
+            f"{answers['brier_after']:.3f}"
+            if answers["fitted"]
+            else "one label class in the fitting half: no answer model (confidence = exp calibrated mean log-prob)"
+        )
+    )
+    files = ["CALIBRATION_CARD.md", "calibration_eval.json", "reliability_tokens.png", "reliability_answers.png"]
+    return StageResult(metrics, files, summary, tables={"answers.json": "answers.jsonl"})
+
+
+def _token_level(cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict, out_dir: Path) -> dict:
+    """Per backend: the fitted temperature, NLL and ECE before/after on the evaluation half."""
+    rows = [r for r in load_split(data, "validation", limit=cfg.token_rows) if r["output"]]
+    encoded = [(r["id"], *encode(answerer.tokenizer, messages(r), cfg.max_len)) for r in rows]
+    models = {"torch": answerer.model}
+    if cfg.gguf:
+        from kibidango.backends.llamacpp_backend import LlamaCppModel
+
+        ggufs = sorted((inputs["gguf"] / cfg.tier).glob("*.gguf")) if "gguf" in inputs else []
+        if len(ggufs) != 1:
+            raise KibidangoError(f"gguf: expected one GGUF of tier {cfg.tier!r} in the gguf input, found {len(ggufs)}")
+        models["llamacpp"] = LlamaCppModel(ggufs[0], name="target")
+    out, curves = {}, {}
+    for backend, model in models.items():
+        fit_logits, fit_labels, eval_logits, eval_labels = [], [], [], []
+        positions = 0
+        for row_id, ids, start in encoded:
+            if positions >= cfg.max_positions or start >= len(ids):
+                continue
+            logits = model.new_session().feed(ids)[start - 1 : -1]
+            labels = ids[start:]
+            positions += len(labels)
+            (fit_logits if _fit_half(row_id, cfg.fit_share) else eval_logits).append(logits)
+            (fit_labels if _fit_half(row_id, cfg.fit_share) else eval_labels).append(labels)
+        if not fit_labels or not eval_labels:
+            raise KibidangoError(f"too few validation rows ({len(encoded)}) for a fitting and an evaluation half")
+        fx, fy = np.concatenate(fit_logits), np.concatenate(fit_labels)
+        ex, ey = np.concatenate(eval_logits), np.concatenate(eval_labels)
+        t = fit_temperature(fx, fy)
+        before, after = token_confidence(ex, ey), token_confidence(ex, ey, t)
+        out[backend] = {
+            "temperature": t,
+            "fit_positions": int(len(fy)),
+            "eval_positions": int(len(ey)),
+            "nll_before": float(before["nll"].mean()),
+            "nll_after": float(after["nll"].mean()),
+            "ece_before": ece(before["confidence"], before["correct"], BINS),
+            "ece_after": ece(after["confidence"], after["correct"], BINS),
+            "ece_equal_width_before": ece(before["confidence"], before["correct"], BINS, "equal_width"),
+            "ece_equal_width_after": ece(after["confidence"], after["correct"], BINS, "equal_width"),
+            "top1_accuracy": float(before["correct"].mean()),
+        }
+        curves[f"{backend} T=1"] = (before["confidence"], before["correct"])
+        curves[f"{backend} T={t:.2f}"] = (after["confidence"], after["correct"])
+        log.info(f"token level ({backend}): T={t:.3f}, ECE {out[backend]['ece_before']:.4f} -> {out[backend]['ece_after']:.4f}")
+    reliability_plot(curves, out_dir / "reliability_tokens.png", "next tokens: top-1", BINS)
+    return out
+
+
+def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, work_dir: Path) -> list[dict]:
+    """Every task answered with the base weights and (where the router picks a domain with an
+    adapter) with that adapter, each answer judged; resumable through ``rows.jsonl``."""
+    judges = make_judges(cfg.judges)
+    domains = answerer.adapters.adapters.domains if answerer.adapters is not None else []
+    done = RowLog(work_dir / "rows.jsonl")
+    if done.resumed:
+        log.info(f"resuming: {done.resumed:,} of {len(rows):,} tasks were answered by an earlier attempt")
+    progress = Progress("2G answers", len(rows), log)
+    try:
+        for i, row in enumerate(rows, 1):
+            prior = done.get(row["id"])
+            if prior is not None and not prior.get("retryable"):
+                continue
+            query = prompt_text(row["instruction"], row["input"])
+            route, route_conf = router.route(query) if router is not None else ("base", None)
+            record = {**_public(row), "query": query, "route": route, "route_confidence": route_conf}
+            record["split"] = "fit" if _fit_half(row["id"], cfg.fit_share) else "eval"
+            retryable = False
+            for variant, adapter in (("base", None), ("adapter", route if route in domains else None)):
+                if variant == "adapter" and adapter is None:
+                    record[variant] = None
+                    continue
+                a, feats = answerer.answer(row["instruction"], row["input"], adapter, temperature)
+                verdict = judges[row["domain"]](row["task"], a.text)
+                judged = _verdict(verdict, judges[row["domain"]].kind)
+                retryable |= judged["retryable"]
+                record[variant] = {
+                    "adapter": adapter,
+                    "answer": a.text,
+                    "tokens": a.tokens,
+                    "finish_reason": a.finish_reason,
+                    "features": feats,
+                    **judged,
+                }
+            record["retryable"] = retryable
+            done.add(record)
+            progress.update(i)
+        progress.finish(len(rows))
+    finally:
+        done.close()
+    return [done.get(r["id"]) for r in rows]
+
+
+def _matrix(answers: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.array([[a["features"][f] for f in ANSWER_FEATURES] for a in answers], dtype=np.float64)
+    y = np.array([a["passed"] for a in answers], dtype=np.float64)
+    return x.reshape(len(answers), len(ANSWER_FEATURES)), y
+
+
+def _answer_level(cfg: Config, table: list[dict], out_dir: Path) -> dict:
+    """The Platt model and its figures on the evaluation half."""
+    every = [
+        {**a, "split": r["split"], "domain": r["domain"]}
+        for r in table
+        for a in (r["base"], r["adapter"])
+        if a is not None and a["outcome"] != "judge_error"
+    ]
+    scored = [a for a in every if a["features"] is not None]  # an empty answer has no features (confidence 0)
+    fit = [a for a in scored if a["split"] == "fit"]
+    held = [a for a in scored if a["split"] == "eval"]
+    fx, fy = _matrix(fit)
+    ex, ey = _matrix(held)
+    raw = np.exp(ex[:, ANSWER_FEATURES.index("mean_logprob")]) if len(held) else np.zeros(0)
+    out = {
+        "answers": len(every),
+        "scored": len(scored),
+        "pass_rate": float(np.mean([a["passed"] for a in every])) if every else 0.0,
+        "fit_answers": len(fit),
+        "fit_passes": int(fy.sum()),
+        "eval_answers": len(held),
+        "eval_passes": int(ey.sum()),
+        "by_domain": {
+            d: {"answers": c, "passes": sum(1 for a in every if a["domain"] == d and a["passed"])}
+            for d, c in sorted(Counter(a["domain"] for a in every).items())
+        },
+        "features": list(ANSWER_FEATURES),
+        "ece_before": ece(raw, ey, BINS),
+        "brier_before": brier(raw, ey),
+        "auroc_before": auroc(raw, ey),
+    }
+    fitted = bool(0 < fy.sum() < len(fy))
+    model = fit_logistic(fx, fy, list(ANSWER_FEATURES), cfg.l2) if fitted else None
+    after = model.predict(ex) if model is not None and len(held) else raw
+    out.update(
+        fitted=fitted,
+        ece_after=ece(after, ey, BINS) if fitted else None,
+        brier_after=brier(after, ey) if fitted else None,
+        auroc_after=auroc(after, ey) if fitted else None,
+        model=model,
+        curves={"exp(mean log-prob)": (raw, ey), **({"Platt": (after, ey)} if fitted else {})},
+    )
+    return out
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _card(r: dict) -> str:
+    a = r["answer"]
+    lines = [
+        "# Confidence calibration (stage 2G)",
+        "",
+        f"Every figure below was computed by the stage that wrote this card (`{r['command']}`). "
+        f"ECE: {r['bins']} bins (each bin holds the same number of predictions).",
+        "",
+        "## Token level: temperature scaling",
+        "",
+        "| backend | T | positions fit / eval | NLL before | NLL after | ECE before | ECE after | top-1 acc |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for backend, t in r["token"].items():
+        lines.append(
+            f"| {backend} | {t['temperature']:.3f} | {t['fit_positions']:,} / {t['eval_positions']:,} | "
+            f"{t['nll_before']:.4f} | {t['nll_after']:.4f} | {t['ece_before']:.4f} | {t['ece_after']:.4f} | "
+            f"{t['top1_accuracy']:.1%} |"
+        )
+    lines += [
+        "",
+        "## Answer level: Platt scaling to P(the judge passes)",
+        "",
+        f"{a['answers']:,} judged answers (base weights and the routed adapter), pass rate **{a['pass_rate']:.1%}**; "
+        f"fitting half {a['fit_answers']:,} answers ({a['fit_passes']:,} pass), evaluation half "
+        f"{a['eval_answers']:,} ({a['eval_passes']:,} pass). By domain: "
+        + ", ".join(f"{d} {v['passes']}/{v['answers']}" for d, v in a["by_domain"].items())
+        + ".",
+        "",
+        "| confidence | ECE | Brier | AUROC |",
+        "|---|---:|---:|---:|",
+        f"| exp(mean log-prob), raw | {_fmt(a['ece_before'])} | {_fmt(a['brier_before'])} | {_fmt(a['auroc_before'])} |",
+        f"| Platt ({', '.join(a['features'])}) | {_fmt(a['ece_after'])} | {_fmt(a['brier_after'])} | "
+        f"{_fmt(a['auroc_after'])} |",
+        "",
+    ]
+    if not a["fitted"]:
+        lines.append(
+            "The fitting half has one label class: nothing to fit, no answer model is shipped, and the runtime "
+            "reports exp(calibrated mean log-prob). AUROC is undefined with one class."
+        )
+    elif min(a["eval_passes"], a["eval_answers"] - a["eval_passes"]) < 20:
+        lines.append(
+            "Few answers of the minority class: with this label balance a constant predictor already has a low "
+            "ECE and Brier score, and AUROC rests on a handful of answers; read the figures as a check of the "
+            "machinery, not of the model."
+        )
+    lines.append("")
+    return "\n".join(lines)
