@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
-from core.contract import KibidangoError, StageConfig, StageResult
+from core.contract import KibidangoError, StageResult
 from core.progress import Progress
 from kibidango.confidence import ANSWER_FEATURES, Calibrator
 from kibidango.router import Router
@@ -165,7 +165,9 @@ def _token_level(cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict
         }
         curves[f"{backend} T=1"] = (before["confidence"], before["correct"])
         curves[f"{backend} T={t:.2f}"] = (after["confidence"], after["correct"])
-        log.info(f"token level ({backend}): T={t:.3f}, ECE {out[backend]['ece_before']:.4f} -> {out[backend]['ece_after']:.4f}")
+        log.info(
+            f"token level ({backend}): T={t:.3f}, ECE {out[backend]['ece_before']:.4f} -> {out[backend]['ece_after']:.4f}"
+        )
     reliability_plot(curves, out_dir / "reliability_tokens.png", "next tokens: top-1", BINS)
     return out
 

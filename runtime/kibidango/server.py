@@ -164,10 +164,16 @@ class _Stats:
             ),
             "# HELP kibidango_requests_by_domain_total Requests by the domain the router chose.",
             "# TYPE kibidango_requests_by_domain_total counter",
-            *(f'kibidango_requests_by_domain_total{{model="{model}",domain="{d}"}} {n}' for d, n in self.domains.items()),
+            *(
+                f'kibidango_requests_by_domain_total{{model="{model}",domain="{d}"}} {n}'
+                for d, n in self.domains.items()
+            ),
             "# HELP kibidango_requests_by_adapter_total Requests by the adapter the target ran with.",
             "# TYPE kibidango_requests_by_adapter_total counter",
-            *(f'kibidango_requests_by_adapter_total{{model="{model}",adapter="{a}"}} {n}' for a, n in self.adapters.items()),
+            *(
+                f'kibidango_requests_by_adapter_total{{model="{model}",adapter="{a}"}} {n}'
+                for a, n in self.adapters.items()
+            ),
             "# HELP kibidango_adapter_loads_total Domain adapters loaded (an evicted one asked for again loads again).",
             "# TYPE kibidango_adapter_loads_total counter",
             f'kibidango_adapter_loads_total{{model="{model}"}} {adapter_loads}',
@@ -451,7 +457,9 @@ def create_app(
         if req.adapter is not None:
             known = pipe.adapters.adapters.domains if pipe.adapters is not None else []
             if req.adapter not in ("auto", "none", *known):
-                return error(400, f"adapter: {req.adapter!r} is not auto, none or one of: {', '.join(known) or '-'}", "adapter")
+                return error(
+                    400, f"adapter: {req.adapter!r} is not auto, none or one of: {', '.join(known) or '-'}", "adapter"
+                )
             kw["adapter"] = req.adapter
         kw["query"] = query
         return ids, kw
@@ -527,7 +535,8 @@ def create_app(
     @app.get("/metrics")
     def metrics():
         return PlainTextResponse(
-            stats.prometheus(model_name, scheduler.cancelled, pipe.adapters.loads if pipe.adapters else 0), media_type="text/plain; version=0.0.4"
+            stats.prometheus(model_name, scheduler.cancelled, pipe.adapters.loads if pipe.adapters else 0),
+            media_type="text/plain; version=0.0.4",
         )
 
     async def respond(request: Request, req: _Decoding, prompt: str, object_name: str, choice, query: str):
