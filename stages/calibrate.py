@@ -20,7 +20,7 @@ Resumable like 1B: every judged task is appended to the work directory's ``rows.
 
 Outputs: ``calibration.json`` (the runtime's :class:`kibidango.confidence.Calibrator`),
 ``answers.jsonl`` (every judged answer with its features, split, route: stages 6B and 6C read
-it), ``calibration_eval.json``, ``reliability_tokens.png``, ``reliability_answers.png``,
+it; with the gold answer's verdict and token counts, the cloud stand-in of 6C), ``calibration_eval.json``, ``reliability_tokens.png``, ``reliability_answers.png``,
 ``CALIBRATION_CARD.md``.
 """
 
@@ -190,7 +190,12 @@ def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, wo
             route, route_conf = router.route(query) if router is not None else ("base", None)
             record = {**_public(row), "query": query, "route": route, "route_confidence": route_conf}
             record["split"] = "fit" if _fit_half(row["id"], cfg.fit_share) else "eval"
-            retryable = False
+            # The gold answer judged like the model's: the cloud stand-in of stage 6C's sweep.
+            reference = _verdict(judges[row["domain"]](row["task"], row["task"].reference), judges[row["domain"]].kind)
+            record["reference_passed"] = reference["passed"]
+            record["query_tokens"] = len(answerer.tokenizer(query)["input_ids"])
+            record["reference_tokens"] = len(answerer.tokenizer(row["task"].reference)["input_ids"])
+            retryable = reference["retryable"]
             for variant, adapter in (("base", None), ("adapter", route if route in domains else None)):
                 if variant == "adapter" and adapter is None:
                     record[variant] = None

@@ -6,7 +6,8 @@ what ``kibidango`` reads:
 - ``tiers/<tier>/hf/``: the AWQ checkpoints (2B target, 2C draft and qualifier;
   compressed-tensors, transformers-loadable), ``tiers/<tier>/gguf/``: the 2D GGUF files;
 - ``adapters/<domain>/``: the domain LoRAs (3-5) and the recovery LoRA (2F), each with its
-  ``adapter.json``; ``router/router.json``: the domain router (6A), when wired;
+  ``adapter.json``; ``router/router.json``: the domain router (6A), ``calibration/calibration.json``
+  (2G), ``escalation/escalation.json`` (6B) and ``cascade/cascade.json`` (6C), when wired;
 - ``bundle.json``: schema, preset, every file with size + sha256, every stage's cache key and
   MLflow run id (the lineage of the inputs, read from their manifests), the tier table with each
   tier's measured figures, runtime defaults;
@@ -43,6 +44,15 @@ class Config(StageConfig):
     router: str | None = Field(
         None, description="Input holding the domain router (stage 6A's router.json), shipped as router/router.json."
     )
+    calibration: str | None = Field(
+        None, description="Input holding stage 2G's calibration.json, shipped as calibration/calibration.json."
+    )
+    escalation: str | None = Field(
+        None, description="Input holding stage 6B's escalation.json, shipped as escalation/escalation.json."
+    )
+    cascade: str | None = Field(
+        None, description="Input holding stage 6C's cascade.json (chosen thresholds), shipped as cascade/cascade.json."
+    )
     runtime_defaults: dict[str, Any] = Field(
         default_factory=dict, description="Decoding defaults (mode, k, l_D, l_Q, tau_Q, tau_T, divergence, ...)."
     )
@@ -51,7 +61,8 @@ class Config(StageConfig):
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from kibidango.bundle import load_bundle, write_bundle
 
-    for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *cfg.adapters, *([cfg.router] if cfg.router else [])]:
+    parts = [p for p in (cfg.router, cfg.calibration, cfg.escalation, cfg.cascade) if p]
+    for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *cfg.adapters, *parts]:
         if name not in inputs:
             raise KibidangoError(f"input {name!r} is not wired (add it to the preset's needs of stage X)")
     tiers: dict[str, dict[str, Any]] = {}
@@ -128,8 +139,14 @@ def _add_extras(
         )
     (tmp / "BUNDLE_CARD.md").write_text(bundle_card(cfg.preset, metrics, shipped, stages, cfg.runtime_defaults))
     extra: dict[str, Any] = {"adapters": shipped}
-    if cfg.router:
-        (tmp / "router").mkdir()
-        shutil.copy2(inputs[cfg.router] / "router.json", tmp / "router" / "router.json")
-        extra["router"] = "router/router.json"
+    for key, name in (
+        ("router", cfg.router),
+        ("calibration", cfg.calibration),
+        ("escalation", cfg.escalation),
+        ("cascade", cfg.cascade),
+    ):
+        if name:  # one small JSON each: <key>/<key>.json, read by Bundle.<key>()
+            (tmp / key).mkdir()
+            shutil.copy2(inputs[name] / f"{key}.json", tmp / key / f"{key}.json")
+            extra[key] = f"{key}/{key}.json"
     return extra

@@ -1,0 +1,162 @@
+"""Stage 6B — escalation detector: P(the local answer fails) from the query and the answer's
+calibrated confidence, so the cascade can send a query to the cloud before trusting it.
+
+Trained on stage 2G's judged answers (its fitting half; base and adapter answers alike), measured
+on 2G's evaluation half (tasks the fit never saw). Features: the query's hashed n-grams (the
+router's :func:`kibidango.router.features`, 128-d) and the calibrated confidence (2G's
+:class:`kibidango.confidence.Calibrator`); the model is a logistic regression
+(:func:`methods.calibration.fit_logistic`), shipped as the runtime's
+:class:`kibidango.confidence.EscalationDetector`. The decision threshold is the highest one whose
+recall of failures reaches the recipe's ``recall`` **on the fitting half**; on the evaluation half
+the card gives AUROC, the precision and recall at that threshold, and the precision at the recall
+asked for, beside a confidence-only detector (1 - confidence) as the baseline.
+
+Outputs: ``escalation.json``, ``escalation_eval.json``, ``ESCALATION_CARD.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from kibidango.confidence import Calibrator, EscalationDetector, Logistic
+from methods.calibration import auroc, fit_logistic, precision_at_recall
+from methods.failures import read_jsonl
+
+NAME = "escalation-detector"
+LIBRARIES = ("torch", "numpy")
+
+log = logging.getLogger("kibidango.stage.6B")
+
+
+class Config(StageConfig):
+    recall: float = Field(0.9, gt=0, le=1, description="Share of failing answers the detector must flag.")
+    dim: int = Field(128, gt=0, description="Hashed query feature dimensions.")
+    salt: str = Field("kibidango-router-v1", description="Feature hash salt (the router's, so features are shared).")
+    l2: float = Field(0.05, ge=0, description="L2 penalty (129 features, a few hundred answers).")
+
+
+def examples(rows: list[dict], calibrator: Calibrator) -> list[dict]:
+    """One example per judged answer of 2G's table: query, calibrated confidence, failed, split."""
+    out = []
+    for r in rows:
+        for a in (r["base"], r["adapter"]):
+            if a is None or a["outcome"] == "judge_error":
+                continue
+            out.append(
+                {
+                    "query": r["query"],
+                    "confidence": calibrator.confidence(a["features"]),
+                    "failed": not a["passed"],
+                    "split": r["split"],
+                    "domain": r["domain"],
+                }
+            )
+    return out
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
+    calibration = inputs["calibration"]
+    calibrator = Calibrator.load(calibration / "calibration.json")
+    data = examples(read_jsonl(calibration / "answers.jsonl", "the calibration input (stage 2G)"), calibrator)
+    fit = [e for e in data if e["split"] == "fit"]
+    held = [e for e in data if e["split"] == "eval"]
+    if not fit or not held:
+        raise KibidangoError(f"stage 2G's answers have {len(fit)} fitting and {len(held)} evaluation rows; need both")
+    names = EscalationDetector.feature_names(cfg.dim)
+    probe = EscalationDetector(Logistic(names, [0.0] * len(names), 0.0, [0.0] * len(names), [1.0] * len(names)),
+                               cfg.dim, cfg.salt, 0.5)  # fmt: skip
+
+    def matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        x = np.stack([probe.vector(e["query"], e["confidence"]) for e in rows])
+        return x, np.array([e["failed"] for e in rows], dtype=np.float64)
+
+    fx, fy = matrix(fit)
+    ex, ey = matrix(held)
+    fitted = bool(0 < fy.sum() < len(fy))
+    if fitted:
+        model = fit_logistic(fx, fy, names, cfg.l2)
+    else:  # one class: a constant (the fitting half's failure rate)
+        rate = min(max(float(fy.mean()), 1e-6), 1 - 1e-6)
+        model = Logistic(
+            names, [0.0] * len(names), float(np.log(rate / (1 - rate))), [0.0] * len(names), [1.0] * len(names)
+        )
+    fit_scores, eval_scores = model.predict(fx), model.predict(ex)
+    at = precision_at_recall(fit_scores, fy, cfg.recall)
+    threshold = at[0] if at is not None else 1.0
+    flagged = eval_scores >= threshold
+    baseline = 1 - np.array([e["confidence"] for e in held])
+    eval_at = precision_at_recall(eval_scores, ey, cfg.recall)
+    base_at = precision_at_recall(baseline, ey, cfg.recall)
+    report = {
+        "command": "make stage-6b",
+        "fitted": fitted,
+        "fit_answers": len(fit),
+        "fit_failures": int(fy.sum()),
+        "eval_answers": len(held),
+        "eval_failures": int(ey.sum()),
+        "recall_asked": cfg.recall,
+        "threshold": threshold,
+        "auroc": auroc(eval_scores, ey),
+        "auroc_confidence_only": auroc(baseline, ey),
+        "eval_precision_at_threshold": float(ey[flagged].mean()) if flagged.any() else None,
+        "eval_recall_at_threshold": float(flagged[ey == 1].mean()) if ey.any() else None,
+        "eval_flagged_share": float(flagged.mean()),
+        "eval_precision_at_recall": eval_at[1] if eval_at else None,
+        "eval_precision_at_recall_confidence_only": base_at[1] if base_at else None,
+        "eval_failure_rate": float(ey.mean()),
+    }
+    detector = EscalationDetector(
+        model, cfg.dim, cfg.salt, threshold, {k: v for k, v in report.items() if k != "command"}
+    )
+    (out_dir / "escalation.json").write_text(json.dumps(detector.to_dict()))
+    (out_dir / "escalation_eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    (out_dir / "ESCALATION_CARD.md").write_text(_card(report))
+    metrics = {k: float(v) for k, v in report.items() if isinstance(v, int | float) and not isinstance(v, str)}
+    summary = (
+        f"AUROC {_f(report['auroc'])} on {len(held)} held-out answers ({int(ey.sum())} failures; confidence alone "
+        f"{_f(report['auroc_confidence_only'])}); at threshold {threshold:.3f} (recall {cfg.recall:.0%} on the fit "
+        f"half): precision {_f(report['eval_precision_at_threshold'])}, recall {_f(report['eval_recall_at_threshold'])}"
+    )
+    return StageResult(metrics, ["ESCALATION_CARD.md", "escalation_eval.json"], summary)
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _card(r: dict) -> str:
+    lines = [
+        "# Escalation detector (stage 6B)",
+        "",
+        f"Every figure below was computed by the stage that wrote this card (`{r['command']}`).",
+        "",
+        f"Trained on {r['fit_answers']} judged answers of stage 2G's fitting half ({r['fit_failures']} failures), "
+        f"measured on {r['eval_answers']} answers of its evaluation half ({r['eval_failures']} failures, "
+        f"{r['eval_failure_rate']:.1%}).",
+        "",
+        "| detector | AUROC | precision at recall " + f"{r['recall_asked']:.0%} |",
+        "|---|---:|---:|",
+        f"| query n-grams + calibrated confidence | {_f(r['auroc'])} | {_f(r['eval_precision_at_recall'])} |",
+        f"| 1 - calibrated confidence | {_f(r['auroc_confidence_only'])} | "
+        f"{_f(r['eval_precision_at_recall_confidence_only'])} |",
+        "",
+        f"Shipped threshold {r['threshold']:.4f} (chosen on the fitting half for recall {r['recall_asked']:.0%}): on the "
+        f"evaluation half it flags {r['eval_flagged_share']:.1%} of answers, precision "
+        f"{_f(r['eval_precision_at_threshold'])}, recall {_f(r['eval_recall_at_threshold'])}.",
+        "",
+    ]
+    if not r["fitted"]:
+        lines.append("The fitting half has one class: the detector is a constant (its failure rate).")
+    if r["eval_failure_rate"] > 0.7:
+        lines.append(
+            "Most local answers fail here, so flagging everything already has a high precision; the AUROC says "
+            "whether the detector ranks failures first."
+        )
+    lines.append("")
+    return "\n".join(lines)
