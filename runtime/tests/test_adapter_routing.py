@@ -1,0 +1,174 @@
+"""Per-request routing (6A) to domain adapters, loaded lazily into an LRU, and the calibrated
+confidence (2G): through the Python API, the CLI and the server, on a real bundle (stories260K
+target, two peft LoRAs, a router, a calibrator)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kibidango import BundleError, load_bundle, write_bundle
+from kibidango.confidence import ANSWER_FEATURES, Calibrator, Logistic
+from kibidango.router import Router, features
+from tests.conftest import STORIES, needs_stories
+
+CODE = "def add(a, b): return a + b  # python function"
+MATH = "What is 12 + 30? Compute the sum of the numbers."
+
+
+def _router() -> Router:
+    """One linear layer whose outputs are each label's similarity to an example query: routes
+    CODE to code and MATH to math with high confidence."""
+    w = np.zeros((128, 3), np.float32)
+    w[:, 0], w[:, 1] = 40 * features(CODE), 40 * features(MATH)
+    return Router(["code", "math", "base"], [(w, np.array([0, 0, 20], np.float32))])
+
+
+def _adapter(dest, domain: str, seed: int) -> None:
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(STORIES))
+    cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(model, cfg).save_pretrained(str(dest / "adapter"))
+    files = []
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        p = dest / "adapter" / name
+        files.append(
+            {"path": f"adapter/{name}", "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        )
+    (dest / "adapter.json").write_text(
+        json.dumps({"schema": 1, "domain": domain, "base_tier": "target", "formats": {"peft": files}})
+    )
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    needs_stories()
+    root = tmp_path_factory.mktemp("routed")
+    calibrator = Calibrator(
+        {"torch": 1.3},
+        Logistic(list(ANSWER_FEATURES), [1.0, 0.5, -0.5, 0.0, 1.0], -1.0, [-2.0, -5.0, 3.0, 20.0, -2.0], [1.0] * 5),
+    )
+
+    def finalize(tmp):
+        for domain, seed in (("code", 1), ("math", 2)):
+            (tmp / "adapters" / domain).mkdir(parents=True)
+            _adapter(tmp / "adapters" / domain, domain, seed)
+        for key, body in (("router", _router().to_dict()), ("calibration", calibrator.to_dict())):
+            (tmp / key).mkdir()
+            (tmp / key / f"{key}.json").write_text(json.dumps(body))
+        (tmp / "cascade").mkdir()
+        (tmp / "cascade" / "cascade.json").write_text(json.dumps({"schema": 1, "router": {"threshold": 0.6}}))
+        return {
+            "router": "router/router.json",
+            "calibration": "calibration/calibration.json",
+            "cascade": "cascade/cascade.json",
+        }
+
+    tiers = {"target": {"hf": STORIES, "vocab_size": 512}}
+    return write_bundle(root / "bundle", tiers, {"mode": "ar", "stop_ids": [2]}, finalize, preset="test")
+
+
+def test_auto_loads_the_adapter_the_router_picks_once_across_requests(bundle):
+    from kibidango import Pipeline
+
+    pipe = Pipeline.from_bundle(bundle, adapter="auto", adapter_cache=2)
+    assert pipe.adapters.loaded == {} and pipe.router_threshold == 0.6  # lazy; threshold from cascade.json
+    seen = []
+    for query in (CODE, CODE, MATH, CODE, "Once upon a time there was a cat"):
+        m = pipe.generate(query, max_new_tokens=4).metrics
+        seen.append((m.domain, m.adapter))
+        assert m.router_confidence is not None and 0 < m.router_confidence <= 1
+        assert m.confidence is not None and 0 <= m.confidence <= 1
+    assert seen[:4] == [("code", "code"), ("code", "code"), ("math", "math"), ("code", "code")]
+    assert seen[4][1] is None  # base: the target's own weights
+    assert pipe.adapters.loads == 2 and pipe.adapters.evictions == 0  # each adapter loaded once
+
+    small = Pipeline.from_bundle(bundle, adapter="auto", adapter_cache=1)
+    for query in (CODE, MATH, CODE):
+        small.generate(query, max_new_tokens=2)
+    assert small.adapters.loads == 3 and small.adapters.evictions == 2  # bounded: LRU out, loaded again
+
+
+def test_an_adapter_changes_the_target_and_none_restores_it_exactly(bundle):
+    from kibidango import Pipeline
+
+    pipe = Pipeline.from_bundle(bundle, adapter="none")
+    target = pipe.models["target"]
+    ids = pipe.encode("Once upon a time")
+    base = target.new_session().feed(ids)
+    pipe.adapters.use("code")
+    code = target.new_session().feed(ids)
+    pipe.adapters.use("math")
+    math = target.new_session().feed(ids)
+    pipe.adapters.use(None)
+    again = target.new_session().feed(ids)
+    assert not np.allclose(base, code) and not np.allclose(code, math)
+    assert np.array_equal(base, again)
+    m = pipe.generate(CODE, max_new_tokens=2).metrics
+    assert (m.domain, m.adapter) == ("code", None)  # routed and reported, not applied: --adapter none
+    assert pipe.generate(CODE, max_new_tokens=2, adapter="math").metrics.adapter == "math"
+    assert Pipeline.from_bundle(bundle, adapter="math").generate(CODE, max_new_tokens=2).metrics.adapter == "math"
+    with pytest.raises(BundleError, match="no such domain adapter.*code, math"):
+        Pipeline.from_bundle(bundle, adapter="poetry")
+
+
+def test_the_calibrated_confidence_follows_the_calibrator(bundle):
+    from kibidango import Pipeline
+    from kibidango.confidence import score_answer
+
+    pipe = Pipeline.from_bundle(bundle, adapter="none")
+    result = pipe.generate("Once upon a time", max_new_tokens=8)
+    ids = pipe.encode("Once upon a time")
+    answer = [t for t in result.token_ids if t != 2]
+    feats = score_answer(pipe.models["target"], ids, answer, 1.3)
+    assert result.metrics.confidence == pytest.approx(pipe.calibrator.confidence(feats))
+    assert pipe.generate("Once upon a time", max_new_tokens=8, score=False).metrics.confidence is None
+
+
+def test_a_tampered_calibrator_is_refused(bundle, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(bundle, tmp_path / "copy")
+    spec = json.loads((copy / "calibration" / "calibration.json").read_text())
+    spec["temperature"]["torch"] = 0.1
+    (copy / "calibration" / "calibration.json").write_text(json.dumps(spec))
+    with pytest.raises(BundleError, match="calibration.json does not match its sha256"):
+        load_bundle(copy)
+
+
+def test_cli_and_server_report_domain_adapter_and_confidence(bundle, capsys):
+    from starlette.testclient import TestClient
+
+    from kibidango import Pipeline
+    from kibidango.cli import main
+    from kibidango.server import create_app
+
+    assert (
+        main(["generate", "--bundle", str(bundle), "--adapter", "auto", "--max-new-tokens", "3", "--stats", CODE]) == 0
+    )
+    err = capsys.readouterr().err
+    stats = json.loads(err[err.index('{\n  "mode"') :])
+    assert (stats["domain"], stats["adapter"]) == ("code", "code") and 0 <= stats["confidence"] <= 1
+    pipe = Pipeline.from_bundle(bundle, adapter="auto")
+    with TestClient(create_app(pipe, model_name="kibidango-test")) as client:
+        for content in (MATH, MATH):
+            r = client.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], "max_tokens": 3}
+            )
+            assert r.status_code == 200, r.text
+            k = r.json()["kibidango"]
+            assert (k["domain"], k["adapter"]) == ("math", "math") and 0 <= k["confidence"] <= 1
+        r = client.post("/v1/completions", json={"prompt": CODE, "max_tokens": 2, "adapter": "none"})
+        assert r.json()["kibidango"]["adapter"] is None
+        assert client.post("/v1/completions", json={"prompt": CODE, "adapter": "poetry"}).status_code == 400
+        metrics = client.get("/metrics").text
+    assert 'kibidango_adapter_loads_total{model="kibidango-test"} 1' in metrics
+    assert 'kibidango_requests_by_domain_total{model="kibidango-test",domain="math"} 2' in metrics
+    assert 'kibidango_answer_confidence_count{model="kibidango-test"} 3' in metrics
