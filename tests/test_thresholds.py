@@ -1,0 +1,102 @@
+"""Stage 6C's sweep and choice, and stage 6B's detector, on synthetic judged answers whose right
+answer is known."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kibidango.confidence import ANSWER_FEATURES, Calibrator, EscalationDetector
+from stages import escalation, thresholds
+
+
+def _cfg(**kw) -> thresholds.Config:
+    cloud = {"name": "c", "usd_per_1k_prompt": 1.0, "usd_per_1k_completion": 2.0, "validation_prompt_tokens": 0}
+    return thresholds.Config(cloud=cloud, **kw)
+
+
+def _query(local_pass: bool, conf: float, adapter_pass: bool | None = None, route: float = 0.0) -> dict:
+    base = {"pass": local_pass, "confidence": conf, "flag": False, "tokens": 10}
+    adapter = base if adapter_pass is None else {**base, "pass": adapter_pass}
+    return {
+        "route_confidence": route,
+        "cloud_pass": True,
+        "query_tokens": 100,
+        "reference_tokens": 50,
+        "base": base,
+        "adapter": adapter,
+    }
+
+
+def test_a_confidence_that_separates_passes_reaches_cloud_quality_escalating_only_the_failures():
+    # 7 passing answers the model is sure of, 3 failing ones it is not: one threshold in between
+    queries = [_query(True, 0.9)] * 7 + [_query(False, 0.2)] * 3
+    results = thresholds.sweep(queries, _cfg())
+    chosen = thresholds.choose(results, 0.3)
+    assert chosen["quality"] == pytest.approx(1.0) and chosen["escalated"] == pytest.approx(0.3)
+    local_only = thresholds.choose(results, 0.0)
+    assert local_only["quality"] == pytest.approx(0.7) and local_only["usd_per_1k_queries"] == 0
+    # cloud answers cost (100 * $1 + 50 * $2) / 1K tokens = $0.2 each; validation of a failing
+    # answer costs the prompt (100 + 10 tokens) and verdict + correction (8 + 50): $0.226
+    everything = [x for x in results if x["cloud"] == 1.0][0]
+    assert everything["usd_per_1k_queries"] == pytest.approx(200.0)
+    assert chosen["cloud"] == pytest.approx(0.3) and chosen["usd_per_1k_queries"] == pytest.approx(60.0)  # cheaper
+    validated = [x for x in results if x["validated"] == pytest.approx(0.3) and x["quality"] == pytest.approx(1.0)]
+    assert validated and validated[0]["usd_per_1k_queries"] == pytest.approx(3 * 0.226 / 10 * 1000)
+    front = thresholds.pareto(results)
+    assert [x["escalated"] for x in front] == sorted(x["escalated"] for x in front)
+    assert all(b["quality"] > a["quality"] for a, b in zip(front, front[1:]))
+
+
+def test_the_router_threshold_picks_the_adapter_only_where_it_helps():
+    # the adapter fixes the confidently routed queries and breaks the unsure ones
+    queries = [_query(False, 0.5, adapter_pass=True, route=0.95)] * 5 + [_query(True, 0.5, False, route=0.55)] * 5
+    chosen = thresholds.choose(thresholds.sweep(queries, _cfg()), 0.0)
+    assert chosen["quality"] == pytest.approx(1.0) and 0.55 < chosen["router"] <= 0.95
+
+
+def test_no_combination_within_the_objective_is_a_clear_error():
+    with pytest.raises(Exception, match="escalates at most"):
+        thresholds.choose([{"escalated": 0.5, "quality": 1.0, "usd_per_1k_queries": 1.0}], 0.1)
+
+
+def _rows(n: int, rng) -> list[dict]:
+    rows = []
+    for i in range(n):
+        code = i % 2 == 0
+        passed = (not code) and rng.random() < 0.8  # code answers always fail; prose mostly passes
+        feats = dict.fromkeys(ANSWER_FEATURES, -1.0)
+        answer = {"features": feats, "passed": passed, "outcome": "passed" if passed else "failed", "tokens": 5}
+        query = "def f(x): return x + 1  # python code" if code else "Tell me a story about a dog"
+        rows.append(
+            {
+                "query": f"{query} {i}",
+                "split": "fit" if i < n // 2 else "eval",
+                "domain": "d",
+                "base": answer,
+                "adapter": None,
+            }
+        )
+    return rows
+
+
+def test_the_detector_learns_what_the_query_says_about_failure(tmp_path):
+    rng = np.random.default_rng(0)
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    (cal / "calibration.json").write_text(json.dumps(Calibrator({"torch": 1.0}, None).to_dict()))
+    with open(cal / "answers.jsonl", "w") as f:
+        for r in _rows(200, rng):
+            f.write(json.dumps(r) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    result = escalation.run(escalation.Config(recall=0.9), {"calibration": cal}, out)
+    assert result.metrics["auroc"] > 0.8 > result.metrics["auroc_confidence_only"]  # confidence is constant here
+    detector = EscalationDetector.load(out / "escalation.json")
+    assert detector.p_fail("def g(y): return y * 2  # python code", 0.3) > detector.p_fail(
+        "Tell me a story about a cat", 0.3
+    )
+    # the threshold is chosen on the fitting half (recall 90% there); held out, recall is near it
+    assert result.metrics["eval_recall_at_threshold"] >= 0.7
