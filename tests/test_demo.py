@@ -29,7 +29,7 @@ def _runs(stage: str) -> list:
 
 
 UPSTREAM_OF_2B = ("0", "P", "1A", "1B", "1C", "1D", "1R", "1E", "3", "4", "5", "2A", "2C", "2D")
-DOWNSTREAM_OF_2B = ("2F", "X", "2E")
+DOWNSTREAM_OF_2B = ("2F", "2G", "6B", "6C", "X", "2E")
 
 
 @pytest.mark.slow
@@ -93,5 +93,9 @@ def test_tiny_preset_end_to_end_rerun_and_stage_2b(tmp_path):
     assert teach["pairs"] + teach["unresolved"] + teach["skipped_budget"] == teach["rows"]
     assert retrain["pairs"] == teach["pairs"] and retrain["held_out"] == teach["held_out"] > 0
     assert 0 <= retrain["failure_rate_after"] <= 1
+    calibration, detector, cascade = (_runs(s)[0].data.metrics for s in ("2G", "6B", "6C"))
+    assert calibration["answer/answers"] > 0 and calibration["token/torch/temperature"] > 0
+    assert 0 <= detector["eval_flagged_share"] <= 1 and 0 <= cascade["chosen/escalated"] <= 0.2
+    assert {"router", "calibration", "escalation", "cascade"} <= set(meta)  # shipped, hashed
     history = mlflow.MlflowClient().get_metric_history(_runs("P")[0].info.run_id, "P/target/loss")
     assert len(history) >= 5  # the loss curve reached MLflow while training

@@ -83,3 +83,45 @@ def test_backends_agree_on_the_same_weights(gguf_bundle):
         clear = (top2[:, 1] - top2[:, 0]) > 2 * LOGIT_TOLERANCE  # positions that are not near-ties
         assert (lt.argmax(1) == ll.argmax(1))[clear].all(), prompt
     assert identical >= len(PROMPTS) - 1
+
+
+def test_gguf_lora_adapters_switch_on_llamacpp_and_agree_with_peft(tmp_path):
+    """One random LoRA in both forms (peft, and llama.cpp's converter's GGUF): switched on and off
+    by the runtime's LRU on each backend, the two backends agree with it applied, and switching it
+    off restores the base logits exactly."""
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    peft = pytest.importorskip("peft")
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"needs stories260K at {STORIES}")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kibidango.adapters import AdapterSet, LoadedAdapters
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+    from kibidango.backends.torch_backend import TorchModel
+    from methods.llama_cpp_tools import convert_lora_to_gguf
+    from methods.training.adapter_manifest import write_adapter_manifest
+
+    torch.manual_seed(0)
+    dest = tmp_path / "adapters" / "code"
+    lora = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(STORIES)), lora).save_pretrained(str(dest / "adapter"))
+    convert_lora_to_gguf(dest / "adapter", STORIES, dest / "adapter.gguf")
+    formats = {"peft": ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"], "gguf": ["adapter.gguf"]}
+    write_adapter_manifest(dest, formats, domain="code", base_tier="target")
+
+    adapters = AdapterSet(tmp_path / "adapters")
+    llama = LlamaCppModel(convert_hf_to_gguf(STORIES, tmp_path / "target.gguf", "f32"), name="target")
+    torch_model = TorchModel(STORIES, name="target")
+    on_llama, on_torch = LoadedAdapters(llama, adapters, 1), LoadedAdapters(torch_model, adapters, 1)
+    ids = [1, 403, 407, 261, 378, 65, 265, 260, 300]  # token ids of the 512-token vocabulary
+    base = llama.new_session().feed(ids)
+    on_llama.use("code")
+    on_torch.use("code")
+    with_lora = llama.new_session().feed(ids)
+    assert np.abs(with_lora - base).max() > 10 * LOGIT_TOLERANCE  # the adapter changes the model
+    assert np.abs(with_lora - torch_model.new_session().feed(ids)).max() < LOGIT_TOLERANCE
+    on_llama.use(None)
+    assert np.array_equal(llama.new_session().feed(ids), base)
+    on_llama.use("code")
+    assert on_llama.loads == 1  # switched back on, not loaded again
