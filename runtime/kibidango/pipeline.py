@@ -162,7 +162,7 @@ class Pipeline:
         chosen = None
         if self.router is not None:
             metrics.domain, metrics.router_confidence = self.router.route(query)
-        if policy == "auto" and self.router is not None:
+        if policy == "auto" and self.router is not None and self.adapters is not None:
             if metrics.domain in self.adapters.adapters.domains and metrics.router_confidence >= self.router_threshold:
                 chosen = metrics.domain
         elif policy != "none":

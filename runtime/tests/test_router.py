@@ -54,3 +54,13 @@ def test_a_tampered_router_is_refused(tmp_path):
     assert load_bundle(_bundle(tmp_path / "again", _router())).meta["router"] == "router/router.json"
     plain = write_bundle(tmp_path / "plain", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar"})
     assert load_bundle(plain).router() is None  # a bundle without a router routes nothing
+
+
+def test_a_router_without_adapters_reports_the_domain_and_runs_the_base(tmp_path):
+    needs_stories()
+    from kibidango import Pipeline
+
+    pipe = Pipeline.from_bundle(_bundle(tmp_path, _router()), adapter="auto")
+    assert pipe.adapters is None and pipe.adapter == "none"
+    m = pipe.generate("def add(a, b): return a + b", max_new_tokens=2, adapter="auto").metrics
+    assert m.domain in ("code", "math", "general", "base") and m.adapter is None and m.confidence is None
