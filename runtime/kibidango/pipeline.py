@@ -162,9 +162,10 @@ class Pipeline:
         chosen = None
         if self.router is not None:
             metrics.domain, metrics.router_confidence = self.router.route(query)
-        if policy == "auto" and self.router is not None and self.adapters is not None:
-            if metrics.domain in self.adapters.adapters.domains and metrics.router_confidence >= self.router_threshold:
-                chosen = metrics.domain
+        if policy == "auto":
+            routable = self.router is not None and self.adapters is not None
+            if routable and metrics.domain in self.adapters.adapters.domains:
+                chosen = metrics.domain if metrics.router_confidence >= self.router_threshold else None
         elif policy != "none":
             chosen = policy
         if self.adapters is not None:
