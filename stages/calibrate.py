@@ -258,6 +258,8 @@ def _answer_level(cfg: Config, table: list[dict], out_dir: Path) -> dict:
         "brier_before": brier(raw, ey),
         "auroc_before": auroc(raw, ey),
     }
+    constant = np.full(len(ey), fy.mean() if len(fy) else 0.0)  # the fitting half's pass rate, for every answer
+    out.update(ece_constant=ece(constant, ey, BINS), brier_constant=brier(constant, ey))
     fitted = bool(0 < fy.sum() < len(fy))
     model = fit_logistic(fx, fy, list(ANSWER_FEATURES), cfg.l2) if fitted else None
     after = model.predict(ex) if model is not None and len(held) else raw
@@ -308,6 +310,7 @@ def _card(r: dict) -> str:
         "| confidence | ECE | Brier | AUROC |",
         "|---|---:|---:|---:|",
         f"| exp(mean log-prob), raw | {_fmt(a['ece_before'])} | {_fmt(a['brier_before'])} | {_fmt(a['auroc_before'])} |",
+        f"| constant: the fitting half's pass rate | {_fmt(a['ece_constant'])} | {_fmt(a['brier_constant'])} | 0.5 |",
         f"| Platt ({', '.join(a['features'])}) | {_fmt(a['ece_after'])} | {_fmt(a['brier_after'])} | "
         f"{_fmt(a['auroc_after'])} |",
         "",

@@ -56,7 +56,9 @@ class Config(StageConfig):
     cloud: Cloud
     max_escalated: float = Field(0.2, ge=0, le=1, description="Objective: at most this share of queries escalated.")
     router_thresholds: list[float] = Field([0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 1.01], min_length=1)
-    confidence_grid: int = Field(21, ge=2, description="Qualifier and fallback thresholds: this many in [0, 1].")
+    confidence_grid: int = Field(
+        41, ge=2, description="Qualifier and fallback thresholds: this many quantiles of the local confidences."
+    )
 
     @model_validator(mode="after")
     def _sorted(self) -> Config:
@@ -91,11 +93,19 @@ def _queries(rows: list[dict], calibrator: Calibrator, detector: EscalationDetec
     return out
 
 
+def confidence_grid(queries: list[dict], size: int) -> np.ndarray:
+    """Qualifier / fallback thresholds: ``size`` quantiles of the local answers' confidences (so
+    each step moves about the same share of queries, however the confidences are spread), with 0
+    (nothing below) and just above 1 (everything below)."""
+    conf = np.array([q[v]["confidence"] for q in queries for v in ("base", "adapter")])
+    return np.unique(np.concatenate([[0.0, 1.0 + 1e-9], np.quantile(conf, np.linspace(0, 1, size))]))
+
+
 def sweep(queries: list[dict], cfg: Config) -> list[dict]:
     """Every threshold combination's quality, escalated share, tier split and $ per 1K queries."""
     c = cfg.cloud
     n = len(queries)
-    grid = np.linspace(0, 1, cfg.confidence_grid)
+    grid = confidence_grid(queries, cfg.confidence_grid)
     cloud_pass = np.array([q["cloud_pass"] for q in queries])
     q_tok = np.array([q["query_tokens"] for q in queries], dtype=np.float64)
     ref_tok = np.array([q["reference_tokens"] for q in queries], dtype=np.float64)
@@ -194,8 +204,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         for x in results:
             f.write(json.dumps(x) + "\n")
     _plot(results, front, chosen, out_dir / "frontier.png")
+    # the same share escalated at random: what a confidence that knows nothing reaches
+    random_quality = local_only["quality"] + chosen["escalated"] * (cloud_only["quality"] - local_only["quality"])
     report = {
         "command": "make stage-6c",
+        "random_escalation_quality": random_quality,
         "queries": len(queries),
         "combinations": len(results),
         "chosen": chosen,
@@ -209,11 +222,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     metrics = {f"chosen/{k}": float(v) for k, v in chosen.items()}
     metrics.update({"local_only/quality": local_only["quality"], "cloud_only/quality": cloud_only["quality"]})
     metrics["cloud_only/usd_per_1k_queries"] = cloud_only["usd_per_1k_queries"]
+    metrics["random_escalation/quality"] = random_quality
     summary = (
         f"chosen (<= {cfg.max_escalated:.0%} escalated): router {chosen['router']:.2f}, qualifier "
         f"{chosen['qualifier']:.2f}, fallback {chosen['fallback']:.2f}, detector {'on' if chosen['detector'] else 'off'} "
         f"-> quality {chosen['quality']:.1%}, escalated {chosen['escalated']:.1%}, ${chosen['usd_per_1k_queries']:.3f}/1K "
-        f"queries (local only {local_only['quality']:.1%}; cloud only {cloud_only['quality']:.1%} at "
+        f"queries (random escalation {random_quality:.1%}; local only {local_only['quality']:.1%}; cloud only {cloud_only['quality']:.1%} at "
         f"${cloud_only['usd_per_1k_queries']:.3f}/1K) on {len(queries)} held-out queries"
     )
     return StageResult(metrics, ["THRESHOLDS_CARD.md", "frontier.png", "cascade.json"], summary)
@@ -250,13 +264,16 @@ def _plot(results: list[dict], front: list[dict], chosen: dict, path: Path) -> N
 
 def _row(name: str, x: dict) -> str:
     return (
-        f"| {name} | {x['router']:.2f} | {x['qualifier']:.2f} | {x['fallback']:.2f} | {'on' if x['detector'] else 'off'} "
+        f"| {name} | {x['router']:.2f} | {x['qualifier']:.4f} | {x['fallback']:.4f} | {'on' if x['detector'] else 'off'} "
         f"| {x['quality']:.1%} | {x['escalated']:.1%} | {x['local']:.0%} / {x['validated']:.0%} / {x['cloud']:.0%} "
         f"| ${x['usd_per_1k_queries']:.4f} |"
     )
 
 
 def _card(r: dict) -> str:
+    front = r["frontier"]
+    step = max(1, -(-len(front) // 20))
+    shown = front[::step] + ([front[-1]] if (len(front) - 1) % step else [])
     head = [
         "| | router | qualifier | fallback | detector | quality | escalated | local / validated / cloud | $ / 1K queries |",
         "|---|---:|---:|---:|---|---:|---:|---|---:|",
@@ -276,10 +293,14 @@ def _card(r: dict) -> str:
         _row("local only", r["local_only"]),
         _row("cloud only", r["cloud_only"]),
         "",
-        "Pareto frontier (no combination is better on quality without escalating more or costing more):",
+        f"Escalating the same {r['chosen']['escalated']:.0%} of queries at random would reach "
+        f"{r['random_escalation_quality']:.1%}: the difference is what the confidence (and the router) buy.",
+        "",
+        f"Pareto frontier (no combination is better on quality without escalating more or costing more; "
+        f"{len(r['frontier'])} points, {len(shown)} shown, all in `frontier.jsonl` with every other combination):",
         "",
         *head,
-        *(_row("", x) for x in r["frontier"]),
+        *(_row("", x) for x in shown),
         "",
         "![frontier](frontier.png)",
         "",
