@@ -3,9 +3,10 @@ scaling of answer-level features, and the measures that say whether either helpe
 
 - :func:`fit_temperature`: the T > 0 minimising the NLL of ``softmax(logits / T)`` on the labels
   (one parameter, fitted on log T with L-BFGS, so T stays positive);
-- :func:`ece`: expected calibration error with **equal-mass** bins by default (each bin holds the
-  same number of predictions, so a skewed confidence distribution does not leave most bins empty),
-  or equal-width bins;
+- :func:`ece`: expected calibration error with **equal-mass** bins by default (edges at the
+  confidences' quantiles, so each bin holds about the same number of predictions and a skewed
+  confidence distribution does not leave most bins empty; equal confidences share a bin), or
+  equal-width bins;
 - :func:`fit_logistic`: logistic regression from answer features to P(the judge passes) (Platt
   scaling; 6B's detector too), fitted with L-BFGS and a small L2 penalty on standardised
   features, returned as the runtime's :class:`kibidango.confidence.Logistic`;
@@ -84,7 +85,11 @@ def ece(confidence: np.ndarray, correct: np.ndarray, bins: int = 15, scheme: str
 
 def _bins(conf: np.ndarray, bins: int, scheme: str) -> list[np.ndarray]:
     if scheme == "equal_mass":
-        return [b for b in np.array_split(np.argsort(conf, kind="stable"), bins) if b.size]
+        # edges at the confidences' quantiles; equal confidences share a bin (splitting ties would
+        # make the figure depend on the rows' order), so tied data can leave fewer, fuller bins
+        edges = np.quantile(conf, np.linspace(0, 1, bins + 1)[1:-1])
+        index = np.searchsorted(edges, conf, side="right")
+        return [b for b in (np.flatnonzero(index == i) for i in range(bins)) if b.size]
     if scheme == "equal_width":
         edges = np.linspace(0, 1, bins + 1)
         index = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, bins - 1)

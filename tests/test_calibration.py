@@ -43,7 +43,10 @@ def test_ece_binning_schemes_and_edge_cases():
     conf = np.array([0.9] * 10)
     hit = np.array([1] * 9 + [0])
     assert ece(conf, hit, bins=1) == pytest.approx(0.0) and ece(conf, hit, scheme="equal_width") == pytest.approx(0.0)
-    assert ece(conf, hit) == pytest.approx(0.18)  # 15 equal-mass bins of 10 predictions: one each
+    assert ece(conf, hit) == pytest.approx(0.0)  # tied confidences share one bin, whatever the rows' order
+    spread = np.linspace(0.05, 0.95, 30)
+    assert ece(spread, spread > 0.5) == pytest.approx(ece(spread[::-1], (spread > 0.5)[::-1]))
+    assert ece(spread, np.ones(30), bins=15) == pytest.approx(1 - spread.mean())  # 15 bins of 2: all under
     assert ece(np.array([1.0, 1.0]), np.array([0, 0])) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         ece(conf, hit, scheme="nope")

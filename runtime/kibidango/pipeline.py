@@ -11,6 +11,8 @@ calibrated confidence. ``Metrics`` carries ``domain``, ``router_confidence``, ``
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,8 @@ from kibidango.router import Router
 from kibidango.speculative import TIERS, DecodeConfig, Decoder, Metrics
 
 __all__ = ["GenerationResult", "Pipeline"]
+
+log = logging.getLogger("kibidango.pipeline")
 
 
 @dataclass
@@ -98,6 +102,9 @@ class Pipeline:
         loaded = LoadedAdapters(models["target"], bundle.adapters, adapter_cache) if domains else None
         if adapter == "auto" and (router is None or loaded is None):
             adapter = "none"  # nothing to route to
+        if adapter == "auto" and backend == "torch" and importlib.util.find_spec("peft") is None:
+            log.warning("the bundle's domain adapters need peft (pip install 'kibidango[adapters]'): base weights only")
+            adapter = "none"
         cascade = bundle.cascade() or {}
         threshold = float((cascade.get("router") or {}).get("threshold", 0.0))
         return cls(tokenizer, models, cfg, bundle, backend, adapter, loaded, router, threshold, bundle.calibrator())
