@@ -51,3 +51,9 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
         f"\n(mode {pipe.defaults.mode}, {len(result.token_ids)} tokens, acceptance {rates or '-'}, "
         f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f}, target forwards per token {m['target_forwards_per_token'] or 0:.2f})"
     )
+    if m["domain"] is not None:  # the bundle's router (6A) and calibrator (2G) at work
+        confidence = "-" if m["confidence"] is None else f"{m['confidence']:.3f}"
+        print(
+            f"(routed to {m['domain']} at {m['router_confidence']:.2f}, adapter {m['adapter'] or 'none'}; "
+            f"calibrated confidence {confidence})"
+        )
