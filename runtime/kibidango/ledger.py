@@ -1,0 +1,197 @@
+"""The cloud budget ledger: a hard dollar limit per period, shared by every thread and process
+that uses one state directory, surviving restarts.
+
+SQLite in WAL mode (``<state dir>/ledger.sqlite``). A cloud call first **reserves** its worst-case
+cost: in one ``BEGIN IMMEDIATE`` transaction (one writer at a time, across processes) the
+period's settled spend plus its open reservations plus the new amount must stay within the limit,
+or nothing is reserved and the caller answers locally. After the call the reservation is
+**settled** with the cost the provider reported (never more than reserved: the worst case bounds
+it; a larger report is recorded and flagged) or **released** when the call failed before anything
+could be billed. A reservation whose process died is still counted: it may have been paid, so
+:meth:`Ledger.reap` charges it at its reserved amount — the spend can overshoot the truth, never the
+limit.
+
+Periods: ``month`` (UTC ``YYYY-MM``), ``day`` (``YYYY-MM-DD``) or ``total``.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BudgetExceeded", "Ledger", "LedgerState", "period_of"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    id TEXT PRIMARY KEY,
+    period TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('reserved', 'settled', 'released')),
+    reserved_usd REAL NOT NULL,
+    settled_usd REAL,
+    pid INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    note TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS entries_period ON entries (period, state);
+"""
+
+
+class BudgetExceeded(RuntimeError):
+    """The worst-case cost does not fit what is left of the period's budget."""
+
+
+def period_of(kind: str, when: float | None = None) -> str:
+    t = time.gmtime(time.time() if when is None else when)
+    if kind == "month":
+        return time.strftime("%Y-%m", t)
+    if kind == "day":
+        return time.strftime("%Y-%m-%d", t)
+    if kind == "total":
+        return "total"
+    raise ValueError(f"budget period {kind!r}: month, day or total")
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    period: str
+    limit_usd: float
+    settled_usd: float
+    reserved_usd: float
+
+    @property
+    def left_usd(self) -> float:
+        return max(0.0, self.limit_usd - self.settled_usd - self.reserved_usd)
+
+
+class Ledger:
+    """``Ledger(state_dir, limit_usd, period="month")``; thread-safe (a connection per thread)."""
+
+    def __init__(self, state_dir: str | Path, limit_usd: float, period: str = "month"):
+        if not limit_usd >= 0:
+            raise ValueError("budget limit: a non-negative number of dollars")
+        period_of(period)  # validates
+        self.path = Path(state_dir) / "ledger.sqlite"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.limit_usd = float(limit_usd)
+        self.period = period
+        self._local = threading.local()
+        self._host = os.uname().nodename
+        with self._tx() as db:
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                db.execute(statement)
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")  # a settled cost survives a power cut
+            db.execute("PRAGMA busy_timeout=30000")
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def _tx(self):
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    @staticmethod
+    def _totals(db: sqlite3.Connection, period: str) -> tuple[float, float]:
+        settled, reserved = db.execute(
+            "SELECT COALESCE(SUM(CASE WHEN state='settled' THEN settled_usd END), 0),"
+            " COALESCE(SUM(CASE WHEN state='reserved' THEN reserved_usd END), 0)"
+            " FROM entries WHERE period = ?",
+            (period,),
+        ).fetchone()
+        return float(settled), float(reserved)
+
+    def reserve(self, usd: float, note: str = "") -> str:
+        """Reserve ``usd`` (the call's worst case) or raise :class:`BudgetExceeded`; returns the
+        reservation's id."""
+        if not usd >= 0:
+            raise ValueError("a reservation is a non-negative number of dollars")
+        period = period_of(self.period)
+        with self._tx() as db:
+            settled, reserved = self._totals(db, period)
+            if settled + reserved + usd > self.limit_usd + 1e-12:
+                left = max(0.0, self.limit_usd - settled - reserved)
+                raise BudgetExceeded(
+                    f"${usd:.6f} does not fit the ${left:.6f} left of ${self.limit_usd:.2f} ({period})"
+                )
+            rid = uuid.uuid4().hex
+            now = time.time()
+            db.execute(
+                "INSERT INTO entries VALUES (?, ?, 'reserved', ?, NULL, ?, ?, ?, ?, ?)",
+                (rid, period, usd, os.getpid(), self._host, note[:200], now, now),
+            )
+        return rid
+
+    def settle(self, rid: str, usd: float) -> float:
+        """Record what the call cost (the provider's usage); returns the amount recorded. A cost
+        above the reservation is recorded as reported (the worst case was wrong) — the limit
+        check of later reservations sees it."""
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM entries WHERE id = ?", (rid,)).fetchone()
+            if row is None or row[0] != "reserved":
+                raise KeyError(f"reservation {rid}: {'unknown' if row is None else row[0]}")
+            db.execute(
+                "UPDATE entries SET state='settled', settled_usd=?, updated=? WHERE id=?",
+                (float(usd), time.time(), rid),
+            )
+        return float(usd)
+
+    def release(self, rid: str) -> None:
+        """The call failed before anything could be billed (refused connection, 4xx before the
+        model ran): its reservation is freed."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE entries SET state='released', updated=? WHERE id=? AND state='reserved'", (time.time(), rid)
+            )
+
+    def reap(self) -> int:
+        """Charge, at their reserved amounts, the open reservations of processes on this host that
+        no longer run (killed mid-call: they may have been billed); returns how many."""
+        charged = 0
+        with self._tx() as db:
+            for rid, pid, amount in db.execute(
+                "SELECT id, pid, reserved_usd FROM entries WHERE state='reserved' AND host=?", (self._host,)
+            ).fetchall():
+                if not _alive(pid):
+                    db.execute(
+                        "UPDATE entries SET state='settled', settled_usd=?, note=note || ' [charged: process died]',"
+                        " updated=? WHERE id=?",
+                        (amount, time.time(), rid),
+                    )
+                    charged += 1
+        return charged
+
+    def state(self) -> LedgerState:
+        period = period_of(self.period)
+        settled, reserved = self._totals(self._db(), period)
+        return LedgerState(period, self.limit_usd, settled, reserved)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

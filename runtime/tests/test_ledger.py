@@ -1,0 +1,92 @@
+"""The budget ledger under concurrency: two processes x 16 threads share one SQLite ledger; the
+spend never passes the limit, and the ledger equals the sum of what the workers settled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kibidango.ledger import BudgetExceeded, Ledger, period_of
+
+WORKER = textwrap.dedent(
+    """
+    import json, random, sys, threading, time
+    from kibidango.ledger import BudgetExceeded, Ledger
+
+    state, out, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ledger = Ledger(state, limit_usd=1.00, period="month")
+    lock = threading.Lock()
+    settled, refused, released = [], 0, 0
+
+    def client(i):
+        global refused, released
+        rng = random.Random(seed * 100 + i)
+        for _ in range(100 // 16 + 1):
+            worst = round(rng.uniform(0.005, 0.03), 6)
+            try:
+                rid = ledger.reserve(worst, note="test")
+            except BudgetExceeded:
+                with lock:
+                    refused += 1
+                continue
+            time.sleep(rng.uniform(0, 0.002))  # the cloud call
+            if rng.random() < 0.1:
+                ledger.release(rid)  # failed before billing
+                with lock:
+                    released += 1
+                continue
+            cost = round(worst * rng.uniform(0.3, 1.0), 6)
+            ledger.settle(rid, cost)
+            with lock:
+                settled.append(cost)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    json.dump({"settled": settled, "refused": refused, "released": released}, open(out, "w"))
+    """
+)
+
+
+def test_two_processes_sixteen_threads_never_pass_the_limit(tmp_path):
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(tmp_path / "state"), str(tmp_path / f"out{i}.json"), str(i)]
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    results = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+    paid = sum(sum(r["settled"]) for r in results)
+    state = Ledger(tmp_path / "state", limit_usd=1.00).state()  # a restart reads the same ledger
+    assert state.settled_usd == pytest.approx(paid, abs=1e-9)  # the ledger is the sum of settled costs
+    assert state.settled_usd <= 1.00 + 1e-9 and state.reserved_usd == 0
+    assert sum(r["refused"] for r in results) > 0  # the budget ran out: the limit was tested
+    assert sum(len(r["settled"]) + r["refused"] + r["released"] for r in results) == 2 * 16 * (100 // 16 + 1)
+
+
+def test_reservations_released_reaped_and_periods(tmp_path):
+    ledger = Ledger(tmp_path, limit_usd=0.10, period="day")
+    a = ledger.reserve(0.06)
+    with pytest.raises(BudgetExceeded, match="does not fit"):
+        ledger.reserve(0.05)  # 0.06 reserved: the worst case counts before anything is billed
+    ledger.release(a)
+    b = ledger.reserve(0.05)
+    ledger.settle(b, 0.02)
+    assert ledger.state().settled_usd == pytest.approx(0.02) and ledger.state().left_usd == pytest.approx(0.08)
+    with pytest.raises(KeyError):
+        ledger.settle(b, 0.01)  # settled once only
+    # a process killed mid-call: its reservation is charged in full by reap()
+    code = f"from kibidango.ledger import Ledger; import os; Ledger({str(tmp_path)!r}, 0.10, 'day').reserve(0.03); os._exit(9)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert ledger.state().reserved_usd == pytest.approx(0.03)
+    assert ledger.reap() == 1
+    assert ledger.state().settled_usd == pytest.approx(0.05) and ledger.state().reserved_usd == 0
+    assert period_of("month", 0) == "1970-01" and period_of("total") == "total"
+    with pytest.raises(ValueError):
+        Ledger(tmp_path, 1.0, period="week")
