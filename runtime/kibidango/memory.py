@@ -1,0 +1,114 @@
+"""Session memory (the plan's 6D): the last exchanges of a conversation, kept per session id in
+SQLite (WAL, ``<state dir>/memory.sqlite``), shared by threads and processes, surviving restarts.
+
+Bounded three ways: at most ``turns`` exchanges per session (older ones are deleted as new ones
+arrive), at most ``max_chars`` of context handed back (the oldest exchanges are dropped first,
+and one exchange longer than that is cut from its start), and a retention limit: exchanges older
+than ``retention_s`` are deleted (:meth:`SessionMemory.purge`, also run as exchanges are added).
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["SessionMemory"]
+
+_SESSION = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+class SessionMemory:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        turns: int = 5,
+        max_chars: int = 8000,
+        retention_s: float = 7 * 86400,
+        clock: Callable[[], float] = time.time,
+    ):
+        if turns < 1 or max_chars < 1 or retention_s <= 0:
+            raise ValueError("session memory: turns, max_chars and retention_s are positive")
+        self.path = Path(state_dir) / "memory.sqlite"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.turns, self.max_chars, self.retention_s = turns, max_chars, retention_s
+        self._clock = clock
+        self._local = threading.local()
+        db = self._db()
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS exchanges (session TEXT NOT NULL, at REAL NOT NULL,"
+            " user TEXT NOT NULL, assistant TEXT NOT NULL)"
+        )
+        db.execute("CREATE INDEX IF NOT EXISTS exchanges_session ON exchanges (session, at)")
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA busy_timeout=30000")
+            self._local.db = db
+        return db
+
+    @staticmethod
+    def check_id(session: str) -> str:
+        if not isinstance(session, str) or not _SESSION.match(session):
+            raise ValueError("session id: 1-128 characters of A-Z, a-z, 0-9, _ . : -")
+        return session
+
+    def add(self, session: str, user: str, assistant: str) -> None:
+        """Keep one exchange; drop the session's exchanges beyond ``turns`` and every expired one."""
+        self.check_id(session)
+        now = self._clock()
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("INSERT INTO exchanges VALUES (?, ?, ?, ?)", (session, now, user, assistant))
+            db.execute(
+                "DELETE FROM exchanges WHERE session = ? AND rowid NOT IN"
+                " (SELECT rowid FROM exchanges WHERE session = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
+                (session, session, self.turns),
+            )
+            db.execute("DELETE FROM exchanges WHERE at < ?", (now - self.retention_s,))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def context(self, session: str) -> list[dict[str, str]]:
+        """The session's kept exchanges as chat turns, oldest first, within ``max_chars``."""
+        self.check_id(session)
+        rows = (
+            self._db()
+            .execute(
+                "SELECT user, assistant FROM exchanges WHERE session = ? AND at >= ? ORDER BY at DESC, rowid DESC LIMIT ?",
+                (session, self._clock() - self.retention_s, self.turns),
+            )
+            .fetchall()
+        )
+        kept, size = [], 0
+        for user, assistant in rows:  # newest first: the oldest go when the bound is reached
+            if size + len(user) + len(assistant) > self.max_chars:
+                if not kept:  # one exchange longer than the bound: its end, which the next turn follows
+                    room = self.max_chars
+                    assistant = assistant[-room:]
+                    user = user[-max(0, room - len(assistant)) :] if room > len(assistant) else ""
+                    kept.append((user, assistant))
+                break
+            kept.append((user, assistant))
+            size += len(user) + len(assistant)
+        turns: list[dict[str, str]] = []
+        for user, assistant in reversed(kept):
+            turns += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return turns
+
+    def purge(self) -> int:
+        """Delete every expired exchange; returns how many."""
+        cur = self._db().execute("DELETE FROM exchanges WHERE at < ?", (self._clock() - self.retention_s,))
+        return cur.rowcount
+
+    def forget(self, session: str) -> None:
+        self._db().execute("DELETE FROM exchanges WHERE session = ?", (self.check_id(session),))
