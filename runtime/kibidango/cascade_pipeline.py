@@ -1,0 +1,116 @@
+"""The local/cloud cascade per request: route (6A) -> answer locally (the configured decoding mode,
+at most ``draft.max_tokens``) -> calibrated confidence (2G) and, when the config asks, the
+escalation detector's flag (6B) -> one of
+
+- ``local``: confidence at or above ``qualifier.threshold`` (and not flagged): the local answer;
+- ``validated`` / ``corrected``: between ``cloud.fallback_threshold`` and the qualifier threshold:
+  the cloud sees the question and the local answer and approves it (a short verdict) or returns a
+  correction;
+- ``cloud``: below the fallback threshold: the cloud answers.
+
+When the cloud cannot answer — no key, the budget spent, the circuit breaker open, every retry
+failed — the local answer is returned with the reason in ``flags`` (``degraded``,
+``budget_exhausted``, ``no_key``): a request never fails because the cloud did. Every result
+says which tier answered, the confidence, what it cost and the budget left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kibidango.cascade import CascadeConfig
+from kibidango.cloud import CloudClient, CloudReply
+from kibidango.ledger import Ledger
+from kibidango.pipeline import GenerationResult, Pipeline
+
+__all__ = ["CascadePipeline", "CascadeResult", "VALIDATION_PROMPT"]
+
+VALIDATION_PROMPT = (
+    "You check another assistant's answer. If the answer below is correct and complete, reply with "
+    "the single word APPROVE. Otherwise reply with a corrected answer only.\n\n"
+    "Question:\n{question}\n\nAnswer:\n{answer}"
+)
+
+
+@dataclass
+class CascadeResult:
+    text: str
+    tier: str
+    """``local``, ``validated``, ``corrected`` or ``cloud``."""
+    confidence: float | None
+    p_fail: float | None
+    usd: float
+    budget_left_usd: float | None
+    flags: list[str] = field(default_factory=list)
+    local: GenerationResult | None = None
+    cloud: CloudReply | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "tier": self.tier,
+            "confidence": self.confidence,
+            "p_fail": self.p_fail,
+            "usd": self.usd,
+            "budget_left_usd": self.budget_left_usd,
+            "flags": list(self.flags),
+            "cloud_attempts": self.cloud.attempts if self.cloud else 0,
+            "cloud_retries": dict(self.cloud.retries) if self.cloud else {},
+            "local": self.local.metrics.to_dict() if self.local else None,
+        }
+
+
+class CascadePipeline:
+    """``CascadePipeline(pipe, config, state_dir)``: ``pipe`` answers locally (its bundle's router,
+    adapters and calibrator apply); ``state_dir`` holds the budget ledger shared by every process
+    that uses it."""
+
+    def __init__(self, pipe: Pipeline, config: CascadeConfig, state_dir: str | Path, client: CloudClient | None = None):
+        self.pipe = pipe
+        self.config = config
+        self.detector = pipe.bundle.escalation() if (pipe.bundle is not None and config.use_detector) else None
+        self.ledger = None
+        self.client = client
+        if config.cloud is not None:
+            self.ledger = Ledger(state_dir, config.cloud.budget_limit, config.cloud.budget_period)
+            self.client = client or CloudClient(config.cloud, self.ledger)
+        pipe.router_threshold = config.router_threshold
+
+    def answer(self, prompt: str, query: str | None = None, max_new_tokens: int | None = None) -> CascadeResult:
+        """``prompt``: what the local model reads (a chat-formatted prompt, or plain text);
+        ``query``: the user's question as the router and the cloud see it (default: the prompt)."""
+        cfg = self.config
+        query = query if query is not None else prompt
+        budget = min(max_new_tokens or self.pipe.defaults.max_new_tokens, cfg.draft_max_tokens)
+        local = self.pipe.generate(prompt, query=query, max_new_tokens=budget)
+        confidence = local.metrics.confidence
+        conf = confidence if confidence is not None else 1.0  # no calibrator: nothing says it is unsure
+        p_fail = self.detector.p_fail(query, conf) if self.detector is not None else None
+        flagged = p_fail is not None and p_fail >= self.detector.threshold
+        result = CascadeResult(local.text, "local", confidence, p_fail, 0.0, self._left(), local=local)
+        if confidence is None:
+            result.flags.append("uncalibrated")
+        if self.client is None or (conf >= cfg.qualifier_threshold and not flagged):
+            return result
+        if conf < cfg.cloud.fallback_threshold:
+            reply = self.client.chat([{"role": "user", "content": query}])
+            tier = "cloud"
+        else:
+            check = VALIDATION_PROMPT.format(question=query, answer=local.text)
+            reply = self.client.chat([{"role": "user", "content": check}], cfg.cloud.validation_max_tokens)
+            tier = "validated" if reply.text is not None and _approves(reply.text) else "corrected"
+        result.cloud, result.usd, result.budget_left_usd = reply, reply.usd, self._left()
+        if reply.text is None:
+            result.flags.append(reply.status)
+            return result
+        result.tier = tier
+        if tier != "validated":
+            result.text = reply.text
+        return result
+
+    def _left(self) -> float | None:
+        return self.ledger.state().left_usd if self.ledger is not None else None
+
+
+def _approves(text: str) -> bool:
+    return text.strip().strip(".!\"' ").upper().startswith("APPROVE")
