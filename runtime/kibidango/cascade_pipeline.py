@@ -73,6 +73,7 @@ class CascadePipeline:
         self.client = client
         if config.cloud is not None:
             self.ledger = Ledger(state_dir, config.cloud.budget_limit, config.cloud.budget_period)
+            self.ledger.reap()  # calls of processes killed mid-call: charged their reserved worst case
             self.client = client or CloudClient(config.cloud, self.ledger)
         pipe.router_threshold = config.router_threshold
 
