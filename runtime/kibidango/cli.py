@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from kibidango.backends.base import ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
@@ -61,6 +63,8 @@ def _generate(args: argparse.Namespace) -> None:
         adapter_cache=args.adapter_cache,
         **_overrides(args),
     )
+    if args.cascade is not None:
+        return _cascade(args, pipe, prompt)
     metrics = Metrics(pipe.defaults.mode)
     kw = {"max_new_tokens": args.max_new_tokens, **({"stop_ids": args.stop_id} if args.stop_id else {})}
     if args.stream:
@@ -73,6 +77,28 @@ def _generate(args: argparse.Namespace) -> None:
         print(result.text)
     if args.stats:
         print(json.dumps(metrics.to_dict(), indent=2), file=sys.stderr)
+
+
+def _cascade(args: argparse.Namespace, pipe, prompt: str) -> None:
+    """``generate --cascade CONFIG``: the local/cloud cascade (kibidango.cascade_pipeline) for one
+    prompt; the answer on stdout, which tier answered, its confidence, cost and the budget left on
+    stderr (all of it, with the local metrics, as JSON with ``--stats``)."""
+    from kibidango.cascade import load_cascade
+    from kibidango.cascade_pipeline import CascadePipeline
+
+    config = load_cascade(args.cascade, bundle=pipe.bundle)
+    state = Path(args.state_dir or os.environ.get("KIBIDANGO_STATE") or Path.home() / ".local/state/kibidango")
+    result = CascadePipeline(pipe, config, state.expanduser()).answer(prompt, max_new_tokens=args.max_new_tokens)
+    print(result.text)
+    confidence = "-" if result.confidence is None else f"{result.confidence:.3f}"
+    left = "-" if result.budget_left_usd is None else f"${result.budget_left_usd:.4f}"
+    flags = f" [{', '.join(result.flags)}]" if result.flags else ""
+    print(
+        f"(tier {result.tier}, confidence {confidence}, cost ${result.usd:.6f}, budget left {left}){flags}",
+        file=sys.stderr,
+    )
+    if args.stats:
+        print(json.dumps(result.to_dict(), indent=2), file=sys.stderr)
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -153,6 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop-id", action="append", type=int, help="stop token id (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--stats", action="store_true", help="print the request's metrics (JSON) to stderr")
+    gen.add_argument(
+        "--cascade",
+        metavar="CONFIG",
+        help="answer through the local/cloud cascade: a named config (plan-example, local-only) or a JSON/YAML file",
+    )
+    gen.add_argument(
+        "--state-dir",
+        help="the cascade's budget ledger directory (default $KIBIDANGO_STATE or ~/.local/state/kibidango)",
+    )
     _decode_args(gen)
     _adapter_args(gen)
     _pin_arg(gen)

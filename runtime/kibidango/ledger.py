@@ -92,7 +92,7 @@ class Ledger:
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
+            _wal(db)
             db.execute("PRAGMA synchronous=FULL")  # a settled cost survives a power cut
             db.execute("PRAGMA busy_timeout=30000")
             self._local.db = db
@@ -195,3 +195,16 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _wal(db: sqlite3.Connection) -> None:
+    """Switch to WAL. Two processes opening a new database at once can see SQLITE_BUSY here
+    without the busy handler's wait, so the switch is retried for a few seconds."""
+    for attempt in range(60):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError:
+            if attempt == 59:
+                raise
+            time.sleep(0.05)

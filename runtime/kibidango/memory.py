@@ -48,7 +48,7 @@ class SessionMemory:
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
+            _wal(db)
             db.execute("PRAGMA busy_timeout=30000")
             self._local.db = db
         return db
@@ -112,3 +112,16 @@ class SessionMemory:
 
     def forget(self, session: str) -> None:
         self._db().execute("DELETE FROM exchanges WHERE session = ?", (self.check_id(session),))
+
+
+def _wal(db: sqlite3.Connection) -> None:
+    """Switch to WAL. Two processes opening a new database at once can see SQLITE_BUSY here
+    without the busy handler's wait, so the switch is retried for a few seconds."""
+    for attempt in range(60):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError:
+            if attempt == 59:
+                raise
+            time.sleep(0.05)

@@ -34,3 +34,20 @@ def test_inspect_generate_and_tampering(tmp_path):
     assert bad.returncode == 2 and "tiers/draft/hf/config.json" in bad.stderr and "Traceback" not in bad.stderr
     refused = _kb("generate", "--bundle", str(bundle), "x")  # generate verifies hashes too
     assert refused.returncode == 2 and "tiers/draft/hf/config.json does not match its sha256" in refused.stderr
+
+
+def test_generate_through_the_cascade(tmp_path):
+    needs_stories()
+    bundle = write_bundle(
+        tmp_path / "b", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]}
+    )
+    state = tmp_path / "state"
+    args = ("generate", "--bundle", str(bundle), "--max-new-tokens", "8", "--state-dir", str(state))
+    local = _kb(*args, "--cascade", "local-only", "--stats", "Once upon a time")
+    assert local.returncode == 0, local.stderr
+    assert local.stdout == _kb(*args, "Once upon a time").stdout  # the local tier answered
+    assert "(tier local, confidence -, cost $0.000000, budget left -) [uncalibrated]" in local.stderr
+    assert json.loads(local.stderr[local.stderr.index('{\n  "tier"') :])["tier"] == "local"
+    missing = _kb(*args, "--cascade", str(tmp_path / "nope.json"), "x")
+    assert missing.returncode == 2 and "nope.json: cannot read the cascade config" in missing.stderr
+    assert "Traceback" not in missing.stderr

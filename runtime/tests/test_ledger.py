@@ -55,12 +55,15 @@ WORKER = textwrap.dedent(
 def test_two_processes_sixteen_threads_never_pass_the_limit(tmp_path):
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(tmp_path / "state"), str(tmp_path / f"out{i}.json"), str(i)]
+            [sys.executable, "-c", WORKER, str(tmp_path / "state"), str(tmp_path / f"out{i}.json"), str(i)],
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(2)
     ]
     for p in procs:
-        assert p.wait(timeout=120) == 0
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]  # a worker's traceback, if one failed
     results = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
     paid = sum(sum(r["settled"]) for r in results)
     state = Ledger(tmp_path / "state", limit_usd=1.00).state()  # a restart reads the same ledger
