@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import threading
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from kibidango.state import Database, pid_alive
 
 __all__ = ["BudgetExceeded", "Ledger", "LedgerState", "period_of"]
 
@@ -78,36 +78,16 @@ class Ledger:
         if not limit_usd >= 0:
             raise ValueError("budget limit: a non-negative number of dollars")
         period_of(period)  # validates
-        self.path = Path(state_dir) / "ledger.sqlite"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = Database(
+            Path(state_dir) / "ledger.sqlite", synchronous="FULL"
+        )  # a settled cost survives a power cut
+        self.path = self._db.path
         self.limit_usd = float(limit_usd)
         self.period = period
-        self._local = threading.local()
         self._host = os.uname().nodename
-        with self._tx() as db:
+        with self._db.transaction() as db:
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 db.execute(statement)
-
-    def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            _wal(db)
-            db.execute("PRAGMA synchronous=FULL")  # a settled cost survives a power cut
-            db.execute("PRAGMA busy_timeout=30000")
-            self._local.db = db
-        return db
-
-    @contextmanager
-    def _tx(self):
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
 
     @staticmethod
     def _totals(db: sqlite3.Connection, period: str) -> tuple[float, float]:
@@ -125,7 +105,7 @@ class Ledger:
         if not usd >= 0:
             raise ValueError("a reservation is a non-negative number of dollars")
         period = period_of(self.period)
-        with self._tx() as db:
+        with self._db.transaction() as db:
             settled, reserved = self._totals(db, period)
             if settled + reserved + usd > self.limit_usd + 1e-12:
                 left = max(0.0, self.limit_usd - settled - reserved)
@@ -144,7 +124,7 @@ class Ledger:
         """Record what the call cost (the provider's usage); returns the amount recorded. A cost
         above the reservation is recorded as reported (the worst case was wrong) — the limit
         check of later reservations sees it."""
-        with self._tx() as db:
+        with self._db.transaction() as db:
             row = db.execute("SELECT state FROM entries WHERE id = ?", (rid,)).fetchone()
             if row is None or row[0] != "reserved":
                 raise KeyError(f"reservation {rid}: {'unknown' if row is None else row[0]}")
@@ -157,7 +137,7 @@ class Ledger:
     def release(self, rid: str) -> None:
         """The call failed before anything could be billed (refused connection, 4xx before the
         model ran): its reservation is freed."""
-        with self._tx() as db:
+        with self._db.transaction() as db:
             db.execute(
                 "UPDATE entries SET state='released', updated=? WHERE id=? AND state='reserved'", (time.time(), rid)
             )
@@ -166,11 +146,11 @@ class Ledger:
         """Charge, at their reserved amounts, the open reservations of processes on this host that
         no longer run (killed mid-call: they may have been billed); returns how many."""
         charged = 0
-        with self._tx() as db:
+        with self._db.transaction() as db:
             for rid, pid, amount in db.execute(
                 "SELECT id, pid, reserved_usd FROM entries WHERE state='reserved' AND host=?", (self._host,)
             ).fetchall():
-                if not _alive(pid):
+                if not pid_alive(pid):
                     db.execute(
                         "UPDATE entries SET state='settled', settled_usd=?, note=note || ' [charged: process died]',"
                         " updated=? WHERE id=?",
@@ -181,30 +161,5 @@ class Ledger:
 
     def state(self) -> LedgerState:
         period = period_of(self.period)
-        settled, reserved = self._totals(self._db(), period)
+        settled, reserved = self._totals(self._db.connection(), period)
         return LedgerState(period, self.limit_usd, settled, reserved)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _wal(db: sqlite3.Connection) -> None:
-    """Switch to WAL. Two processes opening a new database at once can see SQLITE_BUSY here
-    without the busy handler's wait, so the switch is retried for a few seconds."""
-    for attempt in range(60):
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError:
-            if attempt == 59:
-                raise
-            time.sleep(0.05)

@@ -10,11 +10,11 @@ than ``retention_s`` are deleted (:meth:`SessionMemory.purge`, also run as excha
 from __future__ import annotations
 
 import re
-import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from kibidango.state import Database
 
 __all__ = ["SessionMemory"]
 
@@ -32,26 +32,16 @@ class SessionMemory:
     ):
         if turns < 1 or max_chars < 1 or retention_s <= 0:
             raise ValueError("session memory: turns, max_chars and retention_s are positive")
-        self.path = Path(state_dir) / "memory.sqlite"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = Database(Path(state_dir) / "memory.sqlite")
+        self.path = self._db.path
         self.turns, self.max_chars, self.retention_s = turns, max_chars, retention_s
         self._clock = clock
-        self._local = threading.local()
-        db = self._db()
+        db = self._db.connection()
         db.execute(
             "CREATE TABLE IF NOT EXISTS exchanges (session TEXT NOT NULL, at REAL NOT NULL,"
             " user TEXT NOT NULL, assistant TEXT NOT NULL)"
         )
         db.execute("CREATE INDEX IF NOT EXISTS exchanges_session ON exchanges (session, at)")
-
-    def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            _wal(db)
-            db.execute("PRAGMA busy_timeout=30000")
-            self._local.db = db
-        return db
 
     @staticmethod
     def check_id(session: str) -> str:
@@ -63,9 +53,7 @@ class SessionMemory:
         """Keep one exchange; drop the session's exchanges beyond ``turns`` and every expired one."""
         self.check_id(session)
         now = self._clock()
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._db.transaction() as db:
             db.execute("INSERT INTO exchanges VALUES (?, ?, ?, ?)", (session, now, user, assistant))
             db.execute(
                 "DELETE FROM exchanges WHERE session = ? AND rowid NOT IN"
@@ -73,16 +61,12 @@ class SessionMemory:
                 (session, session, self.turns),
             )
             db.execute("DELETE FROM exchanges WHERE at < ?", (now - self.retention_s,))
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
 
     def context(self, session: str) -> list[dict[str, str]]:
         """The session's kept exchanges as chat turns, oldest first, within ``max_chars``."""
         self.check_id(session)
         rows = (
-            self._db()
+            self._db.connection()
             .execute(
                 "SELECT user, assistant FROM exchanges WHERE session = ? AND at >= ? ORDER BY at DESC, rowid DESC LIMIT ?",
                 (session, self._clock() - self.retention_s, self.turns),
@@ -107,21 +91,8 @@ class SessionMemory:
 
     def purge(self) -> int:
         """Delete every expired exchange; returns how many."""
-        cur = self._db().execute("DELETE FROM exchanges WHERE at < ?", (self._clock() - self.retention_s,))
+        cur = self._db.connection().execute("DELETE FROM exchanges WHERE at < ?", (self._clock() - self.retention_s,))
         return cur.rowcount
 
     def forget(self, session: str) -> None:
-        self._db().execute("DELETE FROM exchanges WHERE session = ?", (self.check_id(session),))
-
-
-def _wal(db: sqlite3.Connection) -> None:
-    """Switch to WAL. Two processes opening a new database at once can see SQLITE_BUSY here
-    without the busy handler's wait, so the switch is retried for a few seconds."""
-    for attempt in range(60):
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError:
-            if attempt == 59:
-                raise
-            time.sleep(0.05)
+        self._db.connection().execute("DELETE FROM exchanges WHERE session = ?", (self.check_id(session),))

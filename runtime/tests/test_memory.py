@@ -31,7 +31,7 @@ def test_the_last_five_exchanges_per_session_oldest_first(tmp_path):
     assert memory.context("bob") == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
     again = SessionMemory(tmp_path, clock=clock)  # a restart
     assert again.context("alice") == turns and again.context("nobody") == []
-    rows = again._db().execute("SELECT COUNT(*) FROM exchanges WHERE session='alice'").fetchone()[0]
+    rows = again._db.connection().execute("SELECT COUNT(*) FROM exchanges WHERE session='alice'").fetchone()[0]
     assert rows == 5  # older exchanges are deleted, not just hidden
 
 

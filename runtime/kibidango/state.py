@@ -1,0 +1,77 @@
+"""The runtime's state directory, shared by threads and processes: SQLite databases in WAL mode
+(the budget ledger, session memory) and whether a process that left a record still runs.
+
+:class:`Database` gives each thread its own connection (sqlite3 connections are not shared across
+threads) and :meth:`Database.transaction` a ``BEGIN IMMEDIATE`` transaction: one writer at a time
+across every process, the others waiting up to the busy timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["Database", "pid_alive"]
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this id runs on this machine (ours included)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+class Database:
+    """``Database(path, synchronous="FULL")``: a per-thread connection to ``path`` in WAL mode."""
+
+    def __init__(self, path: str | Path, synchronous: str | None = None, busy_timeout_s: float = 30.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.synchronous = synchronous
+        self.busy_timeout_s = busy_timeout_s
+        self._local = threading.local()
+
+    def connection(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
+            _wal(db)
+            if self.synchronous:
+                db.execute(f"PRAGMA synchronous={self.synchronous}")
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        db = self.connection()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+
+def _wal(db: sqlite3.Connection) -> None:
+    """Switch to WAL. Two processes opening a new database at once can see SQLITE_BUSY here
+    without the busy handler's wait, so the switch is retried for a few seconds."""
+    for attempt in range(60):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError:
+            if attempt == 59:
+                raise
+            time.sleep(0.05)
