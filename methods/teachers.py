@@ -22,9 +22,7 @@ have been paid: it charges the reservation and never sends that prompt to that t
 
 from __future__ import annotations
 
-import email.utils
 import logging
-import random
 import threading
 import time
 from collections import Counter
@@ -36,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
+from kibidango.cloud import backoff_seconds, retry_after_seconds
 from methods.judges.llm import api_error_text
 
 __all__ = [
@@ -200,7 +199,7 @@ class TeacherClient:
                 ) from None
             except openai.RateLimitError as e:
                 reply.retries["rate_limited"] += 1
-                wait = _retry_after(e.response.headers)
+                wait = retry_after_seconds(e.response.headers)
                 reply.error = f"HTTP 429: {_why(e)}"
             except openai.APITimeoutError:
                 reply.retries["timeout"] += 1
@@ -232,28 +231,11 @@ class TeacherClient:
                     reply.error += "; the budget leaves no room to send it again"
                     break
             if attempt < t.max_attempts:
-                self._sleep(wait if wait is not None else _backoff(t.backoff_s, attempt))
+                self._sleep(wait if wait is not None else backoff_seconds(t.backoff_s, attempt))
         reply.seconds = time.monotonic() - started
         if reply.retries["connection"] == reply.attempts:
             raise TierDead(f"teacher tier {t.name} ({self.base_url}) is unreachable: {reply.error}")
         return reply
-
-
-def _backoff(base: float, attempt: int) -> float:
-    """Exponential backoff with full jitter (capped at 30 s)."""
-    return random.uniform(0, min(30.0, base * 2 ** (attempt - 1)))
-
-
-def _retry_after(headers) -> float | None:
-    """Seconds from a Retry-After header (delta seconds or an HTTP date), capped at 60."""
-    value = headers.get("retry-after") if headers is not None else None
-    if not value:
-        return None
-    try:
-        return min(60.0, max(0.0, float(value)))
-    except ValueError:
-        when = email.utils.parsedate_to_datetime(value)
-        return min(60.0, max(0.0, when.timestamp() - time.time())) if when else None
 
 
 def _why(e: Exception) -> str:

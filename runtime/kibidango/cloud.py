@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from kibidango.cascade import CloudConfig
 from kibidango.ledger import BudgetExceeded, Ledger
 
-__all__ = ["CloudClient", "CloudReply"]
+__all__ = ["CloudClient", "CloudReply", "backoff_seconds", "retry_after_seconds"]
 
 log = logging.getLogger("kibidango.cloud")
 
@@ -188,7 +188,7 @@ class CloudClient:
                 return 0.0, maybe_billed
             except openai.RateLimitError as e:
                 reply.retries["rate_limited"] += 1
-                wait = _retry_after(e.response.headers)
+                wait = retry_after_seconds(e.response.headers)
                 reply.error = "HTTP 429"
             except openai.APITimeoutError:
                 reply.retries["timeout"] += 1
@@ -218,15 +218,21 @@ class CloudClient:
                 reply.error += "; no budget left to send it again"
                 break
             if attempt <= cfg.max_retries:
-                self._sleep(wait if wait is not None else random.uniform(0, min(30.0, 0.5 * 2 ** (attempt - 1))))
+                self._sleep(wait if wait is not None else backoff_seconds(0.5, attempt))
         reply.status = "degraded"
         reply.error = self._clean(f"{reply.error} (after {reply.attempts} attempts)")
         return 0.0, maybe_billed
 
 
-def _retry_after(headers) -> float | None:
+def backoff_seconds(base: float, attempt: int) -> float:
+    """Exponential backoff with full jitter (capped at 30 s) before retry ``attempt`` + 1."""
+    return random.uniform(0, min(30.0, base * 2 ** (attempt - 1)))
+
+
+def retry_after_seconds(headers) -> float | None:
+    """Seconds from a Retry-After header (delta seconds or an HTTP date), capped at 60."""
     value = headers.get("retry-after") if headers is not None else None
-    if value is None:
+    if not value:
         return None
     try:
         return min(60.0, max(0.0, float(value)))
