@@ -63,13 +63,19 @@ class Answerer:
     def __call__(self, instruction: str, input_: str = "") -> Answer:
         started = time.monotonic()
         ids = self.prompt_ids(instruction, input_)
+        text, out, finish = self._decode(ids)
+        return Answer(text, len(out), finish, self.mean_logprob(ids, out), time.monotonic() - started)
+
+    def _decode(self, ids: list[int]) -> tuple[str, list[int], str]:
+        """Greedy text, token ids (stop tokens dropped) and finish reason after ``ids``; finish
+        ``context`` and no text when the prompt alone fills the context."""
         room = self.model.context_length - len(ids)
         if room < 1:
-            return Answer("", 0, "context", None, time.monotonic() - started)
+            return "", [], "context"
         result = self.pipeline.generate(ids, stop=self.stop, max_new_tokens=min(self.config.max_new_tokens, room))
         out = [t for t in result.token_ids if t not in self.config.stop_ids]
         finish = result.metrics.finish_reason or ("length" if len(out) >= self.config.max_new_tokens else "stop")
-        return Answer(result.text, len(out), finish, self.mean_logprob(ids, out), time.monotonic() - started)
+        return result.text, out, finish
 
     def mean_logprob(self, prompt_ids: list[int], answer_ids: list[int]) -> float | None:
         """Mean log-probability of ``answer_ids`` after ``prompt_ids``: one forward pass (None
@@ -107,12 +113,7 @@ class ScoredAnswerer(Answerer):
             raise ValueError(f"adapter {adapter!r} asked for, but no adapters directory was given")
         started = time.monotonic()
         ids = self.prompt_ids(instruction, input_)
-        room = self.model.context_length - len(ids)
-        if room < 1:
-            return Answer("", 0, "context", None, time.monotonic() - started), None
-        result = self.pipeline.generate(ids, stop=self.stop, max_new_tokens=min(self.config.max_new_tokens, room))
-        out = [t for t in result.token_ids if t not in self.config.stop_ids]
-        finish = result.metrics.finish_reason or ("length" if len(out) >= self.config.max_new_tokens else "stop")
+        text, out, finish = self._decode(ids)
         feats = score_answer(self.model, ids, out, temperature)
         mean = feats["mean_logprob"] if feats else None
-        return Answer(result.text, len(out), finish, mean, time.monotonic() - started), feats
+        return Answer(text, len(out), finish, mean, time.monotonic() - started), feats
