@@ -24,7 +24,7 @@ from kibidango.cloud import CloudClient, CloudReply
 from kibidango.ledger import Ledger
 from kibidango.pipeline import GenerationResult, Pipeline
 
-__all__ = ["CascadePipeline", "CascadeResult", "VALIDATION_PROMPT"]
+__all__ = ["CascadePipeline", "CascadeResult", "Draft", "VALIDATION_PROMPT"]
 
 VALIDATION_PROMPT = (
     "You check another assistant's answer. If the answer below is correct and complete, reply with "
@@ -60,10 +60,24 @@ class CascadeResult:
         }
 
 
+@dataclass
+class Draft:
+    """The local phase's outcome (:meth:`CascadePipeline.local`): the local answer, its scores and
+    what the cloud should do with it (``action``: ``None``, ``validate`` or ``answer``)."""
+
+    result: CascadeResult
+    action: str | None
+    query: str
+    messages: list[dict[str, str]]
+
+
 class CascadePipeline:
     """``CascadePipeline(pipe, config, state_dir)``: ``pipe`` answers locally (its bundle's router,
     adapters and calibrator apply); ``state_dir`` holds the budget ledger shared by every process
-    that uses it."""
+    that uses it.
+
+    :meth:`answer` does both phases; a server runs :meth:`local` while it holds the models and
+    :meth:`escalate` (the network call) after it let them go, so other requests decode meanwhile."""
 
     def __init__(self, pipe: Pipeline, config: CascadeConfig, state_dir: str | Path, client: CloudClient | None = None):
         self.pipe = pipe
@@ -77,13 +91,35 @@ class CascadePipeline:
             self.client = client or CloudClient(config.cloud, self.ledger)
         pipe.router_threshold = config.router_threshold
 
-    def answer(self, prompt: str, query: str | None = None, max_new_tokens: int | None = None) -> CascadeResult:
+    def answer(
+        self,
+        prompt: str,
+        query: str | None = None,
+        max_new_tokens: int | None = None,
+        messages: list[dict[str, str]] | None = None,
+        **kw,
+    ) -> CascadeResult:
         """``prompt``: what the local model reads (a chat-formatted prompt, or plain text);
-        ``query``: the user's question as the router and the cloud see it (default: the prompt)."""
+        ``query``: the user's question as the router and the validator see it (default: the
+        prompt); ``messages``: the conversation the cloud answers (default: the query alone)."""
+        return self.escalate(self.local(prompt, query, max_new_tokens, messages, **kw))
+
+    def local(
+        self,
+        prompt: str | list[int],
+        query: str | None = None,
+        max_new_tokens: int | None = None,
+        messages: list[dict[str, str]] | None = None,
+        should_stop=None,
+        **kw,
+    ) -> Draft:
+        """Route, decode locally (at most ``draft.max_tokens``), score, and decide the tier.
+        ``kw``: decoding settings and ``stop`` strings for :meth:`Pipeline.generate`."""
         cfg = self.config
-        query = query if query is not None else prompt
+        if query is None:
+            query = prompt if isinstance(prompt, str) else self.pipe.tokenizer.decode(prompt)
         budget = min(max_new_tokens or self.pipe.defaults.max_new_tokens, cfg.draft_max_tokens)
-        local = self.pipe.generate(prompt, query=query, max_new_tokens=budget)
+        local = self.pipe.generate(prompt, query=query, max_new_tokens=budget, should_stop=should_stop, **kw)
         confidence = local.metrics.confidence
         conf = confidence if confidence is not None else 1.0  # no calibrator: nothing says it is unsure
         p_fail = self.detector.p_fail(query, conf) if self.detector is not None else None
@@ -91,13 +127,24 @@ class CascadePipeline:
         result = CascadeResult(local.text, "local", confidence, p_fail, 0.0, self._left(), local=local)
         if confidence is None:
             result.flags.append("uncalibrated")
-        if self.client is None or (conf >= cfg.qualifier_threshold and not flagged):
+        action = None
+        if local.metrics.finish_reason == "cancelled":
+            result.flags.append("cancelled")
+        elif self.client is not None and (conf < cfg.qualifier_threshold or flagged):
+            action = "answer" if conf < cfg.cloud.fallback_threshold else "validate"
+        return Draft(result, action, query, messages or [{"role": "user", "content": query}])
+
+    def escalate(self, draft: Draft) -> CascadeResult:
+        """The cloud's part, when the local phase asked for it: a correction check in the middle
+        band, the cloud's own answer below the fallback threshold."""
+        result, cfg = draft.result, self.config
+        if draft.action is None:
             return result
-        if conf < cfg.cloud.fallback_threshold:
-            reply = self.client.chat([{"role": "user", "content": query}])
+        if draft.action == "answer":
+            reply = self.client.chat(draft.messages)
             tier = "cloud"
         else:
-            check = VALIDATION_PROMPT.format(question=query, answer=local.text)
+            check = VALIDATION_PROMPT.format(question=draft.query, answer=result.text)
             reply = self.client.chat([{"role": "user", "content": check}], cfg.cloud.validation_max_tokens)
             tier = "validated" if reply.text is not None and _approves(reply.text) else "corrected"
         result.cloud, result.usd, result.budget_left_usd = reply, reply.usd, self._left()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from kibidango.backends.base import ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
+
+STATE_HELP = (
+    "the cascade's budget ledger and the session memory "
+    "(default $KIBIDANGO_STATE, else $XDG_STATE_HOME/kibidango or ~/.local/state/kibidango)"
+)
 
 
 def _decode_args(p: argparse.ArgumentParser) -> None:
@@ -85,10 +89,11 @@ def _cascade(args: argparse.Namespace, pipe, prompt: str) -> None:
     stderr (all of it, with the local metrics, as JSON with ``--stats``)."""
     from kibidango.cascade import load_cascade
     from kibidango.cascade_pipeline import CascadePipeline
+    from kibidango.state import default_state_dir
 
     config = load_cascade(args.cascade, bundle=pipe.bundle)
-    state = Path(args.state_dir or os.environ.get("KIBIDANGO_STATE") or Path.home() / ".local/state/kibidango")
-    result = CascadePipeline(pipe, config, state.expanduser()).answer(prompt, max_new_tokens=args.max_new_tokens)
+    state = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
+    result = CascadePipeline(pipe, config, state).answer(prompt, max_new_tokens=args.max_new_tokens)
     print(result.text)
     confidence = "-" if result.confidence is None else f"{result.confidence:.3f}"
     left = "-" if result.budget_left_usd is None else f"${result.budget_left_usd:.4f}"
@@ -161,6 +166,11 @@ def _serve(args: argparse.Namespace) -> None:
         expect_sha256=args.expect_sha256,
         adapter=args.adapter,
         adapter_cache=args.adapter_cache,
+        cascade=args.cascade,
+        state_dir=args.state_dir,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        shutdown_grace_s=args.shutdown_grace,
         **_overrides(args),
     )
 
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     gen.add_argument(
         "--state-dir",
-        help="the cascade's budget ledger directory (default $KIBIDANGO_STATE or ~/.local/state/kibidango)",
+        help=STATE_HELP,
     )
     _decode_args(gen)
     _adapter_args(gen)
@@ -225,6 +235,18 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=120.0,
         help="/health answers 503 when a generation made no progress for this long",
+    )
+    srv.add_argument(
+        "--cascade",
+        metavar="CONFIG",
+        help="also serve <model>-cascade: the local/cloud cascade (plan-example, local-only, a JSON/YAML file, "
+        "or 'bundle' for the bundle's own thresholds)",
+    )
+    srv.add_argument("--state-dir", help=STATE_HELP)
+    srv.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 + Retry-After")
+    srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled (504)")
+    srv.add_argument(
+        "--shutdown-grace", type=float, default=10.0, help="seconds running requests get to finish after SIGTERM"
     )
     _decode_args(srv)
     _adapter_args(srv)

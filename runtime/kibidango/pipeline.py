@@ -109,6 +109,27 @@ class Pipeline:
         threshold = float((cascade.get("router") or {}).get("threshold", 0.0))
         return cls(tokenizer, models, cfg, bundle, backend, adapter, loaded, router, threshold, bundle.calibrator())
 
+    @classmethod
+    def from_config(
+        cls,
+        name_or_path: str | Path | None,
+        bundle: str | Path,
+        state_dir: str | Path | None = None,
+        **from_bundle: Any,
+    ):
+        """The local/cloud cascade over a bundle: ``name_or_path`` is a named cascade config
+        (``plan-example``, ``local-only``), a JSON/YAML file, or None for the bundle's own (6C);
+        ``state_dir`` holds the budget ledger (default :func:`kibidango.state.default_state_dir`);
+        ``from_bundle``: as :meth:`from_bundle`. Returns a
+        :class:`kibidango.cascade_pipeline.CascadePipeline` (``.answer(prompt)``)."""
+        from kibidango.cascade import load_cascade
+        from kibidango.cascade_pipeline import CascadePipeline
+        from kibidango.state import default_state_dir
+
+        pipe = cls.from_bundle(bundle, **from_bundle)
+        config = load_cascade(name_or_path, bundle=pipe.bundle)
+        return CascadePipeline(pipe, config, state_dir if state_dir is not None else default_state_dir())
+
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
 
@@ -151,6 +172,7 @@ class Pipeline:
         query: str | None = None,
         adapter: str | None = None,
         score: bool | None = None,
+        should_stop: Callable[[], bool] | None = None,
         **kw: Any,
     ) -> GenerationResult:
         cfg = self.config(**kw)
@@ -159,7 +181,7 @@ class Pipeline:
         query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
         self._route(query, adapter, metrics)
-        text = "".join(self._text(ids, cfg, stop or [], metrics, out))
+        text = "".join(self._text(ids, cfg, stop or [], metrics, out, should_stop))
         self._score(ids, out, metrics, score)
         return GenerationResult(text, out, metrics)
 

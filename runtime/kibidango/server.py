@@ -1,32 +1,46 @@
 """OpenAI-compatible HTTP server: ``/v1/completions``, ``/v1/chat/completions`` (both with SSE
 streaming), ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Binds 127.0.0.1 by
 default. Requests are validated (types, bounds, prompt length) and refused with a 400 and an
-OpenAI-style error body; a bad request never takes the server down. One generation runs at a
-time (the models hold one KV cache each); others wait their turn. A client that disconnects
-cancels its generation after the current decoding round, streaming or not; ``/health`` answers 503
-when a generation has made no progress for ``stall_seconds``; shutdown cancels what runs.
-Errors never carry exception text or tracebacks to the client (the server log has them).
+OpenAI-style error body; a bad request never takes the server down. Errors never carry exception
+text or tracebacks to the client (the server log has them).
+
+Under load: one generation decodes at a time (the models hold one KV cache each); at most
+``max_queue`` requests wait for them, the next is refused at once with 429 and Retry-After; a
+request not finished ``request_timeout_s`` after it came is cancelled (504). A client that
+disconnects cancels its generation after the current decoding round, streaming or not;
+``/health`` answers 503 when a generation has made no progress for ``stall_seconds``. On SIGTERM
+the server stops accepting, refuses what is still queued (503), lets running requests finish for
+the grace period, then cancels them.
+
+With a cascade (``serve --cascade CONFIG``) the model ``<model>-cascade`` answers through
+:mod:`kibidango.cascade_pipeline`: the local phase holds the models, the cloud call does not, so
+other requests decode while one waits for the cloud. Chat requests with a session id (field
+``session_id`` or header ``X-Session-Id``) get that session's last exchanges as context (6D).
 
 Besides the OpenAI fields, a request may set the decoding of this runtime: ``mode``,
-``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence`` (with the openai client:
-``extra_body={...}``). Responses carry ``usage`` and a ``kibidango`` field with the request's
-speculative-decoding metrics."""
+``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence``, ``adapter`` (with the
+openai client: ``extra_body={...}``). Responses carry ``usage`` and a ``kibidango`` field with
+the request's speculative-decoding metrics (and ``cascade``: tier, confidence, cost, budget left)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Request  # the server extra; this module is imported only to serve
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kibidango.backends.base import ContextLengthError
+from kibidango.cascade_pipeline import CascadePipeline, CascadeResult
+from kibidango.memory import SessionMemory
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import TIERS, Metrics
 
@@ -64,6 +78,7 @@ class _Decoding(BaseModel):
     tau_T: float | None = Field(None, ge=0, le=1)
     divergence: Literal["tv", "js", "kl"] | None = None
     adapter: str | None = Field(None, max_length=64, description="auto, none or a domain; default: the server's")
+    session_id: str | None = Field(None, max_length=128, description="chat: the session whose memory to use")
 
     @field_validator("stop")
     @classmethod
@@ -115,10 +130,27 @@ class _Stats:
         self.adapters: dict[str, int] = {}
         self.confidence_sum = 0.0
         self.confidence_count = 0
+        self.tiers: dict[str, int] = {}
+        self.flags: dict[str, int] = {}
+        self.cloud_usd = 0.0
+        self.cloud_seconds = [0] * len(_CLOUD_BUCKETS)
+        self.cloud_seconds_sum = 0.0
+        self.cloud_calls = 0
         self.lock = threading.Lock()
 
-    def count(self, metrics: Metrics) -> None:
+    def count(self, metrics: Metrics, result: CascadeResult | None = None) -> None:
         with self.lock:
+            if result is not None:
+                self.tiers[result.tier] = self.tiers.get(result.tier, 0) + 1
+                for flag in result.flags:
+                    self.flags[flag] = self.flags.get(flag, 0) + 1
+                self.cloud_usd += result.usd
+                if result.cloud is not None and result.cloud.attempts:
+                    self.cloud_calls += 1
+                    self.cloud_seconds_sum += result.cloud.seconds
+                    for i, edge in enumerate(_CLOUD_BUCKETS):
+                        if result.cloud.seconds <= edge:
+                            self.cloud_seconds[i] += 1
             self.requests += 1
             self.totals.add(metrics)
             if metrics.domain is not None:
@@ -184,27 +216,93 @@ class _Stats:
         ]
         return "\n".join(lines) + "\n"
 
+    def cascade_metrics(self, model: str, cascade: CascadePipeline) -> str:
+        """The cascade's lines: answers by tier and flag, this process's cloud spend and call
+        latency, calls and retries by outcome; the budget (the ledger's: every process's spend)."""
+        m = f'model="{model}-cascade"'
+        with self.lock:
+            lines = [
+                "# HELP kibidango_cascade_requests_total Cascade answers by the tier that gave them.",
+                "# TYPE kibidango_cascade_requests_total counter",
+                *(f'kibidango_cascade_requests_total{{{m},tier="{t}"}} {n}' for t, n in self.tiers.items()),
+                "# HELP kibidango_cascade_flags_total Cascade answers by flag (degraded, budget_exhausted, no_key, ...).",
+                "# TYPE kibidango_cascade_flags_total counter",
+                *(f'kibidango_cascade_flags_total{{{m},flag="{f}"}} {n}' for f, n in self.flags.items()),
+                "# HELP kibidango_cloud_spend_usd_total Dollars this process charged to the budget.",
+                "# TYPE kibidango_cloud_spend_usd_total counter",
+                f"kibidango_cloud_spend_usd_total{{{m}}} {self.cloud_usd:.6f}",
+                "# HELP kibidango_cloud_request_seconds Cloud calls, retries and backoff included.",
+                "# TYPE kibidango_cloud_request_seconds histogram",
+                *(
+                    f'kibidango_cloud_request_seconds_bucket{{{m},le="{"+Inf" if edge == float("inf") else f"{edge:g}"}"}} {sum(self.cloud_seconds[: i + 1])}'
+                    for i, edge in enumerate(_CLOUD_BUCKETS)
+                ),
+                f"kibidango_cloud_request_seconds_sum{{{m}}} {self.cloud_seconds_sum:.6f}",
+                f"kibidango_cloud_request_seconds_count{{{m}}} {self.cloud_calls}",
+            ]
+        client = cascade.client
+        if client is not None:
+            counts = dict(client.counts)
+            lines += [
+                "# HELP kibidango_cloud_calls_total Cloud calls by outcome (ok, degraded, budget_exhausted, no_key, breaker_open).",
+                "# TYPE kibidango_cloud_calls_total counter",
+                *(
+                    f'kibidango_cloud_calls_total{{{m},outcome="{k}"}} {n}'
+                    for k, n in counts.items()
+                    if not k.startswith("retry_")
+                ),
+                "# HELP kibidango_cloud_retries_total Cloud attempts retried, by cause.",
+                "# TYPE kibidango_cloud_retries_total counter",
+                *(
+                    f'kibidango_cloud_retries_total{{{m},cause="{k.removeprefix("retry_")}"}} {n}'
+                    for k, n in counts.items()
+                    if k.startswith("retry_")
+                ),
+                "# TYPE kibidango_cloud_breaker_open gauge",
+                f"kibidango_cloud_breaker_open{{{m}}} {int(client.opened_at is not None)}",
+            ]
+        if cascade.ledger is not None:
+            state = cascade.ledger.state()
+            lines += [
+                "# HELP kibidango_cloud_budget_limit_usd The cloud budget of the period.",
+                "# TYPE kibidango_cloud_budget_limit_usd gauge",
+                f'kibidango_cloud_budget_limit_usd{{{m},period="{state.period}"}} {state.limit_usd:.6f}',
+                "# HELP kibidango_cloud_budget_spent_usd Settled spend of the period, every process sharing the ledger.",
+                "# TYPE kibidango_cloud_budget_spent_usd gauge",
+                f'kibidango_cloud_budget_spent_usd{{{m},period="{state.period}"}} {state.settled_usd:.6f}',
+                "# TYPE kibidango_cloud_budget_reserved_usd gauge",
+                f'kibidango_cloud_budget_reserved_usd{{{m},period="{state.period}"}} {state.reserved_usd:.6f}',
+                "# TYPE kibidango_cloud_budget_left_usd gauge",
+                f'kibidango_cloud_budget_left_usd{{{m},period="{state.period}"}} {state.left_usd:.6f}',
+            ]
+        return "\n".join(lines) + "\n"
 
-def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
-    turns = [m.model_dump() for m in messages]
+
+_CLOUD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
+def _chat_prompt(tokenizer, turns: list[dict[str, str]]) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     # No chat template (the tiny story models): a plain transcript ending with the assistant's turn.
-    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
+    return "".join(f"{m['role']}: {m['content']}\n" for m in turns) + "assistant:"
 
 
 _HEALTH_STALL_S = 120.0
 
 
 class _Generation:
-    """One request's generation, run on a worker thread and handed to the event loop piece by
-    piece. Setting ``cancel`` stops it after the current decoding round (or before it starts,
-    while it waits its turn)."""
+    """One request's work, run on a worker thread and handed to the event loop piece by piece.
+    Setting ``cancel`` stops it after the current decoding round (or before it starts, while it
+    waits its turn); past ``deadline`` (monotonic seconds) it stops the same way and ends with
+    ``timeout``."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.cancel = threading.Event()
+        self.deadline = deadline
+        self.timed_out = False
 
     def put(self, kind: str, value: Any = None) -> None:
         try:
@@ -214,77 +312,153 @@ class _Generation:
 
 
 class _Scheduler:
-    """One generation at a time (the models hold one KV cache each), each on its own daemon
-    thread. The lock is held by that thread only while it decodes, never across a network write,
-    so a client that disconnects cannot keep it; ``closing`` cancels everything at shutdown."""
+    """One generation at a time (the models hold one KV cache each), each request on its own
+    daemon thread. The lock is held by that thread only while it decodes — never across a network
+    write or a cloud call — so a client that disconnects, or a slow cloud, cannot keep it.
 
-    def __init__(self, pipe: Pipeline, stall_seconds: float):
+    At most ``max_queue`` admitted requests wait for the models; :meth:`admit` refuses the next
+    (``queue_full``: the server answers 429 with Retry-After). A request that has not finished
+    ``request_timeout_s`` after admission is cancelled (``timeout``: 504). ``draining`` (shutdown
+    began) refuses new and queued requests (503) while running ones finish; ``closing`` (the
+    grace period is over) cancels what still runs."""
+
+    def __init__(self, pipe: Pipeline, stall_seconds: float, max_queue: int = 64, request_timeout_s: float = 600.0):
         self.pipe = pipe
         self.stall_seconds = stall_seconds
+        self.max_queue = max_queue
+        self.request_timeout_s = request_timeout_s
         self.lock = threading.Lock()
         self.closing = threading.Event()
-        self.waiting = 0
+        self.draining = threading.Event()
         self.counts = threading.Lock()
+        self.waiting = 0  # admitted, waiting for the models
+        self.in_flight = 0  # admitted, not finished (waiting, decoding, or asking the cloud)
         self.active_since: float | None = None
         self.last_progress: float | None = None
         self.cancelled = 0
+        self.timed_out = 0
+        self.refused: dict[str, int] = {"queue_full": 0, "shutting_down": 0}
+        self.busy_seconds = 0.0  # the models' time, over `served` requests: Retry-After's estimate
+        self.served = 0
 
-    def start(self, ids: list[int], kw: dict[str, Any], stop: list[str] | None, metrics: Metrics) -> _Generation:
-        gen = _Generation()
+    def admit(self) -> str | None:
+        """Take a request in (None) or say why not: ``queue_full`` or ``shutting_down``."""
+        with self.counts:
+            if self.draining.is_set() or self.closing.is_set():
+                why = "shutting_down"
+            elif self.waiting >= self.max_queue:
+                why = "queue_full"
+            else:
+                self.waiting += 1
+                self.in_flight += 1
+                return None
+            self.refused[why] += 1
+            return why
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has room, by the mean time a request held the models."""
+        with self.counts:
+            mean = self.busy_seconds / self.served if self.served else 1.0
+            return max(1, min(60, math.ceil(mean * max(1, self.waiting - self.max_queue + 1))))
+
+    def start(self, locked: Callable[..., Any], unlocked: Callable[[Any], Any] | None = None) -> _Generation:
+        """Run ``locked(should_stop, emit)`` while holding the models (``emit(text)`` streams a
+        piece), then ``unlocked(value)`` without them; the generation ends with ``("end", value)``.
+        The caller has been admitted."""
+        gen = _Generation(time.monotonic() + self.request_timeout_s)
         threading.Thread(
-            target=self._work, args=(gen, ids, kw, stop, metrics), name="kibidango-generate", daemon=True
+            target=self._work, args=(gen, locked, unlocked), name="kibidango-generate", daemon=True
         ).start()
         return gen
 
     def _stopped(self, gen: _Generation) -> bool:
-        self.last_progress = time.monotonic()  # asked once per decoding round
-        return gen.cancel.is_set() or self.closing.is_set()
+        self.last_progress = now = time.monotonic()  # asked once per decoding round
+        if now > gen.deadline:
+            gen.timed_out = True
+        return gen.timed_out or gen.cancel.is_set() or self.closing.is_set()
 
-    def _work(
-        self, gen: _Generation, ids: list[int], kw: dict[str, Any], stop: list[str] | None, metrics: Metrics
-    ) -> None:
-        with self.counts:
-            self.waiting += 1
+    def _work(self, gen: _Generation, locked, unlocked) -> None:
+        try:
+            self._run(gen, locked, unlocked)
+        finally:
+            with self.counts:
+                self.in_flight -= 1
+
+    def _run(self, gen: _Generation, locked, unlocked) -> None:
         try:
             while not self.lock.acquire(timeout=0.05):
-                if gen.cancel.is_set() or self.closing.is_set():
+                why = None
+                if gen.cancel.is_set():
+                    why = "cancelled"
+                elif self.draining.is_set() or self.closing.is_set():
+                    why = "shutting_down"
+                elif time.monotonic() > gen.deadline:
+                    why = "timeout"
+                if why is not None:
                     with self.counts:
-                        self.cancelled += 1
-                    gen.put("end")
+                        if why == "cancelled":
+                            self.cancelled += 1
+                        elif why == "timeout":
+                            self.timed_out += 1
+                        else:
+                            self.refused[why] += 1
+                    gen.put(why)
                     return
         finally:
             with self.counts:
                 self.waiting -= 1
+        started = time.monotonic()
         try:
-            self.active_since = self.last_progress = time.monotonic()
-            for piece in self.pipe.stream(
-                ids, stop=stop, metrics=metrics, should_stop=lambda: self._stopped(gen), **kw
-            ):
-                gen.put("text", piece)
-            if metrics.finish_reason == "cancelled":
-                with self.counts:
-                    self.cancelled += 1
-            gen.put("end")
+            self.active_since = self.last_progress = started
+            value = locked(lambda: self._stopped(gen), lambda piece: gen.put("text", piece))
         except (ContextLengthError, ValueError) as e:
             gen.put("error", e)
+            return
         except Exception as e:  # a bug: logged here with its traceback, never sent to the client
             log.exception("generation failed")
             gen.put("crash", e)
+            return
         finally:
             self.active_since = None
             self.lock.release()
+            with self.counts:
+                self.busy_seconds += time.monotonic() - started
+                self.served += 1
+        if gen.timed_out:
+            with self.counts:
+                self.timed_out += 1
+            gen.put("timeout")
+            return
+        if gen.cancel.is_set() or self.closing.is_set():
+            with self.counts:
+                self.cancelled += 1
+            gen.put("end", value)
+            return
+        if unlocked is not None:
+            try:
+                value = unlocked(value)
+            except Exception as e:
+                log.exception("the request's cloud phase failed")
+                gen.put("crash", e)
+                return
+        gen.put("end", value)
 
     def health(self) -> tuple[int, dict[str, Any]]:
         now = time.monotonic()
         active, last = self.active_since, self.last_progress
-        body: dict[str, Any] = {"status": "ok", "generating": active is not None, "waiting": self.waiting}
+        body: dict[str, Any] = {
+            "status": "ok",
+            "generating": active is not None,
+            "waiting": self.waiting,
+            "in_flight": self.in_flight,
+        }
         if active is not None and last is not None:
             body["generating_for_s"] = round(now - active, 3)
             body["no_progress_for_s"] = round(now - last, 3)
             if now - last > self.stall_seconds:
                 body["status"] = "wedged"
                 return 503, body
-        if self.closing.is_set():
+        if self.closing.is_set() or self.draining.is_set():
             body["status"] = "shutting down"
             return 503, body
         return 200, body
@@ -348,9 +522,19 @@ def create_app(
     max_tokens_limit: int = 1024,
     max_request_bytes: int = 4 << 20,
     stall_seconds: float = _HEALTH_STALL_S,
+    cascade: CascadePipeline | None = None,
+    memory: SessionMemory | None = None,
+    max_queue: int = 64,
+    request_timeout_s: float = 600.0,
 ):
     """The FastAPI app. ``stall_seconds``: a generation that makes no progress for this long turns
-    ``/health`` to 503 ("wedged"), so a supervisor can restart the server."""
+    ``/health`` to 503 ("wedged"), so a supervisor can restart the server. ``cascade``: requests
+    for the model ``<model_name>-cascade`` go through it (tier, confidence, cost and budget left in
+    the response's ``kibidango.cascade``). ``memory``: chat requests with a session id (the
+    ``session_id`` field or the ``X-Session-Id`` header) get the session's last exchanges as
+    context. ``max_queue``: requests waiting for the models beyond it are refused (429 +
+    Retry-After); ``request_timeout_s``: a request not done this long after it came is cancelled
+    (504)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -359,7 +543,9 @@ def create_app(
     from starlette.exceptions import HTTPException
 
     stats = _Stats()
-    scheduler = _Scheduler(pipe, stall_seconds)
+    scheduler = _Scheduler(pipe, stall_seconds, max_queue, request_timeout_s)
+    cascade_name = f"{model_name}-cascade" if cascade is not None else None
+    served = [model_name] + ([cascade_name] if cascade_name else [])
 
     @asynccontextmanager
     async def lifespan(app):
@@ -368,6 +554,7 @@ def create_app(
 
     app = FastAPI(title="kibidango", version="0.1.0", lifespan=lifespan)
     app.state.scheduler = scheduler
+    app.state.stats = stats
     context = min(m.context_length for m in pipe.models.values())
     prompt_limit = min(max_prompt_tokens or context, context - 1)
     prompt_bytes_limit = prompt_limit * _max_token_bytes(pipe.tokenizer)
@@ -378,11 +565,33 @@ def create_app(
         param: str | None = None,
         kind: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
+        count: bool = True,
     ) -> JSONResponse:
-        stats.count_error()
+        if count:
+            stats.count_error()
         return JSONResponse(
-            {"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status
+            {"error": {"message": message, "type": kind, "param": param, "code": code}},
+            status_code=status,
+            headers=headers,
         )
+
+    def refuse(why: str) -> JSONResponse:
+        """A request the server cannot take now: 429 (queue full) or 503 (shutting down), both
+        with Retry-After; counted in kibidango_requests_refused_total, not as errors."""
+        wait = scheduler.retry_after()
+        if why == "queue_full":
+            message = f"the server is at its limit of {scheduler.max_queue} queued requests; retry after {wait} s"
+            return error(
+                429,
+                message,
+                kind="server_overloaded",
+                code="queue_full",
+                headers={"Retry-After": str(wait)},
+                count=False,
+            )
+        return error(503, "the server is shutting down; retry on another replica", kind="server_unavailable",
+                     code="shutting_down", headers={"Retry-After": str(wait)}, count=False)  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -409,10 +618,10 @@ def create_app(
         return error(500, f"internal error (reference {ref}; the server log has the details)", kind="server_error")
 
     def prepare(req: _Decoding, prompt: str, query: str) -> tuple[list[int], dict[str, Any]] | JSONResponse:
-        if req.model is not None and req.model != model_name:
+        if req.model is not None and req.model not in served:
             return error(
                 404,
-                f"The model '{req.model}' does not exist; this server serves '{model_name}'",
+                f"The model '{req.model}' does not exist; this server serves {', '.join(repr(m) for m in served)}",
                 "model",
                 code="model_not_found",
             )
@@ -464,41 +673,70 @@ def create_app(
         kw["query"] = query
         return ids, kw
 
-    def finish(metrics: Metrics) -> dict:
-        stats.count(metrics)
+    def finish(metrics: Metrics, result: CascadeResult | None) -> dict:
+        stats.count(metrics, result)
         usage = {
             "prompt_tokens": metrics.prompt_tokens,
             "completion_tokens": metrics.generated_tokens,
             "total_tokens": metrics.prompt_tokens + metrics.generated_tokens,
         }
-        return {"usage": usage, "kibidango": metrics.to_dict()}
+        extra = metrics.to_dict()
+        if result is not None:
+            extra["cascade"] = {k: v for k, v in result.to_dict().items() if k != "local"}
+        return {"usage": usage, "kibidango": extra}
 
-    def failure(kind: str, exc: Exception) -> tuple[int, str, str]:
+    def outcome(
+        value: Any, metrics: Metrics, parts: list[str]
+    ) -> tuple[str, str | None, Metrics, CascadeResult | None]:
+        """(text, finish reason, metrics, cascade result) of a finished request."""
+        if isinstance(value, CascadeResult):
+            local = value.local.metrics
+            reason = local.finish_reason if value.tier in ("local", "validated") else "stop"
+            return value.text, reason, local, value
+        return "".join(parts), metrics.finish_reason, metrics, None
+
+    def failure(kind: str, exc: Any) -> JSONResponse:
         if kind == "error":
-            return 400, str(exc), "invalid_request_error"
-        return 500, "internal error during generation (the server log has the details)", "server_error"
+            return error(400, str(exc))
+        if kind == "timeout":
+            return error(504, f"the request did not finish within this server's {scheduler.request_timeout_s:g} s",
+                         kind="timeout", code="request_timeout")  # fmt: skip
+        if kind in ("shutting_down", "queue_full"):
+            return refuse(kind)
+        if kind == "cancelled":
+            return JSONResponse({"error": {"message": "cancelled", "type": "cancelled"}}, status_code=499)
+        return error(500, "internal error during generation (the server log has the details)", kind="server_error")
 
-    async def sse(gen: _Generation, metrics: Metrics, chunk) -> AsyncIterator[str]:
+    async def remember(session: str | None, query: str, text: str) -> None:
+        if memory is not None and session is not None and text:
+            await asyncio.to_thread(memory.add, session, query, text)
+
+    async def sse(gen: _Generation, metrics: Metrics, chunk, done) -> AsyncIterator[str]:
+        parts: list[str] = []
         try:
             while True:
                 kind, value = await gen.queue.get()
                 if kind == "text":
+                    parts.append(value)
                     yield f"data: {json.dumps(chunk(value, None))}\n\n"
                     continue
-                if kind in ("error", "crash"):
-                    stats.count_error()
-                    _, message, err_type = failure(kind, value)
-                    yield f"data: {json.dumps({'error': {'message': message, 'type': err_type, 'param': None, 'code': None}})}\n\n"
+                if kind == "end":
+                    text, reason, used, result = outcome(value, metrics, parts)
+                    if result is not None and text:  # the cascade's answer comes whole, once its tier is known
+                        yield f"data: {json.dumps(chunk(text, None))}\n\n"
+                    yield f"data: {json.dumps({**chunk('', reason), **finish(used, result)})}\n\n"
+                    await done(text)
                 else:
-                    yield f"data: {json.dumps({**chunk('', metrics.finish_reason), **finish(metrics)})}\n\n"
+                    body = json.loads(failure(kind, value).body)
+                    yield f"data: {json.dumps(body)}\n\n"
                 yield "data: [DONE]\n\n"
                 return
         finally:  # the client went away (Starlette cancels this generator) or the stream ended
             gen.cancel.set()
 
-    async def collect(gen: _Generation, request: Request) -> tuple[str, Any] | None:
-        """The whole text of a non-streamed generation, or None if the client disconnected
-        (then the generation is cancelled)."""
+    async def collect(gen: _Generation, request: Request) -> tuple[str, Any, list[str]] | None:
+        """How a non-streamed request ended (kind, value, text pieces), or None if the client
+        disconnected (then the generation is cancelled)."""
         parts: list[str] = []
         checked = time.monotonic()
         try:
@@ -513,10 +751,8 @@ def create_app(
                         return None
                 if kind == "text":
                     parts.append(value)
-                elif kind == "end":
-                    return "text", "".join(parts)
                 elif kind:
-                    return kind, value
+                    return kind, value, parts
         finally:
             gen.cancel.set()
 
@@ -529,27 +765,58 @@ def create_app(
     def models():
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kibidango"}],
+            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "kibidango"} for m in served],
         }
 
     @app.get("/metrics")
     def metrics():
-        return PlainTextResponse(
-            stats.prometheus(model_name, scheduler.cancelled, pipe.adapters.loads if pipe.adapters else 0),
-            media_type="text/plain; version=0.0.4",
-        )
+        text = stats.prometheus(model_name, scheduler.cancelled, pipe.adapters.loads if pipe.adapters else 0)
+        text += _scheduler_metrics(model_name, scheduler)
+        if cascade is not None:
+            text += stats.cascade_metrics(model_name, cascade)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    async def respond(request: Request, req: _Decoding, prompt: str, object_name: str, choice, query: str):
+    async def respond(
+        request: Request,
+        req: _Decoding,
+        prompt: str,
+        object_name: str,
+        choice,
+        query: str,
+        messages: list[dict[str, str]] | None = None,
+        session: str | None = None,
+    ):
         """The body of both endpoints: ``choice(text, finish_reason, streaming)`` builds one
-        choice of the endpoint's response or stream chunk; ``query`` is what the router reads."""
+        choice of the endpoint's response or stream chunk; ``query`` is what the router reads;
+        ``messages``: the conversation a cloud tier answers."""
         prepared = prepare(req, prompt, query)
         if isinstance(prepared, JSONResponse):
             return prepared
         ids, kw = prepared
+        why = scheduler.admit()
+        if why is not None:
+            return refuse(why)
         prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}[object_name]
-        head = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
+        name = req.model or model_name
+        head = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
         metrics = Metrics(kw.get("mode") or pipe.defaults.mode)
-        gen = scheduler.start(ids, kw, req.stop, metrics)
+        if name == cascade_name:
+
+            def locked(should_stop, emit):
+                return cascade.local(ids, messages=messages, should_stop=should_stop, stop=req.stop, **kw)
+
+            gen = scheduler.start(locked, cascade.escalate)
+        else:
+
+            def locked(should_stop, emit):
+                for piece in pipe.stream(ids, stop=req.stop, metrics=metrics, should_stop=should_stop, **kw):
+                    emit(piece)
+
+            gen = scheduler.start(locked)
+
+        async def done(text: str) -> None:
+            await remember(session, query, text)
+
         if req.stream:
 
             def chunk(text, reason):
@@ -559,22 +826,18 @@ def create_app(
                     "choices": [choice(text, reason, True)],
                 }
 
-            return StreamingResponse(sse(gen, metrics, chunk), media_type="text/event-stream")
-        outcome = await collect(gen, request)
-        if outcome is None:  # nobody to answer; 499 is what proxies log for this
+            return StreamingResponse(sse(gen, metrics, chunk, done), media_type="text/event-stream")
+        ended = await collect(gen, request)
+        if ended is None:  # nobody to answer; 499 is what proxies log for this
             return JSONResponse(
                 {"error": {"message": "client closed the request", "type": "cancelled"}}, status_code=499
             )
-        kind, value = outcome
-        if kind != "text":
-            status, message, err_type = failure(kind, value)
-            return error(status, message, kind=err_type)
-        return {
-            **head,
-            "object": object_name,
-            "choices": [choice(value, metrics.finish_reason, False)],
-            **finish(metrics),
-        }
+        kind, value, parts = ended
+        if kind != "end":
+            return failure(kind, value)
+        text, reason, used, result = outcome(value, metrics, parts)
+        await done(text)
+        return {**head, "object": object_name, "choices": [choice(text, reason, False)], **finish(used, result)}
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):
@@ -594,12 +857,46 @@ def create_app(
                 }
             return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
 
+        session = req.session_id or request.headers.get("x-session-id")
+        history: list[dict[str, str]] = []
+        if session is not None:
+            try:
+                SessionMemory.check_id(session)
+            except ValueError as e:
+                return error(400, str(e), "session_id")
+            if memory is None:
+                return error(400, "session_id: this server keeps no session memory", "session_id")
+            history = await asyncio.to_thread(memory.context, session)
+        turns = history + [{"role": m.role, "content": m.content} for m in req.messages]
         query = next((m.content for m in reversed(req.messages) if m.role == "user"), req.messages[-1].content)
-        prompt = _chat_prompt(pipe.tokenizer, req.messages)
-        return await respond(request, req, prompt, "chat.completion", choice, query)
+        prompt = _chat_prompt(pipe.tokenizer, turns)
+        return await respond(request, req, prompt, "chat.completion", choice, query, turns, session)
 
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes, on_refuse=stats.count_error)
     return app
+
+
+def _scheduler_metrics(model: str, scheduler: _Scheduler) -> str:
+    lines = [
+        "# HELP kibidango_queue_depth Requests waiting for the models.",
+        "# TYPE kibidango_queue_depth gauge",
+        f'kibidango_queue_depth{{model="{model}"}} {scheduler.waiting}',
+        "# TYPE kibidango_queue_limit gauge",
+        f'kibidango_queue_limit{{model="{model}"}} {scheduler.max_queue}',
+        "# HELP kibidango_requests_in_flight Requests taken in and not finished (queued, decoding or at the cloud).",
+        "# TYPE kibidango_requests_in_flight gauge",
+        f'kibidango_requests_in_flight{{model="{model}"}} {scheduler.in_flight}',
+        "# HELP kibidango_requests_refused_total Requests refused with 429 (queue full) or 503 (shutting down).",
+        "# TYPE kibidango_requests_refused_total counter",
+        *(
+            f'kibidango_requests_refused_total{{model="{model}",reason="{r}"}} {n}'
+            for r, n in scheduler.refused.items()
+        ),
+        "# HELP kibidango_requests_timed_out_total Requests cancelled at the server's request timeout (504).",
+        "# TYPE kibidango_requests_timed_out_total counter",
+        f'kibidango_requests_timed_out_total{{model="{model}"}} {scheduler.timed_out}',
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def serve(
@@ -615,9 +912,20 @@ def serve(
     expect_sha256: str | None = None,
     adapter: str = "auto",
     adapter_cache: int = 2,
+    cascade: str | None = None,
+    state_dir: str | None = None,
+    max_queue: int = 64,
+    request_timeout_s: float = 600.0,
+    shutdown_grace_s: float = 10.0,
     **overrides: Any,
 ) -> None:
+    """Serve a bundle. ``cascade``: a cascade config (a name, a file, or ``bundle`` for the
+    bundle's own 6C choice) served as ``<model>-cascade``, its budget ledger and the session
+    memory in ``state_dir``. On SIGTERM/SIGINT the server stops taking requests, refuses the
+    queued ones (503), gives running ones ``shutdown_grace_s`` to finish, then cancels them."""
     import uvicorn
+
+    from kibidango.state import default_state_dir
 
     # Loads the tiers of the default mode; a request may choose any mode those tiers serve
     # (a pyramid server also serves sd and ar).
@@ -630,6 +938,19 @@ def serve(
         adapter_cache=adapter_cache,
         **overrides,
     )
+    state = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    casc = None
+    if cascade is not None:
+        from kibidango.cascade import load_cascade
+
+        config = load_cascade(None if cascade == "bundle" else cascade, bundle=pipe.bundle)
+        casc = CascadePipeline(pipe, config, state)
+        left = casc.ledger.state().left_usd if casc.ledger is not None else None
+        log.warning(
+            f"cascade {config.source}: cloud {config.cloud.model if config.cloud else 'none'}"
+            + (f", ${left:.4f} of the budget left" if left is not None else "")
+        )
+    memory = SessionMemory(state)
     name = pipe.bundle.meta.get("preset", "kibidango") if pipe.bundle else "kibidango"
     app = create_app(
         pipe,
@@ -638,7 +959,19 @@ def serve(
         max_tokens_limit=max_tokens_limit,
         max_request_bytes=max_request_bytes,
         stall_seconds=stall_seconds,
+        cascade=casc,
+        memory=memory,
+        max_queue=max_queue,
+        request_timeout_s=request_timeout_s,
     )
-    # Open streams get 5 s to finish after SIGTERM; then they are cancelled, which cancels their
-    # generations (uvicorn's default waits for them however long they take).
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    scheduler = app.state.scheduler
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: drain first
+            scheduler.draining.set()
+            super().handle_exit(sig, frame)
+
+    # Open requests get shutdown_grace_s to finish after SIGTERM; then they are cancelled, which
+    # cancels their generations (uvicorn's default waits for them however long they take).
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace_s)
+    _Server(config).run()

@@ -16,7 +16,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["Database", "pid_alive"]
+__all__ = ["Database", "default_state_dir", "pid_alive"]
+
+
+def default_state_dir() -> Path:
+    """``$KIBIDANGO_STATE``, else ``$XDG_STATE_HOME/kibidango``, else ``~/.local/state/kibidango``."""
+    if os.environ.get("KIBIDANGO_STATE"):
+        return Path(os.environ["KIBIDANGO_STATE"]).expanduser()
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base).expanduser() / "kibidango"
 
 
 def pid_alive(pid: int) -> bool:
