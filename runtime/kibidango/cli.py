@@ -175,6 +175,33 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _loadtest(args: argparse.Namespace) -> None:
+    from kibidango.loadtest import format_load, run_load
+
+    prompts = [args.prompt]
+    if args.prompts:
+        from kibidango.bench import read_prompts
+
+        prompts = read_prompts(args.prompts)
+    bodies = [
+        {
+            "model": args.model,
+            "messages": [{"role": "user", "content": p}],
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+        }
+        for p in prompts
+    ]
+    result = run_load(
+        args.url.split(","), bodies, args.requests, args.concurrency, args.timeout, retry_refused=args.retry_refused
+    )
+    print(format_load(result))
+    if args.json:
+        print(json.dumps(result.summary()))
+    if result.lost:
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kibidango", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -252,6 +279,21 @@ def main(argv: list[str] | None = None) -> int:
     _adapter_args(srv)
     _pin_arg(srv)
     srv.set_defaults(func=_serve)
+
+    load = sub.add_parser("loadtest", help="a bounded load test of running servers: latency, throughput, none lost")
+    load.add_argument(
+        "--url", required=True, help="the server's root, e.g. http://127.0.0.1:8000 (comma list: round-robin)"
+    )
+    load.add_argument("--model", default=None, help="the model to ask for (e.g. kibidango-tiny-cascade)")
+    load.add_argument("--requests", type=int, default=64)
+    load.add_argument("--concurrency", type=int, default=8)
+    load.add_argument("--max-tokens", type=int, default=32)
+    load.add_argument("--prompt", default="Once upon a time")
+    load.add_argument("--prompts", help="a file of prompts (one per line, or JSONL with 'prompt'), round-robin")
+    load.add_argument("--timeout", type=float, default=120.0, help="a request with no answer by then counts as lost")
+    load.add_argument("--retry-refused", action="store_true", help="send a 429/503 again after its Retry-After")
+    load.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    load.set_defaults(func=_loadtest)
 
     args = parser.parse_args(argv)
     try:

@@ -44,7 +44,7 @@ from kibidango.memory import SessionMemory
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import TIERS, Metrics
 
-__all__ = ["create_app", "serve"]
+__all__ = ["create_app", "serve", "uvicorn_server"]
 
 log = logging.getLogger("kibidango.server")
 
@@ -964,14 +964,22 @@ def serve(
         max_queue=max_queue,
         request_timeout_s=request_timeout_s,
     )
-    scheduler = app.state.scheduler
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: drain first
-            scheduler.draining.set()
-            super().handle_exit(sig, frame)
-
     # Open requests get shutdown_grace_s to finish after SIGTERM; then they are cancelled, which
     # cancels their generations (uvicorn's default waits for them however long they take).
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace_s)
-    _Server(config).run()
+    uvicorn_server(config).run()
+
+
+def uvicorn_server(config):
+    """A uvicorn server for an app of :func:`create_app` that drains on SIGTERM/SIGINT: the
+    scheduler refuses what is queued (503) before uvicorn stops accepting and waits for the rest."""
+    import uvicorn
+
+    scheduler = config.app.state.scheduler
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            scheduler.draining.set()
+            super().handle_exit(sig, frame)
+
+    return _Server(config)

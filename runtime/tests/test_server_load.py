@@ -1,0 +1,149 @@
+"""The server under load: a real uvicorn server on 127.0.0.1 whose model is slowed down (every
+forward pass sleeps), driven by the load tester's real HTTP clients. A full queue is refused with
+429 and Retry-After, never a hang; no request is lost; a request past its timeout gets 504; SIGTERM
+refuses the queued requests (503) and lets the running one finish; session memory gives a chat its
+earlier exchanges; the cascade's model answers with its tier."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from kibidango import write_bundle
+from kibidango.loadtest import percentile, run_load
+from tests.conftest import STORIES, needs_stories
+from tests.slow_server import Server, wait_for
+
+CHAT = {"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    needs_stories()
+    root = tmp_path_factory.mktemp("load")
+    return write_bundle(
+        root / "bundle", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]}, preset="tiny"
+    )
+
+
+def _metric(base: str, name: str, labels: str = "") -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + "{") and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_a_full_queue_is_refused_with_retry_after_and_no_request_is_lost(bundle):
+    srv = Server(bundle, delay=0.02, max_queue=2)
+    try:
+        r = run_load(srv.base, CHAT, requests=24, concurrency=8)
+        assert r.lost == 0 and sum(r.outcomes.values()) == 24
+        assert set(r.outcomes) == {"200", "429"} and r.outcomes["429"] > 0, r.outcomes  # 8 clients, room for 3
+        assert r.refused_without_retry_after == 0
+        assert _metric(srv.base, "kibidango_requests_refused_total", 'reason="queue_full"') == r.outcomes["429"]
+        assert _metric(srv.base, "kibidango_queue_depth") == 0 and _metric(srv.base, "kibidango_queue_limit") == 2
+        # A well-behaved client waits its Retry-After and is answered in the end.
+        again = run_load(srv.base, CHAT, requests=24, concurrency=8, retry_refused=True, max_retries=20)
+        assert again.outcomes == {"200": 24} and again.retried > 0
+        s = again.summary()
+        assert s["p50_s"] <= s["p99_s"] and s["answered_per_s"] > 0
+    finally:
+        srv.stop()
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([3, 1, 2, 4], 50) == 2.5 and percentile([5], 99) == 5
+    assert percentile(list(range(101)), 99) == 99
+
+
+def test_a_request_past_its_timeout_gets_504_and_frees_the_models(bundle):
+    srv = Server(bundle, delay=0.1, request_timeout_s=1.0)
+    try:
+        long = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+        outcomes: list[int] = []
+        waiter = threading.Thread(
+            target=lambda: outcomes.append(httpx.post(f"{srv.base}/v1/completions", json=long, timeout=60).status_code)
+        )
+        waiter.start()
+        assert wait_for(lambda: srv.scheduler.active_since is not None, 10)
+        r = httpx.post(f"{srv.base}/v1/completions", json=long, timeout=60)  # waits in the queue, then its time is up
+        waiter.join(30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+        assert outcomes == [504] and srv.scheduler.timed_out == 2
+        assert _metric(srv.base, "kibidango_requests_timed_out_total") == 2
+        ok = httpx.post(f"{srv.base}/v1/completions", json={**long, "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_sigterm_refuses_the_queued_and_lets_the_running_finish(bundle):
+    srv = Server(bundle, delay=0.1, grace_s=20)
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, max_tokens: int) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0}
+        results[name] = httpx.post(f"{srv.base}/v1/completions", json=body, timeout=60)
+
+    threads = [threading.Thread(target=send, args=("running", 20))]
+    threads[0].start()
+    assert wait_for(lambda: srv.scheduler.active_since is not None, 10)
+    threads += [threading.Thread(target=send, args=(f"queued{i}", 20)) for i in range(2)]
+    for t in threads[1:]:
+        t.start()
+    assert wait_for(lambda: srv.scheduler.waiting == 2, 10)
+    srv.stop(timeout=30)
+    for t in threads:
+        t.join(30)
+    assert not srv.thread.is_alive()
+    assert results["running"].status_code == 200 and results["running"].json()["usage"]["completion_tokens"] == 20
+    for name in ("queued0", "queued1"):
+        assert results[name].status_code == 503 and results[name].headers["retry-after"].isdigit()
+        assert results[name].json()["error"]["code"] == "shutting_down"
+
+
+def test_session_memory_gives_a_chat_its_earlier_exchanges(bundle, tmp_path):
+    from kibidango.memory import SessionMemory
+
+    memory = SessionMemory(tmp_path, turns=2)
+    srv = Server(bundle, delay=0.0, memory=memory)
+    try:
+        url = f"{srv.base}/v1/chat/completions"
+        alone = httpx.post(url, json=CHAT, timeout=60).json()
+        first = httpx.post(url, json={**CHAT, "session_id": "s-1"}, timeout=60).json()
+        assert first["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]  # nothing remembered yet
+        second = httpx.post(url, json=CHAT, headers={"X-Session-Id": "s-1"}, timeout=60).json()
+        assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"]  # the first exchange came along
+        turns = memory.context("s-1")
+        assert [t["role"] for t in turns] == ["user", "assistant"] * 2
+        assert turns[1]["content"] == first["choices"][0]["message"]["content"]
+        for _ in range(2):
+            httpx.post(url, json={**CHAT, "session_id": "s-1"}, timeout=60)
+        assert len(memory.context("s-1")) == 4  # bounded: the last 2 exchanges
+        assert memory.context("other") == []
+        bad = httpx.post(url, json={**CHAT, "session_id": "../etc"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
+    finally:
+        srv.stop()
+
+
+def test_the_cascade_model_answers_with_its_tier(bundle, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from kibidango.pipeline import Pipeline
+    from kibidango.server import create_app
+
+    casc = Pipeline.from_config("local-only", bundle, state_dir=tmp_path, mode="ar")
+    with TestClient(create_app(casc.pipe, model_name="kibidango-tiny", cascade=casc)) as client:
+        names = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert names == ["kibidango-tiny", "kibidango-tiny-cascade"]
+        r = client.post("/v1/chat/completions", json={**CHAT, "model": "kibidango-tiny-cascade"}).json()
+        cascade = r["kibidango"]["cascade"]
+        assert cascade["tier"] == "local" and cascade["usd"] == 0 and cascade["flags"] == ["uncalibrated"]
+        plain = client.post("/v1/chat/completions", json=CHAT).json()
+        assert "cascade" not in plain["kibidango"]
+        assert r["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        text = client.get("/metrics").text
+        assert 'kibidango_cascade_requests_total{model="kibidango-tiny-cascade",tier="local"} 1' in text
