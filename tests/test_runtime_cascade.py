@@ -5,6 +5,11 @@ never overspent, the circuit breaker stops calling a failing cloud, and the key 
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from eval.shared_data import SHARED
@@ -134,3 +139,116 @@ def test_a_missing_key_answers_locally_and_no_key_ever_shows(pipe, proxy, tmp_pa
     r = casc.answer("Once upon a time", max_new_tokens=4)
     assert r.tier == "local" and r.flags[-1] == "no_key" and OPENAI_KEY_ENV in r.cloud.error
     assert key not in shown + repr(r.to_dict()) + r.cloud.error
+
+
+def _serve(bundle, port: int, config, state, env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port),
+         "--cascade", str(config), "--state-dir", str(state), "--shutdown-grace", "30"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _ready(base: str, proc: subprocess.Popen, seconds: float = 120) -> None:
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the server exited"
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{base} did not start")
+
+
+def _metrics(base: str) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_path):
+    """200 chat requests, 16 concurrent, over 2 server processes sharing one ledger; one server is
+    restarted (SIGTERM, drained, started again) mid-run, its clients waiting for it. The spend
+    stays within the limit, the ledger equals the sum of the costs the responses report, no
+    request is lost."""
+    import json
+    import os
+    import threading
+
+    import httpx
+
+    from kibidango.ledger import Ledger
+    from kibidango.loadtest import run_load
+    from methods.serving import free_port
+
+    limit = 0.1  # about 160 of the 200 answers: the budget runs out near the end
+    config = tmp_path / "cascade.json"
+    config.write_text(json.dumps({
+        "qualifier": {"threshold": 1.0 + 1e-6},  # every answer goes to the cloud until the budget is spent
+        "cloud": {"base_url": proxy.base_url, "model": "stories260K", "api_key_env": OPENAI_KEY_ENV,
+                  "usd_per_1k_prompt": 0.01, "usd_per_1k_completion": 0.02, "fallback_threshold": 1.0 + 1e-6,
+                  "budget_limit": limit, "budget_period": "total", "timeout_s": 20, "max_retries": 3,
+                  "max_tokens": 16},
+    }))  # fmt: skip
+    state = tmp_path / "state"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ports = [free_port(), free_port()]
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    procs = [_serve(pipe.bundle.root, p, config, state, env) for p in ports]
+    restarted = threading.Event()
+    at_restart: list[float] = []
+    try:
+        for base, proc in zip(bases, procs, strict=True):
+            _ready(base, proc)
+        proxy.script("500", "ok", "429", "ok", "500")  # a few faults on the way: retried
+
+        def restart_second(n: int) -> None:
+            if n != 20:
+                return
+            procs[1].send_signal(signal.SIGTERM)  # drains: running requests finish, queued ones get 503
+            assert procs[1].wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+            at_restart.append(Ledger(state, limit, "total").state().settled_usd)
+            procs[1] = _serve(pipe.bundle.root, ports[1], config, state, env)
+            _ready(bases[1], procs[1])
+            restarted.set()
+
+        (model,) = [m["id"] for m in httpx.get(f"{bases[0]}/v1/models").json()["data"] if m["id"].endswith("-cascade")]
+        bodies = [
+            {"model": model, "messages": [{"role": "user", "content": f"Once upon a time {i}"}], "max_tokens": 4}
+            for i in range(200)
+        ]
+        r = run_load(bases, bodies, requests=200, concurrency=16, timeout_s=120, retry_refused=True,
+                     max_retries=200, keep_bodies=True, progress=restart_second, failover=False)  # fmt: skip
+        assert r.outcomes == {"200": 200} and r.lost == 0, r.outcomes
+        assert restarted.is_set() and 0 < at_restart[0] < limit
+        cascades = [b["kibidango"]["cascade"] for b in r.bodies]
+        ledger = Ledger(state, limit, "total").state()
+        assert ledger.reserved_usd == 0
+        assert ledger.settled_usd <= limit  # to the cent, and below
+        assert ledger.settled_usd == pytest.approx(sum(c["usd"] for c in cascades), abs=1e-9)
+        tiers = {t: sum(c["tier"] == t for c in cascades) for t in ("cloud", "local")}
+        assert tiers["cloud"] > 100 and tiers["local"] > 0, tiers  # the budget ran out: local answers after
+        exhausted = [c for c in cascades if c["tier"] == "local"]
+        assert all(c["flags"][-1] == "budget_exhausted" for c in exhausted)
+        assert min(c["budget_left_usd"] for c in cascades) < 0.002  # what is left fits no worst case
+        assert sum(c["cloud_retries"].get("server_error", 0) for c in cascades) == 2
+        for base in bases:
+            m = _metrics(base)
+            name = f'model="{model}"'
+            assert m[f'kibidango_cloud_budget_spent_usd{{{name},period="total"}}'] == pytest.approx(ledger.settled_usd)
+            assert m[f'kibidango_cloud_budget_left_usd{{{name},period="total"}}'] == pytest.approx(ledger.left_usd)
+            assert m[f"kibidango_cloud_request_seconds_count{{{name}}}"] > 0  # the restarted one spent too
+            assert m[f'kibidango_queue_depth{{model="{model.removesuffix("-cascade")}"}}'] == 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)

@@ -87,10 +87,12 @@ def run_load(
     keep_bodies: bool = False,
     endpoint: str = "/v1/chat/completions",
     progress: Callable[[int], None] | None = None,
+    failover: bool = True,
 ) -> LoadResult:
     """``body``: the request (or a list, used round-robin); ``base_url``: the server's root
     (``http://127.0.0.1:8000``), or a list of them used round-robin. ``progress(n)`` is called as
-    the ``n``-th request ends. Returns when every request has ended."""
+    the ``n``-th request ends. ``failover``: a retried request goes to the next server (else to
+    the same one: a client pinned to its server). Returns when every request has ended."""
     if requests < 1 or concurrency < 1:
         raise ValueError("requests and concurrency are positive")
     urls = [base_url] if isinstance(base_url, str) else list(base_url)
@@ -107,7 +109,7 @@ def run_load(
         started = time.monotonic()
         tries = 0
         while True:
-            url = urls[(i + tries) % len(urls)].rstrip("/") + endpoint
+            url = urls[(i + (tries if failover else 0)) % len(urls)].rstrip("/") + endpoint
             req = urllib.request.Request(
                 url, data=data, headers={"Content-Type": "application/json", **(headers or {})}, method="POST"
             )
@@ -130,7 +132,7 @@ def run_load(
                 tries += 1
                 with lock:
                     result.retried += 1
-                time.sleep(_seconds(wait, 1.0 if len(urls) == 1 else 0.1))
+                time.sleep(_seconds(wait, 0.1 if failover and len(urls) > 1 else 0.5))
                 continue
             break
         with lock:
