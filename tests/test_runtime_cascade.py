@@ -141,6 +141,19 @@ def test_a_missing_key_answers_locally_and_no_key_ever_shows(pipe, proxy, tmp_pa
     assert key not in shown + repr(r.to_dict()) + r.cloud.error
 
 
+def test_a_prompt_past_the_local_context_goes_to_the_cloud(pipe, proxy, tmp_path):
+    from kibidango.backends.base import ContextLengthError
+    from kibidango.cascade import load_cascade
+    from kibidango.cascade_pipeline import CascadePipeline
+
+    long = "Once upon a time " * 200  # past stories260K's 512 tokens
+    casc = _cascade(pipe, proxy, tmp_path, qualifier=0.5, fallback=0.1)  # would accept any local answer
+    r = casc.answer(long, query="Once upon a time", max_new_tokens=4)
+    assert (r.tier, r.flags, r.local) == ("cloud", ["local_context"], None) and r.text and r.usd > 0
+    with pytest.raises(ContextLengthError):  # without a cloud there is no one else to ask
+        CascadePipeline(pipe, load_cascade("local-only"), tmp_path).answer(long, max_new_tokens=4)
+
+
 def _serve(bundle, port: int, config, state, env) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port),

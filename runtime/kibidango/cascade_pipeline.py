@@ -8,7 +8,8 @@ escalation detector's flag (6B) -> one of
   correction;
 - ``cloud``: below the fallback threshold: the cloud answers.
 
-When the cloud cannot answer — no key, the budget spent, the circuit breaker open, every retry
+A prompt longer than the local tiers' context goes to the cloud (flag ``local_context``). When
+the cloud cannot answer — no key, the budget spent, the circuit breaker open, every retry
 failed — the local answer is returned with the reason in ``flags`` (``degraded``,
 ``budget_exhausted``, ``no_key``): a request never fails because the cloud did. Every result
 says which tier answered, the confidence, what it cost and the budget left.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kibidango.backends.base import ContextLengthError
 from kibidango.cascade import CascadeConfig
 from kibidango.cloud import CloudClient, CloudReply
 from kibidango.ledger import Ledger
@@ -119,7 +121,15 @@ class CascadePipeline:
         if query is None:
             query = prompt if isinstance(prompt, str) else self.pipe.tokenizer.decode(prompt)
         budget = min(max_new_tokens or self.pipe.defaults.max_new_tokens, cfg.draft_max_tokens)
-        local = self.pipe.generate(prompt, query=query, max_new_tokens=budget, should_stop=should_stop, **kw)
+        messages = messages or [{"role": "user", "content": query}]
+        try:
+            local = self.pipe.generate(prompt, query=query, max_new_tokens=budget, should_stop=should_stop, **kw)
+        except ContextLengthError:
+            if self.client is None:
+                raise
+            # The local tiers cannot read it: the cloud answers (flag ``local_context``).
+            result = CascadeResult("", "local", None, None, 0.0, self._left(), ["local_context"])
+            return Draft(result, "answer", query, messages)
         confidence = local.metrics.confidence
         conf = confidence if confidence is not None else 1.0  # no calibrator: nothing says it is unsure
         p_fail = self.detector.p_fail(query, conf) if self.detector is not None else None
@@ -132,7 +142,7 @@ class CascadePipeline:
             result.flags.append("cancelled")
         elif self.client is not None and (conf < cfg.qualifier_threshold or flagged):
             action = "answer" if conf < cfg.cloud.fallback_threshold else "validate"
-        return Draft(result, action, query, messages or [{"role": "user", "content": query}])
+        return Draft(result, action, query, messages)
 
     def escalate(self, draft: Draft) -> CascadeResult:
         """The cloud's part, when the local phase asked for it: a correction check in the middle

@@ -690,7 +690,7 @@ def create_app(
     ) -> tuple[str, str | None, Metrics, CascadeResult | None]:
         """(text, finish reason, metrics, cascade result) of a finished request."""
         if isinstance(value, CascadeResult):
-            local = value.local.metrics
+            local = value.local.metrics if value.local is not None else metrics
             reason = local.finish_reason if value.tier in ("local", "validated") else "stop"
             return value.text, reason, local, value
         return "".join(parts), metrics.finish_reason, metrics, None

@@ -1,0 +1,269 @@
+"""``make eval-cascade``: the runtime's local/cloud cascade, as a bundle user runs it, on held-out
+queries, against the local-only and cloud-only baselines.
+
+- **Bundle**: the newest stage-X bundle in the workspace that ships 6C's cascade thresholds.
+- **Queries**: tasks of the samples stage 2G answered (GSM8K, MBPP, HumanEval, stage 0's general
+  held-out rows), drawn afresh: none that 2G calibrated on or 6C chose thresholds on, none that a
+  1B artifact mined (they may have been taught and trained on), none in stage 0's train split.
+  When stage 0's held-out general rows are used up (the tiny preset has 82), the general sample is
+  filled from self-instruct's human-written seed tasks (``shared/data/alpaca_seed``), which no
+  stage reads, less any whose text stage 0 holds.
+- **Cloud stand-in**: llama-cpp-python's OpenAI-compatible server on 127.0.0.1 serving the bench
+  family's target (26M parameters, converted to GGUF once, into the workspace's cache) at the
+  prices 6C used (the bundle's ``cascade.json``). It is not a frontier model: it writes simple
+  stories, and its answers to math and code are weak. The *mechanism* — tiers, ledger, cost per
+  query — is the runtime's own; the quality of the cloud tier is the stand-in's.
+- **Policies**, per query: *cascade* (``CascadePipeline`` with the bundle's thresholds: local
+  answer, cloud validation or cloud answer, under a budget ledger), *local-only* (the same local
+  answer the cascade's local phase produced: same pipeline, same greedy decoding), *cloud-only*
+  (the stand-in answers every query). Each final answer is judged by 2G's judges.
+
+Prints a table (tier split, judged quality, dollars per 1K queries) and writes
+``<workspace>/reports/eval-cascade.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from core.paths import home
+from core.store import ArtifactStore
+from eval.shared_data import SHARED
+
+KEY_ENV = "KIBIDANGO_EVAL_CLOUD_KEY"
+STAND_IN = SHARED / "models" / "bench-family" / "target"
+
+
+def _newest(store: ArtifactStore, stage: str, need: str | None = None) -> Path | None:
+    found = [
+        p
+        for p in store.artifacts(stage)
+        if need is None or need in json.loads((p / "manifest.json").read_text()).get("inputs", {})
+    ]
+    return max(found, key=lambda p: (p / "manifest.json").stat().st_mtime) if found else None
+
+
+def _manifest(p: Path) -> dict:
+    return json.loads((p / "manifest.json").read_text())
+
+
+def _ids(path: Path) -> set[str]:
+    if not path.is_file():
+        return set()
+    return {json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+
+
+def fresh_rows(cfg, data: Path, used: set[str], per_sample: int | None) -> list[dict]:
+    """Held-out tasks of 2G's samples that are not in ``used``: 2G's selection with another seed
+    and thrice the size, the used ones dropped, then each sample's size (or ``per_sample``)."""
+    from methods.failures import training_texts
+    from methods.training.chat import load_split
+    from stages.mine_failures import _select
+
+    wide = cfg.model_copy(
+        update={"seed": cfg.seed + 1000, "samples": [s.model_copy(update={"size": s.size * 3}) for s in cfg.samples]}
+    )
+    rows, _ = _select(wide, data, training_texts(load_split(data, "train")))
+    out, taken = [], {}
+    sizes = {s.name: per_sample or s.size for s in cfg.samples}
+    for r in rows:
+        if r["id"] in used or taken.get(r["sample"], 0) >= sizes[r["sample"]]:
+            continue
+        taken[r["sample"]] = taken.get(r["sample"], 0) + 1
+        out.append(r)
+    return out
+
+
+def seed_rows(n: int, data: Path, seed: int) -> list[dict]:
+    """``n`` general tasks from self-instruct's seed tasks (first instance each), none whose text is
+    in any stage-0 split; drawn by ``seed``."""
+    import random
+
+    from methods.failures import row_key, training_texts
+    from methods.judges import Task
+    from methods.training.chat import load_split, prompt_text
+
+    path = SHARED / "data" / "alpaca_seed" / "seed_tasks.jsonl"
+    if n < 1 or not path.is_file():
+        return []
+    seen = set().union(*(training_texts(load_split(data, split)) for split in ("train", "validation", "test")))
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        instance = rec["instances"][0]
+        instruction, input_ = rec["instruction"], instance["input"]
+        if row_key(instruction, input_) in seen:
+            continue
+        task = Task(f"alpaca_seed:{rec['id']}", prompt_text(instruction, input_), instance["output"])
+        rows.append({"id": task.id, "instruction": instruction, "input": input_, "task": task,
+                     "sample": "general", "source": "alpaca_seed", "domain": "general"})  # fmt: skip
+    return random.Random(seed).sample(rows, min(n, len(rows)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.cascade_eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", help="a bundle directory (default: the newest stage-X bundle with a cascade)")
+    parser.add_argument("--per-sample", type=int, help="queries per sample (default: 2G's sample sizes)")
+    parser.add_argument("--cloud-model", default=str(STAND_IN), help="the stand-in: a transformers dir or a GGUF")
+    parser.add_argument("--cloud-max-tokens", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    from kibidango.cascade import load_cascade
+    from kibidango.cascade_pipeline import CascadePipeline
+    from kibidango.cloud import CloudClient
+    from kibidango.ledger import Ledger
+    from kibidango.pipeline import Pipeline
+    from methods.failures import task_of
+    from methods.judges import make_judges
+    from methods.serving import llama_cpp_server
+    from methods.training.chat import TEMPLATE
+    from stages.calibrate import Config as CalibrationConfig
+    from stages.mine_failures import _public
+
+    store = ArtifactStore(home() / "store")
+    x = _newest(store, "X", need="cascade")
+    if args.bundle is None and x is None:
+        print("no stage-X bundle with a cascade in the workspace: run `make demo` first", file=sys.stderr)
+        return 1
+    bundle_dir = Path(args.bundle) if args.bundle else x / "bundle"
+    calibration = store.path("2G", _manifest(x)["inputs"]["calibration"]["key"])
+    g = _manifest(calibration)
+    cfg = CalibrationConfig(**g["config"])
+    data = store.path("0", g["inputs"]["data"]["key"]) / "dataset"
+    used = _ids(calibration / "answers.jsonl")
+    for mined in store.artifacts("1B"):
+        used |= _ids(mined / "answers.jsonl")
+    rows = fresh_rows(cfg, data, used, args.per_sample)
+    for s in cfg.samples:
+        if s.source == "stage0":
+            short = (args.per_sample or s.size) - sum(r["sample"] == s.name for r in rows)
+            rows += seed_rows(short, data, cfg.seed)
+    judges = make_judges(cfg.judges)
+    print(f"{len(rows)} held-out queries ({len(used)} used by 2G/6C or mined by 1B left out); bundle {bundle_dir}")
+
+    cloud_model = Path(args.cloud_model)
+    if cloud_model.is_dir():
+        from methods.llama_cpp_tools import convert_hf_to_gguf
+
+        gguf = home() / "cache" / "eval-cascade" / f"{cloud_model.name}.f16.gguf"
+        if not gguf.is_file():
+            gguf.parent.mkdir(parents=True, exist_ok=True)
+            print(f"converting {cloud_model} to GGUF (once): {gguf}")
+            convert_hf_to_gguf(cloud_model, gguf, "f16")
+        cloud_model = gguf
+
+    key = "kbd-eval-" + os.urandom(8).hex()
+    os.environ[KEY_ENV] = key
+    served = {"stand-in": {"model": cloud_model, "chat_format": "alpaca"}}
+    with tempfile.TemporaryDirectory(prefix="kbd-eval-cascade-") as tmp, llama_cpp_server(served, api_key=key) as base:
+        pipe = Pipeline.from_bundle(bundle_dir)
+        connection = Path(tmp) / "cloud.json"
+        connection.write_text(
+            json.dumps(
+                {
+                    "cloud": {
+                        "base_url": base,
+                        "model": "stand-in",
+                        "api_key_env": KEY_ENV,
+                        "budget_limit": 100.0,
+                        "budget_period": "total",
+                        "max_tokens": args.cloud_max_tokens,
+                        "timeout_s": 120,
+                    }
+                }
+            )
+        )
+        config = load_cascade(connection, bundle=pipe.bundle)  # 6C's thresholds and prices, the stand-in's address
+        cascade = CascadePipeline(pipe, config, Path(tmp) / "cascade")
+        cloud_only = CloudClient(config.cloud, Ledger(Path(tmp) / "cloud-only", 100.0, "total"))
+        records = []
+        started = time.monotonic()
+        for i, row in enumerate(rows, 1):
+            query = row["task"].prompt
+            turns = [{"role": "user", "content": query}]
+            ids = list(
+                pipe.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False)
+            )
+            r = cascade.answer(ids, query=query, max_new_tokens=cfg.max_new_tokens)
+            c = cloud_only.chat(turns)
+            judge = judges[row["domain"]]
+            task = task_of(_public(row))
+            verdicts = {
+                "cascade": judge(task, r.text).passed,
+                "local": r.local is not None and judge(task, r.local.text).passed,  # None: past its context
+                "cloud": c.text is not None and judge(task, c.text).passed,
+            }
+            records.append(
+                {
+                    "id": row["id"],
+                    "sample": row["sample"],
+                    "domain": row["domain"],
+                    "tier": r.tier,
+                    "flags": r.flags,
+                    "confidence": r.confidence,
+                    "cascade_usd": r.usd,
+                    "cloud_usd": c.usd,
+                    "cloud_status": c.status,
+                    "passed": {k: bool(v) for k, v in verdicts.items()},
+                }
+            )
+            if i % 10 == 0 or i == len(rows):
+                print(f"  {i}/{len(rows)} queries, {time.monotonic() - started:.0f} s", flush=True)
+
+    report = _report(records, config, bundle_dir, cloud_model)
+    out = args.out or home() / "reports" / "eval-cascade.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**report, "queries": records}, indent=2))
+    print(_table(report))
+    print(f"written: {out}")
+    return 0
+
+
+def _report(records: list[dict], config, bundle_dir: Path, cloud_model: Path) -> dict:
+    n = len(records)
+    tiers = {t: sum(r["tier"] == t for r in records) / n for t in ("local", "validated", "corrected", "cloud")}
+    return {
+        "command": "make eval-cascade",
+        "bundle": str(bundle_dir),
+        "cloud_stand_in": str(cloud_model),
+        "prices": {"usd_per_1k_prompt": config.cloud.usd_per_1k_prompt, "usd_per_1k_completion": config.cloud.usd_per_1k_completion},
+        "thresholds": {"qualifier": config.qualifier_threshold, "fallback": config.cloud.fallback_threshold,
+                       "router": config.router_threshold, "use_detector": config.use_detector},
+        "queries": n,
+        "by_sample": {s: sum(r["sample"] == s for r in records) for s in dict.fromkeys(r["sample"] for r in records)},
+        "cascade": {"tiers": tiers, "quality": sum(r["passed"]["cascade"] for r in records) / n,
+                    "usd_per_1k_queries": 1000 * sum(r["cascade_usd"] for r in records) / n,
+                    "degraded": sum("degraded" in r["flags"] for r in records)},
+        "local_only": {"quality": sum(r["passed"]["local"] for r in records) / n, "usd_per_1k_queries": 0.0},
+        "cloud_only": {"quality": sum(r["passed"]["cloud"] for r in records) / n,
+                       "usd_per_1k_queries": 1000 * sum(r["cloud_usd"] for r in records) / n,
+                       "failed_calls": sum(r["cloud_status"] != "ok" for r in records)},
+    }  # fmt: skip
+
+
+def _table(r: dict) -> str:
+    c, tiers = r["cascade"], r["cascade"]["tiers"]
+    split = ", ".join(f"{t} {v:.1%}" for t, v in tiers.items() if v)
+    return "\n".join(
+        [
+            f"{r['queries']} held-out queries ({', '.join(f'{k} {v}' for k, v in r['by_sample'].items())}); "
+            f"cloud stand-in {Path(r['cloud_stand_in']).name} at ${r['prices']['usd_per_1k_prompt']}/"
+            f"${r['prices']['usd_per_1k_completion']} per 1K prompt/completion tokens",
+            "| policy | tier split | judged quality | $ per 1K queries |",
+            "| --- | --- | ---: | ---: |",
+            f"| cascade (bundle's 6C thresholds) | {split} | {c['quality']:.1%} | {c['usd_per_1k_queries']:.2f} |",
+            f"| local only | local 100% | {r['local_only']['quality']:.1%} | 0.00 |",
+            f"| cloud only (stand-in) | cloud 100% | {r['cloud_only']['quality']:.1%} | "
+            f"{r['cloud_only']['usd_per_1k_queries']:.2f} |",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
