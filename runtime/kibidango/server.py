@@ -25,6 +25,7 @@ the request's speculative-decoding metrics (and ``cascade``: tier, confidence, c
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -311,9 +312,58 @@ class _Generation:
             pass
 
 
+class _FifoLock:
+    """A lock granted in arrival order, so that under load every request waits about as long as
+    the queue ahead of it (a plain lock polled by many threads lets some wait far longer).
+    :meth:`enter` takes a ticket (an event set when the lock is granted); :meth:`withdraw` gives
+    up a ticket (passing the lock on if it was granted meanwhile); :meth:`release` passes it on."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._held = False
+        self._queue: collections.deque[threading.Event] = collections.deque()
+
+    def enter(self) -> threading.Event:
+        ticket = threading.Event()
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                ticket.set()
+            else:
+                self._queue.append(ticket)
+        return ticket
+
+    def withdraw(self, ticket: threading.Event) -> None:
+        with self._mutex:
+            if ticket.is_set():
+                self._pass_on()
+            else:
+                self._queue.remove(ticket)
+
+    def release(self) -> None:
+        with self._mutex:
+            self._pass_on()
+
+    def acquire(self, timeout: float = -1) -> bool:
+        ticket = self.enter()
+        if ticket.wait(None if timeout < 0 else timeout):
+            return True
+        with self._mutex:
+            if ticket.is_set():  # granted at the last moment
+                return True
+            self._queue.remove(ticket)
+        return False
+
+    def _pass_on(self) -> None:  # the mutex is held
+        if self._queue:
+            self._queue.popleft().set()
+        else:
+            self._held = False
+
+
 class _Scheduler:
     """One generation at a time (the models hold one KV cache each), each request on its own
-    daemon thread. The lock is held by that thread only while it decodes — never across a network
+    daemon thread, in arrival order. The lock is held by that thread only while it decodes — never across a network
     write or a cloud call — so a client that disconnects, or a slow cloud, cannot keep it.
 
     At most ``max_queue`` admitted requests wait for the models; :meth:`admit` refuses the next
@@ -327,7 +377,7 @@ class _Scheduler:
         self.stall_seconds = stall_seconds
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
-        self.lock = threading.Lock()
+        self.lock = _FifoLock()
         self.closing = threading.Event()
         self.draining = threading.Event()
         self.counts = threading.Lock()
@@ -385,8 +435,9 @@ class _Scheduler:
                 self.in_flight -= 1
 
     def _run(self, gen: _Generation, locked, unlocked) -> None:
+        ticket = self.lock.enter()
         try:
-            while not self.lock.acquire(timeout=0.05):
+            while not ticket.wait(0.05):
                 why = None
                 if gen.cancel.is_set():
                     why = "cancelled"
@@ -395,6 +446,7 @@ class _Scheduler:
                 elif time.monotonic() > gen.deadline:
                     why = "timeout"
                 if why is not None:
+                    self.lock.withdraw(ticket)
                     with self.counts:
                         if why == "cancelled":
                             self.cancelled += 1

@@ -147,3 +147,21 @@ def test_the_cascade_model_answers_with_its_tier(bundle, tmp_path):
         assert r["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
         text = client.get("/metrics").text
         assert 'kibidango_cascade_requests_total{model="kibidango-tiny-cascade",tier="local"} 1' in text
+
+
+def test_the_models_are_granted_in_arrival_order():
+    from kibidango.server import _FifoLock
+
+    lock = _FifoLock()
+    first = lock.enter()
+    waiting = [lock.enter() for _ in range(4)]
+    assert first.is_set() and not any(t.is_set() for t in waiting)
+    lock.withdraw(waiting[1])  # a cancelled waiter leaves the queue
+    order = []
+    for _ in range(3):
+        lock.release()
+        granted = [i for i, t in enumerate(waiting) if t.is_set() and i not in order]
+        order += granted
+    assert order == [0, 2, 3]
+    lock.withdraw(waiting[3])  # granted, then given up: the lock is free again
+    assert lock.acquire(timeout=0.1) and not lock.acquire(timeout=0.05)
