@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -154,12 +155,13 @@ def test_a_prompt_past_the_local_context_goes_to_the_cloud(pipe, proxy, tmp_path
         CascadePipeline(pipe, load_cascade("local-only"), tmp_path).answer(long, max_new_tokens=4)
 
 
-def _serve(bundle, port: int, config, state, env) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port),
-         "--cascade", str(config), "--state-dir", str(state), "--shutdown-grace", "30"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+def _serve(bundle, port: int, config, state, env, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port),
+             "--cascade", str(config), "--state-dir", str(state), "--shutdown-grace", "30"],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
 
 
 def _ready(base: str, proc: subprocess.Popen, seconds: float = 120) -> None:
@@ -214,9 +216,11 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
     }))  # fmt: skip
     state = tmp_path / "state"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    key = os.environ[OPENAI_KEY_ENV]
     ports = [free_port(), free_port()]
     bases = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = [_serve(pipe.bundle.root, p, config, state, env) for p in ports]
+    log = tmp_path / "servers.log"
+    procs = [_serve(pipe.bundle.root, p, config, state, env, log) for p in ports]
     restarted = threading.Event()
     at_restart: list[float] = []
     try:
@@ -230,7 +234,7 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
             procs[1].send_signal(signal.SIGTERM)  # drains: running requests finish, queued ones get 503
             assert procs[1].wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
             at_restart.append(Ledger(state, limit, "total").state().settled_usd)
-            procs[1] = _serve(pipe.bundle.root, ports[1], config, state, env)
+            procs[1] = _serve(pipe.bundle.root, ports[1], config, state, env, log)
             _ready(bases[1], procs[1])
             restarted.set()
 
@@ -261,7 +265,9 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
             assert m[f'kibidango_cloud_budget_left_usd{{{name},period="total"}}'] == pytest.approx(ledger.left_usd)
             assert m[f"kibidango_cloud_request_seconds_count{{{name}}}"] > 0  # the restarted one spent too
             assert m[f'kibidango_queue_depth{{model="{model.removesuffix("-cascade")}"}}'] == 0
+            assert key not in httpx.get(f"{base}/metrics").text
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(30)
+    assert key not in log.read_text(errors="replace") + json.dumps(r.bodies)  # the servers' logs, the responses
