@@ -5,6 +5,7 @@ never overspent, the circuit breaker stops calling a failing cloud, and the key 
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -140,6 +141,19 @@ def test_a_missing_key_answers_locally_and_no_key_ever_shows(pipe, proxy, tmp_pa
     r = casc.answer("Once upon a time", max_new_tokens=4)
     assert r.tier == "local" and r.flags[-1] == "no_key" and OPENAI_KEY_ENV in r.cloud.error
     assert key not in shown + repr(r.to_dict()) + r.cloud.error
+
+
+def test_a_cloud_that_refuses_connections_is_retried_then_answered_locally(pipe, proxy, tmp_path):
+    from methods.serving import free_port
+
+    casc = _cascade(pipe, proxy, tmp_path, max_retries=2)
+    casc.client.cfg = type(casc.client.cfg)(
+        **{**casc.client.cfg.__dict__, "base_url": f"http://127.0.0.1:{free_port()}/v1"}
+    )
+    r = casc.answer("Once upon a time", max_new_tokens=4)
+    assert (r.tier, r.flags[-1], r.usd) == ("local", "degraded", 0.0)
+    assert r.cloud.retries["connection"] == 3 and r.cloud.attempts == 3  # nothing was sent: nothing charged
+    assert casc.ledger.state().settled_usd == 0 and casc.ledger.state().reserved_usd == 0
 
 
 def test_a_prompt_past_the_local_context_goes_to_the_cloud(pipe, proxy, tmp_path):
