@@ -147,9 +147,8 @@ def test_a_cloud_that_refuses_connections_is_retried_then_answered_locally(pipe,
     from methods.serving import free_port
 
     casc = _cascade(pipe, proxy, tmp_path, max_retries=2)
-    casc.client.cfg = type(casc.client.cfg)(
-        **{**casc.client.cfg.__dict__, "base_url": f"http://127.0.0.1:{free_port()}/v1"}
-    )
+    nobody = f"http://127.0.0.1:{free_port()}/v1"
+    casc.client.cfg = dataclasses.replace(casc.client.cfg, base_url=nobody)
     r = casc.answer("Once upon a time", max_new_tokens=4)
     assert (r.tier, r.flags[-1], r.usd) == ("local", "degraded", 0.0)
     assert r.cloud.retries["connection"] == 3 and r.cloud.attempts == 3  # nothing was sent: nothing charged
