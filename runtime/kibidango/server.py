@@ -40,7 +40,7 @@ from fastapi import Request  # the server extra; this module is imported only to
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kibidango.backends.base import ContextLengthError
-from kibidango.cascade_pipeline import CascadePipeline, CascadeResult
+from kibidango.cascade_pipeline import CascadePipeline, CascadeResult, Draft
 from kibidango.memory import SessionMemory
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import TIERS, Metrics
@@ -741,6 +741,8 @@ def create_app(
         value: Any, metrics: Metrics, parts: list[str]
     ) -> tuple[str, str | None, Metrics, CascadeResult | None]:
         """(text, finish reason, metrics, cascade result) of a finished request."""
+        if isinstance(value, Draft):  # cancelled after the local phase: the cloud was not asked
+            value = value.result
         if isinstance(value, CascadeResult):
             local = value.local.metrics if value.local is not None else metrics
             reason = local.finish_reason if value.tier in ("local", "validated") else "stop"
