@@ -61,14 +61,13 @@ def _ids(path: Path) -> set[str]:
 def fresh_rows(cfg, data: Path, used: set[str], per_sample: int | None) -> list[dict]:
     """Held-out tasks of 2G's samples that are not in ``used``: 2G's selection with another seed
     and thrice the size, the used ones dropped, then each sample's size (or ``per_sample``)."""
-    from methods.failures import training_texts
+    from methods.failures import select_tasks, training_texts
     from methods.training.chat import load_split
-    from stages.mine_failures import _select
 
     wide = cfg.model_copy(
         update={"seed": cfg.seed + 1000, "samples": [s.model_copy(update={"size": s.size * 3}) for s in cfg.samples]}
     )
-    rows, _ = _select(wide, data, training_texts(load_split(data, "train")))
+    rows, _ = select_tasks(wide, data, training_texts(load_split(data, "train")))
     out, taken = [], {}
     sizes = {s.name: per_sample or s.size for s in cfg.samples}
     for r in rows:
@@ -119,12 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     from kibidango.cloud import CloudClient
     from kibidango.ledger import Ledger
     from kibidango.pipeline import Pipeline
-    from methods.failures import task_of
+    from methods.failures import task_of, task_record
     from methods.judges import make_judges
     from methods.serving import llama_cpp_server
     from methods.training.chat import TEMPLATE
     from stages.calibrate import Config as CalibrationConfig
-    from stages.mine_failures import _public
 
     store = ArtifactStore(home() / "store")
     x = _newest(store, "X", need="cascade")
@@ -193,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             r = cascade.answer(ids, query=query, max_new_tokens=cfg.max_new_tokens)
             c = cloud_only.chat(turns)
             judge = judges[row["domain"]]
-            task = task_of(_public(row))
+            task = task_of(task_record(row))
             verdicts = {
                 "cascade": judge(task, r.text).passed,
                 "local": r.local is not None and judge(task, r.local.text).passed,  # None: past its context

@@ -12,7 +12,9 @@ is.
 - :func:`severity`: domain weight x how wrong (1 - judge score) x how sure the student was;
 - :data:`FAILURES` and :func:`failure_rate`: what counts as a failure, and the rate over verdicts;
 - :func:`read_jsonl` and :func:`mined_judges`: what the downstream stages (1C, 1D, 1R, 3-5) read
-  of their inputs.
+  of their inputs;
+- :func:`select_tasks`, :func:`task_record`, :func:`verdict_record`: the held-out tasks a sample
+  takes and the JSON records of a task and a verdict (1B, 2G and ``make eval-cascade``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from core.contract import KibidangoError
-from methods.benchmarks import unit_hash
+from methods.benchmarks import load_tasks, unit_hash
 from methods.journal import Journal
+from methods.judges import Task
+from methods.training.chat import load_split, prompt_text
 
 __all__ = [
     "FAILURES",
@@ -36,8 +40,11 @@ __all__ = [
     "read_jsonl",
     "row_key",
     "sample",
+    "select_tasks",
     "severity",
     "task_of",
+    "task_record",
+    "verdict_record",
     "training_texts",
 ]
 
@@ -143,3 +150,73 @@ def severity(score: float, confidence: float, domain_weight: float, confidence_w
     a failure the judge scored lower, that the student wrote with more confidence (it does not
     know it is wrong: what retraining and calibration most need), in a domain that matters more."""
     return domain_weight * (1.0 - score) * ((1.0 - confidence_weight) + confidence_weight * confidence)
+
+
+def select_tasks(cfg, data: Path, seen: set[str]) -> tuple[list[dict], dict[str, int]]:
+    """The held-out tasks of ``cfg.samples`` (1B's sample form: stage-0 held-out splits
+    ``cfg.held_out_splits`` or benchmark files), ``cfg.seed`` choosing which, in a fixed order; and
+    per sample how many were left out as seen in training (``seen``: :func:`training_texts`)."""
+    rows: list[dict] = []
+    excluded: dict[str, int] = {}
+    taken: set[str] = set()
+    for s in cfg.samples:
+        if s.source == "stage0":
+            pool = []
+            for split in cfg.held_out_splits:
+                for r in load_split(data, split, s.sample_domain):
+                    if not r["instruction"]:  # a plain text (a story) is no task to answer
+                        continue
+                    task = Task(r["id"], prompt_text(r["instruction"], r["input"]), r["output"])
+                    pool.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": task})
+            excluded[s.name] = 0
+        else:
+            if not Path(s.path).is_file():
+                log.warning(f"sample {s.name!r}: {s.path} is absent; skipped (optional)")
+                continue
+            pool, excluded[s.name] = [], 0
+            for bt in load_tasks(s.source, s.path, "mining"):
+                instruction, input_ = bt.instruction()
+                if row_key(instruction, input_) in seen:
+                    excluded[s.name] += 1  # curated into training by stage 0: not held out
+                    continue
+                pool.append({"id": bt.id, "instruction": instruction, "input": input_, "task": bt.task})
+        chosen = [r for r in sample(pool, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in taken][: s.size]
+        if len(chosen) < s.size:
+            log.warning(f"sample {s.name!r}: {len(chosen)} held-out rows, fewer than its size {s.size}")
+        for r in chosen:
+            taken.add(r["id"])
+            rows.append({**r, "sample": s.name, "source": s.source, "domain": s.sample_domain})
+    return rows, excluded
+
+
+def task_record(row: dict) -> dict:
+    """The JSON fields of a selected task (:func:`select_tasks`): what later stages judge by."""
+    t = row["task"]
+    return {
+        "id": row["id"],
+        "sample": row["sample"],
+        "source": row["source"],
+        "domain": row["domain"],
+        "prompt": t.prompt,
+        "instruction": row["instruction"],
+        "input": row["input"],
+        "reference": t.reference,
+        # the task itself, so that later stages (1D) judge new answers without the source files
+        "tests": list(t.tests),
+        "entry_point": t.entry_point or "",
+        "setup": t.setup,
+    }
+
+
+def verdict_record(v, kind: str) -> dict:
+    """The JSON fields of a judge's verdict."""
+    return {
+        "outcome": v.outcome,
+        "passed": bool(v.passed),
+        "score": float(v.score),
+        "reason": v.reason,
+        "judge": kind,
+        "judge_seconds": float(v.cost),
+        "judge_usd": float(v.details.get("usd", 0.0)),
+        "retryable": bool(v.details.get("retryable", False)),
+    }

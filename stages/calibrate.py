@@ -40,12 +40,11 @@ from kibidango.confidence import ANSWER_FEATURES, Calibrator
 from kibidango.router import Router
 from methods.benchmarks import unit_hash
 from methods.calibration import auroc, brier, ece, fit_logistic, fit_temperature, reliability_plot, token_confidence
-from methods.failures import RowLog, training_texts
+from methods.failures import RowLog, select_tasks, task_record, training_texts, verdict_record
 from methods.judges import make_judges
 from methods.measure.generate import ScoredAnswerer
 from methods.training.chat import encode, load_split, messages, prompt_text
 from stages.mine_failures import Config as MiningConfig
-from stages.mine_failures import _public, _select, _verdict
 
 NAME = "calibration"
 RESUMABLE = True
@@ -83,7 +82,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     temperature = tokens["torch"]["temperature"]
 
     seen = training_texts(load_split(data, "train"))
-    rows, _ = _select(cfg, data, seen)
+    rows, _ = select_tasks(cfg, data, seen)
     if not rows:
         raise KibidangoError("no held-out tasks to answer: every sample is absent or empty")
     table = _answers(cfg, rows, answerer, router, temperature, work_dir)
@@ -188,10 +187,12 @@ def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, wo
                 continue
             query = prompt_text(row["instruction"], row["input"])
             route, route_conf = router.route(query) if router is not None else ("base", None)
-            record = {**_public(row), "query": query, "route": route, "route_confidence": route_conf}
+            record = {**task_record(row), "query": query, "route": route, "route_confidence": route_conf}
             record["split"] = "fit" if _fit_half(row["id"], cfg.fit_share) else "eval"
             # The gold answer judged like the model's: the cloud stand-in of stage 6C's sweep.
-            reference = _verdict(judges[row["domain"]](row["task"], row["task"].reference), judges[row["domain"]].kind)
+            reference = verdict_record(
+                judges[row["domain"]](row["task"], row["task"].reference), judges[row["domain"]].kind
+            )
             record["reference_passed"] = reference["passed"]
             record["query_tokens"] = len(answerer.tokenizer(query)["input_ids"])
             record["reference_tokens"] = len(answerer.tokenizer(row["task"].reference)["input_ids"])
@@ -202,7 +203,7 @@ def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, wo
                     continue
                 a, feats = answerer.answer(row["instruction"], row["input"], adapter, temperature)
                 verdict = judges[row["domain"]](row["task"], a.text)
-                judged = _verdict(verdict, judges[row["domain"]].kind)
+                judged = verdict_record(verdict, judges[row["domain"]].kind)
                 retryable |= judged["retryable"]
                 record[variant] = {
                     "adapter": adapter,

@@ -30,11 +30,11 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256
 from core.progress import Progress, report_metrics
-from methods.benchmarks import BENCHMARKS, load_tasks
-from methods.failures import RowLog, failure_rate, row_key, sample, training_texts
-from methods.judges import KINDS, Task, check_settings, make_judges
+from methods.benchmarks import BENCHMARKS
+from methods.failures import RowLog, failure_rate, select_tasks, task_record, training_texts, verdict_record
+from methods.judges import KINDS, check_settings, make_judges
 from methods.measure.generate import Answerer
-from methods.training.chat import load_split, prompt_text
+from methods.training.chat import load_split
 
 NAME = "failure-mining"
 RESUMABLE = True
@@ -114,7 +114,7 @@ def external_inputs(cfg: Config) -> dict[str, str]:
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     data = inputs["data"] / "dataset"
     seen = training_texts(load_split(data, "train"))
-    rows, excluded = _select(cfg, data, seen)
+    rows, excluded = select_tasks(cfg, data, seen)
     if not rows:
         raise KibidangoError("no held-out rows to test: every sample is absent or empty")
     judges = make_judges(cfg.judges)
@@ -154,7 +154,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
                 generated += 1
                 gen_seconds += a.seconds
             verdict = judge(row["task"], answer["answer"])
-            done.add({**_public(row), **answer, **_verdict(verdict, judge.kind)})
+            done.add({**task_record(row), **answer, **verdict_record(verdict, judge.kind)})
             progress.update(i)
             if generated and generated % 25 == 0:
                 report_metrics({"answers_done": len(done), "failure_rate_so_far": _failure_rate(done)[0]}, len(done))
@@ -181,72 +181,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         + f"; {generated:,} generated now, {done.resumed:,} resumed"
     )
     return StageResult(metrics, ["MINING_CARD.md", "mining.json"], summary, tables={"answers.json": "answers.jsonl"})
-
-
-def _select(cfg: Config, data: Path, seen: set[str]) -> tuple[list[dict], dict[str, int]]:
-    """The rows to test, in a fixed order, and per sample how many were left out as seen in training."""
-    rows: list[dict] = []
-    excluded: dict[str, int] = {}
-    taken: set[str] = set()
-    for s in cfg.samples:
-        if s.source == "stage0":
-            pool = []
-            for split in cfg.held_out_splits:
-                for r in load_split(data, split, s.sample_domain):
-                    if not r["instruction"]:  # a plain text (a story) is no task to answer
-                        continue
-                    task = Task(r["id"], prompt_text(r["instruction"], r["input"]), r["output"])
-                    pool.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": task})
-            excluded[s.name] = 0
-        else:
-            if not Path(s.path).is_file():
-                log.warning(f"sample {s.name!r}: {s.path} is absent; skipped (optional)")
-                continue
-            pool, excluded[s.name] = [], 0
-            for bt in load_tasks(s.source, s.path, "mining"):
-                instruction, input_ = bt.instruction()
-                if row_key(instruction, input_) in seen:
-                    excluded[s.name] += 1  # curated into training by stage 0: not held out
-                    continue
-                pool.append({"id": bt.id, "instruction": instruction, "input": input_, "task": bt.task})
-        chosen = [r for r in sample(pool, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in taken][: s.size]
-        if len(chosen) < s.size:
-            log.warning(f"sample {s.name!r}: {len(chosen)} held-out rows, fewer than its size {s.size}")
-        for r in chosen:
-            taken.add(r["id"])
-            rows.append({**r, "sample": s.name, "source": s.source, "domain": s.sample_domain})
-    return rows, excluded
-
-
-def _public(row: dict) -> dict:
-    t: Task = row["task"]
-    return {
-        "id": row["id"],
-        "sample": row["sample"],
-        "source": row["source"],
-        "domain": row["domain"],
-        "prompt": t.prompt,
-        "instruction": row["instruction"],
-        "input": row["input"],
-        "reference": t.reference,
-        # the task itself, so that later stages (1D) judge new answers without the source files
-        "tests": list(t.tests),
-        "entry_point": t.entry_point or "",
-        "setup": t.setup,
-    }
-
-
-def _verdict(v, kind: str) -> dict:
-    return {
-        "outcome": v.outcome,
-        "passed": bool(v.passed),
-        "score": float(v.score),
-        "reason": v.reason,
-        "judge": kind,
-        "judge_seconds": float(v.cost),
-        "judge_usd": float(v.details.get("usd", 0.0)),
-        "retryable": bool(v.details.get("retryable", False)),
-    }
 
 
 def _failure_rate(rows) -> tuple[float, int, int]:

@@ -113,13 +113,14 @@ def _config_1b(base_url: str | None = None) -> dict:
 
 
 def test_held_out_rows_are_never_training_rows(stage0):
+    from methods.failures import select_tasks
     from methods.training.chat import load_split
-    from stages.mine_failures import Config, _select
+    from stages.mine_failures import Config
 
     data = stage0 / "dataset"
     train = {row_key(r["instruction"], r["input"]) for r in load_split(data, "train")}
     cfg = Config(**{**_config_1b(), "samples": [{**s, "size": 1000} for s in _config_1b()["samples"]]})
-    rows, excluded = _select(cfg, data, train)
+    rows, excluded = select_tasks(cfg, data, train)
     assert not {row_key(r["instruction"], r["input"]) for r in rows} & train
     assert excluded["mbpp"] > 300  # MBPP's mining half is curated: most of it is in the train split
     assert excluded["gsm8k"] == excluded["humaneval"] == 0  # never curated
