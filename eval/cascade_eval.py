@@ -113,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from kibidango.cascade import load_cascade
-    from kibidango.cascade_pipeline import CascadePipeline
     from kibidango.cloud import CloudClient
     from kibidango.ledger import Ledger
     from kibidango.pipeline import Pipeline
@@ -160,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[KEY_ENV] = key
     served = {"stand-in": {"model": cloud_model, "chat_format": "alpaca"}}
     with tempfile.TemporaryDirectory(prefix="kbd-eval-cascade-") as tmp, llama_cpp_server(served, api_key=key) as base:
-        pipe = Pipeline.from_bundle(bundle_dir)
         connection = Path(tmp) / "cloud.json"
         connection.write_text(
             json.dumps(
@@ -177,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
-        config = load_cascade(connection, bundle=pipe.bundle)  # 6C's thresholds and prices, the stand-in's address
-        cascade = CascadePipeline(pipe, config, Path(tmp) / "cascade")
+        # the bundle's 6C thresholds and prices, under the stand-in's address: as a bundle user runs it
+        cascade = Pipeline.from_config(connection, bundle=bundle_dir, state_dir=Path(tmp) / "cascade")
+        pipe, config = cascade.pipe, cascade.config
         cloud_only = CloudClient(config.cloud, Ledger(Path(tmp) / "cloud-only", 100.0, "total"))
         records = []
         started = time.monotonic()
@@ -253,12 +251,13 @@ def _table(r: dict) -> str:
             f"{r['queries']} held-out queries ({', '.join(f'{k} {v}' for k, v in r['by_sample'].items())}); "
             f"cloud stand-in {Path(r['cloud_stand_in']).name} at ${r['prices']['usd_per_1k_prompt']}/"
             f"${r['prices']['usd_per_1k_completion']} per 1K prompt/completion tokens",
-            "| policy | tier split | judged quality | $ per 1K queries |",
-            "| --- | --- | ---: | ---: |",
-            f"| cascade (bundle's 6C thresholds) | {split} | {c['quality']:.1%} | {c['usd_per_1k_queries']:.2f} |",
-            f"| local only | local 100% | {r['local_only']['quality']:.1%} | 0.00 |",
+            "| policy | tier split | judged quality | $ per 1K queries | cloud failed (degraded) |",
+            "| --- | --- | ---: | ---: | ---: |",
+            f"| cascade (bundle's 6C thresholds) | {split} | {c['quality']:.1%} | {c['usd_per_1k_queries']:.2f} | "
+            f"{c['degraded']} |",
+            f"| local only | local 100% | {r['local_only']['quality']:.1%} | 0.00 | - |",
             f"| cloud only (stand-in) | cloud 100% | {r['cloud_only']['quality']:.1%} | "
-            f"{r['cloud_only']['usd_per_1k_queries']:.2f} |",
+            f"{r['cloud_only']['usd_per_1k_queries']:.2f} | {r['cloud_only']['failed_calls']} |",
         ]
     )
 
