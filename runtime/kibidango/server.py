@@ -363,8 +363,9 @@ class _FifoLock:
 
 class _Scheduler:
     """One generation at a time (the models hold one KV cache each), each request on its own
-    daemon thread, in arrival order. The lock is held by that thread only while it decodes — never across a network
-    write or a cloud call — so a client that disconnects, or a slow cloud, cannot keep it.
+    daemon thread, in arrival order. The lock is held by that thread only while it decodes —
+    never across a network write or a cloud call — so a client that disconnects, or a slow
+    cloud, cannot keep it.
 
     At most ``max_queue`` admitted requests wait for the models; :meth:`admit` refuses the next
     (``queue_full``: the server answers 429 with Retry-After). A request that has not finished
