@@ -6,6 +6,7 @@ earlier exchanges; the cascade's model answers with its tier."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -132,11 +133,13 @@ def test_session_memory_gives_a_chat_its_earlier_exchanges(bundle, tmp_path):
 def test_the_cascade_model_answers_with_its_tier(bundle, tmp_path):
     from fastapi.testclient import TestClient
 
+    from kibidango.memory import SessionMemory
     from kibidango.pipeline import Pipeline
     from kibidango.server import create_app
 
     casc = Pipeline.from_config("local-only", bundle, state_dir=tmp_path, mode="ar")
-    with TestClient(create_app(casc.pipe, model_name="kibidango-tiny", cascade=casc)) as client:
+    memory = SessionMemory(tmp_path)
+    with TestClient(create_app(casc.pipe, model_name="kibidango-tiny", cascade=casc, memory=memory)) as client:
         names = [m["id"] for m in client.get("/v1/models").json()["data"]]
         assert names == ["kibidango-tiny", "kibidango-tiny-cascade"]
         r = client.post("/v1/chat/completions", json={**CHAT, "model": "kibidango-tiny-cascade"}).json()
@@ -147,6 +150,16 @@ def test_the_cascade_model_answers_with_its_tier(bundle, tmp_path):
         assert r["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
         text = client.get("/metrics").text
         assert 'kibidango_cascade_requests_total{model="kibidango-tiny-cascade",tier="local"} 1' in text
+        # Streamed: the answer comes whole once its tier is known, the last chunk carries the cascade.
+        body = {**CHAT, "model": "kibidango-tiny-cascade", "stream": True, "session_id": "c-1"}
+        with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            events = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        texts = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+        assert texts[0] == r["choices"][0]["message"]["content"] and not any(texts[1:])
+        assert chunks[-1]["kibidango"]["cascade"]["tier"] == "local" and chunks[-1]["choices"][0]["finish_reason"]
+        assert memory.context("c-1")[1]["content"] == texts[0]
 
 
 def test_the_models_are_granted_in_arrival_order():
