@@ -36,7 +36,9 @@ def _metric(base: str, name: str, labels: str = "") -> float:
     raise AssertionError(f"{name} {labels} not in /metrics")
 
 
-def test_a_full_queue_is_refused_with_retry_after_and_no_request_is_lost(bundle):
+def test_a_full_queue_is_refused_with_retry_after_and_no_request_is_lost(bundle, capsys):
+    from kibidango.cli import main
+
     srv = Server(bundle, delay=0.02, max_queue=2)
     try:
         r = run_load(srv.base, CHAT, requests=24, concurrency=8)
@@ -50,6 +52,10 @@ def test_a_full_queue_is_refused_with_retry_after_and_no_request_is_lost(bundle)
         assert again.outcomes == {"200": 24} and again.retried > 0
         s = again.summary()
         assert s["p50_s"] <= s["p99_s"] and s["answered_per_s"] > 0
+        args = ["loadtest", "--url", srv.base, "--requests", "6", "--concurrency", "3", "--max-tokens", "4"]
+        assert main([*args, "--retry-refused", "--json"]) == 0
+        out = capsys.readouterr().out
+        assert "6 requests, 3 concurrent" in out and "(lost: 0;" in out and '"200": 6' in out
     finally:
         srv.stop()
 
