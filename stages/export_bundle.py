@@ -4,7 +4,10 @@ Assembled with the runtime's own :func:`kibidango.write_bundle`, so the pipeline
 what ``kibidango`` reads:
 
 - ``tiers/<tier>/hf/``: the AWQ checkpoints (2B target, 2C draft and qualifier;
-  compressed-tensors, transformers-loadable), ``tiers/<tier>/gguf/``: the 2D GGUF files;
+  compressed-tensors, transformers-loadable), with the family's chat format
+  (:data:`methods.training.chat.TEMPLATE`) as the tokenizer's ``chat_template.jinja``, so that the
+  runtime's chat (the server's ``/v1/chat/completions``) prompts in the format the tiers were
+  trained in; ``tiers/<tier>/gguf/``: the 2D GGUF files;
 - ``adapters/<domain>/``: the domain LoRAs (3-5) and the recovery LoRA (2F), each with its
   ``adapter.json``; ``router/router.json``: the domain router (6A), ``calibration/calibration.json``
   (2G), ``escalation/escalation.json`` (6B) and ``cascade/cascade.json`` (6C), when wired;
@@ -28,6 +31,7 @@ from pydantic import Field
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.bundle import TIER_ORDER
 from methods.compression.card import bundle_card, lineage
+from methods.training.chat import TEMPLATE
 
 NAME = "bundle-export"
 
@@ -116,8 +120,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
 def _add_extras(
     tmp: Path, cfg: Config, inputs: dict[str, Path], metrics: dict[str, dict], stages: dict
 ) -> dict[str, Any]:
-    """Adapters and the card, written into the bundle before it is hashed; returns the extra
-    bundle.json fields."""
+    """The chat template, adapters and the card, written into the bundle before it is hashed;
+    returns the extra bundle.json fields."""
+    for hf in sorted((tmp / "tiers").glob("*/hf")):
+        (hf / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
     shipped = []
     for name in cfg.adapters:
         spec = json.loads((inputs[name] / "adapter.json").read_text())

@@ -264,6 +264,13 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
     g = json.loads((gguf / "gguf.json").read_text())["metrics"]
     assert f"{g['draft_gguf_bytes'] / 1e6:.3f} MB" in card and f"{g['draft_token_agreement']:.1%}" in card
     assert "Pruning (2A): 50.0% of the target's decoder linear weights are zero" in card
+    # The family's chat format travels with the tokenizer: the runtime's chat prompts as training did.
+    from methods.training.chat import TEMPLATE
+
+    pipe = Pipeline.from_bundle(out / "bundle")
+    turns = [{"role": "user", "content": "Add 2 and 3."}]
+    assert pipe.tokenizer.chat_template == TEMPLATE
+    assert pipe.tokenizer.apply_chat_template(turns, tokenize=False).endswith("### Response:\n")
     for backend in ("torch", "llamacpp"):
         text = (
             Pipeline.from_bundle(out / "bundle", backend=backend).generate("Once upon a time", max_new_tokens=12).text

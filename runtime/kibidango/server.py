@@ -285,8 +285,16 @@ _CLOUD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("
 def _chat_prompt(tokenizer, turns: list[dict[str, str]]) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    # No chat template (the tiny story models): a plain transcript ending with the assistant's turn.
+    # No chat template (a bare story model): a plain transcript ending with the assistant's turn.
     return "".join(f"{m['role']}: {m['content']}\n" for m in turns) + "assistant:"
+
+
+def _chat_ids(tokenizer, turns: list[dict[str, str]]) -> list[int] | None:
+    """The chat's token ids straight from the template (its text holds the BOS token already:
+    encoding that text again would add a second one); None without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return list(tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True, return_dict=False))
 
 
 _HEALTH_STALL_S = 120.0
@@ -670,7 +678,9 @@ def create_app(
         log.error(f"request {ref} failed", exc_info=exc)
         return error(500, f"internal error (reference {ref}; the server log has the details)", kind="server_error")
 
-    def prepare(req: _Decoding, prompt: str, query: str) -> tuple[list[int], dict[str, Any]] | JSONResponse:
+    def prepare(
+        req: _Decoding, prompt: str, query: str, ids: list[int] | None = None
+    ) -> tuple[list[int], dict[str, Any]] | JSONResponse:
         if req.model is not None and req.model not in served:
             return error(
                 404,
@@ -685,7 +695,7 @@ def create_app(
                 f"prompt: {size} bytes, more than {prompt_limit} tokens can spell; this server accepts at most {prompt_limit} tokens",
                 "prompt",
             )
-        ids = pipe.encode(prompt)
+        ids = ids if ids is not None else pipe.encode(prompt)
         if len(ids) > prompt_limit:
             return error(400, f"prompt: {len(ids)} tokens; this server accepts at most {prompt_limit}", "prompt")
         max_tokens = req.max_tokens or 16
@@ -840,11 +850,12 @@ def create_app(
         query: str,
         messages: list[dict[str, str]] | None = None,
         session: str | None = None,
+        ids: list[int] | None = None,
     ):
         """The body of both endpoints: ``choice(text, finish_reason, streaming)`` builds one
         choice of the endpoint's response or stream chunk; ``query`` is what the router reads;
         ``messages``: the conversation a cloud tier answers."""
-        prepared = prepare(req, prompt, query)
+        prepared = prepare(req, prompt, query, ids)
         if isinstance(prepared, JSONResponse):
             return prepared
         ids, kw = prepared
@@ -924,8 +935,9 @@ def create_app(
             history = await asyncio.to_thread(memory.context, session)
         turns = history + [{"role": m.role, "content": m.content} for m in req.messages]
         query = next((m.content for m in reversed(req.messages) if m.role == "user"), req.messages[-1].content)
-        prompt = _chat_prompt(pipe.tokenizer, turns)
-        return await respond(request, req, prompt, "chat.completion", choice, query, turns, session)
+        prompt = _chat_prompt(pipe.tokenizer, turns)  # for the size check before tokenising
+        ids = _chat_ids(pipe.tokenizer, turns) if len(prompt.encode("utf-8")) <= prompt_bytes_limit else None
+        return await respond(request, req, prompt, "chat.completion", choice, query, turns, session, ids)
 
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes, on_refuse=stats.count_error)
     return app

@@ -184,3 +184,30 @@ def test_the_models_are_granted_in_arrival_order():
     assert order == [0, 2, 3]
     lock.withdraw(waiting[3])  # granted, then given up: the lock is free again
     assert lock.acquire(timeout=0.1) and not lock.acquire(timeout=0.05)
+
+
+def test_a_chat_template_prompts_with_one_bos(tmp_path):
+    """A bundle whose tokenizer carries a chat template (the pipeline's bundles do): the chat's ids
+    come from the template itself; encoding its text again would start with two BOS tokens."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from kibidango.pipeline import Pipeline
+    from kibidango.server import create_app
+
+    needs_stories()
+    hf = tmp_path / "hf"
+    shutil.copytree(STORIES, hf)
+    template = (
+        "{{ bos_token }}{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}### assistant:\n"
+    )
+    (hf / "chat_template.jinja").write_text(template)
+    bundle = write_bundle(tmp_path / "b", {"target": {"hf": hf, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]})
+    pipe = Pipeline.from_bundle(bundle)
+    turns = [{"role": "user", "content": "Once upon a time"}]
+    ids = pipe.tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ids[0] == 1 and ids[1] != 1
+    with TestClient(create_app(pipe)) as client:
+        r = client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 2}).json()
+    assert r["usage"]["prompt_tokens"] == len(ids)
