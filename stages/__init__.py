@@ -31,6 +31,7 @@ STAGES: dict[str, str] = {
     "2G": "stages.calibrate",
     "6B": "stages.escalation",
     "6C": "stages.thresholds",
+    "9": "stages.evaluate",
 }
 
 

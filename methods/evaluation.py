@@ -1,0 +1,95 @@
+"""Evaluation on held-out tasks no stage trains or mines on: the **evaluation** parts of the
+verifiable benchmarks (:func:`methods.benchmarks.part`; failure mining, the teachers and the
+retraining round read only the mining parts, and stage 0 never reads an evaluation row) and, for
+general instructions, self-instruct's human-written seed tasks (``shared/data/alpaca_seed``), which
+no stage reads, less any whose text stage 0 holds.
+
+- :class:`EvalSample` and :func:`evaluation_tasks`: which tasks a recipe's samples take
+  (deterministic by seed; a bigger sample contains the smaller one);
+- :func:`wilson`: the Wilson score interval of a pass rate (sound at 0 and 1 and for small n,
+  where the normal approximation is not).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from core.contract import KibidangoError, StageConfig
+from methods.benchmarks import BENCHMARKS, load_tasks
+from methods.failures import row_key, sample
+from methods.judges import Task
+from methods.training.chat import prompt_text
+
+__all__ = ["EvalSample", "evaluation_tasks", "wilson"]
+
+SEED_TASKS_DOMAIN = "general"
+
+
+class EvalSample(StageConfig):
+    name: str
+    source: Literal["gsm8k", "mbpp", "humaneval", "alpaca_seed"] = Field(
+        description="A benchmark (its evaluation part) or self-instruct's seed tasks (general, reference judge)."
+    )
+    path: str = Field(description="The file (../shared/data/...).")
+    size: int = Field(gt=0, description="Tasks to evaluate (fewer when the file has fewer).")
+
+    @property
+    def domain(self) -> str:
+        return BENCHMARKS[self.source]["domain"] if self.source in BENCHMARKS else SEED_TASKS_DOMAIN
+
+
+def wilson(passes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% by default) of ``passes`` out of ``n``."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = passes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _seed_tasks(path: Path, seen: set[str]) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            instance = rec["instances"][0]
+            instruction, input_, output = rec["instruction"], instance["input"], instance["output"]
+            tid = f"alpaca_seed/{rec['id']}"
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            raise KibidangoError(
+                f"{path}:{n}: a self-instruct seed task needs id, instruction, instances[0] ({e})"
+            ) from None
+        if row_key(instruction, input_) in seen:
+            continue
+        rows.append({"id": tid, "instruction": instruction, "input": input_,
+                     "task": Task(tid, prompt_text(instruction, input_), output)})  # fmt: skip
+    return rows
+
+
+def evaluation_tasks(samples: list[EvalSample], seed: int, seen: set[str]) -> list[dict]:
+    """The tasks of each sample, in a fixed order: ``{id, sample, source, domain, instruction,
+    input, task}``. ``seen``: :func:`methods.failures.training_texts` of every stage-0 split (a
+    seed task whose text stage 0 holds is left out). A missing file is an error naming it."""
+    rows: list[dict] = []
+    for s in samples:
+        path = Path(s.path)
+        if not path.is_file():
+            raise KibidangoError(f"evaluation sample {s.name!r}: {path} not found")
+        if s.source == "alpaca_seed":
+            pool = _seed_tasks(path, seen)
+        else:
+            pool = []
+            for bt in load_tasks(s.source, path, "evaluation"):
+                instruction, input_ = bt.instruction()
+                pool.append({"id": bt.id, "instruction": instruction, "input": input_, "task": bt.task})
+        for r in sample(pool, s.size, seed, key=lambda r: r["id"]):
+            rows.append({**r, "sample": s.name, "source": s.source, "domain": s.domain})
+    return rows

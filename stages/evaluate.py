@@ -1,0 +1,296 @@
+"""Stage 9 — evaluation of the bundle, as its users get it: through the runtime (``kibidango``),
+with the bundle's decoding defaults (greedy), on tasks no stage trained or mined on
+(:mod:`methods.evaluation`: the benchmarks' evaluation parts, self-instruct's seed tasks).
+
+1. **Quality**: every task answered once per adapter policy — ``auto`` (the router's adapter, as
+   the runtime routes) and ``none`` (the base target) — in the family's chat format, each answer
+   judged (the sandboxed code judge: HumanEval / MBPP pass@1; the math judge: GSM8K accuracy; the
+   reference judge on general instructions). Each rate with its 95% Wilson interval, per sample and
+   per domain. Resumable: answers are logged as they are judged.
+2. **Size**: the bundle's bytes on disk, per tier and weight form.
+3. **Memory**: peak RSS of a fresh process that loads the bundle and generates (``ru_maxrss``).
+4. **Speed**: ``kibidango bench`` on the first evaluation queries: tokens/s of ``ar``, ``sd`` and
+   ``pyramid`` measured side by side (ratios to ``ar``: absolute timings on a shared machine are
+   noise), acceptance per tier, target forwards per token.
+
+Why not lm-evaluation-harness: its HumanEval/MBPP tasks run model code unsandboxed (behind
+``HF_ALLOW_CODE_EVAL``), its datasets come from the hub (unreachable here), and it knows nothing of
+this pipeline's mining/evaluation split; it could drive ``kibidango serve`` for its other tasks.
+
+Outputs: ``evaluation.json`` (every figure), ``answers.jsonl`` (every answer and verdict),
+``EVALUATION_CARD.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from core.progress import Progress
+from kibidango.backends.base import ContextLengthError
+from methods.evaluation import EvalSample, evaluation_tasks, wilson
+from methods.failures import RowLog, task_record, training_texts, verdict_record
+from methods.judges import KINDS, check_settings, make_judges
+from methods.training.chat import TEMPLATE, load_split
+
+NAME = "evaluation"
+RESUMABLE = True
+LIBRARIES = ("transformers", "torch", "peft")
+
+log = logging.getLogger("kibidango.stage.9")
+
+_METRIC = {"gsm8k": "accuracy", "mbpp": "pass@1", "humaneval": "pass@1", "alpaca_seed": "pass_rate"}
+
+
+class Config(StageConfig):
+    samples: list[EvalSample] = Field(min_length=1)
+    judges: dict[str, dict] = Field(description="One judge per domain (stage 1B's form: {kind: ..., settings}).")
+    max_new_tokens: int = Field(128, gt=0)
+    policies: list[Literal["auto", "none"]] = Field(["auto", "none"], min_length=1)
+    backend: Literal["torch", "llamacpp"] = "torch"
+    seed: int = Field(0, description="Which tasks a sample of a given size takes.")
+    speed_prompts: int = Field(8, ge=0, description="Evaluation queries the speed benchmark runs (0: none).")
+    speed_new_tokens: int = Field(48, gt=0)
+    speed_modes: list[str] = Field(["ar", "sd", "pyramid"], min_length=1)
+
+    @model_validator(mode="after")
+    def _judged(self) -> Config:
+        for domain, judge in self.judges.items():
+            if judge.get("kind") not in KINDS:
+                raise ValueError(f"judges.{domain}: kind must be one of {', '.join(KINDS)}")
+            try:
+                check_settings(judge["kind"], {k: v for k, v in judge.items() if k != "kind"})
+            except ValueError as e:
+                raise ValueError(f"judges.{domain}: {e}") from None
+        missing = {s.domain for s in self.samples} - set(self.judges)
+        if missing:
+            raise ValueError(f"judges: no judge for domain(s) {sorted(missing)}")
+        return self
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    from kibidango import Pipeline
+
+    bundle_dir = inputs["bundle"] / "bundle"
+    if not (bundle_dir / "bundle.json").is_file():
+        raise KibidangoError(f"{bundle_dir} is not a bundle (no bundle.json); wire stage X as input 'bundle'")
+    data = inputs["data"] / "dataset"
+    seen = set().union(*(training_texts(load_split(data, split)) for split in _splits(data)))
+    rows = evaluation_tasks(cfg.samples, cfg.seed, seen)
+    if not rows:
+        raise KibidangoError("no evaluation tasks: every sample is empty")
+    pipe = Pipeline.from_bundle(bundle_dir, backend=cfg.backend, adapter="auto")
+    policies = [p for p in cfg.policies if p == "none" or pipe.adapter == "auto"]  # no router or adapters: base only
+    table = _answers(cfg, rows, pipe, policies, work_dir)
+
+    quality = _quality(table, policies)
+    report = {
+        "command": "make stage-9",
+        "tasks": len(rows),
+        "policies": policies,
+        "quality": quality,
+        "size": _size(pipe.bundle),
+        "peak_rss_mb": _peak_rss_mb(bundle_dir, cfg.backend, rows[0]["task"].prompt),
+        "speed": _speed(bundle_dir, cfg, [r["task"].prompt for r in rows[: cfg.speed_prompts]]),
+    }
+    (out_dir / "evaluation.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    with open(out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
+        for r in table:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    (out_dir / "EVALUATION_CARD.md").write_text(_card(report))
+
+    metrics: dict[str, float] = {"tasks": float(len(rows)), "bundle_bytes": float(report["size"]["bytes"])}
+    if report["peak_rss_mb"] is not None:
+        metrics["peak_rss_mb"] = report["peak_rss_mb"]
+    for key, q in quality.items():
+        for policy, v in q["policies"].items():
+            metrics[f"{key}/{policy}/{q['metric']}"] = v["rate"]
+            metrics[f"{key}/{policy}/ci_low"] = v["ci"][0]
+            metrics[f"{key}/{policy}/ci_high"] = v["ci"][1]
+            metrics[f"{key}/{policy}/mean_score"] = v["mean_score"]
+    for row in report["speed"].get("rows", []):
+        if row.get("speed_vs_ar") is not None:
+            metrics[f"speed/{row['mode']}_vs_ar"] = row["speed_vs_ar"]
+        for tier, rate in (row.get("acceptance") or {}).items():
+            if rate is not None:
+                metrics[f"acceptance/{row['mode']}/{tier}"] = rate
+    summary = "; ".join(
+        f"{key} {q['metric']} "
+        + ", ".join(f"{p} {v['rate']:.1%} [{v['ci'][0]:.1%}, {v['ci'][1]:.1%}]" for p, v in q["policies"].items())
+        + f" (n={q['n']})"
+        for key, q in quality.items()
+        if key in {s.name for s in cfg.samples}
+    )
+    return StageResult(
+        metrics,
+        ["EVALUATION_CARD.md", "evaluation.json"],
+        summary,
+        tables={"answers.json": "answers.jsonl"},
+    )
+
+
+def _splits(data: Path) -> list[str]:
+    from datasets import load_from_disk
+
+    return list(load_from_disk(str(data)).keys())
+
+
+def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir: Path) -> list[dict]:
+    judges = make_judges(cfg.judges)
+    done = RowLog(work_dir / "rows.jsonl")
+    if done.resumed:
+        log.info(f"resuming: {done.resumed:,} of {len(rows):,} tasks were answered by an earlier attempt")
+    progress = Progress("9 answers", len(rows), log)
+    try:
+        for i, row in enumerate(rows, 1):
+            prior = done.get(row["id"])
+            if prior is not None and not prior.get("retryable"):
+                continue
+            query = row["task"].prompt
+            turns = [{"role": "user", "content": query}]
+            ids = list(
+                pipe.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False)
+            )
+            record = {**task_record(row), "answers": {}}
+            retryable = False
+            for policy in policies:
+                judge = judges[row["domain"]]
+                try:
+                    result = pipe.generate(
+                        ids, query=query, adapter=policy, max_new_tokens=cfg.max_new_tokens, score=False
+                    )
+                    text, m = result.text, result.metrics
+                    answer = {"tokens": m.generated_tokens, "finish_reason": m.finish_reason,
+                              "domain": m.domain, "adapter": m.adapter}  # fmt: skip
+                except ContextLengthError:  # the task does not fit the context: no answer, a failure
+                    text, answer = "", {"tokens": 0, "finish_reason": "context", "domain": None, "adapter": None}
+                verdict = verdict_record(judge(row["task"], text), judge.kind)
+                retryable |= verdict["retryable"]
+                record["answers"][policy] = {"text": text, **answer, **verdict}
+            record["retryable"] = retryable
+            done.add(record)
+            progress.update(i)
+        progress.finish(len(rows))
+    finally:
+        done.close()
+    return [done.get(r["id"]) for r in rows]
+
+
+def _quality(table: list[dict], policies: list[str]) -> dict:
+    """Per sample and per domain (``domain:<name>``): n, passes and the Wilson interval per policy."""
+    groups: dict[str, list[dict]] = {}
+    for r in table:
+        groups.setdefault(r["sample"], []).append(r)
+        groups.setdefault(f"domain:{r['domain']}", []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        source = rs[0]["source"]
+        per = {}
+        for p in policies:
+            passes = sum(bool(r["answers"][p]["passed"]) for r in rs)
+            per[p] = {
+                "passes": passes,
+                "rate": passes / len(rs),
+                "ci": list(wilson(passes, len(rs))),
+                "mean_score": sum(r["answers"][p]["score"] for r in rs) / len(rs),  # the judge's graded score
+                "past_context": sum(r["answers"][p]["finish_reason"] == "context" for r in rs),
+            }
+        metric = _METRIC.get(source, "pass_rate") if not key.startswith("domain:") else "pass_rate"
+        out[key] = {"n": len(rs), "metric": metric, "policies": per}
+    return out
+
+
+def _size(bundle) -> dict:
+    files = bundle.meta.get("files", [])
+    tiers = {}
+    for name, tier in bundle.tiers.items():
+        for form in ("hf", "gguf"):
+            path = getattr(tier, form)
+            if path is None:
+                continue
+            prefix = (
+                path.relative_to(bundle.root).as_posix()
+                if form == "hf"
+                else path.parent.relative_to(bundle.root).as_posix()
+            )
+            tiers[f"{name}/{form}"] = sum(f["size"] for f in files if f["path"].startswith(prefix + "/"))
+    return {"bytes": sum(f["size"] for f in files), "tiers": tiers}
+
+
+_RSS_PROBE = """
+import resource, sys
+from kibidango import Pipeline
+pipe = Pipeline.from_bundle(sys.argv[1], backend=sys.argv[2])
+pipe.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def _peak_rss_mb(bundle_dir: Path, backend: str, prompt: str, new_tokens: int = 32) -> float | None:
+    """Peak resident memory (MB) of a fresh process that loads the bundle and generates: what a
+    user's process needs, without this flow's own memory."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE, str(bundle_dir), backend, prompt[:2000], str(new_tokens)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if probe.returncode != 0:
+        log.warning(f"peak RSS probe failed (exit {probe.returncode}): {probe.stderr.strip()[-300:]}")
+        return None
+    return int(probe.stdout.strip().splitlines()[-1]) / 1024  # Linux reports KiB
+
+
+def _speed(bundle_dir: Path, cfg: Config, prompts: list[str]) -> dict:
+    if not prompts:
+        return {}
+    from kibidango.bench import run_bench
+    from kibidango.bundle import load_bundle
+
+    have = set(load_bundle(bundle_dir, verify=False).tiers)
+    needs = {"ar": {"target"}, "sd": {"draft", "target"}, "pyramid": {"draft", "qualifier", "target"}}
+    modes = [m for m in cfg.speed_modes if needs.get(m.split("-")[0], set()) <= have]
+    if "ar" not in modes:
+        modes = ["ar", *modes]
+    result = run_bench(bundle_dir, prompts, modes, cfg.speed_new_tokens, 1, (), cfg.backend)
+    return {"prompts": len(prompts), "new_tokens": cfg.speed_new_tokens, "rows": result.rows,
+            "cost_ratio": result.cost_ratio, "notes": result.notes}  # fmt: skip
+
+
+def _card(r: dict) -> str:
+    lines = [
+        "# Stage 9 — evaluation of the bundle",
+        "",
+        f"{r['tasks']} tasks no stage trained or mined on (the benchmarks' evaluation parts; self-instruct seed "
+        "tasks), answered through the runtime with the bundle's decoding defaults, judged (`make stage-9`). "
+        "95% Wilson intervals.",
+        "",
+        "| sample | metric | n | " + " | ".join(f"adapter `{p}`" for p in r["policies"]) + " |",
+        "|---|---|---:|" + "---:|" * len(r["policies"]),
+    ]
+    for key, q in r["quality"].items():
+        cells = [f"{v['rate']:.1%} [{v['ci'][0]:.1%}, {v['ci'][1]:.1%}]" for v in q["policies"].values()]
+        lines.append(f"| {key} | {q['metric']} | {q['n']} | " + " | ".join(cells) + " |")
+    size = r["size"]
+    lines += ["", f"Bundle on disk: {size['bytes'] / 1e6:.2f} MB ("
+              + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in size["tiers"].items()) + ")."]  # fmt: skip
+    if r["peak_rss_mb"] is not None:
+        lines.append(f"Peak RSS of a process that loads the bundle and generates: {r['peak_rss_mb']:.0f} MB.")
+    speed = r["speed"]
+    if speed:
+        lines += ["", f"Speed on {speed['prompts']} evaluation queries, {speed['new_tokens']} tokens each, "
+                  "measured side by side (ratios, not absolute timings):", "",
+                  "| mode | tokens/s vs ar | acceptance | target forwards per token |", "|---|---:|---|---:|"]  # fmt: skip
+        for row in speed["rows"]:
+            acc = ", ".join(f"{t} {a:.1%}" for t, a in (row.get("acceptance") or {}).items() if a is not None) or "-"
+            ratio = "-" if row.get("speed_vs_ar") is None else f"{row['speed_vs_ar']:.2f}x"
+            fwd = row.get("target_forwards_per_token")
+            lines.append(f"| {row['mode']} | {ratio} | {acc} | {'-' if fwd is None else f'{fwd:.2f}'} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,150 @@
+"""Stage 9 (evaluation of the bundle): the tasks it evaluates on are disjoint from everything
+mining, teaching and training read; Wilson intervals; the stage on a small real bundle
+(stories260K tiers) through the runtime, with the real judges."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eval.shared_data import SHARED
+
+STORIES = SHARED / "models" / "stories260K" / "hf"
+DATA = SHARED / "data"
+BENCH = {
+    "gsm8k": DATA / "gsm8k" / "test.jsonl",
+    "mbpp": DATA / "mbpp" / "mbpp.jsonl",
+    "humaneval": DATA / "humaneval" / "HumanEval.jsonl.gz",
+}
+SEEDS = DATA / "alpaca_seed" / "seed_tasks.jsonl"
+
+
+def _needs(*paths: Path) -> None:
+    for p in paths:
+        if not p.exists():
+            pytest.skip(f"needs {p} (absent on this machine)")
+
+
+@pytest.fixture(scope="module")
+def stage0(tmp_path_factory) -> Path:
+    """A stage-0 artifact whose train split holds the first seed task's text (so it is left out)."""
+    from datasets import Dataset, DatasetDict
+
+    _needs(SEEDS)
+    first = json.loads(SEEDS.read_text().splitlines()[0])
+    rows = [
+        {"id": "s0/1", "instruction": first["instruction"], "input": first["instances"][0]["input"], "output": "x",
+         "domain": "general"},
+        {"id": "s0/2", "instruction": "", "input": "", "output": "Once upon a time there was a cat.",
+         "domain": "general"},
+    ]  # fmt: skip
+    cols = {k: [r[k] for r in rows] for k in rows[0]}
+    root = tmp_path_factory.mktemp("stage0")
+    DatasetDict({"train": Dataset.from_dict(cols), "validation": Dataset.from_dict(cols)}).save_to_disk(
+        str(root / "dataset")
+    )
+    return root
+
+
+def test_wilson_intervals():
+    from methods.evaluation import wilson
+
+    lo, hi = wilson(0, 10)
+    assert lo == 0 and hi == pytest.approx(0.2775, abs=1e-4)
+    lo, hi = wilson(5, 10)
+    assert (lo, hi) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+    assert wilson(40, 40)[1] == 1.0 and wilson(40, 40)[0] == pytest.approx(0.9124, abs=1e-4)
+
+
+def test_evaluation_tasks_are_never_mined_taught_or_trained_on(stage0):
+    """The benchmarks' evaluation parts and the seed tasks against what 1B (and so 1C, 1D, 1R,
+    which read only 1B's table) selects: no task in both, whatever the seed and size."""
+    import yaml
+
+    from methods.benchmarks import load_tasks
+    from methods.evaluation import EvalSample, evaluation_tasks
+    from methods.failures import select_tasks
+    from stages.mine_failures import Config as MiningConfig
+
+    _needs(*BENCH.values())
+    for name, path in BENCH.items():
+        mining = {t.id for t in load_tasks(name, path, "mining")}
+        evaluation = {t.id for t in load_tasks(name, path, "evaluation")}
+        assert mining and evaluation and not mining & evaluation, name
+
+    samples = [EvalSample(name=n, source=n, path=str(p), size=10_000) for n, p in BENCH.items()]
+    samples.append(EvalSample(name="general", source="alpaca_seed", path=str(SEEDS), size=10_000))
+    evaluated = {r["id"] for r in evaluation_tasks(samples, seed=0, seen=set())}
+    first_seed = f"alpaca_seed/{json.loads(SEEDS.read_text().splitlines()[0])['id']}"
+    assert first_seed in evaluated
+    from methods.failures import training_texts
+    from methods.training.chat import load_split
+
+    seen = training_texts(load_split(stage0 / "dataset", "train"))
+    assert first_seed not in {r["id"] for r in evaluation_tasks(samples, seed=0, seen=seen)}  # stage 0 holds it
+
+    for preset in ("tiny", "llama31-8b"):  # what 1B would mine, at every size its recipe could ask
+        recipe = yaml.safe_load(Path(f"recipes/stage1B/{preset}.yaml").read_text())
+        recipe["samples"] = [
+            {**s, "size": 10_000} for s in recipe["samples"] if s["source"] != "stage0"
+        ]  # the benchmark samples
+        recipe["judges"] = {k: v for k, v in recipe["judges"].items() if v["kind"] != "llm"} or {
+            "math": {"kind": "math"}
+        }
+        recipe["judges"].setdefault("code", {"kind": "code"})
+        recipe["judges"].setdefault("math", {"kind": "math"})
+        mined, _ = select_tasks(MiningConfig.model_validate(recipe), stage0 / "dataset", set())
+        assert mined and not {r["id"] for r in mined} & evaluated, preset
+
+
+def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
+    from kibidango import write_bundle
+    from stages import load_stage
+
+    _needs(STORIES / "model.safetensors", *BENCH.values())
+    tiers = {t: {"hf": STORIES, "vocab_size": 512} for t in ("draft", "qualifier", "target")}
+    (tmp_path / "X").mkdir()
+    write_bundle(tmp_path / "X" / "bundle", tiers, {"mode": "sd", "k": 3, "stop_ids": [1, 2]}, preset="test")
+    module = load_stage("9")
+    cfg = module.Config.model_validate(
+        {
+            "samples": [
+                {"name": "gsm8k", "source": "gsm8k", "path": str(BENCH["gsm8k"]), "size": 2},
+                {"name": "mbpp", "source": "mbpp", "path": str(BENCH["mbpp"]), "size": 2},
+                {"name": "general", "source": "alpaca_seed", "path": str(SEEDS), "size": 2},
+            ],
+            "judges": {"math": {"kind": "math"}, "code": {"kind": "code"}, "general": {"kind": "reference"}},
+            "max_new_tokens": 8,
+            "speed_prompts": 2,
+            "speed_new_tokens": 8,
+        }
+    )
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    result = module.run(cfg, {"bundle": tmp_path / "X", "data": stage0}, out, work)
+    report = json.loads((out / "evaluation.json").read_text())
+    assert report["tasks"] == 6 and report["policies"] == ["none"]  # no router, no adapters: base only
+    for name, metric in (("gsm8k", "accuracy"), ("mbpp", "pass@1"), ("general", "pass_rate")):
+        q = report["quality"][name]
+        assert q["n"] == 2 and q["metric"] == metric
+        lo, hi = q["policies"]["none"]["ci"]
+        assert 0 <= lo <= q["policies"]["none"]["rate"] <= hi <= 1
+        assert f"{name}/none/{metric}" in result.metrics
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 6 and all(a["answers"]["none"]["judge"] for a in answers)
+    assert report["size"]["bytes"] > 0 and set(report["size"]["tiers"]) == {"draft/hf", "qualifier/hf", "target/hf"}
+    assert report["peak_rss_mb"] > 50
+    modes = {r["mode"] for r in report["speed"]["rows"]}
+    assert {"ar", "sd"} <= modes and any(m.startswith("pyramid") for m in modes)
+    assert result.metrics["speed/sd_vs_ar"] > 0
+    card = (out / "EVALUATION_CARD.md").read_text()
+    assert "| gsm8k | accuracy | 2 |" in card and "Peak RSS" in card
+    # Resumable: a rerun answers nothing again.
+    shutil.rmtree(out)
+    out.mkdir()
+    again = module.run(cfg, {"bundle": tmp_path / "X", "data": stage0}, out, work)
+    assert again.metrics["gsm8k/none/accuracy"] == result.metrics["gsm8k/none/accuracy"]
