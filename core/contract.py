@@ -66,6 +66,9 @@ class StageResult:
     tables: dict[str, str] = field(default_factory=dict)
     """MLflow tables: artifact name (``answers.json``) -> a JSONL file under ``out_dir`` whose
     first :data:`TABLE_ROWS` rows are logged with ``log_table`` (the whole file stays in the artifact)."""
+    failure: str | None = None
+    """Set when the stage's outputs are published but the flow must stop here (failed quality
+    gates): the message the flow fails with, on this run and on every cache hit of the artifact."""
 
 
 TABLE_ROWS = 1000

@@ -109,6 +109,8 @@ def _record_hit(stage_id, name, cached, tracker, run_name, tags, params, ctx) ->
     log.info(f"stage {stage_id} ({name}): cache hit {cached.key} -> {cached.path}")
     if manifest.get("summary"):
         log.info(f"stage {stage_id} ({name}): {manifest['summary']}")
+    if manifest.get("failure"):  # published, and still a reason to stop (a waiver changes the key)
+        raise KibidangoError(f"stage {stage_id} ({name}): {manifest['failure']}")
     return cached
 
 
@@ -149,6 +151,7 @@ def _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, t
                     "git_sha": ctx.git_sha,
                     "metrics": result.metrics,
                     "summary": result.summary,
+                    **({"failure": result.failure} if result.failure else {}),
                 }
             ),
         )
@@ -167,9 +170,11 @@ def _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, t
     tracker.log_files(run_id, Path(artifact.path), [*result.files_to_log, "manifest.json"])
     for name, rel in result.tables.items():
         tracker.log_table(run_id, Path(artifact.path) / rel, name, TABLE_ROWS)
-    tracker.end_run(run_id, ok=True)
+    tracker.end_run(run_id, ok=result.failure is None)
     if result.summary:
         log.info(f"stage {stage_id} ({module.NAME}): {result.summary}")
+    if result.failure:
+        raise KibidangoError(f"stage {stage_id} ({module.NAME}): {result.failure}")
     return artifact
 
 

@@ -32,6 +32,7 @@ STAGES: dict[str, str] = {
     "6B": "stages.escalation",
     "6C": "stages.thresholds",
     "9": "stages.evaluate",
+    "9A": "stages.gates",
 }
 
 

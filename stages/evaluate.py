@@ -6,7 +6,8 @@ with the bundle's decoding defaults (greedy), on tasks no stage trained or mined
    the runtime routes) and ``none`` (the base target) — in the family's chat format, each answer
    judged (the sandboxed code judge: HumanEval / MBPP pass@1; the math judge: GSM8K accuracy; the
    reference judge on general instructions). Each rate with its 95% Wilson interval, per sample and
-   per domain. Resumable: answers are logged as they are judged.
+   per domain and over all; the perplexity of the gold answers under the base target, a graded
+   measure where pass rates sit at zero. Resumable: answers are logged as they are judged.
 2. **Size**: the bundle's bytes on disk, per tier and weight form.
 3. **Memory**: peak RSS of a fresh process that loads the bundle and generates (``ru_maxrss``).
 4. **Speed**: ``kibidango bench`` on the first evaluation queries: tokens/s of ``ar``, ``sd`` and
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +117,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             metrics[f"{key}/{policy}/ci_low"] = v["ci"][0]
             metrics[f"{key}/{policy}/ci_high"] = v["ci"][1]
             metrics[f"{key}/{policy}/mean_score"] = v["mean_score"]
+        if q["reference_perplexity"] is not None:
+            metrics[f"{key}/reference_perplexity"] = q["reference_perplexity"]
     for row in report["speed"].get("rows", []):
         if row.get("speed_vs_ar") is not None:
             metrics[f"speed/{row['mode']}_vs_ar"] = row["speed_vs_ar"]
@@ -174,6 +178,8 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
                 verdict = verdict_record(judge(row["task"], text), judge.kind)
                 retryable |= verdict["retryable"]
                 record["answers"][policy] = {"text": text, **answer, **verdict}
+                if policy == "none":  # the base target, as it stands now: how likely it finds the gold answer
+                    record["reference"] = _reference_nll(pipe, ids, row["task"].reference)
             record["retryable"] = retryable
             done.add(record)
             progress.update(i)
@@ -183,12 +189,26 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
     return [done.get(r["id"]) for r in rows]
 
 
+def _reference_nll(pipe, prompt_ids: list[int], reference: str) -> dict | None:
+    """Mean negative log-likelihood of the gold answer's tokens after the prompt (one forward
+    pass of the target, cut to its context): a graded measure where pass rates sit at zero."""
+    from kibidango.confidence import score_answer
+
+    answer = list(pipe.tokenizer(reference, add_special_tokens=False)["input_ids"]) if reference else []
+    feats = score_answer(pipe.models["target"], prompt_ids, answer) if answer else None
+    if feats is None:
+        return None
+    n = min(len(answer), pipe.models["target"].context_length - len(prompt_ids))
+    return {"nll": -feats["mean_logprob"], "tokens": n}
+
+
 def _quality(table: list[dict], policies: list[str]) -> dict:
     """Per sample and per domain (``domain:<name>``): n, passes and the Wilson interval per policy."""
     groups: dict[str, list[dict]] = {}
     for r in table:
         groups.setdefault(r["sample"], []).append(r)
         groups.setdefault(f"domain:{r['domain']}", []).append(r)
+        groups.setdefault("all", []).append(r)
     out = {}
     for key, rs in groups.items():
         source = rs[0]["source"]
@@ -202,8 +222,11 @@ def _quality(table: list[dict], policies: list[str]) -> dict:
                 "mean_score": sum(r["answers"][p]["score"] for r in rs) / len(rs),  # the judge's graded score
                 "past_context": sum(r["answers"][p]["finish_reason"] == "context" for r in rs),
             }
-        metric = _METRIC.get(source, "pass_rate") if not key.startswith("domain:") else "pass_rate"
-        out[key] = {"n": len(rs), "metric": metric, "policies": per}
+        metric = _METRIC.get(source, "pass_rate") if key in {r["sample"] for r in rs} else "pass_rate"
+        scored = [r["reference"] for r in rs if r.get("reference")]
+        tokens = sum(x["tokens"] for x in scored)
+        ppl = math.exp(sum(x["nll"] * x["tokens"] for x in scored) / tokens) if tokens else None
+        out[key] = {"n": len(rs), "metric": metric, "policies": per, "reference_perplexity": ppl}
     return out
 
 
@@ -272,12 +295,15 @@ def _card(r: dict) -> str:
         "tasks), answered through the runtime with the bundle's decoding defaults, judged (`make stage-9`). "
         "95% Wilson intervals.",
         "",
-        "| sample | metric | n | " + " | ".join(f"adapter `{p}`" for p in r["policies"]) + " |",
-        "|---|---|---:|" + "---:|" * len(r["policies"]),
+        "| sample | metric | n | "
+        + " | ".join(f"adapter `{p}`" for p in r["policies"])
+        + " | gold-answer perplexity (base) |",
+        "|---|---|---:|" + "---:|" * len(r["policies"]) + "---:|",
     ]
     for key, q in r["quality"].items():
         cells = [f"{v['rate']:.1%} [{v['ci'][0]:.1%}, {v['ci'][1]:.1%}]" for v in q["policies"].values()]
-        lines.append(f"| {key} | {q['metric']} | {q['n']} | " + " | ".join(cells) + " |")
+        ppl = "-" if q["reference_perplexity"] is None else f"{q['reference_perplexity']:.1f}"
+        lines.append(f"| {key} | {q['metric']} | {q['n']} | " + " | ".join(cells) + f" | {ppl} |")
     size = r["size"]
     lines += ["", f"Bundle on disk: {size['bytes'] / 1e6:.2f} MB ("
               + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in size["tiers"].items()) + ")."]  # fmt: skip

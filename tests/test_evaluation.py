@@ -143,6 +143,7 @@ def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
     assert result.metrics["speed/sd_vs_ar"] > 0
     card = (out / "EVALUATION_CARD.md").read_text()
     assert "| gsm8k | accuracy | 2 |" in card and "Peak RSS" in card
+    assert report["quality"]["all"]["n"] == 6 and result.metrics["all/reference_perplexity"] > 1
     # Resumable: a rerun answers nothing again.
     shutil.rmtree(out)
     out.mkdir()

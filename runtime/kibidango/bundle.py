@@ -35,7 +35,16 @@ from typing import Any
 from kibidango.integrity import BundleError, contained, parse_json, sha256_bytes, sha256_file
 from kibidango.pack import is_packed, unpack_bundle, unpacked_cache
 
-__all__ = ["Bundle", "BundleError", "Tier", "TIER_ORDER", "MANIFEST_DIGEST", "load_bundle", "write_bundle"]
+__all__ = [
+    "Bundle",
+    "BundleError",
+    "Tier",
+    "TIER_ORDER",
+    "MANIFEST_DIGEST",
+    "load_bundle",
+    "stamp_release",
+    "write_bundle",
+]
 
 log = logging.getLogger("kibidango.bundle")
 
@@ -207,7 +216,38 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
         )
     bundle = Bundle(root, meta, tiers, meta.get("runtime_defaults", {}), digest, unlisted)
     _check_shared_tokenizer(bundle)
+    release = meta.get("release")
+    if isinstance(release, dict) and release.get("releasable") is False:
+        failed = ", ".join(str(g) for g in release.get("failed", [])) or "?"
+        log.warning(
+            f"{root}: this bundle is NOT releasable: quality gates failed ({failed}); see bundle.json 'release'"
+        )
     return bundle
+
+
+def stamp_release(src: str | Path, dest: str | Path, release: dict[str, Any]) -> Path:
+    """A copy of the bundle at ``src`` (files hard-linked where the filesystem allows) whose
+    bundle.json carries ``release`` (the quality gates' verdict: ``releasable``, ``gates``,
+    ``failed``, ``waived``), with bundle.json's digest file rewritten. Every listed file is
+    verified first; the copy is written beside ``dest`` and renamed into place."""
+    source = load_bundle(src, verify=True)
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for entry in source.meta["files"]:
+        target = tmp / entry["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source.root / entry["path"], target)
+        except OSError:  # another filesystem, or no hard links: a copy
+            shutil.copy2(source.root / entry["path"], target)
+    text = json.dumps({**source.meta, "release": release}, indent=2, sort_keys=True).encode()
+    (tmp / "bundle.json").write_bytes(text)
+    (tmp / MANIFEST_DIGEST).write_text(f"{sha256_bytes(text)}  bundle.json\n")
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest
 
 
 def _check_manifest_digest(root: Path, digest: str) -> None:
