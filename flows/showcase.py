@@ -1,6 +1,7 @@
 """What `make demo` shows at the end of a run that exported a bundle: the bundle's size and
-perplexity table (from its BUNDLE_CARD.md, i.e. from the stage metrics) and a story generated
-from the bundle with the runtime package, as a user would load it."""
+perplexity table (from its BUNDLE_CARD.md, i.e. from the stage metrics), the evaluation (stage 9)
+and the quality gates' verdict (9A), and a story generated from the shipped bundle with the
+runtime package and the bundle's own sampling defaults, as a user would run it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from core.store import Artifact
 __all__ = ["show_bundle"]
 
 PROMPT = "Once upon a time"
+SEED = 0
 
 
 def _section(card: str, title: str) -> str:
@@ -31,6 +33,14 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
     card = (bundle / "BUNDLE_CARD.md").read_text()
     print(f"\n== the bundle ({bundle}) ==\n")
     print(_section(card, "## Sizes, perplexity and GGUF agreement per tier"))
+    if "9" in artifacts:
+        evaluation = Path(artifacts["9"].path) / "EVALUATION_CARD.md"
+        print(f"\n== evaluation on held-out tasks, greedy ({evaluation}) ==\n")
+        print(evaluation.read_text().split("\n", 2)[2].strip())
+    if "9A" in artifacts:
+        gates = Path(artifacts["9A"].path) / "GATES_CARD.md"
+        print(f"\n== quality gates ({gates}) ==\n")
+        print(gates.read_text().split("\n", 2)[2].strip())
     source = packed or bundle
     try:
         import llama_cpp  # noqa: F401
@@ -39,16 +49,20 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
     except ImportError:
         backend = "torch"
     pipe = Pipeline.from_bundle(source, backend=backend)
-    result = pipe.generate(PROMPT, max_new_tokens=pipe.defaults.max_new_tokens)
+    d = pipe.defaults
+    result = pipe.generate(PROMPT, max_new_tokens=d.max_new_tokens, seed=SEED)
     m = result.metrics.to_dict()
     print(
         f"\n== a story from {'the packed bundle ' if packed else ''}{source} "
-        f'(kibidango generate --bundle {source} --backend {backend} "{PROMPT}") ==\n'
+        f'(kibidango generate --bundle {source} --backend {backend} --seed {SEED} "{PROMPT}") ==\n'
     )
     print(PROMPT + result.text)
     rates = ", ".join(f"{tier} {rate:.0%}" for tier, rate in m["draft_acceptance_rate"].items() if rate is not None)
+    sampling = f"temperature {d.temperature:g}, top-p {d.top_p:g}" if d.temperature > 0 else "greedy"
+    lossless = d.mode == "sd" or (d.mode == "pyramid" and d.variant == "exact") or d.mode == "ar"
     print(
-        f"\n(mode {pipe.defaults.mode}, {len(result.token_ids)} tokens, acceptance {rates or '-'}, "
+        f"\n(the bundle's defaults: mode {d.mode} ({'lossless' if lossless else 'lossy: ' + d.variant}), {sampling}; "
+        f"{len(result.token_ids)} tokens, acceptance {rates or '-'}, "
         f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f}, target forwards per token {m['target_forwards_per_token'] or 0:.2f})"
     )
     if m["domain"] is not None:  # the bundle's router (6A) and calibrator (2G) at work

@@ -1,5 +1,6 @@
 """Stage 9 — evaluation of the bundle, as its users get it: through the runtime (``kibidango``),
-with the bundle's decoding defaults (greedy), on tasks no stage trained or mined on
+with the bundle's decoding mode and settings but greedy (temperature 0, so that every figure is
+reproducible run to run), on tasks no stage trained or mined on
 (:mod:`methods.evaluation`: the benchmarks' evaluation parts, self-instruct's seed tasks).
 
 1. **Quality**: every task answered once per adapter policy — ``auto`` (the router's adapter, as
@@ -167,9 +168,10 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
             for policy in policies:
                 judge = judges[row["domain"]]
                 try:
-                    result = pipe.generate(
-                        ids, query=query, adapter=policy, max_new_tokens=cfg.max_new_tokens, score=False
-                    )
+                    result = pipe.generate(  # greedy: the figures are reproducible run to run
+                        ids, query=query, adapter=policy, max_new_tokens=cfg.max_new_tokens, score=False,
+                        temperature=0.0,
+                    )  # fmt: skip
                     text, m = result.text, result.metrics
                     answer = {"tokens": m.generated_tokens, "finish_reason": m.finish_reason,
                               "domain": m.domain, "adapter": m.adapter}  # fmt: skip
@@ -282,7 +284,7 @@ def _speed(bundle_dir: Path, cfg: Config, prompts: list[str]) -> dict:
     modes = [m for m in cfg.speed_modes if needs.get(m.split("-")[0], set()) <= have]
     if "ar" not in modes:
         modes = ["ar", *modes]
-    result = run_bench(bundle_dir, prompts, modes, cfg.speed_new_tokens, 1, (), cfg.backend)
+    result = run_bench(bundle_dir, prompts, modes, cfg.speed_new_tokens, 1, (), cfg.backend, temperature=0.0)
     return {"prompts": len(prompts), "new_tokens": cfg.speed_new_tokens, "rows": result.rows,
             "cost_ratio": result.cost_ratio, "notes": result.notes}  # fmt: skip
 

@@ -144,8 +144,21 @@ def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
     card = (out / "EVALUATION_CARD.md").read_text()
     assert "| gsm8k | accuracy | 2 |" in card and "Peak RSS" in card
     assert report["quality"]["all"]["n"] == 6 and result.metrics["all/reference_perplexity"] > 1
-    # Resumable: a rerun answers nothing again.
+    # Resumable: a rerun with the work directory answers nothing again.
     shutil.rmtree(out)
     out.mkdir()
     again = module.run(cfg, {"bundle": tmp_path / "X", "data": stage0}, out, work)
     assert again.metrics["gsm8k/none/accuracy"] == result.metrics["gsm8k/none/accuracy"]
+    # Reproducible: a run from scratch writes the same answers, verdicts and rates (greedy).
+    fresh_out, fresh_work = tmp_path / "out2", tmp_path / "work2"
+    fresh_out.mkdir()
+    fresh_work.mkdir()
+    quick = cfg.model_copy(update={"speed_prompts": 0})  # the speed figures are not what this compares
+    third = module.run(quick, {"bundle": tmp_path / "X", "data": stage0}, fresh_out, fresh_work)
+    redo = [json.loads(line) for line in (fresh_out / "answers.jsonl").read_text().splitlines()]
+    strip = lambda a: {k: v for k, v in a.items() if k != "judge_seconds"}  # noqa: E731
+    assert [{p: strip(x) for p, x in r["answers"].items()} for r in redo] == [
+        {p: strip(x) for p, x in r["answers"].items()} for r in answers
+    ]
+    quality = {k: v for k, v in third.metrics.items() if not k.startswith(("speed/", "peak_rss"))}
+    assert quality == {k: v for k, v in result.metrics.items() if not k.startswith(("speed/", "peak_rss"))}
