@@ -11,6 +11,7 @@
 #   make bench-dedup     dedup throughput on ../shared;  make eval-dedup: precision/recall on planted duplicates
 #   make bench-router    the domain router's (6A) latency per query, p50/p99 (after make stage-6a or make demo)
 #   make eval-cascade    the runtime cascade on held-out queries vs local-only and cloud-only (after make demo)
+#   make report          REPORT.md + plots for the latest flow run of PRESET (after make demo)
 #   make fuzz-ingest     stage 0's reader on generated hostile rows for SECONDS_FUZZ seconds (default 60); prints rows tried and crashes
 #   make bench-runtime   ar / sd / pyramid and peers on a 3-tier tiny family (trains it the first time)
 
@@ -24,7 +25,7 @@ METRICS     ?= rows_in,rows_out,duplicate_rate,english_share
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade fuzz-ingest bench-runtime
+.PHONY: setup demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime
 
 AXO_VENV    ?= .venv-axolotl
 
@@ -112,6 +113,9 @@ bench-router: setup
 
 eval-cascade: setup
 	$(PY) -m eval.cascade_eval $(ARGS)
+
+report: setup
+	$(PY) -m flows report --preset $(PRESET)
 
 eval-dedup: setup
 	$(PY) -m eval.dedup_quality

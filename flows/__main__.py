@@ -114,6 +114,12 @@ def _verify(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _report(args: argparse.Namespace) -> None:
+    from flows.report import write_report
+
+    print(f"written: {write_report(args.preset)}")
+
+
 def _schedule(args: argparse.Namespace) -> None:
     from flows.pipeline import preset_flows
     from flows.preset import load_preset
@@ -153,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     ver = sub.add_parser("verify", help="hash every file of every cached artifact and report the damaged ones")
     ver.add_argument("--stage", default=None)
     ver.set_defaults(func=_verify)
+
+    rep = sub.add_parser("report", help="REPORT.md and plots for the latest flow run of a preset")
+    rep.add_argument("--preset", default="tiny")
+    rep.set_defaults(func=_report)
 
     sched = sub.add_parser("schedule", help="serve a preset's flow on a cron schedule")
     sched.add_argument("--preset", default="tiny")

@@ -70,6 +70,14 @@ def test_second_run_is_all_cache_hits(tmp_path):
     parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
     assert len(parents) == 2  # one parent run per flow run
 
+    # make report: the latest flow run, its stage a cache hit citing the run that computed it.
+    report = _cli(home, "report", "--preset", str(preset))
+    assert report.returncode == 0, report.stderr[-3000:]
+    text = (home / "reports" / "flowtest" / "REPORT.md").read_text()
+    latest = runs[1].data.tags["mlflow.parentRunId"]
+    assert f"Flow run `{latest}`" in text and "| 0 | curate | cached |" in text
+    assert f"`{runs[0].info.run_id}`" in text and "50 valid rows in" in text  # the source run, its summary
+
     # A same-size byte change inside the published dataset: make verify reports it, and the next
     # run does not take it as a hit but recomputes (with a warning naming the artifact).
     (artifact,) = ArtifactStore(home / "store").artifacts("0")
