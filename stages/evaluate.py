@@ -49,7 +49,8 @@ LIBRARIES = ("transformers", "torch", "peft")
 
 log = logging.getLogger("kibidango.stage.9")
 
-_METRIC = {"gsm8k": "accuracy", "mbpp": "pass@1", "humaneval": "pass@1", "alpaca_seed": "pass_rate"}
+_METRIC = {"gsm8k": "accuracy", "mbpp": "pass_at_1", "humaneval": "pass_at_1", "alpaca_seed": "pass_rate"}
+"""Metric names per source (MLflow allows no "@" in a name: pass@1 is `pass_at_1`)."""
 
 
 class Config(StageConfig):
@@ -305,7 +306,8 @@ def _card(r: dict) -> str:
     for key, q in r["quality"].items():
         cells = [f"{v['rate']:.1%} [{v['ci'][0]:.1%}, {v['ci'][1]:.1%}]" for v in q["policies"].values()]
         ppl = "-" if q["reference_perplexity"] is None else f"{q['reference_perplexity']:.1f}"
-        lines.append(f"| {key} | {q['metric']} | {q['n']} | " + " | ".join(cells) + f" | {ppl} |")
+        metric = q["metric"].replace("_at_", "@")
+        lines.append(f"| {key} | {metric} | {q['n']} | " + " | ".join(cells) + f" | {ppl} |")
     size = r["size"]
     lines += ["", f"Bundle on disk: {size['bytes'] / 1e6:.2f} MB ("
               + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in size["tiers"].items()) + ")."]  # fmt: skip

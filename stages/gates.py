@@ -34,7 +34,7 @@ log = logging.getLogger("kibidango.stage.9A")
 class Gate(StageConfig):
     name: str = Field(description="What the gate is called in tables and in `waive`.")
     input: str = Field(description="The wired input whose metric is gated (e.g. evaluation, awq).")
-    metric: str = Field(description="A metric in that input's manifest (e.g. humaneval/auto/pass@1).")
+    metric: str = Field(description="A metric in that input's manifest (e.g. humaneval/auto/pass_at_1).")
     min: float | None = None
     max: float | None = None
 
