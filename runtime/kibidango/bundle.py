@@ -241,13 +241,18 @@ def stamp_release(src: str | Path, dest: str | Path, release: dict[str, Any]) ->
             os.link(source.root / entry["path"], target)
         except OSError:  # another filesystem, or no hard links: a copy
             shutil.copy2(source.root / entry["path"], target)
-    text = json.dumps({**source.meta, "release": release}, indent=2, sort_keys=True).encode()
+    return _seal(tmp, {**source.meta, "release": release}, dest)
+
+
+def _seal(tmp: Path, body: dict[str, Any], root: Path) -> Path:
+    """Write bundle.json and its digest into ``tmp`` and rename it to ``root`` (replacing it)."""
+    text = json.dumps(body, indent=2, sort_keys=True).encode()
     (tmp / "bundle.json").write_bytes(text)
     (tmp / MANIFEST_DIGEST).write_text(f"{sha256_bytes(text)}  bundle.json\n")
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
-    return dest
+    if root.exists():
+        shutil.rmtree(root)
+    tmp.rename(root)
+    return root
 
 
 def _check_manifest_digest(root: Path, digest: str) -> None:
@@ -368,10 +373,4 @@ def write_bundle(
         "runtime_defaults": runtime_defaults or {},
         "files": files,
     }
-    text = json.dumps(body, indent=2, sort_keys=True).encode()
-    (tmp / "bundle.json").write_bytes(text)
-    (tmp / MANIFEST_DIGEST).write_text(f"{sha256_bytes(text)}  bundle.json\n")
-    if root.exists():
-        shutil.rmtree(root)
-    tmp.rename(root)
-    return root
+    return _seal(tmp, body, root)
