@@ -102,7 +102,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "quality": quality,
         "size": _size(pipe.bundle),
         "peak_rss_mb": _peak_rss_mb(bundle_dir, cfg.backend, rows[0]["task"].prompt),
-        "speed": _speed(bundle_dir, cfg, [r["task"].prompt for r in rows[: cfg.speed_prompts]]),
+        "speed": _speed(bundle_dir, cfg, _speed_prompts(pipe, rows, cfg)),
     }
     (out_dir / "evaluation.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     with open(out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
@@ -272,6 +272,13 @@ def _peak_rss_mb(bundle_dir: Path, backend: str, prompt: str, new_tokens: int = 
         log.warning(f"peak RSS probe failed (exit {probe.returncode}): {probe.stderr.strip()[-300:]}")
         return None
     return int(probe.stdout.strip().splitlines()[-1]) / 1024  # Linux reports KiB
+
+
+def _speed_prompts(pipe, rows: list[dict], cfg: Config) -> list[str]:
+    """The first ``speed_prompts`` evaluation queries that leave room for the generated tokens."""
+    room = min(m.context_length for m in pipe.models.values()) - cfg.speed_new_tokens
+    fits = (r["task"].prompt for r in rows if len(pipe.encode(r["task"].prompt)) < room)
+    return [p for _, p in zip(range(cfg.speed_prompts), fits, strict=False)]
 
 
 def _speed(bundle_dir: Path, cfg: Config, prompts: list[str]) -> dict:
