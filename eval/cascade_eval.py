@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or home() / "reports" / "eval-cascade.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**report, "queries": records}, indent=2))
-    print(_table(report))
+    table = _table(report)
+    out.with_suffix(".md").write_text(f"{table}\n\nBundle `{bundle_dir}`; cloud stand-in `{cloud_model}`.\n")
+    print(table)
     print(f"written: {out}")
     return 0
 

@@ -196,13 +196,10 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     if used:
         lines += ["", "## Training loss curves", "", "![loss curves](loss_curves.png)", "",
                   "*(" + "; ".join(used) + ")*"]  # fmt: skip
-    cascade = home() / "reports" / "eval-cascade.json"
+    cascade = home() / "reports" / "eval-cascade.md"  # written by make eval-cascade beside its JSON
     if cascade.is_file():
-        from eval.cascade_eval import _table
-
-        report = json.loads(cascade.read_text())
-        lines += ["", "## The runtime cascade against its baselines (`make eval-cascade`)", "", _table(report), "",
-                  f"*(bundle `{report['bundle']}`; {cascade})*"]  # fmt: skip
+        lines += ["", "## The runtime cascade against its baselines (`make eval-cascade`)", "",
+                  cascade.read_text().strip(), "", f"*({cascade}, {cascade.with_suffix('.json')})*"]  # fmt: skip
     path = out_dir / "REPORT.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

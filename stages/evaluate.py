@@ -302,7 +302,7 @@ def _card(r: dict) -> str:
         "# Stage 9 — evaluation of the bundle",
         "",
         f"{r['tasks']} tasks no stage trained or mined on (the benchmarks' evaluation parts; self-instruct seed "
-        "tasks), answered through the runtime with the bundle's decoding defaults, judged (`make stage-9`). "
+        "tasks), answered through the runtime in the bundle's decoding mode, greedy, judged (`make stage-9`). "
         "95% Wilson intervals.",
         "",
         "| sample | metric | n | "
