@@ -79,28 +79,19 @@ def fresh_rows(cfg, data: Path, used: set[str], per_sample: int | None) -> list[
 
 
 def seed_rows(n: int, data: Path, seed: int) -> list[dict]:
-    """``n`` general tasks from self-instruct's seed tasks (first instance each), none whose text is
-    in any stage-0 split; drawn by ``seed``."""
+    """``n`` general tasks from self-instruct's seed tasks (:func:`methods.evaluation.seed_tasks`),
+    none whose text is in any stage-0 split; drawn by ``seed``."""
     import random
 
-    from methods.failures import row_key, training_texts
-    from methods.judges import Task
-    from methods.training.chat import load_split, prompt_text
+    from methods.evaluation import seed_tasks
+    from methods.failures import training_texts
+    from methods.training.chat import load_split
 
     path = SHARED / "data" / "alpaca_seed" / "seed_tasks.jsonl"
     if n < 1 or not path.is_file():
         return []
     seen = set().union(*(training_texts(load_split(data, split)) for split in ("train", "validation", "test")))
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        instance = rec["instances"][0]
-        instruction, input_ = rec["instruction"], instance["input"]
-        if row_key(instruction, input_) in seen:
-            continue
-        task = Task(f"alpaca_seed:{rec['id']}", prompt_text(instruction, input_), instance["output"])
-        rows.append({"id": task.id, "instruction": instruction, "input": input_, "task": task,
-                     "sample": "general", "source": "alpaca_seed", "domain": "general"})  # fmt: skip
+    rows = [{**r, "sample": "general", "source": "alpaca_seed", "domain": "general"} for r in seed_tasks(path, seen)]
     return random.Random(seed).sample(rows, min(n, len(rows)))
 
 

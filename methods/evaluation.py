@@ -25,7 +25,7 @@ from methods.failures import row_key, sample
 from methods.judges import Task
 from methods.training.chat import prompt_text
 
-__all__ = ["EvalSample", "evaluation_tasks", "wilson"]
+__all__ = ["EvalSample", "evaluation_tasks", "seed_tasks", "wilson"]
 
 SEED_TASKS_DOMAIN = "general"
 
@@ -53,7 +53,9 @@ def wilson(passes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _seed_tasks(path: Path, seen: set[str]) -> list[dict]:
+def seed_tasks(path: Path, seen: set[str]) -> list[dict]:
+    """Self-instruct's seed tasks (first instance each) as ``{id, instruction, input, task}``, in file
+    order, less those whose text is in ``seen``; a malformed line is an error naming it."""
     rows = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -84,7 +86,7 @@ def evaluation_tasks(samples: list[EvalSample], seed: int, seen: set[str]) -> li
         if not path.is_file():
             raise KibidangoError(f"evaluation sample {s.name!r}: {path} not found")
         if s.source == "alpaca_seed":
-            pool = _seed_tasks(path, seen)
+            pool = seed_tasks(path, seen)
         else:
             pool = []
             for bt in load_tasks(s.source, path, "evaluation"):
