@@ -5,15 +5,20 @@
 #   make dry-run         resolve and print the stage plan of PRESET without running it
 #   make schedule        serve the flow on a cron schedule (CRON="0 3 * * *")
 #   make mlflow-ui       MLflow UI on http://127.0.0.1:5000
-#   make compare         metrics across the runs of PRESET's experiment (STAGE=0 METRICS=rows_out,duplicate_rate)
+#   make compare         the evaluations (stage 9) across PRESET's runs; STAGE=0 METRICS=rows_out,duplicate_rate for others
 #   make clean-cache     delete the artifact store (DRY_RUN=1 lists what it would delete; STAGE=0 for one stage)
 #   make verify          hash every file of every cached artifact (STAGE=0 for one stage); a lookup only re-hashes changed files
+#   make report          REPORT.md + plots for the latest flow run of PRESET and the measurements below
+#                        (after make demo); PUBLISH=1 also copies it to docs/report/PRESET and refreshes the
+#                        README's summary block
+# Measurements (each printed, and kept for make report with its command, commit and time):
 #   make bench-dedup     dedup throughput on ../shared;  make eval-dedup: precision/recall on planted duplicates
 #   make bench-router    the domain router's (6A) latency per query, p50/p99 (after make stage-6a or make demo)
 #   make eval-cascade    the runtime cascade on held-out queries vs local-only and cloud-only (after make demo)
-#   make report          REPORT.md + plots for the latest flow run of PRESET (after make demo)
+#   make loadtest        kibidango serve on the demo's bundle under 200 requests from 16 clients (after make demo)
 #   make fuzz-ingest     stage 0's reader on generated hostile rows for SECONDS_FUZZ seconds (default 60); prints rows tried and crashes
 #   make bench-runtime   ar / sd / pyramid and peers on a 3-tier tiny family (trains it the first time)
+#   make backend-agreement  greedy ar on the torch and llama.cpp backends over stories260K's weights
 
 PYTHON_BOOT ?= python3.11
 VENV        ?= .venv
@@ -21,11 +26,12 @@ BIN         := $(VENV)/bin
 PY          := $(BIN)/python
 PRESET      ?= tiny
 CRON        ?= 0 3 * * *
-METRICS     ?= rows_in,rows_out,duplicate_rate,english_share
+METRICS     ?=
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime
+.PHONY: setup demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
+  loadtest backend-agreement
 
 AXO_VENV    ?= .venv-axolotl
 
@@ -87,7 +93,7 @@ mlflow-ui: setup
 	  --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(KIBIDANGO_HOME)/mlflow.db}"
 
 compare: setup
-	$(PY) -m flows compare --experiment kibidango-$(PRESET) --metrics $(METRICS) $(if $(STAGE),--stage $(STAGE))
+	$(PY) -m flows compare --experiment kibidango-$(PRESET) $(if $(METRICS),--metrics $(METRICS)) $(if $(STAGE),--stage $(STAGE))
 
 clean-cache: setup
 	$(PY) -m flows clean-cache $(if $(DRY_RUN),--dry-run) $(if $(STAGE),--stage $(STAGE))
@@ -101,25 +107,41 @@ BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_bundle
 $(BENCH_BUNDLE)/bundle.json:
 	$(PY) -m eval.tiny_family --out $(BENCH_BUNDLE)
 
+# A measuring target runs through eval.record, which keeps its output for make report.
+RECORD = $(PY) -m eval.record
+
 bench-runtime: setup $(BENCH_BUNDLE)/bundle.json
-	$(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) --prompts eval/prompts/stories.txt \
+	$(RECORD) bench-runtime --title "Decoding modes on the runtime benchmark's tiny family" \
+	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) --prompts eval/prompts/stories.txt \
 	  --modes ar,sd,pyramid,pyramid-exact,pyramid-assisted --max-new-tokens 64 $(ARGS)
 
+backend-agreement: setup
+	$(RECORD) backend-agreement --title "torch and llama.cpp backends on the same weights" \
+	  --as "make backend-agreement" -- $(PY) -m eval.backend_agreement
+
 bench-dedup: setup
-	$(PY) -m eval.bench_dedup
+	$(RECORD) bench-dedup --title "Dedup throughput on ../shared's instruction data" --as "make bench-dedup" -- \
+	  $(PY) -m eval.bench_dedup
 
 bench-router: setup
-	$(PY) -m eval.bench_router
+	$(RECORD) bench-router --title "Domain router (6A) latency per query" --as "make bench-router" -- \
+	  $(PY) -m eval.bench_router
 
 eval-cascade: setup
 	$(PY) -m eval.cascade_eval $(ARGS)
 
+loadtest: setup
+	$(PY) -m eval.server_load $(ARGS)
+
 report: setup
-	$(PY) -m flows report --preset $(PRESET)
+	$(PY) -m flows report --preset $(PRESET) $(if $(PUBLISH),--publish)
 
 eval-dedup: setup
-	$(PY) -m eval.dedup_quality
+	$(RECORD) eval-dedup --title "Near-dedup on planted duplicates: precision and recall" --as "make eval-dedup" -- \
+	  $(PY) -m eval.dedup_quality
 
 SECONDS_FUZZ ?= 60
 fuzz-ingest: setup
-	$(PY) -m eval.fuzz_ingest --seconds $(SECONDS_FUZZ)
+	$(RECORD) fuzz-ingest --title "Stage 0's reader on generated hostile files" \
+	  --as "make fuzz-ingest SECONDS_FUZZ=$(SECONDS_FUZZ)" -- $(PY) -m eval.fuzz_ingest --seconds $(SECONDS_FUZZ)

@@ -18,20 +18,23 @@ queries, against the local-only and cloud-only baselines.
   answer the cascade's local phase produced: same pipeline, same greedy decoding), *cloud-only*
   (the stand-in answers every query). Each final answer is judged by 2G's judges.
 
-Prints a table (tier split, judged quality, dollars per 1K queries) and writes
-``<workspace>/reports/eval-cascade.json``."""
+Prints a table (tier split, judged quality, dollars per 1K queries), writes every query's outcome
+to ``<workspace>/reports/eval-cascade.json`` and the table to ``make report`` (the record
+``eval-cascade``, :mod:`core.records`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from core.paths import home
+from core.records import write_record
 from core.store import ArtifactStore
 from eval.shared_data import SHARED
 
@@ -208,9 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**report, "queries": records}, indent=2))
     table = _table(report)
-    out.with_suffix(".md").write_text(f"{table}\n\nBundle `{bundle_dir}`; cloud stand-in `{cloud_model}`.\n")
     print(table)
     print(f"written: {out}")
+    command = shlex.join(["python", "-m", "eval.cascade_eval", *(sys.argv[1:] if argv is None else argv)])
+    body = f"{table}\n\nBundle `{bundle_dir}`; cloud stand-in `{cloud_model}`; every query: `{out}`."
+    title = "The runtime cascade against local-only and cloud-only"
+    print(f"record: {write_record('eval-cascade', title, command, markdown=body, data=report)}")
     return 0
 
 

@@ -85,7 +85,7 @@ def _stage_id(known: list[str], given: str) -> str:
 def _compare(args: argparse.Namespace) -> None:
     from flows.compare import compare_table
 
-    print(compare_table(args.experiment, args.metrics.split(","), args.stage, args.limit))
+    print(compare_table(args.experiment, args.metrics.split(",") if args.metrics else None, args.stage, args.limit))
 
 
 def _clean(args: argparse.Namespace) -> None:
@@ -115,9 +115,14 @@ def _verify(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from flows.report import write_report
+    from flows.preset import load_preset
+    from flows.report import publish, write_report
 
-    print(f"written: {write_report(args.preset)}")
+    report = write_report(args.preset)
+    print(f"written: {report}")
+    if args.publish:
+        for path in publish(load_preset(args.preset).name, report):
+            print(f"written: {path}")
 
 
 def _schedule(args: argparse.Namespace) -> None:
@@ -145,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cmp_ = sub.add_parser("compare", help="table of metrics across an experiment's stage runs")
     cmp_.add_argument("--experiment", default="kibidango-tiny")
-    cmp_.add_argument("--stage", default=None, help="only this stage id")
-    cmp_.add_argument("--metrics", default="rows_in,rows_out,duplicate_rate,english_share")
+    cmp_.add_argument("--stage", default=None, help="only this stage id (default: 9, the evaluation)")
+    cmp_.add_argument(
+        "--metrics",
+        default=None,
+        help="comma list (default: the evaluation's headline metrics for stage 9, else the stage's first 8)",
+    )
     cmp_.add_argument("--limit", type=int, default=20)
     cmp_.set_defaults(func=_compare)
 
@@ -162,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rep = sub.add_parser("report", help="REPORT.md and plots for the latest flow run of a preset")
     rep.add_argument("--preset", default="tiny")
+    rep.add_argument(
+        "--publish",
+        action="store_true",
+        help="also copy it to docs/report/<preset>/ and rewrite the README's summary block for the preset",
+    )
     rep.set_defaults(func=_report)
 
     sched = sub.add_parser("schedule", help="serve a preset's flow on a cron schedule")

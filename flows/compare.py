@@ -1,5 +1,9 @@
 """``make compare``: a table of chosen metrics across the runs of an experiment
-(``mlflow.search_runs``), one row per stage run, newest first."""
+(``mlflow.search_runs``), one row per stage run, newest first. Without a stage and metrics it
+compares the evaluations (stage 9): pass@1 / accuracy per benchmark with the router's adapter,
+the gold answers' perplexity, size, peak RSS and speculative decoding's speed against target-only;
+with a stage and no metrics, that stage's first metrics (confidence bounds and loss histories
+left out)."""
 
 from __future__ import annotations
 
@@ -10,11 +14,24 @@ import mlflow
 from flows.tracking import TAG
 from flows.workspace import tracking_uri
 
-__all__ = ["compare_table"]
+__all__ = ["EVALUATION", "compare_table"]
+
+EVALUATION = [
+    "humaneval/auto/pass_at_1",
+    "mbpp/auto/pass_at_1",
+    "gsm8k/auto/accuracy",
+    "general/auto/pass_rate",
+    "all/reference_perplexity",
+    "bundle_bytes",
+    "peak_rss_mb",
+    "speed/sd_vs_ar",
+]
 
 
-def compare_table(experiment: str, metrics: list[str], stage: str | None = None, limit: int = 20) -> str:
+def compare_table(experiment: str, metrics: list[str] | None = None, stage: str | None = None, limit: int = 20) -> str:
     mlflow.set_tracking_uri(tracking_uri())
+    if not metrics and not stage:
+        stage, metrics = "9", EVALUATION
     filters = [f"tags.`{TAG}stage_id` = '{stage}'"] if stage else [f"tags.`{TAG}stage_id` != ''"]
     runs = mlflow.search_runs(
         experiment_names=[experiment],
@@ -24,7 +41,10 @@ def compare_table(experiment: str, metrics: list[str], stage: str | None = None,
         output_format="list",
     )
     if not runs:
-        return f"no stage runs in experiment {experiment!r} (tracking URI {tracking_uri()})"
+        return f"no {'stage ' + stage if stage else 'stage'} runs in experiment {experiment!r} (tracking URI {tracking_uri()})"
+    if not metrics:
+        names = sorted(runs[0].data.metrics)
+        metrics = [m for m in names if "/ci_" not in m and not m.endswith("/loss")][:8]
     header = ["started (UTC)", "run", "stage", "cached", "cache key", *metrics]
     rows = []
     for r in runs:
@@ -36,7 +56,7 @@ def compare_table(experiment: str, metrics: list[str], stage: str | None = None,
                 started,
                 r.info.run_id[:8],
                 tags.get(f"{TAG}stage_id", ""),
-                tags.get(f"{TAG}cached", ""),
+                tags.get(f"{TAG}cached", "") + ("" if r.info.status == "FINISHED" else f" ({r.info.status.lower()})"),
                 tags.get(f"{TAG}cache_key", "")[:12],
                 *values,
             ]

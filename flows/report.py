@@ -1,38 +1,70 @@
-"""``make report``: ``REPORT.md`` and its plots for the latest flow run of a preset, from MLflow and
-the artifacts that run used; every figure is followed by the stage, MLflow run id and artifact it
-came from (a cache hit points at the run that computed it).
+"""``make report``: ``REPORT.md`` and its plots for the latest flow run of a preset, from MLflow, the
+artifacts that run used and the workspace's measurement records; every figure is followed by
+where it came from: the stage, MLflow run id and artifact (a cache hit points at the run that
+computed it), or the command, commit and time of a measurement.
 
-Sections, as far as the run has the stages: the stages (cached or computed, summary); the bundle's
-sizes and perplexities (X); the evaluation (9) and the quality gates (9A); training loss curves
-(every ``*/loss`` metric history of the training stages); acceptance per decoding mode (9's
-speed benchmark); calibration reliability (2G); the cascade's threshold frontier (6C); cost per
-teacher tier (1D); the runtime cascade against its baselines (``make eval-cascade``, when run).
+Sections, as far as the run has the stages: a summary of the headline figures; the stages
+(cached or computed, summary); data (0); training (P, 1A, 1R, 1E, the domain adapters 3-5, loss
+curves); failure mining and the teachers (1B, 1C, 1D); compression and the bundle (X, 2D, 2E, a
+size/quality plot); routing, calibration and escalation (6A, 2G, 6B, 6C); the evaluation (9, with
+acceptance per decoding mode) and the quality gates (9A); then every measurement recorded in the
+workspace (``make eval-dedup``, ``make bench-runtime``, ``make eval-cascade``, ``make loadtest``,
+...; :mod:`core.records`), with a warning where one was measured on another bundle than this run's.
 
-Written to ``<workspace>/reports/<preset>/`` (``REPORT.md`` and PNGs beside it)."""
+Written to ``<workspace>/reports/<preset>/`` (``REPORT.md`` and PNGs beside it). ``--publish``
+also copies it to ``docs/report/<preset>/`` in the repository and rewrites the README's summary
+block (between ``<!-- report-summary:<preset> -->`` and ``<!-- /report-summary -->``) with the
+same summary, so that the figures the README keeps come from this code."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import shutil
 from pathlib import Path
 
 from core.contract import KibidangoError
-from core.paths import home
+from core.paths import REPO_ROOT, home
+from core.records import read_records
 from flows.preset import load_preset
 from flows.tracking import TAG
 from flows.workspace import tracking_uri
 
-__all__ = ["write_report"]
+__all__ = ["write_report", "publish", "summary_table"]
 
-# (stage, card file, title, images to copy) in report order
-_CARDS = [
-    ("9", "EVALUATION_CARD.md", "Evaluation on held-out tasks (stage 9)", []),
-    ("9A", "GATES_CARD.md", "Quality gates (stage 9A)", []),
-    ("2G", "CALIBRATION_CARD.md", "Calibration (stage 2G)", ["reliability_answers.png", "reliability_tokens.png"]),
-    ("6C", "THRESHOLDS_CARD.md", "Cascade thresholds (stage 6C)", ["frontier.png"]),
-    ("1D", "COST_CARD.md", "Cascaded teachers: cost per tier (stage 1D)", ["cost_per_tier.png"]),
+# report sections: (title, intro, [(stage, card file, images to copy)])
+_SECTIONS = [
+    ("Data (stage 0)", "", [("0", "data_card.md", ["length_histogram.png"])]),
+    (
+        "Training (stages P, 1A, 1R, 1E, 3-5)",
+        "",
+        [("P", "family.md", []), ("1A", None, []), ("1R", "RETRAIN_CARD.md", []), ("1E", "family.md", [])],
+    ),
+    (
+        "Failure mining and the cascaded teachers (stages 1B, 1C, 1D)",
+        "",
+        [("1B", "MINING_CARD.md", []), ("1C", "FAILURE_CARD.md", []), ("1D", "COST_CARD.md", ["cost_per_tier.png"])],
+    ),
+    (
+        "Compression and the bundle (stages 2A-2F, X, 2E)",
+        "",
+        [("X", "bundle/BUNDLE_CARD.md", []), ("2D", "gguf_report.md", []), ("2E", "pack_report.md", [])],
+    ),
+    (
+        "Routing, calibration and escalation (stages 6A, 2G, 6B, 6C)",
+        "",
+        [
+            ("6A", "ROUTER_CARD.md", []),
+            ("2G", "CALIBRATION_CARD.md", ["reliability_answers.png", "reliability_tokens.png"]),
+            ("6B", "ESCALATION_CARD.md", []),
+            ("6C", "THRESHOLDS_CARD.md", ["frontier.png"]),
+        ],
+    ),
+    ("Evaluation on held-out tasks (stage 9)", "", [("9", "EVALUATION_CARD.md", [])]),
+    ("Quality gates (stage 9A)", "", [("9A", "GATES_CARD.md", [])]),
 ]
+_SHOWN = {"humaneval": "HumanEval pass@1", "mbpp": "MBPP pass@1", "gsm8k": "GSM8K accuracy"}
 
 
 def _client():
@@ -73,25 +105,50 @@ def _source(run) -> str:
     return tags.get(f"{TAG}source_run_id") or run.info.run_id
 
 
+def _rel(path: str | Path) -> str:
+    """A workspace path relative to the workspace (``store/9/<key>``), others as they are."""
+    try:
+        return Path(path).resolve().relative_to(home()).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def _cite(sid: str, run, artifact: str | None) -> str:
     cached = run.data.tags.get(f"{TAG}cached") == "yes"
-    where = f", artifact `{artifact}`" if artifact else ""
+    where = f", artifact `{_rel(artifact)}`" if artifact else ""
     return f"*(stage {sid}, MLflow run `{_source(run)}`{' (a cache hit in this flow run)' if cached else ''}{where})*"
 
 
-def _body(card: str) -> str:
-    """A card without its first heading (the report gives its own)."""
-    lines = card.strip().splitlines()
-    return "\n".join(lines[1:] if lines and lines[0].startswith("# ") else lines).strip()
+def _card(card: str) -> tuple[str | None, str]:
+    """A card under a report section: its first heading (the section's title), and the rest with
+    its YAML front matter dropped and its other headings one level down."""
+    text = card.strip()
+    if text.startswith("---\n"):
+        end = text.find("\n---", 4)
+        text = text[end + 4 :].strip() if end != -1 else text
+    lines = text.splitlines()
+    heading = None
+    if lines and lines[0].startswith("# "):
+        heading, lines = lines[0][2:].strip(), lines[1:]
+    return heading, "\n".join("##" + line if re.match(r"#+ ", line) else line for line in lines).strip()
 
 
-def _loss_plot(client, runs: dict, out: Path) -> list[str]:
-    """Every ``*/loss`` metric history of the stages' source runs in one figure; the runs used."""
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _loss_plot(client, runs: dict, out: Path) -> list[str]:
+    """Every ``*/loss`` metric history of the stages' source runs in one figure; the runs used."""
+    plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     used = []
     for sid, run in runs.items():
@@ -124,11 +181,7 @@ def _acceptance_plot(evaluation: dict, out: Path) -> bool:
     bars = [(f"{r['mode']}: {t}", a) for r in rows for t, a in r["acceptance"].items() if a is not None]
     if not bars:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([b[0] for b in bars], [b[1] for b in bars])
     ax.set_xlim(0, 1)
@@ -139,21 +192,163 @@ def _acceptance_plot(evaluation: dict, out: Path) -> bool:
     return True
 
 
+def _size_quality_points(x_artifact: Path) -> list[tuple[str, str, float, float]]:
+    """(tier, format, MB on disk, validation perplexity) for every form of every tier the bundle's
+    stages measured: full precision, AWQ W4A16, the quantized GGUF (the stages' own metrics)."""
+    from methods.compression.card import lineage
+
+    stages = lineage({"bundle": x_artifact})
+    m = {s: v["metrics"] for s, v in stages.items()}
+    g, p = m.get("2D", {}), m.get("2A", {})
+    points = []
+    for tier in ("draft", "qualifier", "target"):
+        awq = m.get("2B" if tier == "target" else "2C", {})
+        full = p.get("val_perplexity_before") if tier == "target" and p else awq.get(f"{tier}_val_perplexity_before")
+        forms = [
+            ("full precision", g.get(f"{tier}_hf_bytes"), full),
+            ("AWQ W4A16", awq.get(f"{tier}_bytes_after"), awq.get(f"{tier}_val_perplexity_after")),
+            ("GGUF quantized", g.get(f"{tier}_gguf_bytes"), g.get(f"{tier}_val_perplexity_gguf")),
+        ]
+        points += [(tier, form, size / 1e6, ppl) for form, size, ppl in forms if size and ppl]
+    return points
+
+
+def _size_quality_plot(points: list[tuple[str, str, float, float]], out: Path) -> bool:
+    if not points:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    markers = {"full precision": "o", "AWQ W4A16": "s", "GGUF quantized": "^"}
+    colors = {"draft": "tab:blue", "qualifier": "tab:orange", "target": "tab:green"}
+    for tier, form, mb, ppl in points:
+        ax.scatter(mb, ppl, marker=markers.get(form, "o"), color=colors.get(tier, "k"), label=f"{tier}, {form}")
+    ax.set_xscale("log")
+    ax.set_xlabel("size on disk (MB, log scale)")
+    ax.set_ylabel("validation perplexity (lower is better)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def summary_table(runs: dict, artifacts: dict, records: list[dict]) -> list[str]:
+    """The headline figures, each with where it came from: the bundle's size and release verdict,
+    its pass rates with intervals, speed, and the measurements' headline (cascade, server)."""
+    rows = []
+
+    def cite(sid: str) -> str:
+        return f"stage {sid}, run `{_source(runs[sid])}`"
+
+    ev = _json(Path(artifacts["9"]) / "evaluation.json") if artifacts.get("9") else None
+    gates = _json(Path(artifacts["9A"]) / "gates.json") if artifacts.get("9A") else None
+    if gates:
+        n_pass = sum(g["passed"] for g in gates["gates"])
+        verdict = "**releasable**" if gates["releasable"] else "**not releasable**"
+        failed = f"; failed: {', '.join(gates['failed'])}" if gates["failed"] else ""
+        waived = f"; waived: {', '.join(gates['waived'])}" if gates["waived"] else ""
+        rows.append(
+            f"| quality gates | {verdict}: {n_pass}/{len(gates['gates'])} pass{failed}{waived} | {cite('9A')} |"
+        )
+    if ev:
+        q = ev["quality"]
+        for name, label in _SHOWN.items():
+            if name in q:
+                pol = q[name]["policies"]
+                shown = "; ".join(
+                    f"`{p}` {_pct(v['rate'])} [{_pct(v['ci'][0])}, {_pct(v['ci'][1])}]" for p, v in pol.items()
+                )
+                rows.append(f"| {label} (n = {q[name]['n']}, 95% Wilson) | {shown} | {cite('9')} |")
+        if "all" in q:
+            rows.append(
+                f"| gold answers' perplexity under the base target (all {q['all']['n']} tasks) | "
+                f"{q['all']['reference_perplexity']:.1f} | {cite('9')} |"
+            )
+        rows.append(
+            f"| bundle on disk; peak RSS loading it and generating | {ev['size']['bytes'] / 1e6:.2f} MB; "
+            f"{ev['peak_rss_mb']:.0f} MB | {cite('9')} |"
+        )
+        speed = [r for r in (ev.get("speed") or {}).get("rows", []) if r["mode"] != "ar"]
+        if speed:
+            shown = "; ".join(
+                f"{r['mode']} {r['speed_vs_ar']:.2f}x"
+                + (
+                    " (acceptance " + ", ".join(f"{t} {_pct(a)}" for t, a in r["acceptance"].items()) + ")"
+                    if r.get("acceptance")
+                    else ""
+                )
+                for r in speed
+            )
+            rows.append(f"| tokens/s against target-only decoding, side by side | {shown} | {cite('9')} |")
+    by_name = {r["name"]: r for r in records}
+    cascade = by_name.get("eval-cascade", {}).get("data")
+    if cascade and "cascade" in cascade:
+        c = cascade["cascade"]
+        rows.append(
+            f"| runtime cascade on {cascade['queries']} fresh queries: local share; judged quality cascade / "
+            f"local / cloud stand-in; $ per 1K queries | {_pct(c['tiers']['local'])}; {_pct(c['quality'])} / "
+            f"{_pct(cascade['local_only']['quality'])} / {_pct(cascade['cloud_only']['quality'])}; "
+            f"{c['usd_per_1k_queries']:.2f} | `{by_name['eval-cascade']['command']}` |"
+        )
+    load = by_name.get("loadtest", {}).get("data")
+    if load:
+        shown = "; ".join(
+            f"queue {q}: {s['outcomes'].get('200', 0)} answered, {s['outcomes'].get('lost', 0)} lost"
+            + (f", p50 / p99 {s['p50_s']:.2f} / {s['p99_s']:.2f} s" if s["p50_s"] is not None else "")
+            for q, s in load.items()
+        )
+        rows.append(f"| the server under load | {shown} | `{by_name['loadtest']['command']}` |")
+    if not rows:
+        return []
+    return ["| figure | value | from |", "|---|---|---|", *rows]
+
+
+def _measurements(records: list[dict], bundle: str | None) -> list[str]:
+    lines = []
+    for r in records:
+        lines += ["", f"### {r['title']}", ""]
+        used = (r.get("data") or {}).get("bundle")
+        if used and bundle and Path(used).resolve() != Path(bundle).resolve():
+            lines += [
+                f"**Measured on another bundle** (`{_rel(used)}`) than this flow run's (`{_rel(bundle)}`): "
+                f"run `{r['command']}` again to measure this one.",
+                "",
+            ]
+        lines += [r["markdown"].strip()] if r.get("markdown") else ["```text", r["output"].strip(), "```"]
+        wall = f", {r['wall_s']:.0f} s wall" if r.get("wall_s") is not None else ""
+        lines += ["", f"*(`{r['command']}`, commit `{r['git_sha'][:12]}`, {r['finished']}{wall}; `{_rel(r['path'])}`)*"]
+    return lines
+
+
 def write_report(preset: str, out_dir: Path | None = None) -> Path:
     plan = load_preset(preset)
     client = _client()
     flow = _latest_flow_run(client, plan.experiment, plan.name)
     runs = _stage_runs(client, flow)
     out_dir = out_dir or home() / "reports" / plan.name
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a stale plot must not outlive the run it came from
+    out_dir.mkdir(parents=True)
     started = dt.datetime.fromtimestamp(flow.info.start_time / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     artifacts = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
+    artifacts = {sid: a for sid, a in artifacts.items() if a and Path(a).is_dir()}
+    records = read_records()
     lines = [
         f"# kibidango report — preset `{plan.name}`",
         "",
         f"Flow run `{flow.info.run_id}` ({flow.info.status}), started {started}, git "
-        f"`{flow.data.tags.get(f'{TAG}git_sha', '?')[:12]}`; experiment `{plan.experiment}`, tracking "
-        f"`{tracking_uri()}`. Regenerate with `make report PRESET={plan.name}`.",
+        f"`{flow.data.tags.get(f'{TAG}git_sha', '?')[:12]}`; experiment `{plan.experiment}`. Artifact paths "
+        "are relative to the workspace (`$KIBIDANGO_HOME`, default `.kibidango`). Regenerate with "
+        f"`make report PRESET={plan.name}` after `make demo`{' PRESET=' + plan.name if plan.name != 'tiny' else ''}.",
+    ]
+    summary = summary_table(runs, artifacts, records)
+    if summary:
+        lines += ["", "## Summary", "", *summary]
+    lines += [
         "",
         "## Stages",
         "",
@@ -163,43 +358,92 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     for sid, run in runs.items():
         tags = run.data.tags
         art = artifacts.get(sid)
-        summary = ""
+        summary_line = ""
         if art and (Path(art) / "manifest.json").is_file():
-            summary = json.loads((Path(art) / "manifest.json").read_text()).get("summary", "")
-            summary = summary.strip().splitlines()[0].rstrip(":").replace("|", "/") if summary.strip() else ""
+            summary_line = json.loads((Path(art) / "manifest.json").read_text()).get("summary", "")
+            summary_line = (
+                summary_line.strip().splitlines()[0].rstrip(":").replace("|", "/") if summary_line.strip() else ""
+            )
         status = "cached" if tags.get(f"{TAG}cached") == "yes" else "computed"
         if run.info.status != "FINISHED":
             status += f" ({run.info.status.lower()})"
-        lines.append(f"| {sid} | {tags.get(f'{TAG}stage_name', '')} | {status} | `{_source(run)}` | {summary[:300]} |")
+        lines.append(
+            f"| {sid} | {tags.get(f'{TAG}stage_name', '')} | {status} | `{_source(run)}` | {summary_line[:300]} |"
+        )
 
-    if "X" in runs and artifacts.get("X"):
-        card = Path(artifacts["X"]) / "bundle" / "BUNDLE_CARD.md"
-        if card.is_file():
-            lines += ["", "## The bundle: sizes and perplexity (stage X)", "", _body(card.read_text()), "",
-                      _cite("X", runs["X"], artifacts["X"])]  # fmt: skip
-    for sid, name, title, images in _CARDS:
-        art = artifacts.get(sid)
-        if sid not in runs or not art or not (Path(art) / name).is_file():
-            continue
-        lines += ["", f"## {title}", "", _body((Path(art) / name).read_text())]
-        for image in images:
-            if (Path(art) / image).is_file():
-                shutil.copy2(Path(art) / image, out_dir / f"{sid}-{image}")
-                lines += ["", f"![{image}]({sid}-{image})"]
-        lines += ["", _cite(sid, runs[sid], art)]
-        if sid == "9":
-            evaluation = json.loads((Path(art) / "evaluation.json").read_text())
-            if _acceptance_plot(evaluation, out_dir / "acceptance.png"):
-                lines += ["", "Acceptance per decoding mode and tier (stage 9's speed benchmark):", "",
-                          "![acceptance](acceptance.png)", "", _cite(sid, runs[sid], art)]  # fmt: skip
-    used = _loss_plot(client, runs, out_dir / "loss_curves.png")
-    if used:
-        lines += ["", "## Training loss curves", "", "![loss curves](loss_curves.png)", "",
-                  "*(" + "; ".join(used) + ")*"]  # fmt: skip
-    cascade = home() / "reports" / "eval-cascade.md"  # written by make eval-cascade beside its JSON
-    if cascade.is_file():
-        lines += ["", "## The runtime cascade against its baselines (`make eval-cascade`)", "",
-                  cascade.read_text().strip(), "", f"*({cascade}, {cascade.with_suffix('.json')})*"]  # fmt: skip
+    for title, intro, parts in _SECTIONS:
+        body: list[str] = []
+        for sid, name, images in parts:
+            art = artifacts.get(sid)
+            if sid not in runs or not art:
+                continue
+            if name is None:  # no card: the stage's metrics
+                metrics = json.loads((Path(art) / "manifest.json").read_text()).get("metrics", {})
+                if metrics:
+                    body += ["", f"### Stage {sid} ({runs[sid].data.tags.get(f'{TAG}stage_name', '')})", "",
+                             "| metric | value |", "|---|---:|", *[f"| {k} | {v:.4g} |" for k, v in metrics.items()]]  # fmt: skip
+                    body += ["", _cite(sid, runs[sid], art)]
+                continue
+            if not (Path(art) / name).is_file():
+                continue
+            heading, text = _card((Path(art) / name).read_text())
+            body += ["", f"### {heading or 'Stage ' + sid}", "", text]
+            for image in images:
+                if (Path(art) / image).is_file():
+                    shutil.copy2(Path(art) / image, out_dir / f"{sid}-{image}")
+                    body += ["", f"![{image}]({sid}-{image})"]
+            body += ["", _cite(sid, runs[sid], art)]
+            if sid == "X":
+                points = _size_quality_points(Path(art))
+                if _size_quality_plot(points, out_dir / "size_quality.png"):
+                    body += ["", "Size on disk against validation perplexity, every form of every tier:", "",
+                             "![size and quality](size_quality.png)", "", _cite(sid, runs[sid], art)]  # fmt: skip
+            if sid == "9":
+                evaluation = json.loads((Path(art) / "evaluation.json").read_text())
+                if _acceptance_plot(evaluation, out_dir / "acceptance.png"):
+                    body += ["", "Acceptance per decoding mode and tier (stage 9's speed benchmark):", "",
+                             "![acceptance](acceptance.png)", "", _cite(sid, runs[sid], art)]  # fmt: skip
+        if title.startswith("Training"):
+            used = _loss_plot(client, runs, out_dir / "loss_curves.png")
+            if used:
+                body += ["", "### Training loss curves", "", "![loss curves](loss_curves.png)", "",
+                         "*(" + "; ".join(used) + ")*"]  # fmt: skip
+        if body:
+            lines += ["", f"## {title}", *([intro] if intro else []), *body]
+
+    bundle = str(Path(artifacts["X"]) / "bundle") if artifacts.get("X") else None
+    if records:
+        lines += [
+            "",
+            "## Measurements",
+            "",
+            "Run outside the flow, each by the command printed under it (at that commit and time; the "
+            "Makefile's measuring targets keep their output here).",
+            *_measurements(records, bundle),
+        ]
     path = out_dir / "REPORT.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out_dir / "summary.md").write_text("\n".join(summary) + "\n", encoding="utf-8")
     return path
+
+
+def publish(preset: str, report: Path, repo: Path = REPO_ROOT) -> list[Path]:
+    """Copy the report to ``docs/report/<preset>/`` and put its summary into the README's block
+    for the preset (when the README has one). Returns what was written."""
+    target = repo / "docs" / "report" / preset
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(report.parent, target)
+    written = [target / "REPORT.md"]
+    readme = repo / "README.md"
+    begin, end = f"<!-- report-summary:{preset} -->", "<!-- /report-summary -->"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        if end not in rest:
+            raise KibidangoError(f"{readme}: {begin} without {end}")
+        tail = rest.split(end, 1)[1]
+        summary = (report.parent / "summary.md").read_text(encoding="utf-8").strip()
+        readme.write_text(f"{head}{begin}\n{summary}\n{end}{tail}", encoding="utf-8")
+        written.append(readme)
+    return written

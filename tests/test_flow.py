@@ -70,13 +70,24 @@ def test_second_run_is_all_cache_hits(tmp_path):
     parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
     assert len(parents) == 2  # one parent run per flow run
 
-    # make report: the latest flow run, its stage a cache hit citing the run that computed it.
+    # make report: the latest flow run, its stage a cache hit citing the run that computed it, its
+    # card, and a measurement recorded in the workspace with its command.
+    recorded = subprocess.run(
+        [sys.executable, "-m", "eval.record", "rows", "--title", "Rows counted", "--as", "make rows", "--",
+         sys.executable, "-c", "print('counted 50 rows')"],
+        cwd=REPO, env=cli_env(home), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert recorded.returncode == 0, recorded.stderr
     report = _cli(home, "report", "--preset", str(preset))
     assert report.returncode == 0, report.stderr[-3000:]
     text = (home / "reports" / "flowtest" / "REPORT.md").read_text()
     latest = runs[1].data.tags["mlflow.parentRunId"]
     assert f"Flow run `{latest}`" in text and "| 0 | curate | cached |" in text
     assert f"`{runs[0].info.run_id}`" in text and "50 valid rows in" in text  # the source run, its summary
+    assert "## Data (stage 0)" in text and "#### Sources" in text  # the data card, headings one level down
+    measured = text.split("## Measurements", 1)[1]
+    assert "### Rows counted" in measured and "counted 50 rows" in measured and "(`make rows`, commit" in measured
+    assert "no stage 9 runs" in _cli(home, "compare", "--experiment", "kibidango-flowtest").stdout
 
     # A same-size byte change inside the published dataset: make verify reports it, and the next
     # run does not take it as a hit but recomputes (with a warning naming the artifact).

@@ -1,0 +1,111 @@
+"""``make loadtest``: the server under load, as a user would run it. Starts ``kibidango serve`` on
+the newest stage-X bundle of the workspace (127.0.0.1, a free port), drives it with ``kibidango
+loadtest``'s client (``REQUESTS`` chat requests of ``MAX_TOKENS`` tokens from ``CONCURRENCY``
+clients, greedy), once with a queue that holds them all and once with a short one, and prints the
+outcomes, latency and throughput of each; the server is stopped with SIGTERM after each run. The
+table goes to ``make report`` as the record ``loadtest``."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from core.paths import home
+from core.records import write_record
+from core.store import ArtifactStore
+from eval.cascade_eval import _newest
+
+
+def _serve(bundle: Path, port: int, max_queue: int) -> subprocess.Popen:
+    exe = Path(sys.executable).with_name("kibidango")
+    cmd = [str(exe), "serve", "--bundle", str(bundle), "--port", str(port), "--max-queue", str(max_queue)]
+    print("$ " + shlex.join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"kibidango serve exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("kibidango serve was not ready after 180 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kibidango.loadtest import format_load, run_load
+    from methods.serving import free_port
+
+    parser = argparse.ArgumentParser(prog="python -m eval.server_load", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", help="a bundle directory (default: the newest stage-X bundle)")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--queues", default="64,4", help="the --max-queue of each run")
+    args = parser.parse_args(argv)
+
+    x = _newest(ArtifactStore(home() / "store"), "X")
+    if args.bundle is None and x is None:
+        print("no stage-X bundle in the workspace: run `make demo` first", file=sys.stderr)
+        return 1
+    bundle = Path(args.bundle) if args.bundle else x / "bundle"
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a story about a cat."}],
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+    }
+    rows = [
+        "| server | outcomes | lost | p50 / p99 latency | throughput |",
+        "|---|---|---:|---:|---:|",
+    ]
+    summaries = {}
+    for queue in [int(q) for q in args.queues.split(",")]:
+        port = free_port()
+        proc = _serve(bundle, port, queue)
+        try:
+            result = run_load(f"http://127.0.0.1:{port}", body, args.requests, args.concurrency)
+        finally:
+            _stop(proc)
+        print(format_load(result), flush=True)
+        s = result.summary()
+        summaries[str(queue)] = s
+        outcomes = ", ".join(f"{v} x {k}" for k, v in s["outcomes"].items())
+        latency = "-" if s["p50_s"] is None else f"{s['p50_s']:.2f} s / {s['p99_s']:.2f} s"
+        rows.append(
+            f"| `--max-queue {queue}` | {outcomes} ({s['seconds']:.1f} s) | {result.lost} | {latency} | "
+            f"{s['answered_per_s']} answered/s |"
+        )
+    table = "\n".join(rows)
+    text = (
+        f"{args.requests} chat requests of {args.max_tokens} tokens (greedy) from {args.concurrency} clients "
+        f"against `kibidango serve --bundle <bundle> --max-queue N` on 127.0.0.1; bundle `{bundle}`. "
+        "429: refused at once with Retry-After (the queue was full).\n\n" + table
+    )
+    print(table)
+    command = shlex.join(["python", "-m", "eval.server_load", *(sys.argv[1:] if argv is None else argv)])
+    path = write_record("loadtest", "The server under load", command, markdown=text, data=summaries)
+    print(f"record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Measurement records (``eval.record``, :mod:`core.records`) and publishing the report
+(``make report PUBLISH=1``): what a measuring command printed is kept with its command, and the
+README's summary block is rewritten from the report, nothing around it touched. The report
+itself is built from a real flow run in tests/test_flow.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from core.contract import KibidangoError
+from eval.record import clean
+from flows.report import _measurements, publish
+from tests.conftest import REPO
+
+
+def _record(home, *args):
+    env = {"KIBIDANGO_HOME": str(home), "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, "-m", "eval.record", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_measurement_is_recorded_and_a_failed_rerun_keeps_it(tmp_path):
+    ok = _record(tmp_path, "rows", "--title", "Rows per second", "--", sys.executable, "-c", "print('42 rows/s')")
+    assert ok.returncode == 0, ok.stderr
+    assert "42 rows/s" in ok.stdout  # shown as it comes
+    path = tmp_path / "reports" / "records" / "rows.json"
+    record = json.loads(path.read_text())
+    assert record["output"] == "42 rows/s" and record["title"] == "Rows per second"
+    assert (
+        record["command"].endswith("-c 'print('\"'\"'42 rows/s'\"'\"')'")
+        and record["git_sha"]
+        and record["wall_s"] >= 0
+    )
+
+    failed = _record(
+        tmp_path, "rows", "--title", "Rows", "--", sys.executable, "-c", "import sys; print('0 rows/s'); sys.exit(3)"
+    )
+    assert failed.returncode == 3 and "the last good record is kept" in failed.stderr
+    assert json.loads(path.read_text())["output"] == "42 rows/s"
+
+    bad = _record(tmp_path, "Bad Name", "--title", "x", "--", sys.executable, "-c", "pass")
+    assert bad.returncode != 0 and "record name 'Bad Name'" in bad.stderr
+
+
+def test_progress_bars_and_redraws_are_not_kept():
+    printed = "loading\n 10%|#    | 1/10\r100%|#####| 10/10\nstep 1\rstep 2\rdone: 3 rows\n\x1b[32mgreen\x1b[0m\n"
+    assert clean(printed) == "loading\ndone: 3 rows\ngreen"
+    assert clean("x" * 50, keep=10) == "...\n" + "x" * 10
+
+
+def test_a_measurement_on_another_bundle_says_so(tmp_path):
+    record = {
+        "title": "Cascade",
+        "command": "make eval-cascade",
+        "git_sha": "abc123",
+        "finished": "2026-11-23 09:00 UTC",
+        "wall_s": 12.0,
+        "markdown": "| a |\n|---|\n| 1 |",
+        "output": "",
+        "data": {"bundle": str(tmp_path / "old" / "bundle")},
+        "path": str(tmp_path / "r.json"),
+    }
+    text = "\n".join(_measurements([record], str(tmp_path / "new" / "bundle")))
+    assert "**Measured on another bundle**" in text and "make eval-cascade" in text and "| 1 |" in text
+    same = "\n".join(_measurements([record], str(tmp_path / "old" / "bundle")))
+    assert "another bundle" not in same and "commit `abc123`" in same
+
+
+def test_publish_rewrites_only_the_readme_block(tmp_path):
+    report_dir = tmp_path / "ws" / "reports" / "tiny"
+    report_dir.mkdir(parents=True)
+    (report_dir / "REPORT.md").write_text("# report\n")
+    (report_dir / "summary.md").write_text("| figure | value |\n|---|---|\n| gates | releasable |\n")
+    (report_dir / "plot.png").write_bytes(b"\x89PNG")
+    repo = tmp_path / "repo"
+    (repo / "docs" / "report" / "tiny").mkdir(parents=True)
+    (repo / "docs" / "report" / "tiny" / "stale.png").write_bytes(b"old")
+    before, after = "# Project\n\nintro\n\n", "\n\n## Next section\nkept\n"
+    block = "<!-- report-summary:tiny -->\nold figures\n<!-- /report-summary -->"
+    (repo / "README.md").write_text(before + block + after)
+
+    written = publish("tiny", report_dir / "REPORT.md", repo=repo)
+    assert repo / "README.md" in written
+    readme = (repo / "README.md").read_text()
+    assert readme.startswith(before) and readme.endswith(after)
+    assert "| gates | releasable |" in readme and "old figures" not in readme
+    assert sorted(p.name for p in (repo / "docs" / "report" / "tiny").iterdir()) == [
+        "REPORT.md",
+        "plot.png",
+        "summary.md",
+    ]  # the stale plot is gone
+
+    (repo / "README.md").write_text("<!-- report-summary:tiny -->\nno end marker\n")
+    with pytest.raises(KibidangoError, match="without <!-- /report-summary -->"):
+        publish("tiny", report_dir / "REPORT.md", repo=repo)
