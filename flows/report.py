@@ -113,6 +113,17 @@ def _rel(path: str | Path) -> str:
         return str(path)
 
 
+def _compute_minutes(client, run) -> float | None:
+    """How long the run that computed the stage's artifact took (a cache hit's source run)."""
+    try:
+        source = run if _source(run) == run.info.run_id else client.get_run(_source(run))
+    except Exception:  # noqa: BLE001 - a source run from another tracking store
+        return None
+    if not source.info.end_time or source.info.status != "FINISHED":
+        return None
+    return (source.info.end_time - source.info.start_time) / 60000
+
+
 def _cite(sid: str, run, artifact: str | None) -> str:
     cached = run.data.tags.get(f"{TAG}cached") == "yes"
     where = f", artifact `{_rel(artifact)}`" if artifact else ""
@@ -236,10 +247,20 @@ def _json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def summary_table(runs: dict, artifacts: dict, records: list[dict]) -> list[str]:
-    """The headline figures, each with where it came from: the bundle's size and release verdict,
-    its pass rates with intervals, speed, and the measurements' headline (cascade, server)."""
+def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: list[dict]) -> list[str]:
+    """The headline figures, each with where it came from: the flow run (stages computed and
+    cached, wall time), the bundle's release verdict, pass rates with intervals, size, speed, and
+    the measurements' headline (cascade, server)."""
     rows = []
+    computed = sum(r.data.tags.get(f"{TAG}cached") != "yes" for r in runs.values())
+    if flow.info.end_time:
+        wall = (flow.info.end_time - flow.info.start_time) / 60000
+        spent = [m for m in minutes.values() if m is not None]
+        rows.append(
+            f"| this flow run | {len(runs)} stages: {computed} computed, {len(runs) - computed} cache hits; "
+            f"{wall:.1f} min wall; the stages' own compute time (the runs that computed them, one at a time): "
+            f"{sum(spent):.1f} min | flow run `{flow.info.run_id}` |"
+        )
 
     def cite(sid: str) -> str:
         return f"stage {sid}, run `{_source(runs[sid])}`"
@@ -345,15 +366,16 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
         "are relative to the workspace (`$KIBIDANGO_HOME`, default `.kibidango`). Regenerate with "
         f"`make report PRESET={plan.name}` after `make demo`{' PRESET=' + plan.name if plan.name != 'tiny' else ''}.",
     ]
-    summary = summary_table(runs, artifacts, records)
+    minutes = {sid: _compute_minutes(client, r) for sid, r in runs.items()}
+    summary = summary_table(flow, runs, minutes, artifacts, records)
     if summary:
         lines += ["", "## Summary", "", *summary]
     lines += [
         "",
         "## Stages",
         "",
-        "| stage | name | computed or cached | MLflow run (source) | summary |",
-        "|---|---|---|---|---|",
+        "| stage | name | computed or cached | MLflow run (source) | compute time | summary |",
+        "|---|---|---|---|---:|---|",
     ]
     for sid, run in runs.items():
         tags = run.data.tags
@@ -368,7 +390,8 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
         if run.info.status != "FINISHED":
             status += f" ({run.info.status.lower()})"
         lines.append(
-            f"| {sid} | {tags.get(f'{TAG}stage_name', '')} | {status} | `{_source(run)}` | {summary_line[:300]} |"
+            f"| {sid} | {tags.get(f'{TAG}stage_name', '')} | {status} | `{_source(run)}` | "
+            f"{'-' if minutes[sid] is None else f'{minutes[sid]:.1f} min'} | {summary_line[:300]} |"
         )
 
     for title, intro, parts in _SECTIONS:
