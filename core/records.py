@@ -16,13 +16,21 @@ from typing import Any
 
 from core.paths import REPO_ROOT, home
 
-__all__ = ["records_dir", "write_record", "read_records", "git_sha"]
+__all__ = ["records_dir", "write_record", "read_records", "git_sha", "shown_path"]
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
 
 def records_dir() -> Path:
     return home() / "reports" / "records"
+
+
+def shown_path(path: str | Path) -> str:
+    """A path as a record shows it: relative to the workspace when inside it (``store/X/<key>``)."""
+    try:
+        return Path(path).resolve().relative_to(home()).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def git_sha() -> str:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from core.paths import home
-from core.records import write_record
+from core.records import shown_path, write_record
 from core.store import ArtifactStore
 from eval.shared_data import SHARED
 
@@ -213,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     table = _table(report)
     print(table)
     print(f"written: {out}")
-    command = shlex.join(["python", "-m", "eval.cascade_eval", *(sys.argv[1:] if argv is None else argv)])
-    body = f"{table}\n\nBundle `{bundle_dir}`; cloud stand-in `{cloud_model}`; every query: `{out}`."
+    args_given = sys.argv[1:] if argv is None else argv
+    command = "make eval-cascade" + (f" ARGS={shlex.quote(shlex.join(args_given))}" if args_given else "")
+    body = (
+        f"{table}\n\nBundle `{shown_path(bundle_dir)}`; cloud stand-in `{shown_path(cloud_model)}`; "
+        f"every query: `{shown_path(out)}`."
+    )
     title = "The runtime cascade against local-only and cloud-only"
     print(f"record: {write_record('eval-cascade', title, command, markdown=body, data=report)}")
     return 0
@@ -250,6 +254,7 @@ def _table(r: dict) -> str:
             f"{r['queries']} held-out queries ({', '.join(f'{k} {v}' for k, v in r['by_sample'].items())}); "
             f"cloud stand-in {Path(r['cloud_stand_in']).name} at ${r['prices']['usd_per_1k_prompt']}/"
             f"${r['prices']['usd_per_1k_completion']} per 1K prompt/completion tokens",
+            "",
             "| policy | tier split | judged quality | $ per 1K queries | cloud failed (degraded) |",
             "| --- | --- | ---: | ---: | ---: |",
             f"| cascade (bundle's 6C thresholds) | {split} | {c['quality']:.1%} | {c['usd_per_1k_queries']:.2f} | "

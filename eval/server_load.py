@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from core.paths import home
-from core.records import write_record
+from core.records import shown_path, write_record
 from core.store import ArtifactStore
 from eval.cascade_eval import _newest
 
@@ -97,12 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(rows)
     text = (
         f"{args.requests} chat requests of {args.max_tokens} tokens (greedy) from {args.concurrency} clients "
-        f"against `kibidango serve --bundle <bundle> --max-queue N` on 127.0.0.1; bundle `{bundle}`. "
+        f"against `kibidango serve --bundle <bundle> --max-queue N` on 127.0.0.1; bundle `{shown_path(bundle)}`. "
         "429: refused at once with Retry-After (the queue was full).\n\n" + table
     )
     print(table)
-    command = shlex.join(["python", "-m", "eval.server_load", *(sys.argv[1:] if argv is None else argv)])
-    path = write_record("loadtest", "The server under load", command, markdown=text, data=summaries)
+    args_given = sys.argv[1:] if argv is None else argv
+    command = "make loadtest" + (f" ARGS={shlex.quote(shlex.join(args_given))}" if args_given else "")
+    data = {"bundle": str(bundle), "runs": summaries}
+    path = write_record("loadtest", "The server under load", command, markdown=text, data=data)
     print(f"record: {path}")
     return 0
 

@@ -51,6 +51,10 @@ def _run(args: argparse.Namespace) -> None:
     from flows.showcase import show_bundle
 
     show_bundle(artifacts)
+    print(
+        f"\nevery figure of this run, with plots and the run each came from: make report PRESET={args.preset} "
+        f"(writes {home() / 'reports' / plan.name / 'REPORT.md'})"
+    )
 
 
 class _UserErrorFilter(logging.Filter):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from core.contract import KibidangoError
 from core.paths import REPO_ROOT, home
-from core.records import read_records
+from core.records import read_records, shown_path
 from flows.preset import load_preset
 from flows.tracking import TAG
 from flows.workspace import tracking_uri
@@ -65,6 +65,9 @@ _SECTIONS = [
     ("Quality gates (stage 9A)", "", [("9A", "GATES_CARD.md", [])]),
 ]
 _SHOWN = {"humaneval": "HumanEval pass@1", "mbpp": "MBPP pass@1", "gsm8k": "GSM8K accuracy"}
+# measurements in reading order (data, routing, runtime, cascade, server); others follow by name
+_MEASUREMENTS = ["eval-dedup", "bench-dedup", "fuzz-ingest", "bench-router", "backend-agreement", "bench-runtime",
+                 "eval-cascade", "loadtest"]  # fmt: skip
 
 
 def _client():
@@ -105,14 +108,6 @@ def _source(run) -> str:
     return tags.get(f"{TAG}source_run_id") or run.info.run_id
 
 
-def _rel(path: str | Path) -> str:
-    """A workspace path relative to the workspace (``store/9/<key>``), others as they are."""
-    try:
-        return Path(path).resolve().relative_to(home()).as_posix()
-    except ValueError:
-        return str(path)
-
-
 def _compute_minutes(client, run) -> float | None:
     """How long the run that computed the stage's artifact took (a cache hit's source run)."""
     try:
@@ -126,7 +121,7 @@ def _compute_minutes(client, run) -> float | None:
 
 def _cite(sid: str, run, artifact: str | None) -> str:
     cached = run.data.tags.get(f"{TAG}cached") == "yes"
-    where = f", artifact `{_rel(artifact)}`" if artifact else ""
+    where = f", artifact `{shown_path(artifact)}`" if artifact else ""
     return f"*(stage {sid}, MLflow run `{_source(run)}`{' (a cache hit in this flow run)' if cached else ''}{where})*"
 
 
@@ -315,10 +310,11 @@ def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: lis
             f"{_pct(cascade['local_only']['quality'])} / {_pct(cascade['cloud_only']['quality'])}; "
             f"{c['usd_per_1k_queries']:.2f} | `{by_name['eval-cascade']['command']}` |"
         )
-    load = by_name.get("loadtest", {}).get("data")
+    load = by_name.get("loadtest", {}).get("data", {}).get("runs")
     if load:
         shown = "; ".join(
-            f"queue {q}: {s['outcomes'].get('200', 0)} answered, {s['outcomes'].get('lost', 0)} lost"
+            f"queue {q}: {s['outcomes'].get('200', 0)} answered, {s['outcomes'].get('429', 0)} refused with 429, "
+            f"{s['outcomes'].get('lost', 0)} lost"
             + (f", p50 / p99 {s['p50_s']:.2f} / {s['p99_s']:.2f} s" if s["p50_s"] is not None else "")
             for q, s in load.items()
         )
@@ -335,13 +331,16 @@ def _measurements(records: list[dict], bundle: str | None) -> list[str]:
         used = (r.get("data") or {}).get("bundle")
         if used and bundle and Path(used).resolve() != Path(bundle).resolve():
             lines += [
-                f"**Measured on another bundle** (`{_rel(used)}`) than this flow run's (`{_rel(bundle)}`): "
+                f"**Measured on another bundle** (`{shown_path(used)}`) than this flow run's (`{shown_path(bundle)}`): "
                 f"run `{r['command']}` again to measure this one.",
                 "",
             ]
         lines += [r["markdown"].strip()] if r.get("markdown") else ["```text", r["output"].strip(), "```"]
         wall = f", {r['wall_s']:.0f} s wall" if r.get("wall_s") is not None else ""
-        lines += ["", f"*(`{r['command']}`, commit `{r['git_sha'][:12]}`, {r['finished']}{wall}; `{_rel(r['path'])}`)*"]
+        lines += [
+            "",
+            f"*(`{r['command']}`, commit `{r['git_sha'][:12]}`, {r['finished']}{wall}; `{shown_path(r['path'])}`)*",
+        ]
     return lines
 
 
@@ -357,7 +356,8 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     started = dt.datetime.fromtimestamp(flow.info.start_time / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     artifacts = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
     artifacts = {sid: a for sid, a in artifacts.items() if a and Path(a).is_dir()}
-    records = read_records()
+    order = {name: i for i, name in enumerate(_MEASUREMENTS)}
+    records = sorted(read_records(), key=lambda r: (order.get(r["name"], len(order)), r["name"]))
     lines = [
         f"# kibidango report — preset `{plan.name}`",
         "",

@@ -48,7 +48,11 @@ def test_a_measurement_is_recorded_and_a_failed_rerun_keeps_it(tmp_path):
 
 
 def test_progress_bars_and_redraws_are_not_kept():
-    printed = "loading\n 10%|#    | 1/10\r100%|#####| 10/10\nstep 1\rstep 2\rdone: 3 rows\n\x1b[32mgreen\x1b[0m\n"
+    printed = (
+        "loading\n 10%|#    | 1/10\r100%|#####| 10/10\nstep 1\rstep 2\rdone: 3 rows\n\x1b[32mgreen\x1b[0m\n"
+        "[transformers] Passing `generation_config` together with ... is deprecated\n"
+        "/x/y.py:3: FutureWarning: soon\n"
+    )
     assert clean(printed) == "loading\ndone: 3 rows\ngreen"
     assert clean("x" * 50, keep=10) == "...\n" + "x" * 10
 

@@ -1,0 +1,68 @@
+"""The runtime benchmark's bundle: ../shared's bench family (a 0.26M draft, a 5M qualifier and a
+26M target, one tokenizer, distilled for agreement; ``shared/models/bench-family/NOTICE.md``),
+written as a bundle with the runtime's own ``write_bundle``: each tier's transformers checkpoint
+and its GGUF (llama.cpp's pinned converter; ``--gguf`` picks the type: f16 by default, or a
+k-quant through llama.cpp's own quantizer).
+
+    python -m eval.bench_family --out .kibidango/bench_family      (make bench-runtime)
+
+Its target costs about 100x the draft and 5x the qualifier in matmul FLOPs per token, so the
+target's cost dominates as it does in a real family (the pipeline's tiny family is too small for
+that: every forward pass there is mostly fixed overhead)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from eval.shared_data import SHARED
+
+FAMILY = SHARED / "models" / "bench-family"
+PROMPTS = FAMILY / "prompts.txt"
+TIERS = ("draft", "qualifier", "target")
+
+
+def build(out: Path, gguf_type: str = "f16") -> Path:
+    from kibidango import load_bundle, write_bundle
+    from methods.compression.gguf import quantize
+    from methods.llama_cpp_tools import convert_hf_to_gguf
+
+    missing = [t for t in TIERS if not (FAMILY / t / "config.json").is_file()]
+    if missing:
+        raise SystemExit(f"the bench family is not at {FAMILY} (missing {', '.join(missing)}): it ships in ../shared")
+    with tempfile.TemporaryDirectory(prefix="kbd-bench-family-") as tmp:
+        tiers = {}
+        for tier in TIERS:
+            f16 = convert_hf_to_gguf(FAMILY / tier, Path(tmp) / f"{tier}-f16.gguf", "f16")
+            gguf = f16
+            if gguf_type.lower() not in ("f16", "f32"):
+                gguf = quantize(f16, Path(tmp) / f"{tier}-{gguf_type}.gguf", gguf_type)
+            tiers[tier] = {"hf": FAMILY / tier, "gguf": gguf}
+            print(f"{tier}: {gguf.name} ({gguf.stat().st_size / 1e6:.1f} MB)", flush=True)
+        if out.exists():
+            shutil.rmtree(out)
+        write_bundle(
+            out,
+            tiers,
+            {"mode": "sd", "k": 4, "l_D": 3, "l_Q": 6, "tau_Q": 0.3, "tau_T": 0.2, "max_new_tokens": 64},
+            preset="bench-family",
+            source=str(FAMILY),
+        )
+    load_bundle(out)  # every hash, one tokenizer across the tiers
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.bench_family", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--gguf", default="f16", help="f16 (default), f32, or a llama.cpp type such as Q8_0")
+    args = parser.parse_args(argv)
+    print(f"bundle: {build(args.out, args.gguf)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
