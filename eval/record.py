@@ -23,7 +23,7 @@ from core.records import write_record
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _PROGRESS = re.compile(r"\d+%\|.*\|")  # a tqdm bar
-_LIBRARY_WARNING = re.compile(r"^\[transformers\] |^\S*Warning: ")
+_LIBRARY_WARNING = re.compile(r"^\[transformers\] |^\S+:\d+: \w*Warning: ")  # and Python's warnings
 
 
 def clean(output: str, keep: int = 20_000) -> str:
