@@ -17,7 +17,7 @@
 #   make eval-cascade    the runtime cascade on held-out queries vs local-only and cloud-only (after make demo)
 #   make loadtest        kibidango serve on the demo's bundle under 200 requests from 16 clients (after make demo)
 #   make fuzz-ingest     stage 0's reader on generated hostile rows for SECONDS_FUZZ seconds (default 60); prints rows tried and crashes
-#   make bench-runtime   ar / sd / pyramid and peers on a 3-tier tiny family (trains it the first time)
+#   make bench-runtime   ar / sd / pyramid and the peers on ../shared's bench family, torch and llama.cpp
 #   make backend-agreement  greedy ar on the torch and llama.cpp backends over stories260K's weights
 
 PYTHON_BOOT ?= python3.11
@@ -101,20 +101,26 @@ clean-cache: setup
 verify: setup
 	$(PY) -m flows verify $(if $(STAGE),--stage $(STAGE))
 
-# The runtime benchmark: trains a qualifier and a target beside stories260K (once; ~10 min on 2
-# cores), then compares ar / sd / pyramid and the peers on the same prompts.
-BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_bundle
+# The runtime benchmark: ../shared's bench family (0.26M draft, 5M qualifier, 26M target) as a
+# bundle (GGUF F16 through the pinned converter; built once), every mode and the peers on its
+# held-out story openings, on both backends.
+SHARED_DIR   ?= $(or $(KIBIDANGO_SHARED),$(CURDIR)/../shared)
+BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
+BENCH_ARGS    = --bundle $(BENCH_BUNDLE) --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
+  --modes ar,sd,pyramid,pyramid-exact,pyramid-assisted --max-new-tokens 64 $(ARGS)
 $(BENCH_BUNDLE)/bundle.json:
-	$(PY) -m eval.tiny_family --out $(BENCH_BUNDLE)
+	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE)
 
 # A measuring target runs through eval.record, which keeps its output for make report.
 RECORD = $(PY) -m eval.record
 
 bench-runtime: setup $(BENCH_BUNDLE)/bundle.json
-	$(RECORD) bench-runtime --title "Decoding modes on the runtime benchmark's tiny family" \
+	$(RECORD) bench-runtime-torch --title "Decoding modes on the bench family: torch backend" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) --prompts eval/prompts/stories.txt \
-	  --modes ar,sd,pyramid,pyramid-exact,pyramid-assisted --max-new-tokens 64 $(ARGS)
+	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend torch --peers hf
+	$(RECORD) bench-runtime-llamacpp --title "Decoding modes on the bench family: llama.cpp backend" \
+	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
+	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend llamacpp --peers llamacpp
 
 backend-agreement: setup
 	$(RECORD) backend-agreement --title "torch and llama.cpp backends on the same weights" \

@@ -125,3 +125,25 @@ def test_gguf_lora_adapters_switch_on_llamacpp_and_agree_with_peft(tmp_path):
     assert np.array_equal(llama.new_session().feed(ids), base)
     on_llama.use("code")
     assert on_llama.loads == 1  # switched back on, not loaded again
+
+
+def test_threads_are_the_same_for_steps_and_batches(gguf_bundle, monkeypatch):
+    """llama-cpp-python's defaults give a batch (a verification) all the CPUs and a step half of
+    them; the runtime gives both the same count: asked, from $KIBIDANGO_THREADS, or half the CPUs."""
+    import os
+
+    from kibidango import Pipeline
+    from kibidango.backends.llamacpp_backend import thread_counts
+
+    def counts(pipe):
+        params = pipe.models["target"].llm.context_params
+        return params.n_threads, params.n_threads_batch
+
+    assert counts(Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar", threads=1)) == (1, 1)
+    monkeypatch.setenv("KIBIDANGO_THREADS", "2")
+    assert counts(Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar")) == (2, 2)
+    monkeypatch.delenv("KIBIDANGO_THREADS")
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert thread_counts() == (half, half)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        thread_counts(0)

@@ -5,7 +5,11 @@ llamacpp extra, llama.cpp's own speculative loop.
 
 Reports ratios to ``ar`` and counts, not absolute speeds: on shared machines only those compare.
 Also prints Leviathan et al.'s predicted speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the
-measured a (per-token acceptance) and c (draft/target cost of one forward step)."""
+measured a (per-token acceptance) and c (draft/target cost of one forward step), and ``ar``'s
+tokens/s as a share of the memory-bandwidth bound: a token of target-only decoding reads every
+weight of the target once, so it cannot run faster than (read bandwidth) / (target weight bytes),
+with the read bandwidth measured here (:func:`read_bandwidth`). (Weights that fit in the CPU's
+caches can beat it; the table says so.)"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import Decoder, Metrics
@@ -51,16 +57,45 @@ class BenchResult:
     rows: list[dict] = field(default_factory=list)
     cost_ratio: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    verify_cost: float | None = None
+    """Seconds of one (k + 1)-token forward of the target / seconds of a one-token step."""
+    bandwidth: dict[str, float] = field(default_factory=dict)
+    """``ar_tokens_per_s``, ``target_weight_bytes``, ``read_bytes_per_s``, ``bound_tokens_per_s``, ``share``."""
 
 
-def _step_costs(models: dict, tokens: list[int], rounds: int = 7, steps: int = 16) -> dict[str, float]:
+def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes read per second from memory: a dot product of two float32 arrays of ``nbytes`` in all
+    (numpy's BLAS, all its threads; two loads and one multiply-add per 8 bytes, so memory-bound),
+    best of ``repeats``."""
+    a = np.ones(nbytes // 8, dtype=np.float32)
+    b = np.ones(nbytes // 8, dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.dot(b)
+        best = min(best, time.perf_counter() - t)
+    return (a.nbytes + b.nbytes) / best
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of weights one forward step of ``model`` reads: its GGUF file, or its tensors."""
+    if hasattr(model, "hf"):
+        return sum(p.numel() * p.element_size() for p in model.hf.parameters())
+    return Path(model.llm.model_path).stat().st_size
+
+
+def _step_costs(
+    models: dict, tokens: list[int], rounds: int = 7, steps: int = 16, batch: int | None = None
+) -> tuple[dict[str, float], float | None]:
     """Seconds per one-token forward step with a warm KV cache (a draft's inner loop), for each
     model: rounds interleaved across the models, median per model, so that noise from the rest
-    of the machine falls on all of them alike."""
+    of the machine falls on all of them alike. With ``batch``, also the seconds of one
+    ``batch``-token forward of the target (an sd verification), as the same median."""
     sessions = {name: m.new_session() for name, m in models.items()}
     for s in sessions.values():
         s.feed(tokens)
     samples: dict[str, list[float]] = {name: [] for name in models}
+    batched: list[float] = []
     for _ in range(rounds):
         for name, s in sessions.items():
             s.crop(len(tokens))
@@ -68,7 +103,15 @@ def _step_costs(models: dict, tokens: list[int], rounds: int = 7, steps: int = 1
             for i in range(steps):
                 s.feed([tokens[i % len(tokens)]])
             samples[name].append((time.perf_counter() - t) / steps)
-    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+        if batch and "target" in sessions:
+            s = sessions["target"]
+            t = time.perf_counter()
+            for i in range(steps):
+                s.crop(len(tokens))
+                s.feed([tokens[(i + j) % len(tokens)] for j in range(batch)])
+            batched.append((time.perf_counter() - t) / steps)
+    median = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    return median, (sorted(batched)[len(batched) // 2] if batched else None)
 
 
 def run_bench(
@@ -79,12 +122,16 @@ def run_bench(
     repeats: int = 1,
     peers: tuple[str, ...] = ("hf",),
     backend: str = "torch",
+    threads: int | None = None,
     **decode,
 ) -> BenchResult:
     specs = {m: m.split("-", 1) if m.startswith("pyramid-") else [m, None] for m in modes}
     needs = {mode for mode, _ in specs.values()}
     base = Pipeline.from_bundle(
-        bundle, backend=backend, mode="pyramid" if "pyramid" in needs else "sd" if "sd" in needs else "ar"
+        bundle,
+        backend=backend,
+        mode="pyramid" if "pyramid" in needs else "sd" if "sd" in needs else "ar",
+        threads=threads,
     )
     decoder = Decoder(base.models)
     ids = [base.encode(p) for p in prompts]
@@ -96,7 +143,9 @@ def run_bench(
     totals = {m: Metrics(m) for m in modes}
     hf_peer = "hf" in peers and "draft" in base.models and backend == "torch"
     llama_peer = (
-        _LlamaCppPeer(base.bundle, cfgs.get("sd", next(iter(cfgs.values()))).k) if "llamacpp" in peers else None
+        _LlamaCppPeer(base.bundle, cfgs.get("sd", next(iter(cfgs.values()))).k, threads)
+        if "llamacpp" in peers
+        else None
     )
     hf_time = hf_plain_time = 0.0
     hf_tokens = 0
@@ -139,8 +188,20 @@ def run_bench(
         )
     if llama_peer:
         result.rows.append(llama_peer.row())
-    costs = _step_costs(base.models, ids[0])
+    k_sd = cfgs["sd"].k if "sd" in cfgs else None
+    costs, verify_s = _step_costs(base.models, ids[0], batch=k_sd + 1 if k_sd else None)
     result.cost_ratio = {name: costs[name] / costs["target"] for name in costs}
+    verify = verify_s / costs["target"] if verify_s else None
+    if ar_tps:
+        weights = _weight_bytes(base.models["target"])
+        bw = read_bandwidth()
+        result.bandwidth = {
+            "ar_tokens_per_s": ar_tps,
+            "target_weight_bytes": float(weights),
+            "read_bytes_per_s": bw,
+            "bound_tokens_per_s": bw / weights,
+            "share": ar_tps / (bw / weights),
+        }
     if "sd" in totals and totals["sd"].token_acceptance_probability("draft") is not None:
         a = totals["sd"].token_acceptance_probability("draft")
         k = cfgs["sd"].k
@@ -150,6 +211,15 @@ def run_bench(
         result.notes.append(
             f"sd: Leviathan model predicts {predicted:.2f}x from a={a:.3f}, k={k}, c={c:.3f}; measured {measured:.2f}x"
         )
+        if verify is not None:
+            # Leviathan et al. take a verification of k + 1 tokens to cost one target step; on a
+            # CPU it costs more (matmuls, not memory, bound it): the same model with the cost measured.
+            tokens_per_round = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+            result.verify_cost = verify
+            result.notes.append(
+                f"sd: one {k + 1}-token verification costs {verify:.2f} target steps (Leviathan's model takes 1); "
+                f"with it the model predicts {tokens_per_round / (k * c + verify):.2f}x"
+            )
     return result
 
 
@@ -178,17 +248,20 @@ class _LlamaCppPeer:
     """llama-cpp-python's own speculative loop (``Llama(draft_model=...)``, greedy) with the
     bundle's draft GGUF proposing k tokens, timed against the same target GGUF without a draft."""
 
-    def __init__(self, bundle, k: int):
+    def __init__(self, bundle, k: int, threads: int | None = None):
         from llama_cpp import Llama
 
-        from kibidango.backends.llamacpp_backend import DraftModelHook, LlamaCppModel
+        from kibidango.backends.llamacpp_backend import DraftModelHook, LlamaCppModel, thread_counts
 
         target, draft = bundle.tier("target", "llamacpp"), bundle.tier("draft", "llamacpp")
         self.k = k
-        kw = {"n_ctx": 0, "logits_all": True, "verbose": False, "seed": 0}
+        n, n_batch = thread_counts(threads)  # the same threads as our llama.cpp models
+        kw = {"n_ctx": 0, "logits_all": True, "verbose": False, "seed": 0, "n_threads": n, "n_threads_batch": n_batch}
         self.plain = Llama(model_path=str(target.gguf), **kw)
         self.spec = Llama(
-            model_path=str(target.gguf), draft_model=DraftModelHook(LlamaCppModel(draft.gguf, "draft"), k), **kw
+            model_path=str(target.gguf),
+            draft_model=DraftModelHook(LlamaCppModel(draft.gguf, "draft", threads=threads), k),
+            **kw,
         )
         self.spec_time = self.plain_time = 0.0
         self.tokens = 0
@@ -238,4 +311,12 @@ def format_table(result: BenchResult) -> str:
         + ", ".join(f"{k} {v:.3f}" for k, v in result.cost_ratio.items())
     )
     lines += result.notes
+    b = result.bandwidth
+    if b:
+        lines.append(
+            f"ar: {b['ar_tokens_per_s']:.1f} tokens/s = {b['share']:.0%} of the memory-bandwidth bound "
+            f"({b['target_weight_bytes'] / 1e6:.1f} MB of target weights per token at {b['read_bytes_per_s'] / 1e9:.1f} GB/s "
+            f"measured read bandwidth: {b['bound_tokens_per_s']:.0f} tokens/s)"
+            + ("; the weights fit in the CPU's caches, so the bound does not hold" if b["share"] > 1 else "")
+        )
     return "\n".join(lines)

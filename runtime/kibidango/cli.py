@@ -28,6 +28,7 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", dest="top_p", type=float)
     g.add_argument("--seed", type=int)
+    g.add_argument("--threads", type=int, help="CPU threads per model (default: half the CPUs; $KIBIDANGO_THREADS)")
 
 
 def _pin_arg(p: argparse.ArgumentParser) -> None:
@@ -65,6 +66,7 @@ def _generate(args: argparse.Namespace) -> None:
         expect_sha256=args.expect_sha256,
         adapter=args.adapter,
         adapter_cache=args.adapter_cache,
+        threads=args.threads,
         **_overrides(args),
     )
     if args.cascade is not None:
@@ -145,6 +147,7 @@ def _bench(args: argparse.Namespace) -> None:
         args.repeats,
         tuple(p for p in args.peers.split(",") if p),
         args.backend,
+        threads=args.threads,
         **_overrides(args),
     )
     print(format_table(result))
@@ -171,6 +174,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         request_timeout_s=args.request_timeout,
         shutdown_grace_s=args.shutdown_grace,
+        threads=args.threads,
         **_overrides(args),
     )
 

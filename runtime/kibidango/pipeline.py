@@ -77,6 +77,7 @@ class Pipeline:
         expect_sha256: str | None = None,
         adapter: str = "auto",
         adapter_cache: int = 2,
+        threads: int | None = None,
         **overrides: Any,
     ) -> Pipeline:
         """Load a bundle's tokenizer and the tiers ``mode`` needs (default: the bundle's runtime
@@ -84,7 +85,9 @@ class Pipeline:
         (``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence``, ...);
         ``expect_sha256`` pins bundle.json's digest (see :func:`kibidango.bundle.load_bundle`).
         ``adapter``: ``auto`` (the router's domain, when its confidence reaches the bundle's
-        cascade threshold), ``none``, or a domain's name; ``adapter_cache``: adapters kept loaded."""
+        cascade threshold), ``none``, or a domain's name; ``adapter_cache``: adapters kept loaded;
+        ``threads``: CPU threads per model (llama.cpp; torch's process-wide pool), default
+        :func:`kibidango.backends.llamacpp_backend.thread_counts` / torch's own."""
         from transformers import AutoTokenizer
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
@@ -96,7 +99,7 @@ class Pipeline:
             defaults["stop_ids"] = tuple(defaults["stop_ids"])
         cfg = DecodeConfig(**defaults)
         tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
-        models = {name: load_model(backend, bundle.tier(name, backend)) for name in TIERS[cfg.mode]}
+        models = {name: load_model(backend, bundle.tier(name, backend), threads=threads) for name in TIERS[cfg.mode]}
         router = bundle.router()
         domains = [d for d in bundle.adapters.domains if router is None or d in router.labels]
         loaded = LoadedAdapters(models["target"], bundle.adapters, adapter_cache) if domains else None

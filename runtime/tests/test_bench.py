@@ -38,3 +38,6 @@ def test_bench_runs_every_mode_and_the_hf_peer(tmp_path):
     )  # identical tiers
     table = format_table(result)
     assert "Leviathan model predicts" in table and "cost of one forward step" in table
+    assert result.verify_cost > 0 and "5-token verification costs" in table  # k = 4 (the default)
+    b = result.bandwidth  # ar against the bound (stories260K's 1 MB of weights may sit in the CPU cache)
+    assert b["target_weight_bytes"] == 4 * 260_032 and b["share"] > 0 and "memory-bandwidth bound" in table

@@ -11,8 +11,12 @@ __all__ = ["ContextLengthError", "Model", "Session", "load_model"]
 
 def load_model(backend: str, tier, n_ctx: int | None = None, threads: int | None = None) -> Model:
     if backend == "torch":
+        import torch
+
         from kibidango.backends.torch_backend import TorchModel
 
+        if threads is not None:
+            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         return TorchModel(tier.hf, name=tier.name)
     if backend == "llamacpp":
         from kibidango.backends.llamacpp_backend import LlamaCppModel

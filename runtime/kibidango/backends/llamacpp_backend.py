@@ -18,7 +18,7 @@ import numpy as np
 
 from kibidango.backends.base import ContextLengthError
 
-__all__ = ["LlamaCppModel", "LlamaCppSession", "DraftModelHook"]
+__all__ = ["LlamaCppModel", "LlamaCppSession", "DraftModelHook", "thread_counts"]
 
 
 def _llama_cpp():
@@ -78,6 +78,25 @@ def _extra_bufts_default() -> bool:
     return not _cpu_has_amx()
 
 
+def thread_counts(threads: int | None = None) -> tuple[int, int]:
+    """llama.cpp's threads for one-token steps and for multi-token batches (a verification).
+
+    llama-cpp-python's defaults differ: half the CPUs for steps, all of them for batches. On a
+    machine whose cores are busy with anything else (a second process, the other tier's step), a
+    batch then waits at every barrier of ggml's thread pool for a thread that is not running:
+    here a 5-token verification of the bench family's target took 2.6x longer with 2 batch threads
+    than with 1 while one core was busy, while the one-token step, on 1 thread, did not suffer. So
+    both use the same count: ``threads``, else ``$KIBIDANGO_THREADS``, else half the CPUs this
+    process may run on (at least 1)."""
+    if threads is None and os.environ.get("KIBIDANGO_THREADS"):
+        threads = int(os.environ["KIBIDANGO_THREADS"])
+    if threads is None:
+        threads = max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else 1
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads, threads
+
+
 class LlamaCppSession:
     """A llama.cpp context holds one sequence, so a model serves one session at a time; a new
     session clears the cache of the previous one."""
@@ -127,13 +146,15 @@ class LlamaCppModel:
         llama_cpp = _llama_cpp()
         self.name = name or Path(path).stem
         probe_ctx = n_ctx or 0  # 0: the model's training context
+        self.threads, threads_batch = thread_counts(threads)
         with _model_params(_extra_bufts_default() if extra_bufts is None else extra_bufts):
             self.llm = llama_cpp.Llama(
                 model_path=str(path),
                 n_ctx=probe_ctx,
                 n_batch=max(probe_ctx, 512),
                 logits_all=True,
-                n_threads=threads,
+                n_threads=self.threads,
+                n_threads_batch=threads_batch,
                 verbose=False,
                 seed=0,
             )
