@@ -147,3 +147,67 @@ def test_threads_are_the_same_for_steps_and_batches(gguf_bundle, monkeypatch):
     assert thread_counts() == (half, half)
     with pytest.raises(ValueError, match="threads must be >= 1"):
         thread_counts(0)
+
+
+@pytest.fixture(scope="module")
+def head32_bundle(tmp_path_factory):
+    """A random 2-layer Llama with 32-wide attention heads (stories260K's are 8 wide, narrower than
+    a quantized cache block) and stories260K's tokenizer, as an F32 GGUF bundle."""
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"needs stories260K at {STORIES}")
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kibidango import write_bundle
+
+    root = tmp_path_factory.mktemp("head32")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    hf = root / "hf"
+    LlamaForCausalLM(config).save_pretrained(hf)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy2(STORIES / name, hf / name)
+    gguf = convert_hf_to_gguf(hf, root / "target.gguf", "f32")
+    return write_bundle(root / "bundle", {"target": {"hf": hf, "gguf": gguf}}, {"mode": "ar"}, preset="head32")
+
+
+def test_the_kv_cache_option_changes_the_cache_type(head32_bundle, gguf_bundle, tmp_path):
+    """1H: ``kv_cache`` sets llama.cpp's K and V cache types (and flash attention, which a
+    quantized V cache needs); a bundle's ``kv_cache`` runtime default is what a plain load uses;
+    a model whose heads are too narrow for a quantized block, or the torch backend, refuse it
+    with a clear error rather than ignore it."""
+    from pathlib import Path
+
+    import llama_cpp
+
+    from kibidango import Pipeline, write_bundle
+
+    def cache(pipe):
+        p = pipe.models["target"].llm.context_params
+        return p.type_k, p.type_v
+
+    assert cache(Pipeline.from_bundle(head32_bundle, backend="llamacpp")) == (llama_cpp.GGML_TYPE_F16,) * 2
+    q8 = Pipeline.from_bundle(head32_bundle, backend="llamacpp", kv_cache="q8_0")
+    assert cache(q8) == (llama_cpp.GGML_TYPE_Q8_0,) * 2
+    assert len(q8.generate("Once upon a time", max_new_tokens=16).token_ids) == 16  # it decodes
+
+    tiers = Path(head32_bundle) / "tiers" / "target"
+    gguf = next((tiers / "gguf").glob("*.gguf"))
+    q4 = write_bundle(
+        tmp_path / "q4", {"target": {"hf": tiers / "hf", "gguf": gguf}}, {"mode": "ar", "kv_cache": "q4_0"}
+    )
+    assert cache(Pipeline.from_bundle(q4, backend="llamacpp")) == (llama_cpp.GGML_TYPE_Q4_0,) * 2
+    assert cache(Pipeline.from_bundle(q4, backend="llamacpp", kv_cache="f16"))[0] == llama_cpp.GGML_TYPE_F16
+
+    with pytest.raises(ValueError, match="multiple of 32"):  # stories260K's heads are 8 wide
+        Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar", kv_cache="q8_0")
+    with pytest.raises(ValueError, match="llama.cpp option"):
+        Pipeline.from_bundle(gguf_bundle, backend="torch", mode="ar", kv_cache="q8_0")
+    with pytest.raises(ValueError, match="kv_cache 'q2'"):
+        Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar", kv_cache="q2")

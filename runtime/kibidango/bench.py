@@ -123,6 +123,7 @@ def run_bench(
     peers: tuple[str, ...] = ("hf",),
     backend: str = "torch",
     threads: int | None = None,
+    kv_cache: str | None = None,
     **decode,
 ) -> BenchResult:
     specs = {m: m.split("-", 1) if m.startswith("pyramid-") else [m, None] for m in modes}
@@ -132,6 +133,7 @@ def run_bench(
         backend=backend,
         mode="pyramid" if "pyramid" in needs else "sd" if "sd" in needs else "ar",
         threads=threads,
+        kv_cache=kv_cache,
     )
     decoder = Decoder(base.models)
     ids = [base.encode(p) for p in prompts]

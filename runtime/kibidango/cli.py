@@ -67,6 +67,7 @@ def _generate(args: argparse.Namespace) -> None:
         adapter=args.adapter,
         adapter_cache=args.adapter_cache,
         threads=args.threads,
+        kv_cache=args.kv_cache,
         **_overrides(args),
     )
     if args.cascade is not None:
@@ -148,6 +149,7 @@ def _bench(args: argparse.Namespace) -> None:
         tuple(p for p in args.peers.split(",") if p),
         args.backend,
         threads=args.threads,
+        kv_cache=args.kv_cache,
         **_overrides(args),
     )
     print(format_table(result))
@@ -175,6 +177,7 @@ def _serve(args: argparse.Namespace) -> None:
         request_timeout_s=args.request_timeout,
         shutdown_grace_s=args.shutdown_grace,
         threads=args.threads,
+        kv_cache=args.kv_cache,
         **_overrides(args),
     )
 

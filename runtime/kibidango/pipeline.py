@@ -78,6 +78,7 @@ class Pipeline:
         adapter: str = "auto",
         adapter_cache: int = 2,
         threads: int | None = None,
+        kv_cache: str | None = None,
         **overrides: Any,
     ) -> Pipeline:
         """Load a bundle's tokenizer and the tiers ``mode`` needs (default: the bundle's runtime
@@ -87,7 +88,9 @@ class Pipeline:
         ``adapter``: ``auto`` (the router's domain, when its confidence reaches the bundle's
         cascade threshold), ``none``, or a domain's name; ``adapter_cache``: adapters kept loaded;
         ``threads``: CPU threads per model (llama.cpp; torch's process-wide pool), default
-        :func:`kibidango.backends.llamacpp_backend.thread_counts` / torch's own."""
+        :func:`kibidango.backends.llamacpp_backend.thread_counts` / torch's own; ``kv_cache``: the
+        llama.cpp K/V cache type (``f16``, ``q8_0``, ``q4_0``; default: the bundle's ``kv_cache``
+        runtime default on llama.cpp, else f16)."""
         from transformers import AutoTokenizer
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
@@ -99,7 +102,12 @@ class Pipeline:
             defaults["stop_ids"] = tuple(defaults["stop_ids"])
         cfg = DecodeConfig(**defaults)
         tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
-        models = {name: load_model(backend, bundle.tier(name, backend), threads=threads) for name in TIERS[cfg.mode]}
+        if kv_cache is None:
+            kv_cache = str(bundle.defaults.get("kv_cache", "f16")) if backend == "llamacpp" else "f16"
+        models = {
+            name: load_model(backend, bundle.tier(name, backend), threads=threads, kv_cache=kv_cache)
+            for name in TIERS[cfg.mode]
+        }
         router = bundle.router()
         domains = [d for d in bundle.adapters.domains if router is None or d in router.labels]
         loaded = LoadedAdapters(models["target"], bundle.adapters, adapter_cache) if domains else None

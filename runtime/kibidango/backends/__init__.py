@@ -9,17 +9,22 @@ from kibidango.backends.base import ContextLengthError, Model, Session
 __all__ = ["ContextLengthError", "Model", "Session", "load_model"]
 
 
-def load_model(backend: str, tier, n_ctx: int | None = None, threads: int | None = None) -> Model:
+def load_model(
+    backend: str, tier, n_ctx: int | None = None, threads: int | None = None, kv_cache: str = "f16"
+) -> Model:
+    """A tier's model on ``backend``; ``kv_cache`` (llama.cpp only): the K/V cache type."""
     if backend == "torch":
         import torch
 
         from kibidango.backends.torch_backend import TorchModel
 
+        if kv_cache != "f16":
+            raise ValueError(f"a {kv_cache} KV cache is a llama.cpp option: use --backend llamacpp")
         if threads is not None:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         return TorchModel(tier.hf, name=tier.name)
     if backend == "llamacpp":
         from kibidango.backends.llamacpp_backend import LlamaCppModel
 
-        return LlamaCppModel(tier.gguf, name=tier.name, n_ctx=n_ctx, threads=threads)
+        return LlamaCppModel(tier.gguf, name=tier.name, n_ctx=n_ctx, threads=threads, kv_cache=kv_cache)
     raise ValueError(f"unknown backend {backend!r}: use 'torch' or 'llamacpp'")

@@ -18,7 +18,12 @@ import numpy as np
 
 from kibidango.backends.base import ContextLengthError
 
-__all__ = ["LlamaCppModel", "LlamaCppSession", "DraftModelHook", "thread_counts"]
+__all__ = ["KV_CACHE_TYPES", "LlamaCppModel", "LlamaCppSession", "DraftModelHook", "thread_counts"]
+
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+"""llama.cpp's K/V cache types the runtime offers (plan row 1H): f16 (2 bytes per element), q8_0
+(34 bytes per 32), q4_0 (18 bytes per 32). A quantized V cache needs flash attention, which is
+then switched on."""
 
 
 def _llama_cpp():
@@ -97,6 +102,21 @@ def thread_counts(threads: int | None = None) -> tuple[int, int]:
     return threads, threads
 
 
+@contextlib.contextmanager
+def _cache_error(path: str | Path, kv_cache: str) -> Iterator[None]:
+    """llama.cpp cannot make a quantized cache whose rows (one attention head) are narrower than
+    the type's block of 32 values; it only says "Failed to create llama_context"."""
+    try:
+        yield
+    except ValueError as e:
+        if kv_cache == "f16" or "llama_context" not in str(e):
+            raise
+        raise ValueError(
+            f"{path}: llama.cpp could not create a {kv_cache} KV cache; a quantized cache needs attention "
+            "heads whose width is a multiple of 32 (use kv_cache='f16' for this model)"
+        ) from e
+
+
 class LlamaCppSession:
     """A llama.cpp context holds one sequence, so a model serves one session at a time; a new
     session clears the cache of the previous one."""
@@ -142,12 +162,29 @@ class LlamaCppModel:
         n_ctx: int | None = None,
         threads: int | None = None,
         extra_bufts: bool | None = None,
+        kv_cache: str = "f16",
+        flash_attn: bool | None = None,
     ):
+        """``kv_cache``: the K/V cache type (:data:`KV_CACHE_TYPES`); ``flash_attn``: llama.cpp's
+        flash attention (default: on for a quantized cache, which needs it; llama.cpp's own choice
+        otherwise)."""
         llama_cpp = _llama_cpp()
+        if kv_cache not in KV_CACHE_TYPES:
+            raise ValueError(f"kv_cache {kv_cache!r}: use one of {', '.join(KV_CACHE_TYPES)}")
         self.name = name or Path(path).stem
+        self.kv_cache = kv_cache
+        cache: dict = {} if flash_attn is None else {"flash_attn": flash_attn}
+        if kv_cache != "f16":
+            if flash_attn is False:
+                raise ValueError(f"a {kv_cache} KV cache needs flash attention")
+            ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_cache.upper()}")
+            cache = {"type_k": ggml_type, "type_v": ggml_type, "flash_attn": True}
         probe_ctx = n_ctx or 0  # 0: the model's training context
         self.threads, threads_batch = thread_counts(threads)
-        with _model_params(_extra_bufts_default() if extra_bufts is None else extra_bufts):
+        with (
+            _model_params(_extra_bufts_default() if extra_bufts is None else extra_bufts),
+            _cache_error(path, kv_cache),
+        ):
             self.llm = llama_cpp.Llama(
                 model_path=str(path),
                 n_ctx=probe_ctx,
@@ -157,6 +194,7 @@ class LlamaCppModel:
                 n_threads_batch=threads_batch,
                 verbose=False,
                 seed=0,
+                **cache,
             )
         self.context_length = self.llm.n_ctx()
         self.vocab_size = self.llm.n_vocab()
