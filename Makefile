@@ -19,6 +19,7 @@
 #   make fuzz-ingest     stage 0's reader on generated hostile rows for SECONDS_FUZZ seconds (default 60); prints rows tried and crashes
 #   make bench-runtime   ar / sd / pyramid and the peers on ../shared's bench family, torch and llama.cpp
 #   make backend-agreement  greedy ar on the torch and llama.cpp backends over stories260K's weights
+#   make tune-runtime    kibidango tune (1F) on the bench family, llama.cpp: the fastest settings under a quality bound
 #   make bench-kv-cache  llama.cpp's f16 / q8_0 / q4_0 K/V caches on the bench family's target: bytes, speed, agreement
 
 PYTHON_BOOT ?= python3.11
@@ -32,7 +33,7 @@ ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
 .PHONY: setup demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
-  loadtest backend-agreement bench-kv-cache
+  loadtest backend-agreement bench-kv-cache tune-runtime
 
 AXO_VENV    ?= .venv-axolotl
 
@@ -122,6 +123,12 @@ bench-runtime: setup $(BENCH_BUNDLE)/bundle.json
 	$(RECORD) bench-runtime-llamacpp --title "Decoding modes on the bench family: llama.cpp backend" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
 	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend llamacpp --peers llamacpp
+
+# 1F as a command: search the decoding settings of the bench family per backend (minutes each).
+tune-runtime: setup $(BENCH_BUNDLE)/bundle.json
+	$(RECORD) tune-runtime-llamacpp --title "kibidango tune on the bench family: llama.cpp backend" \
+	  --as "make tune-runtime" -- $(BIN)/kibidango tune --bundle $(BENCH_BUNDLE) \
+	  --prompts $(SHARED_DIR)/models/bench-family/prompts.txt --backend llamacpp $(ARGS)
 
 bench-kv-cache: setup $(BENCH_BUNDLE)/bundle.json
 	$(RECORD) bench-kv-cache --title "llama.cpp K/V cache types at a long context (1H)" --as "make bench-kv-cache" -- \

@@ -67,7 +67,7 @@ _SECTIONS = [
 _SHOWN = {"humaneval": "HumanEval pass@1", "mbpp": "MBPP pass@1", "gsm8k": "GSM8K accuracy"}
 # measurements in reading order (data, routing, runtime, cascade, server); others follow by name
 _MEASUREMENTS = ["eval-dedup", "bench-dedup", "fuzz-ingest", "bench-router", "backend-agreement",
-                 "bench-runtime-torch", "bench-runtime-llamacpp", "bench-kv-cache", "eval-cascade", "loadtest"]  # fmt: skip
+                 "bench-runtime-torch", "bench-runtime-llamacpp", "tune-runtime-llamacpp", "bench-kv-cache", "eval-cascade", "loadtest"]  # fmt: skip
 
 
 def _client():

@@ -43,6 +43,7 @@ __all__ = [
     "MANIFEST_DIGEST",
     "load_bundle",
     "stamp_release",
+    "with_meta",
     "write_bundle",
 ]
 
@@ -226,9 +227,14 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
 
 
 def stamp_release(src: str | Path, dest: str | Path, release: dict[str, Any]) -> Path:
+    """A copy of the bundle at ``src`` whose bundle.json carries ``release`` (the quality gates'
+    verdict: ``releasable``, ``gates``, ``failed``, ``waived``); see :func:`with_meta`."""
+    return with_meta(src, dest, {"release": release})
+
+
+def with_meta(src: str | Path, dest: str | Path, updates: dict[str, Any]) -> Path:
     """A copy of the bundle at ``src`` (files hard-linked where the filesystem allows) whose
-    bundle.json carries ``release`` (the quality gates' verdict: ``releasable``, ``gates``,
-    ``failed``, ``waived``), with bundle.json's digest file rewritten. Every listed file is
+    bundle.json has ``updates`` set, with bundle.json's digest file rewritten. Every listed file is
     verified first; the copy is written beside ``dest`` and renamed into place."""
     source = load_bundle(src, verify=True)
     dest = Path(dest)
@@ -241,7 +247,7 @@ def stamp_release(src: str | Path, dest: str | Path, release: dict[str, Any]) ->
             os.link(source.root / entry["path"], target)
         except OSError:  # another filesystem, or no hard links: a copy
             shutil.copy2(source.root / entry["path"], target)
-    return _seal(tmp, {**source.meta, "release": release}, dest)
+    return _seal(tmp, {**source.meta, **updates}, dest)
 
 
 def _seal(tmp: Path, body: dict[str, Any], root: Path) -> Path:

@@ -29,6 +29,12 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", dest="top_p", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--threads", type=int, help="CPU threads per model (default: half the CPUs; $KIBIDANGO_THREADS)")
+    g.add_argument(
+        "--kv-cache",
+        dest="kv_cache",
+        choices=["f16", "q8_0", "q4_0"],
+        help="llama.cpp K/V cache type (default: the bundle's kv_cache, else f16)",
+    )
 
 
 def _pin_arg(p: argparse.ArgumentParser) -> None:
@@ -155,6 +161,25 @@ def _bench(args: argparse.Namespace) -> None:
     print(format_table(result))
 
 
+def _tune(args: argparse.Namespace) -> None:
+    from kibidango.bench import read_prompts
+    from kibidango.pipeline import Pipeline
+    from kibidango.tune import format_tune, tune, write_tuned
+
+    pipe = Pipeline.from_bundle(
+        args.bundle, backend=args.backend, mode="pyramid", adapter="none", threads=args.threads, kv_cache=args.kv_cache
+    )
+
+    def progress(n: int, total: int, row: dict) -> None:
+        print(f"  {n}/{total} candidates", file=sys.stderr, flush=True)
+
+    result = tune(pipe, read_prompts(args.prompts), args.max_new_tokens, args.max_ppl_increase, progress=progress)
+    print(format_tune(result))
+    if args.write and result.chosen:
+        report = {"best": result.best, "max_ppl_increase": args.max_ppl_increase, "prompts": args.prompts}
+        print(f"written: {write_tuned(args.bundle, args.write, args.backend, result.chosen, report)}")
+
+
 def _serve(args: argparse.Namespace) -> None:
     from kibidango.server import serve
 
@@ -254,6 +279,21 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--peers", default="hf", help="comma list of peers to run: hf (and llamacpp with the extra)")
     _decode_args(bench)
     bench.set_defaults(func=_bench)
+
+    tun = sub.add_parser("tune", help="search the speculative-decoding settings for the best speed (1F)")
+    tun.add_argument("--bundle", required=True)
+    tun.add_argument("--prompts", required=True, help="held-out prompts: one per line, or JSONL with 'prompt'")
+    tun.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    tun.add_argument("--max-new-tokens", type=int, default=48)
+    tun.add_argument(
+        "--max-ppl-increase", type=float, default=0.02, help="lossy variants: largest rise of the target's perplexity"
+    )
+    tun.add_argument("--threads", type=int)
+    tun.add_argument("--kv-cache", dest="kv_cache", choices=["f16", "q8_0", "q4_0"])
+    tun.add_argument(
+        "--write", metavar="DIR", help="write a copy of the bundle with the chosen settings as its defaults"
+    )
+    tun.set_defaults(func=_tune)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--bundle", required=True)

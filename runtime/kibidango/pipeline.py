@@ -94,7 +94,9 @@ class Pipeline:
         from transformers import AutoTokenizer
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
-        defaults = {k: v for k, v in bundle.defaults.items() if k in {f.name for f in dataclasses.fields(DecodeConfig)}}
+        fields = {f.name for f in dataclasses.fields(DecodeConfig)}
+        tuned = (bundle.meta.get("tuned_defaults") or {}).get(backend, {})  # kibidango tune / stage 1F
+        defaults = {k: v for k, v in {**bundle.defaults, **tuned}.items() if k in fields}
         defaults.update(overrides)
         if mode is not None:
             defaults["mode"] = mode

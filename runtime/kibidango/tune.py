@@ -1,0 +1,189 @@
+"""``kibidango tune`` (plan row 1F): search the speculative-decoding settings of a bundle for the
+best tokens/s on held-out prompts, per backend.
+
+Candidates: ``sd`` with each ``k``; ``pyramid`` ``exact`` with each (``l_D``, ``l_Q``); ``pyramid``
+``fuzzy`` and ``assisted`` with each (``l_D``, ``l_Q``) and (``tau_Q``, ``tau_T``). Each candidate
+decodes every prompt greedily and is timed against target-only decoding (``ar``) on the same
+prompts right after it, so that machine noise falls on both; its speed is the ratio. Lossless
+candidates must reproduce ``ar``'s tokens exactly (a mismatch is a bug, reported). Lossy ones
+(fuzzy acceptance, tau > 0) must keep the target's perplexity of the generated text within
+``max_ppl_increase`` of ``ar``'s text (the quality constraint), and their greedy agreement with
+``ar`` (tokens before the first difference) is reported. The chosen settings are the fastest
+admissible candidate; :func:`write_tuned` writes them into a copy of the bundle as its runtime
+defaults for that backend (``tuned_defaults`` in bundle.json, which :meth:`Pipeline.from_bundle`
+reads before the plain ``runtime_defaults``)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kibidango.pipeline import Pipeline
+from kibidango.speculative import Metrics
+
+__all__ = ["TuneResult", "candidates", "format_tune", "tune", "write_tuned"]
+
+GRID = {
+    "k": (2, 3, 4, 6, 8),
+    "lengths": ((2, 4), (3, 6), (4, 8), (3, 9)),
+    "taus": ((0.1, 0.05), (0.2, 0.1), (0.3, 0.2), (0.5, 0.3)),
+}
+
+
+def candidates(grid: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    g = {**GRID, **(grid or {})}
+    out: list[dict[str, Any]] = [{"mode": "sd", "k": k} for k in g["k"]]
+    out += [{"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q} for d, q in g["lengths"]]
+    for variant, (d, q), (tq, tt) in itertools.product(("fuzzy", "assisted"), g["lengths"], g["taus"]):
+        out.append({"mode": "pyramid", "variant": variant, "l_D": d, "l_Q": q, "tau_Q": tq, "tau_T": tt})
+    return out
+
+
+def _lossless(c: dict[str, Any]) -> bool:
+    return c["mode"] == "sd" or c.get("variant") == "exact" or (c.get("tau_Q", 0) == 0 and c.get("tau_T", 0) == 0)
+
+
+@dataclass
+class TuneResult:
+    backend: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    chosen: dict[str, Any] | None = None
+    best: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The fastest admissible candidate per mode (``sd``, ``pyramid``)."""
+
+
+def _target_nll(pipe: Pipeline, prompt: list[int], out: list[int]) -> float:
+    """The target's mean negative log-likelihood of ``out`` after ``prompt``."""
+    session = pipe.models["target"].new_session()
+    rows = session.feed(prompt + out)[len(prompt) - 1 : len(prompt) - 1 + len(out)]
+    rows = rows.astype(np.float64)
+    logz = np.log(np.exp(rows - rows.max(axis=1, keepdims=True)).sum(axis=1)) + rows.max(axis=1)
+    return float(np.mean(logz - rows[np.arange(len(out)), out]))
+
+
+def _decode(pipe: Pipeline, prompts: list[list[int]], cfg) -> tuple[float, list[list[int]], Metrics]:
+    total = Metrics(cfg.mode)
+    outs = []
+    start = time.perf_counter()
+    for ids in prompts:
+        m = Metrics(cfg.mode)
+        outs.append([t for chunk in pipe.decoder.generate(ids, cfg, m) for t in chunk])
+        total.add(m)
+    return time.perf_counter() - start, outs, total
+
+
+def tune(
+    pipe: Pipeline,
+    prompts: list[str],
+    max_new_tokens: int = 48,
+    max_ppl_increase: float = 0.02,
+    grid: dict[str, Any] | None = None,
+    progress=None,
+) -> TuneResult:
+    """``pipe``: a pipeline with all three tiers loaded (``mode="pyramid"``)."""
+    missing = {"draft", "qualifier", "target"} - set(pipe.models)
+    if missing:
+        raise ValueError(f"tuning needs the draft, qualifier and target tiers loaded (missing {sorted(missing)})")
+    ids = [pipe.encode(p) for p in prompts]
+    base = {"max_new_tokens": max_new_tokens, "stop_ids": (), "temperature": 0.0}
+    ar_cfg = pipe.config(mode="ar", **base)
+    _decode(pipe, ids[:1], ar_cfg)  # warm-up
+    _, ar_out, _ = _decode(pipe, ids, ar_cfg)
+    ar_nll = float(np.mean([_target_nll(pipe, p, o) for p, o in zip(ids, ar_out)]))
+    result = TuneResult(pipe.backend)
+    cands = candidates(grid)
+    for n, cand in enumerate(cands, 1):
+        cfg = pipe.config(**base, **{"tau_Q": 0.0, "tau_T": 0.0, "divergence": "tv", **cand})
+        seconds, outs, metrics = _decode(pipe, ids, cfg)
+        ar_seconds, _, _ = _decode(pipe, ids, ar_cfg)  # right after: the same machine state
+        tokens = sum(len(o) for o in outs)
+        firsts = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in zip(ar_out, outs)]
+        agreement = sum(firsts) / max(1, sum(len(r) for r in ar_out))
+        lossless = _lossless(cand)
+        if lossless:
+            ppl_increase = 0.0 if outs == ar_out else None
+        else:
+            nll = float(np.mean([_target_nll(pipe, p, o) for p, o in zip(ids, outs)]))
+            ppl_increase = math.exp(nll - ar_nll) - 1
+        row = {
+            **cand,
+            "speed_vs_ar": (ar_seconds / seconds) * (tokens / max(1, sum(len(r) for r in ar_out))),
+            "acceptance": {s: metrics.acceptance_rate(s) for s in metrics.num_draft_tokens},
+            "target_forwards_per_token": metrics.target_forwards_per_token,
+            "agreement_with_ar": agreement,
+            "ppl_increase": ppl_increase,
+            "lossless": lossless,
+            "admissible": ppl_increase is not None and ppl_increase <= max_ppl_increase,
+        }
+        if lossless and outs != ar_out:
+            row["note"] = "a lossless mode differed from ar: a bug"
+        result.rows.append(row)
+        if progress is not None:
+            progress(n, len(cands), row)
+    ok = [r for r in result.rows if r["admissible"]]
+    for mode in ("sd", "pyramid"):
+        mine = [r for r in ok if r["mode"] == mode]
+        if mine:
+            result.best[mode] = max(mine, key=lambda r: r["speed_vs_ar"])
+    if ok:
+        best = max(ok, key=lambda r: r["speed_vs_ar"])
+        keys = ("mode", "variant", "k", "l_D", "l_Q", "tau_Q", "tau_T")
+        result.chosen = {k: best[k] for k in keys if k in best}
+        if best["speed_vs_ar"] < 1.0:  # nothing beats the target alone here
+            result.chosen = {"mode": "ar"}
+    return result
+
+
+def format_tune(result: TuneResult, top: int = 12) -> str:
+    lines = [
+        f"backend {result.backend}: {len(result.rows)} candidates, each timed against ar right after it",
+        "",
+        "| candidate | tokens/s vs ar | acceptance (draft / qualifier) | target fwd/token | agreement with ar | "
+        "target perplexity vs ar | admissible |",
+        "|---|---:|---|---:|---:|---:|---|",
+    ]
+    for r in sorted(result.rows, key=lambda r: -r["speed_vs_ar"])[:top]:
+        name = (
+            f"sd k={r['k']}"
+            if r["mode"] == "sd"
+            else f"pyramid-{r['variant']} l_D={r['l_D']} l_Q={r['l_Q']}"
+            + (f" tau={r['tau_Q']}/{r['tau_T']}" if "tau_Q" in r else "")
+        )
+        acc = " / ".join(
+            f"{r['acceptance'][s]:.2f}" for s in ("draft", "qualifier") if r["acceptance"].get(s) is not None
+        )
+        ppl = "identical" if r["lossless"] and r["ppl_increase"] == 0 else (
+            "DIFFERS" if r["ppl_increase"] is None else f"{r['ppl_increase']:+.1%}"
+        )  # fmt: skip
+        lines.append(
+            f"| {name} | {r['speed_vs_ar']:.2f}x | {acc or '-'} | {r['target_forwards_per_token']:.3f} | "
+            f"{r['agreement_with_ar']:.1%} | {ppl} | {'yes' if r['admissible'] else 'no'} |"
+        )
+    lines.append("")
+    for mode, r in result.best.items():
+        lines.append(f"best {mode}: {r['speed_vs_ar']:.2f}x")
+    if "sd" in result.best and "pyramid" in result.best:
+        lines.append(
+            f"best pyramid / best sd: {result.best['pyramid']['speed_vs_ar'] / result.best['sd']['speed_vs_ar']:.2f}x"
+        )
+    lines.append(f"chosen: {result.chosen}")
+    return "\n".join(lines)
+
+
+def write_tuned(
+    src: str | Path, dest: str | Path, backend: str, chosen: dict[str, Any], report: dict[str, Any]
+) -> Path:
+    """A copy of the bundle at ``src`` whose bundle.json carries ``chosen`` as the runtime
+    defaults for ``backend`` (``tuned_defaults``) and the tuning's figures (``tuning``)."""
+    from kibidango.bundle import load_bundle, with_meta
+
+    meta = load_bundle(src).meta
+    tuned = {**meta.get("tuned_defaults", {}), backend: chosen}
+    tuning = {**meta.get("tuning", {}), backend: report}
+    return with_meta(src, dest, {"tuned_defaults": tuned, "tuning": tuning})

@@ -1,0 +1,48 @@
+"""``kibidango tune`` (1F): the search runs every candidate against ar, keeps lossless modes
+exact and lossy ones under the perplexity constraint, and the chosen settings written into a
+bundle are what a plain load of that bundle on that backend decodes with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kibidango import Pipeline, write_bundle
+from kibidango.tune import candidates, format_tune, tune, write_tuned
+from tests.conftest import STORIES, needs_stories
+
+GRID = {"k": (2, 4), "lengths": ((2, 4),), "taus": ((0.3, 0.2),)}
+
+
+def test_the_grid_covers_every_mode_and_variant():
+    modes = {(c["mode"], c.get("variant")) for c in candidates()}
+    assert modes == {("sd", None), ("pyramid", "exact"), ("pyramid", "fuzzy"), ("pyramid", "assisted")}
+    assert len(candidates(GRID)) == 2 + 1 + 2
+
+
+def test_tuned_defaults_are_written_and_read_per_backend(tmp_path):
+    needs_stories()
+    tiers = {t: {"hf": STORIES, "vocab_size": 512} for t in ("draft", "qualifier", "target")}
+    bundle = write_bundle(tmp_path / "b", tiers, {"mode": "sd", "k": 4})
+    pipe = Pipeline.from_bundle(bundle, mode="pyramid", adapter="none")
+    result = tune(pipe, ["Once upon a time", "The cat"], max_new_tokens=12, grid=GRID)
+    assert len(result.rows) == 5
+    for row in result.rows:  # identical tiers: every candidate reproduces ar
+        assert row["agreement_with_ar"] == 1.0 and row["admissible"] and "note" not in row
+        assert row["ppl_increase"] == pytest.approx(0.0, abs=1e-9)
+    assert result.chosen is not None and set(result.best) == {"sd", "pyramid"}
+    assert "best pyramid / best sd" in format_tune(result)
+
+    chosen = {"mode": "pyramid", "variant": "assisted", "l_D": 2, "l_Q": 4, "tau_Q": 0.3, "tau_T": 0.2}
+    tuned = write_tuned(bundle, tmp_path / "tuned", "torch", chosen, {"best": result.best})
+    d = Pipeline.from_bundle(tuned).defaults
+    assert (d.mode, d.variant, d.l_D, d.l_Q, d.tau_Q, d.tau_T) == ("pyramid", "assisted", 2, 4, 0.3, 0.2)
+    meta = json.loads((tuned / "bundle.json").read_text())
+    assert meta["runtime_defaults"] == {"mode": "sd", "k": 4}  # the plain defaults stay for other backends
+    assert meta["tuning"]["torch"]["best"]["sd"]["mode"] == "sd"
+    # another backend's tuning leaves torch's alone
+    both = write_tuned(tuned, tmp_path / "both", "llamacpp", {"mode": "sd", "k": 6}, {})
+    assert Pipeline.from_bundle(both).defaults.variant == "assisted"
+    assert json.loads((both / "bundle.json").read_text())["tuned_defaults"]["llamacpp"] == {"mode": "sd", "k": 6}
+    assert Pipeline.from_bundle(bundle).defaults.mode == "sd"  # the source bundle is untouched
