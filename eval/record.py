@@ -23,16 +23,17 @@ from core.records import write_record
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _PROGRESS = re.compile(r"\d+%\|.*\|")  # a tqdm bar
+_COUNTER = re.compile(r"^\s*\d+/\d+ [A-Za-z][A-Za-z ]*(, [\d.]+ s)?$")  # "  12/41 candidates": progress
 _LIBRARY_WARNING = re.compile(r"^\[transformers\] |^\S+:\d+: \w*Warning: ")  # and Python's warnings
 
 
 def clean(output: str, keep: int = 20_000) -> str:
     """The output as a reader would want it kept: carriage-return redraws collapsed to their final
-    state, colour codes, progress bars and libraries' warnings dropped, the last ``keep`` characters."""
+    state, colour codes, progress bars and counters and libraries' warnings dropped, the last ``keep`` characters."""
     lines = []
     for line in _ANSI.sub("", output).split("\n"):
         line = line.rsplit("\r", 1)[-1].rstrip()
-        if _PROGRESS.search(line) or _LIBRARY_WARNING.search(line):
+        if _PROGRESS.search(line) or _COUNTER.match(line) or _LIBRARY_WARNING.search(line):
             continue
         lines.append(line)
     text = "\n".join(lines).strip("\n")

@@ -52,8 +52,9 @@ def test_progress_bars_and_redraws_are_not_kept():
         "loading\n 10%|#    | 1/10\r100%|#####| 10/10\nstep 1\rstep 2\rdone: 3 rows\n\x1b[32mgreen\x1b[0m\n"
         "[transformers] Passing `generation_config` together with ... is deprecated\n"
         "/x/y.py:3: FutureWarning: soon\n"
+        "  12/41 candidates\n  10/106 queries, 7 s\nidentical greedy outputs: 8/8 prompts\n"
     )
-    assert clean(printed) == "loading\ndone: 3 rows\ngreen"
+    assert clean(printed) == "loading\ndone: 3 rows\ngreen\nidentical greedy outputs: 8/8 prompts"
     assert clean("x" * 50, keep=10) == "...\n" + "x" * 10
 
 
