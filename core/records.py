@@ -10,13 +10,14 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from core.paths import REPO_ROOT, home
 
-__all__ = ["records_dir", "write_record", "read_records", "git_sha", "shown_path"]
+__all__ = ["records_dir", "write_record", "read_records", "git_sha", "make_command", "shown_path"]
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
@@ -31,6 +32,11 @@ def shown_path(path: str | Path) -> str:
         return Path(path).resolve().relative_to(home()).as_posix()
     except ValueError:
         return str(path)
+
+
+def make_command(target: str, args: list[str]) -> str:
+    """How a record shows the make target that ran a script with ``args`` (its ``ARGS=...``)."""
+    return f"make {target}" + (f" ARGS={shlex.quote(shlex.join(args))}" if args else "")
 
 
 def git_sha() -> str:

@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from core.paths import home
-from core.records import shown_path, write_record
+from core.records import make_command, shown_path, write_record
 from core.store import ArtifactStore
 from eval.shared_data import SHARED
 
@@ -213,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     table = _table(report)
     print(table)
     print(f"written: {out}")
-    args_given = sys.argv[1:] if argv is None else argv
-    command = "make eval-cascade" + (f" ARGS={shlex.quote(shlex.join(args_given))}" if args_given else "")
+    command = make_command("eval-cascade", sys.argv[1:] if argv is None else argv)
     body = (
         f"{table}\n\nBundle `{shown_path(bundle_dir)}`; cloud stand-in `{shown_path(cloud_model)}`; "
         f"every query: `{shown_path(out)}`."

@@ -12,34 +12,31 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from core.contract import KibidangoError
 from core.paths import home
-from core.records import shown_path, write_record
+from core.records import make_command, shown_path, write_record
 from core.store import ArtifactStore
 from eval.cascade_eval import _newest
+from methods.serving import free_port, wait_ready
 
 
-def _serve(bundle: Path, port: int, max_queue: int) -> subprocess.Popen:
+def _serve(bundle: Path, port: int, max_queue: int, log: Path) -> subprocess.Popen:
+    """``kibidango serve`` on 127.0.0.1:``port``, its log in ``log`` (a pipe nobody reads would fill
+    and stall the server), once ``/health`` answers."""
     exe = Path(sys.executable).with_name("kibidango")
     cmd = [str(exe), "serve", "--bundle", str(bundle), "--port", str(port), "--max-queue", str(max_queue)]
     print("$ " + shlex.join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"kibidango serve exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("kibidango serve was not ready after 180 s")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, 180, "kibidango serve")
+    except KibidangoError as e:
+        proc.kill()
+        proc.wait()
+        raise SystemExit(f"{e}: {log.read_text(errors='replace')[-2000:]}") from None
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -53,7 +50,6 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from kibidango.loadtest import format_load, run_load
-    from methods.serving import free_port
 
     parser = argparse.ArgumentParser(prog="python -m eval.server_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", help="a bundle directory (default: the newest stage-X bundle)")
@@ -78,9 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---:|---:|---:|",
     ]
     summaries = {}
+    logs = home() / "cache" / "loadtest"  # the servers' logs, kept for a look after the run
+    logs.mkdir(parents=True, exist_ok=True)
     for queue in [int(q) for q in args.queues.split(",")]:
         port = free_port()
-        proc = _serve(bundle, port, queue)
+        proc = _serve(bundle, port, queue, logs / f"serve-queue-{queue}.log")
         try:
             result = run_load(f"http://127.0.0.1:{port}", body, args.requests, args.concurrency)
         finally:
@@ -101,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "429: refused at once with Retry-After (the queue was full).\n\n" + table
     )
     print(table)
-    args_given = sys.argv[1:] if argv is None else argv
-    command = "make loadtest" + (f" ARGS={shlex.quote(shlex.join(args_given))}" if args_given else "")
+    command = make_command("loadtest", sys.argv[1:] if argv is None else argv)
     data = {"bundle": str(bundle), "runs": summaries}
     path = write_record("loadtest", "The server under load", command, markdown=text, data=data)
     print(f"record: {path}")

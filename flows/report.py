@@ -152,6 +152,12 @@ def _plt():
     return plt
 
 
+def _save(fig, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    _plt().close(fig)
+
+
 def _loss_plot(client, runs: dict, out: Path) -> list[str]:
     """Every ``*/loss`` metric history of the stages' source runs in one figure; the runs used."""
     plt = _plt()
@@ -176,9 +182,7 @@ def _loss_plot(client, runs: dict, out: Path) -> list[str]:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(fig, out)
     return used
 
 
@@ -192,28 +196,21 @@ def _acceptance_plot(evaluation: dict, out: Path) -> bool:
     ax.barh([b[0] for b in bars], [b[1] for b in bars])
     ax.set_xlim(0, 1)
     ax.set_xlabel("acceptance rate (drafted tokens accepted)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(fig, out)
     return True
 
 
 def _size_quality_points(x_artifact: Path) -> list[tuple[str, str, float, float]]:
-    """(tier, format, MB on disk, validation perplexity) for every form of every tier the bundle's
-    stages measured: full precision, AWQ W4A16, the quantized GGUF (the stages' own metrics)."""
-    from methods.compression.card import lineage
+    """(tier, format, MB on disk, validation perplexity) for the full-precision, AWQ W4A16 and
+    quantized GGUF form of every tier (the bundle card's figures, :func:`tier_figures`)."""
+    from methods.compression.card import lineage, tier_figures
 
-    stages = lineage({"bundle": x_artifact})
-    m = {s: v["metrics"] for s, v in stages.items()}
-    g, p = m.get("2D", {}), m.get("2A", {})
     points = []
-    for tier in ("draft", "qualifier", "target"):
-        awq = m.get("2B" if tier == "target" else "2C", {})
-        full = p.get("val_perplexity_before") if tier == "target" and p else awq.get(f"{tier}_val_perplexity_before")
+    for tier, f in tier_figures(lineage({"bundle": x_artifact})).items():
         forms = [
-            ("full precision", g.get(f"{tier}_hf_bytes"), full),
-            ("AWQ W4A16", awq.get(f"{tier}_bytes_after"), awq.get(f"{tier}_val_perplexity_after")),
-            ("GGUF quantized", g.get(f"{tier}_gguf_bytes"), g.get(f"{tier}_val_perplexity_gguf")),
+            ("full precision", f["hf_bytes"], f["ppl_full"]),
+            ("AWQ W4A16", f["awq_bytes"], f["ppl_awq"]),
+            ("GGUF quantized", f["gguf_bytes"], f["ppl_gguf"]),
         ]
         points += [(tier, form, size / 1e6, ppl) for form, size, ppl in forms if size and ppl]
     return points
@@ -232,9 +229,7 @@ def _size_quality_plot(points: list[tuple[str, str, float, float]], out: Path) -
     ax.set_xlabel("size on disk (MB, log scale)")
     ax.set_ylabel("validation perplexity (lower is better)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(fig, out)
     return True
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from core.contract import KibidangoError
 
-__all__ = ["free_port", "llama_cpp_server"]
+__all__ = ["free_port", "llama_cpp_server", "wait_ready"]
 
 
 def free_port() -> int:
@@ -88,18 +88,23 @@ def llama_cpp_server(
 
 def _wait_ready(base: str, api_key: str | None, proc: subprocess.Popen, timeout_s: float) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    wait_ready(base + "/models", proc, timeout_s, "llama-cpp-python's server", headers)
+
+
+def wait_ready(
+    url: str, proc: subprocess.Popen, timeout_s: float, what: str, headers: dict[str, str] | None = None
+) -> None:
+    """Poll ``url`` until it answers (any 2xx) while the server process ``proc`` starts; a
+    :class:`KibidangoError` naming ``what`` when the process exits first or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            urllib.request.urlopen(urllib.request.Request(base + "/models", headers=headers), timeout=2).read()
+            urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2).read()
             return
         except (urllib.error.URLError, OSError):
             if proc.poll() is not None:
-                raise KibidangoError(
-                    f"llama-cpp-python's server exited with code {proc.returncode} while starting"
-                ) from None
+                raise KibidangoError(f"{what} exited with code {proc.returncode} while starting") from None
             if time.monotonic() > deadline:
-                raise KibidangoError(
-                    f"llama-cpp-python's server did not answer on {base} within {timeout_s:.0f}s"
-                ) from None
+                base = url.rsplit("/", 1)[0]
+                raise KibidangoError(f"{what} did not answer on {base} within {timeout_s:.0f}s") from None
             time.sleep(0.3)

@@ -9,7 +9,7 @@ from typing import Any
 
 from kibidango.bundle import TIER_ORDER
 
-__all__ = ["lineage", "bundle_card", "size_table"]
+__all__ = ["lineage", "bundle_card", "size_table", "tier_figures"]
 
 
 def lineage(inputs: dict[str, Path]) -> dict[str, dict[str, Any]]:
@@ -47,11 +47,38 @@ def _num(value: float | None, fmt: str = ".2f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def size_table(stages: dict[str, dict[str, Any]]) -> str:
-    """Per tier: bytes of the full-precision safetensors, GGUF F16, AWQ W4A16 and the quantized
-    GGUF; perplexity after each step; the GGUF's token agreement."""
+def tier_figures(stages: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per tier the export measured (2D): bytes and validation perplexity of each form — full
+    precision (the target after pruning, 2A; draft and qualifier after distillation), pruned (2A),
+    AWQ W4A16 (2B target, 2C others), AWQ + recovery LoRA (2F), the GGUFs — with the GGUF's bits
+    per weight and token agreement, from the stages' metrics."""
     m = {s: v["metrics"] for s, v in stages.items()}
     g, p, r = m.get("2D", {}), m.get("2A", {}), m.get("2F", {})
+    figures = {}
+    for tier in TIER_ORDER:
+        if f"{tier}_gguf_bytes" not in g:
+            continue
+        awq = m.get("2B" if tier == "target" else "2C", {})
+        target = tier == "target"
+        figures[tier] = {
+            "hf_bytes": g.get(f"{tier}_hf_bytes"),
+            "f16_bytes": g.get(f"{tier}_f16_bytes"),
+            "awq_bytes": awq.get(f"{tier}_bytes_after"),
+            "gguf_bytes": g.get(f"{tier}_gguf_bytes"),
+            "bits_per_weight": g.get(f"{tier}_bits_per_weight"),
+            "ppl_full": p.get("val_perplexity_before") if target and p else awq.get(f"{tier}_val_perplexity_before"),
+            "ppl_pruned": p.get("val_perplexity_after") if target else None,
+            "ppl_awq": awq.get(f"{tier}_val_perplexity_after"),
+            "ppl_recovered": r.get("val_perplexity_recovered") if target else None,
+            "ppl_gguf": g.get(f"{tier}_val_perplexity_gguf"),
+            "agreement": g.get(f"{tier}_token_agreement"),
+        }
+    return figures
+
+
+def size_table(stages: dict[str, dict[str, Any]]) -> str:
+    """Per tier: bytes of the full-precision safetensors, GGUF F16, AWQ W4A16 and the quantized
+    GGUF; perplexity after each step; the GGUF's token agreement (:func:`tier_figures`)."""
     rows = [
         "| tier | full precision | GGUF F16 | AWQ W4A16 | GGUF quantized | bits/weight (GGUF) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -60,19 +87,14 @@ def size_table(stages: dict[str, dict[str, Any]]) -> str:
         "| tier | full precision | pruned (2A) | AWQ (2B/2C) | AWQ + recovery LoRA (2F) | GGUF | GGUF token agreement |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for tier in TIER_ORDER:
-        if f"{tier}_gguf_bytes" not in g:
-            continue
-        awq = m.get("2B" if tier == "target" else "2C", {})
+    for tier, f in tier_figures(stages).items():
         rows.append(
-            f"| {tier} | {_mb(g.get(f'{tier}_hf_bytes'))} | {_mb(g.get(f'{tier}_f16_bytes'))} | "
-            f"{_mb(awq.get(f'{tier}_bytes_after'))} | {_mb(g.get(f'{tier}_gguf_bytes'))} | {_num(g.get(f'{tier}_bits_per_weight'))} |"
+            f"| {tier} | {_mb(f['hf_bytes'])} | {_mb(f['f16_bytes'])} | {_mb(f['awq_bytes'])} | "
+            f"{_mb(f['gguf_bytes'])} | {_num(f['bits_per_weight'])} |"
         )
-        full = p.get("val_perplexity_before") if tier == "target" and p else awq.get(f"{tier}_val_perplexity_before")
         ppl.append(
-            f"| {tier} | {_num(full)} | {_num(p.get('val_perplexity_after')) if tier == 'target' else '-'} | "
-            f"{_num(awq.get(f'{tier}_val_perplexity_after'))} | {_num(r.get('val_perplexity_recovered')) if tier == 'target' else '-'} | "
-            f"{_num(g.get(f'{tier}_val_perplexity_gguf'))} | {_num(g.get(f'{tier}_token_agreement'), '.1%')} |"
+            f"| {tier} | {_num(f['ppl_full'])} | {_num(f['ppl_pruned'])} | {_num(f['ppl_awq'])} | "
+            f"{_num(f['ppl_recovered'])} | {_num(f['ppl_gguf'])} | {_num(f['agreement'], '.1%')} |"
         )
     return (
         "\n".join(rows)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kibidango.confidence import score_answer
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import Metrics
 
@@ -60,11 +61,7 @@ class TuneResult:
 
 def _target_nll(pipe: Pipeline, prompt: list[int], out: list[int]) -> float:
     """The target's mean negative log-likelihood of ``out`` after ``prompt``."""
-    session = pipe.models["target"].new_session()
-    rows = session.feed(prompt + out)[len(prompt) - 1 : len(prompt) - 1 + len(out)]
-    rows = rows.astype(np.float64)
-    logz = np.log(np.exp(rows - rows.max(axis=1, keepdims=True)).sum(axis=1)) + rows.max(axis=1)
-    return float(np.mean(logz - rows[np.arange(len(out)), out]))
+    return -score_answer(pipe.models["target"], prompt, out)["mean_logprob"]
 
 
 def _decode(pipe: Pipeline, prompts: list[list[int]], cfg) -> tuple[float, list[list[int]], Metrics]:
