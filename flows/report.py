@@ -47,9 +47,14 @@ _SECTIONS = [
         [("1B", "MINING_CARD.md", []), ("1C", "FAILURE_CARD.md", []), ("1D", "COST_CARD.md", ["cost_per_tier.png"])],
     ),
     (
-        "Compression and the bundle (stages 2A-2F, X, 2E)",
+        "Compression, decoding tuning and the bundle (stages 2A-2F, X, 1F, 2E)",
         "",
-        [("X", "bundle/BUNDLE_CARD.md", []), ("2D", "gguf_report.md", []), ("2E", "pack_report.md", [])],
+        [
+            ("X", "bundle/BUNDLE_CARD.md", []),
+            ("2D", "gguf_report.md", []),
+            ("1F", "TUNING_CARD.md", ["speedup_vs_tau.png"]),
+            ("2E", "pack_report.md", []),
+        ],
     ),
     (
         "Routing, calibration and escalation (stages 6A, 2G, 6B, 6C)",
@@ -295,6 +300,15 @@ def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: lis
                 for r in speed
             )
             rows.append(f"| tokens/s against target-only decoding, side by side | {shown} | {cite('9')} |")
+    tuning = _json(Path(artifacts["1F"]) / "tuning.json") if artifacts.get("1F") else None
+    if tuning:
+        from kibidango.tune import describe
+
+        shown = "; ".join(
+            f"{b}: {describe(tuning['tuned_defaults'][b])} at {t['chosen_speed_vs_ar']:.2f}x ar"
+            for b, t in tuning["tuning"].items()
+        )
+        rows.append(f"| decoding defaults chosen by tuning (greedy, held-out prompts) | {shown} | {cite('1F')} |")
     by_name = {r["name"]: r for r in records}
     cascade = by_name.get("eval-cascade", {}).get("data")
     if cascade and "cascade" in cascade:

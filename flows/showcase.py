@@ -24,11 +24,12 @@ def _section(card: str, title: str) -> str:
 
 
 def show_bundle(artifacts: dict[str, Artifact]) -> None:
-    if "X" not in artifacts:
+    shipped = [sid for sid in ("9A", "1F", "X") if sid in artifacts]  # gates stamp 1F's tuned copy of X's
+    if not shipped:
         return
     from kibidango import Pipeline
 
-    bundle = Path(artifacts["X"].path) / "bundle"
+    bundle = Path(artifacts[shipped[0]].path) / "bundle"
     packed = Path(artifacts["2E"].path) / "packed" if "2E" in artifacts else None
     card = (bundle / "BUNDLE_CARD.md").read_text()
     print(f"\n== the bundle ({bundle}) ==\n")

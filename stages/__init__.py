@@ -26,6 +26,7 @@ STAGES: dict[str, str] = {
     "2D": "stages.gguf_export",
     "2F": "stages.recovery_lora",
     "X": "stages.export_bundle",
+    "1F": "stages.tune_decoding",
     "2E": "stages.zstd_pack",
     "6A": "stages.train_router",
     "2G": "stages.calibrate",

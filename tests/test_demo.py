@@ -29,7 +29,7 @@ def _runs(stage: str) -> list:
 
 
 UPSTREAM_OF_2B = ("0", "P", "1A", "1B", "1C", "1D", "1R", "1E", "3", "4", "5", "2A", "2C", "2D")
-DOWNSTREAM_OF_2B = ("2F", "2G", "6B", "6C", "X", "2E")
+DOWNSTREAM_OF_2B = ("2F", "2G", "6B", "6C", "X", "1F", "2E")
 
 
 @pytest.mark.slow
@@ -99,3 +99,7 @@ def test_tiny_preset_end_to_end_rerun_and_stage_2b(tmp_path):
     assert {"router", "calibration", "escalation", "cascade"} <= set(meta)  # shipped, hashed
     history = mlflow.MlflowClient().get_metric_history(_runs("P")[0].info.run_id, "P/target/loss")
     assert len(history) >= 5  # the loss curve reached MLflow while training
+    tuning = _runs("1F")[0].data.metrics  # 1F's tuned copy of the bundle: what 9, 9A and 2E ship
+    assert tuning["torch/candidates"] > 0 and tuning["llamacpp/lossless_mismatches"] == 0
+    tuned = json.loads((Path(_runs("1F")[-1].data.tags[f"{TAG}artifact"]) / "bundle" / "bundle.json").read_text())
+    assert set(tuned["tuned_defaults"]) == {"torch", "llamacpp"}

@@ -134,6 +134,10 @@ def _inspect(args: argparse.Namespace) -> None:
         info = ", ".join(f"{k}={v}" for k, v in tier.info.items())
         print(f"  {name:<10} {forms:<10} {info}")
     print(f"runtime defaults: {json.dumps(bundle.defaults, sort_keys=True)}")
+    for backend, tuned in (meta.get("tuned_defaults") or {}).items():
+        speed = (meta.get("tuning") or {}).get(backend, {}).get("chosen_speed_vs_ar")
+        measured = f" ({speed:.2f}x target-only decoding when tuned)" if speed is not None else ""
+        print(f"  tuned for {backend} (kibidango tune / stage 1F, read over the above): {json.dumps(tuned)}{measured}")
     for key in ("stage_cache_keys", "mlflow_run_ids"):
         if meta.get(key):
             print(f"{key}: {json.dumps(meta[key], sort_keys=True)}")
@@ -176,7 +180,8 @@ def _tune(args: argparse.Namespace) -> None:
     result = tune(pipe, read_prompts(args.prompts), args.max_new_tokens, args.max_ppl_increase, progress=progress)
     print(format_tune(result))
     if args.write and result.chosen:
-        report = {"best": result.best, "max_ppl_increase": args.max_ppl_increase, "prompts": args.prompts}
+        report = {"best": result.best, "chosen_speed_vs_ar": result.chosen_speed,
+                  "max_ppl_increase": args.max_ppl_increase, "prompts": args.prompts}  # fmt: skip
         print(f"written: {write_tuned(args.bundle, args.write, args.backend, result.chosen, report)}")
 
 

@@ -28,7 +28,7 @@ from kibidango.confidence import score_answer
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import Metrics
 
-__all__ = ["TuneResult", "candidates", "format_tune", "tune", "write_tuned"]
+__all__ = ["TuneResult", "candidates", "describe", "format_tune", "tune", "write_tuned"]
 
 GRID = {
     "k": (2, 3, 4, 6, 8),
@@ -57,6 +57,8 @@ class TuneResult:
     chosen: dict[str, Any] | None = None
     best: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The fastest admissible candidate per mode (``sd``, ``pyramid``)."""
+    chosen_speed: float = 1.0
+    """The chosen settings' tokens/s against ``ar`` (1.0 when ``ar`` itself is chosen)."""
 
 
 def _target_nll(pipe: Pipeline, prompt: list[int], out: list[int]) -> float:
@@ -77,17 +79,18 @@ def _decode(pipe: Pipeline, prompts: list[list[int]], cfg) -> tuple[float, list[
 
 def tune(
     pipe: Pipeline,
-    prompts: list[str],
+    prompts: list[str] | list[list[int]],
     max_new_tokens: int = 48,
     max_ppl_increase: float = 0.02,
     grid: dict[str, Any] | None = None,
     progress=None,
 ) -> TuneResult:
-    """``pipe``: a pipeline with all three tiers loaded (``mode="pyramid"``)."""
+    """``pipe``: a pipeline with all three tiers loaded (``mode="pyramid"``); ``prompts``: texts,
+    or token ids as they are (a pipeline stage's held-out prompts, already rendered)."""
     missing = {"draft", "qualifier", "target"} - set(pipe.models)
     if missing:
         raise ValueError(f"tuning needs the draft, qualifier and target tiers loaded (missing {sorted(missing)})")
-    ids = [pipe.encode(p) for p in prompts]
+    ids = [list(p) if isinstance(p, list) else pipe.encode(p) for p in prompts]
     base = {"max_new_tokens": max_new_tokens, "stop_ids": (), "temperature": 0.0}
     ar_cfg = pipe.config(mode="ar", **base)
     _decode(pipe, ids[:1], ar_cfg)  # warm-up
@@ -132,9 +135,20 @@ def tune(
         best = max(ok, key=lambda r: r["speed_vs_ar"])
         keys = ("mode", "variant", "k", "l_D", "l_Q", "tau_Q", "tau_T")
         result.chosen = {k: best[k] for k in keys if k in best}
+        result.chosen_speed = best["speed_vs_ar"]
         if best["speed_vs_ar"] < 1.0:  # nothing beats the target alone here
-            result.chosen = {"mode": "ar"}
+            result.chosen, result.chosen_speed = {"mode": "ar"}, 1.0
     return result
+
+
+def describe(c: dict[str, Any]) -> str:
+    """A candidate (or chosen settings) in words: ``sd k=4``, ``pyramid-fuzzy l_D=3 l_Q=6 tau=0.3/0.2``."""
+    if c.get("mode", "ar") == "ar":
+        return "ar (target only)"
+    if c["mode"] == "sd":
+        return f"sd k={c['k']}"
+    tau = f" tau={c['tau_Q']}/{c['tau_T']}" if "tau_Q" in c else ""
+    return f"pyramid-{c['variant']} l_D={c['l_D']} l_Q={c['l_Q']}{tau}"
 
 
 def format_tune(result: TuneResult, top: int = 12) -> str:
@@ -146,12 +160,7 @@ def format_tune(result: TuneResult, top: int = 12) -> str:
         "|---|---:|---|---:|---:|---:|---|",
     ]
     for r in sorted(result.rows, key=lambda r: -r["speed_vs_ar"])[:top]:
-        name = (
-            f"sd k={r['k']}"
-            if r["mode"] == "sd"
-            else f"pyramid-{r['variant']} l_D={r['l_D']} l_Q={r['l_Q']}"
-            + (f" tau={r['tau_Q']}/{r['tau_T']}" if "tau_Q" in r else "")
-        )
+        name = describe(r)
         acc = " / ".join(
             f"{r['acceptance'][s]:.2f}" for s in ("draft", "qualifier") if r["acceptance"].get(s) is not None
         )

@@ -1,0 +1,224 @@
+"""Stage 1F — speculative-decoding tuning: the bundle's decoding settings searched for speed.
+
+On stage 0's validation rows (held out from every training stage; the prompts rendered as the
+family's chat format, story rows cut after a few tokens), the runtime's own tuner
+(:func:`kibidango.tune.tune`, also ``kibidango tune`` on any bundle) times every candidate of the
+recipe's grid against target-only decoding right after it, per backend:
+
+- ``sd`` with each draft length ``k``;
+- ``pyramid`` ``exact`` with each (``l_D``, ``l_Q``); ``fuzzy`` and ``assisted`` with each
+  (``l_D``, ``l_Q``) and each (``tau_Q``, ``tau_T``) of the grid (divergence: total variation).
+
+Lossless candidates must reproduce target-only decoding token for token (a mismatch is reported
+and the candidate is not admissible); lossy ones must keep the target's perplexity of the text they
+generate within ``max_ppl_increase`` of target-only decoding's text, and their greedy agreement
+with it is reported. The fastest admissible candidate per backend becomes that backend's runtime
+defaults (target-only decoding where no candidate beats it): the bundle is copied (files
+hard-linked) with ``tuned_defaults`` and the figures (``tuning``) in its bundle.json, which
+:meth:`kibidango.Pipeline.from_bundle` reads over the plain ``runtime_defaults``. Timings are
+ratios measured side by side in one process; the settings are chosen for greedy decoding
+(sampling changes acceptance, not correctness: speculative sampling stays lossless).
+
+Outputs: ``bundle/`` (the tuned bundle, read by stages 9 and 9A), ``tuning.json``,
+``candidates.jsonl`` (every candidate, every backend; an MLflow table), ``speedup_vs_tau.png``,
+``TUNING_CARD.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from core.contract import KibidangoError, StageConfig, StageResult
+from core.progress import Progress
+from methods.training.chat import load_split
+
+NAME = "sd-tuning"
+LIBRARIES = ("matplotlib",)
+
+log = logging.getLogger("kibidango.stage.1F")
+
+
+class Grid(StageConfig):
+    k: list[int] = Field([2, 3, 4, 6, 8], min_length=1, description="Draft lengths of sd.")
+    lengths: list[tuple[int, int]] = Field(
+        [(2, 4), (3, 6), (4, 8), (3, 9)], min_length=1, description="Pyramid's (l_D, l_Q) pairs."
+    )
+    taus: list[tuple[float, float]] = Field(
+        [(0.1, 0.05), (0.2, 0.1), (0.3, 0.2), (0.5, 0.3)],
+        description="Pyramid's (tau_Q, tau_T) pairs for the fuzzy and assisted variants (empty: exact only).",
+    )
+
+
+class Config(StageConfig):
+    bundle_input: str = Field("bundle", description="The input holding bundle/ (stage X).")
+    data_input: str = Field("data", description="The input holding stage 0's dataset/ (its validation split).")
+    backends: list[Literal["torch", "llamacpp"]] = Field(["torch", "llamacpp"], min_length=1)
+    prompts: int = Field(16, gt=0, description="Held-out prompts (stage 0's validation split, in stored order).")
+    max_new_tokens: int = Field(48, gt=0)
+    max_ppl_increase: float = Field(
+        0.02, ge=0, description="Quality bound of the lossy variants: the target's perplexity of their text vs ar's."
+    )
+    threads: int | None = Field(None, gt=0, description="CPU threads per model (default: the runtime's).")
+    grid: Grid = Field(default_factory=Grid)
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
+    from kibidango.bundle import load_bundle, with_meta
+    from kibidango.pipeline import Pipeline
+    from kibidango.tune import tune
+    from methods.measure.lm import held_out_prompts
+
+    for name in (cfg.bundle_input, cfg.data_input):
+        if name not in inputs:
+            raise KibidangoError(f"input {name!r} is not wired (add it to the preset's needs of stage 1F)")
+    src = inputs[cfg.bundle_input] / "bundle"
+    bundle = load_bundle(src)
+    missing = {"draft", "qualifier", "target"} - set(bundle.tiers)
+    if missing:
+        raise KibidangoError(f"{src}: tuning needs the draft, qualifier and target tiers (missing {sorted(missing)})")
+    for backend in cfg.backends:
+        form = "gguf" if backend == "llamacpp" else "hf"
+        if any(not bundle.meta["tiers"][t].get(form) for t in ("draft", "qualifier", "target")):
+            raise KibidangoError(f"{src}: backend {backend!r} needs every tier's {form} weights; drop it from backends")
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
+    rows = load_split(inputs[cfg.data_input] / "dataset", "validation", limit=4 * cfg.prompts)
+    grid = cfg.grid.model_dump()
+
+    results, candidates, prompts = {}, [], []
+    for backend in cfg.backends:
+        pipe = Pipeline.from_bundle(src, backend=backend, mode="pyramid", adapter="none", threads=cfg.threads)
+        if not prompts:  # room for the generated tokens in every tier's context
+            lookahead = max([*cfg.grid.k, *(q for _, q in cfg.grid.lengths)]) + 1
+            room = min(m.context_length for m in pipe.models.values()) - cfg.max_new_tokens - lookahead
+            prompts = [p.ids for p in held_out_prompts(tokenizer, rows, max_len=room)][: cfg.prompts]
+            if not prompts:
+                raise KibidangoError(f"{inputs[cfg.data_input]}: no validation row gives a prompt under {room} tokens")
+        progress = Progress(f"1F {backend} candidates", None, log)
+        result = tune(pipe, prompts, cfg.max_new_tokens, cfg.max_ppl_increase, grid,
+                      progress=lambda n, total, row, p=progress: p.update(n))  # fmt: skip
+        progress.finish(len(result.rows))
+        bad = [r for r in result.rows if r.get("note")]
+        if bad:
+            log.warning(f"{backend}: {len(bad)} lossless candidates differed from target-only decoding (a bug)")
+        results[backend] = result
+        candidates += [{"backend": backend, **r} for r in result.rows]
+        del pipe
+
+    tuned = {b: r.chosen or {"mode": "ar"} for b, r in results.items()}
+    tuning = {
+        b: {
+            "best": r.best,
+            "chosen_speed_vs_ar": r.chosen_speed,
+            "prompts": len(prompts),
+            "max_new_tokens": cfg.max_new_tokens,
+            "max_ppl_increase": cfg.max_ppl_increase,
+            "source": "stage 1F",
+        }
+        for b, r in results.items()
+    }
+    meta = bundle.meta
+    with_meta(src, out_dir / "bundle", {"tuned_defaults": {**meta.get("tuned_defaults", {}), **tuned},
+                                        "tuning": {**meta.get("tuning", {}), **tuning}})  # fmt: skip
+
+    (out_dir / "tuning.json").write_text(json.dumps({"tuned_defaults": tuned, "tuning": tuning}, indent=2))
+    with open(out_dir / "candidates.jsonl", "w") as f:
+        for row in candidates:
+            f.write(json.dumps(row) + "\n")
+    _plot(results, out_dir / "speedup_vs_tau.png")
+    (out_dir / "TUNING_CARD.md").write_text(_card(results, tuned, len(prompts), cfg))
+
+    metrics: dict[str, float] = {"prompts": float(len(prompts))}
+    for b, r in results.items():
+        metrics[f"{b}/candidates"] = float(len(r.rows))
+        metrics[f"{b}/lossless_mismatches"] = float(sum(1 for x in r.rows if x.get("note")))
+        metrics[f"{b}/chosen_speed_vs_ar"] = r.chosen_speed
+        for mode, row in r.best.items():
+            metrics[f"{b}/best_{mode}_speed_vs_ar"] = row["speed_vs_ar"]
+        if "sd" in r.best and "pyramid" in r.best:
+            metrics[f"{b}/pyramid_over_sd"] = r.best["pyramid"]["speed_vs_ar"] / r.best["sd"]["speed_vs_ar"]
+    from kibidango.tune import describe
+
+    summary = "; ".join(f"{b}: {describe(tuned[b])} at {r.chosen_speed:.2f}x ar" for b, r in results.items())
+    return StageResult(
+        metrics,
+        ["TUNING_CARD.md", "tuning.json", "speedup_vs_tau.png"],
+        f"tuned defaults {summary} (bundle/ with tuned_defaults)",
+        tables={"candidates.json": "candidates.jsonl"},
+    )
+
+
+def _card(results: dict, tuned: dict, prompts: int, cfg: Config) -> str:
+    from kibidango.tune import describe, format_tune
+
+    lines = [
+        "# Stage 1F — speculative-decoding tuning",
+        "",
+        f"{prompts} held-out prompts (stage 0's validation split) x {cfg.max_new_tokens} tokens, greedy; each "
+        "candidate timed against target-only decoding (ar) right after it, in one process, so the speeds are "
+        f"ratios. Lossy candidates are admissible when the target's perplexity of their text is at most "
+        f"{cfg.max_ppl_increase:.0%} above ar's text; lossless ones when they reproduce ar exactly. The same "
+        "search runs on any bundle with `kibidango tune --bundle B --backend torch|llamacpp`.",
+        "",
+        "| backend | tuned defaults | tokens/s vs ar | best sd | best pyramid |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for b, r in results.items():
+        best = {m: f"{r.best[m]['speed_vs_ar']:.2f}x" if m in r.best else "-" for m in ("sd", "pyramid")}
+        lines.append(f"| {b} | {describe(tuned[b])} | {r.chosen_speed:.2f}x | {best['sd']} | {best['pyramid']} |")
+    lines += [
+        "",
+        "The bundle ships these as `tuned_defaults` per backend; `kibidango generate --bundle B --backend ...` "
+        "starts from them (any `--mode`/`--k`/... flag still wins). Speed against tau: `speedup_vs_tau.png`.",
+    ]
+    for b, r in results.items():
+        lines += ["", f"## {b}: the fastest candidates", "", format_tune(r, top=10)]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: dict, path: Path) -> None:
+    """Per backend: the fuzzy and assisted variants' best speed (over l_D, l_Q) at each tau pair,
+    filled where admissible; the best sd and exact pyramid as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.0), squeeze=False)
+    for ax, (backend, r) in zip(axes[0], results.items(), strict=True):
+        taus = sorted({(x["tau_Q"], x["tau_T"]) for x in r.rows if "tau_Q" in x})
+        for variant, color in (("fuzzy", "tab:blue"), ("assisted", "tab:orange")):
+            best = []
+            for t in taus:
+                rows = [x for x in r.rows if x.get("variant") == variant and (x.get("tau_Q"), x.get("tau_T")) == t]
+                if rows:
+                    best.append((t, max(rows, key=lambda x: x["speed_vs_ar"])))
+            if not best:
+                continue
+            xs = [t[0] for t, _ in best]
+            ax.plot(xs, [x["speed_vs_ar"] for _, x in best], color=color, label=f"pyramid {variant}")
+            for t, x in best:
+                ax.scatter(
+                    t[0], x["speed_vs_ar"], color=color, facecolors=color if x["admissible"] else "none", zorder=3
+                )
+        for label, rows, style in (
+            ("best sd", [x for x in r.rows if x["mode"] == "sd"], "--"),
+            ("best pyramid exact", [x for x in r.rows if x.get("variant") == "exact"], ":"),
+        ):
+            if rows:
+                ax.axhline(max(x["speed_vs_ar"] for x in rows), color="gray", linestyle=style, label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8, label="ar (target only)")
+        ax.set_xlabel("tau_Q (tau_T as paired in the grid)")
+        ax.set_ylabel("tokens/s vs ar")
+        ax.set_title(f"{backend} (hollow: over the perplexity bound)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
