@@ -32,12 +32,20 @@ METRICS     ?=
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
+.PHONY: setup redis-server demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
   loadtest backend-agreement bench-kv-cache tune-runtime
 
 AXO_VENV    ?= .venv-axolotl
 
-setup: $(VENV)/.installed $(AXO_VENV)/.installed
+setup: $(VENV)/.installed $(AXO_VENV)/.installed redis-server
+
+# redis-server: the shared LSH index of stage 0's distributed dedup (its tests start one on
+# 127.0.0.1, and skip with the reason when there is none). Debian's package, where we may install.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "note: no redis-server (apt-get install redis-server): the distributed-dedup tests will skip"; fi; }
 
 # torch first, pinned: a plain `torch` requirement (from any dependency) resolves to a multi-GB
 # CUDA build; with 2.13.0 (CPU) already installed, nothing else replaces it.

@@ -22,9 +22,19 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from methods.curation.dedup import DedupConfig, find_duplicates
+from datasketch import MinHashLSH
 
-__all__ = ["EDITS", "PlantedResult", "evaluate_planted", "plant"]
+from methods.curation.dedup import (
+    DedupConfig,
+    Duplicate,
+    _shingles,
+    digest,
+    exact_duplicates,
+    find_duplicates,
+    normalize_for_dedup,
+)
+
+__all__ = ["EDITS", "PlantedResult", "evaluate_planted", "plant", "rensa_duplicates"]
 
 _SYNONYMS = {
     "big": "large",
@@ -128,18 +138,20 @@ class PlantedResult:
 
 
 def evaluate_planted(
-    texts: list[str], cfg: DedupConfig, n_copies: int, seed: int = 0, clean_threshold: float = 0.3
+    texts: list[str], cfg: DedupConfig, n_copies: int, seed: int = 0, clean_threshold: float = 0.3, finder=None
 ) -> PlantedResult:
     """Clean ``texts`` into a base (exact duplicates and near-duplicates at Jaccard >=
     ``clean_threshold`` removed), plant copies, deduplicate with ``cfg`` and score each removal:
     correct when the kept row it matched is of the same family. A match between two different
     base rows (similar at a Jaccard below ``clean_threshold`` but above ``cfg.threshold``) counts
-    against precision, so a threshold that is too low shows up here."""
+    against precision, so a threshold that is too low shows up here. ``finder(texts, cfg)``: the
+    deduplicator under test (default: stage 0's, in this process)."""
+    finder = finder or find_duplicates
     clean_cfg = cfg.model_copy(update={"threshold": max(clean_threshold, cfg.threshold)})
-    natural = {d.index for d in find_duplicates(texts, clean_cfg)}
+    natural = {d.index for d in finder(texts, clean_cfg)}
     base = [t for i, t in enumerate(texts) if i not in natural]
     mixed, families, planted = plant(base, n_copies, seed)
-    duplicates = find_duplicates(mixed, cfg)
+    duplicates = finder(mixed, cfg)
     correct = [d for d in duplicates if families[d.index] == families[d.kept]]
     # Each correct removal takes one member out of a family with a planted copy: credit the
     # family's copies in turn, so recall by edit kind counts every copy at most once.
@@ -159,6 +171,32 @@ def evaluate_planted(
         precision=len(correct) / len(duplicates) if duplicates else 1.0,
         recall_by_edit={k: found[k] / total[k] for k in sorted(total)},
     )
+
+
+def rensa_duplicates(texts: list[str], cfg: DedupConfig) -> list[Duplicate]:
+    """The peer: rensa's Rust MinHash and LSH (``RMinHash``, ``RMinHashLSH``) in stage 0's loop
+    (same normalisation, shingles, exact step, banding, threshold and first-kept-wins order), so
+    that only the MinHash and index implementations differ."""
+    from rensa import RMinHash, RMinHashLSH
+
+    normalized = [normalize_for_dedup(t) for t in texts]
+    duplicates = exact_duplicates(map(digest, normalized)) if cfg.exact else []
+    dropped = {d.index for d in duplicates}
+    if not cfg.near:
+        return duplicates
+    bands = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9)).b
+    lsh = RMinHashLSH(cfg.threshold, cfg.num_perm, bands)
+    kept: dict[int, RMinHash] = {}
+    for i in (i for i in range(len(texts)) if i not in dropped):
+        sig = RMinHash(cfg.num_perm, cfg.seed)
+        sig.update([s.decode() for s in _shingles(normalized[i], cfg.shingle, cfg.shingle_size)])
+        match = max(((sig.jaccard(kept[c]), c) for c in lsh.query(sig)), default=None)
+        if match is not None and match[0] >= cfg.threshold:
+            duplicates.append(Duplicate(i, match[1], "near_duplicate", match[0]))
+        else:
+            lsh.insert(i, sig)
+            kept[i] = sig
+    return sorted(duplicates, key=lambda d: d.index)
 
 
 def main() -> None:

@@ -7,6 +7,9 @@ URL (``http://127.0.0.1:PORT/v1``); each GGUF is served under its alias as the `
 dict value adds llama-cpp-python's per-model settings: ``{"model": path, "chat_format": "alpaca"}``). The
 server's settings (with the API key, when one is asked for) are written to a private temporary file
 (mode 0600) removed when the server stops, so the key is never on a command line.
+
+``redis_server()`` starts a real ``redis-server`` on 127.0.0.1 (no persistence, in a temporary
+directory) for stage 0's distributed dedup and its tests; it yields the ``redis://`` URL.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 from core.contract import KibidangoError
 
-__all__ = ["free_port", "llama_cpp_server", "wait_ready"]
+__all__ = ["free_port", "llama_cpp_server", "redis_server", "wait_ready"]
 
 
 def free_port() -> int:
@@ -108,3 +111,40 @@ def wait_ready(
                 base = url.rsplit("/", 1)[0]
                 raise KibidangoError(f"{what} did not answer on {base} within {timeout_s:.0f}s") from None
             time.sleep(0.3)
+
+
+@contextmanager
+def redis_server(start_timeout_s: float = 30.0) -> Iterator[str]:
+    """A ``redis-server`` on a free loopback port, no snapshots, stopped (and its directory
+    removed) on exit; yields ``redis://127.0.0.1:PORT/0``."""
+    import shutil
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise KibidangoError("redis-server is not on PATH (make setup installs it: apt-get install redis-server)")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="kibidango-redis-") as tmp:
+        cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                        sock.sendall(b"PING\r\n")
+                        if sock.recv(16).startswith(b"+PONG"):
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read().decode(errors="replace")[-500:] if proc.poll() is not None else ""
+                    raise KibidangoError(f"redis-server did not start on 127.0.0.1:{port}: {err or 'timed out'}")
+                time.sleep(0.1)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

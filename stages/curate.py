@@ -6,6 +6,10 @@ Output artifact:
   stats.json           every figure of the card, machine-readable
   rejects.jsonl        unreadable rows: file, line, field, reason, raw text
   dropped.jsonl        rows dropped by a filter or as duplicates: id, reason (and the kept id)
+
+Deduplication runs in this process unless ``KIBIDANGO_DASK_SCHEDULER`` and ``KIBIDANGO_REDIS_URL``
+are set: then on that Dask cluster with the LSH index in that Redis, with the same result
+(:mod:`methods.curation.distributed`), so the cache key does not change.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.curation.card import plot_lengths, render_card
 from methods.curation.dedup import DedupConfig, find_duplicates
+from methods.curation.distributed import Cluster
 from methods.curation.filters import LanguageConfig, LanguageFilter, QualityConfig, infer_domain, quality_reason
 from methods.curation.ingest import SourceSpec, read_source, source_digest
 from methods.curation.records import Example, Reject
@@ -236,8 +241,11 @@ def _filter(cfg: Config, examples: list[Example], drops: Counter, languages: Cou
 
 
 def _deduplicate(cfg: DedupConfig, rows: list[Example], drops: Counter, dropped) -> tuple[list[Example], int, int]:
+    cluster = Cluster.from_env()  # where, not what: the result is the same, so not in the cache key
+    if cluster is not None:
+        log.info(f"dedup on {cluster.shown}")
     progress = Progress("near-dedup", len(rows), log)
-    duplicates = find_duplicates([ex.text for ex in rows], cfg, progress.update)
+    duplicates = find_duplicates([ex.text for ex in rows], cfg, progress.update, cluster)
     progress.finish(len(rows))
     removed = set()
     for d in duplicates:

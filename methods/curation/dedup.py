@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from datasketch import MinHash, MinHashLSH
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["DedupConfig", "Duplicate", "find_duplicates", "normalize_for_dedup"]
+__all__ = ["DedupConfig", "Duplicate", "digest", "exact_duplicates", "find_duplicates", "normalize_for_dedup"]
 
 
 class DedupConfig(BaseModel):
@@ -64,22 +64,35 @@ def _shingles(text: str, kind: str, n: int) -> list[bytes]:
     return list({sep.join(units[i : i + n]).encode() for i in range(len(units) - n + 1)})
 
 
+def digest(normalized: str) -> bytes:
+    return hashlib.sha256(normalized.encode()).digest()
+
+
+def exact_duplicates(digests: Iterable[bytes]) -> list[Duplicate]:
+    """Rows whose digest (:func:`digest` of the normalised text) an earlier row has."""
+    first: dict[bytes, int] = {}
+    duplicates = []
+    for i, h in enumerate(digests):
+        if h in first:
+            duplicates.append(Duplicate(i, first[h], "exact_duplicate", 1.0))
+        else:
+            first[h] = i
+    return duplicates
+
+
 def find_duplicates(
-    texts: Sequence[str], cfg: DedupConfig, progress: Callable[[int], None] | None = None
+    texts: Sequence[str], cfg: DedupConfig, progress: Callable[[int], None] | None = None, cluster=None
 ) -> list[Duplicate]:
-    """Duplicates among ``texts``, each pointing at the earlier kept row it matches."""
+    """Duplicates among ``texts``, each pointing at the earlier kept row it matches. ``cluster``
+    (:class:`methods.curation.distributed.Cluster`): the same result computed on a Dask cluster
+    with the LSH index in Redis."""
+    if cluster is not None:
+        from methods.curation.distributed import distributed_duplicates
+
+        return distributed_duplicates(texts, cfg, cluster, progress)
     normalized = [normalize_for_dedup(t) for t in texts]
-    duplicates: list[Duplicate] = []
-    dropped: set[int] = set()
-    if cfg.exact:
-        first: dict[bytes, int] = {}
-        for i, t in enumerate(normalized):
-            h = hashlib.sha256(t.encode()).digest()
-            if h in first:
-                duplicates.append(Duplicate(i, first[h], "exact_duplicate", 1.0))
-                dropped.add(i)
-            else:
-                first[h] = i
+    duplicates = exact_duplicates(map(digest, normalized)) if cfg.exact else []
+    dropped = {d.index for d in duplicates}
     if cfg.near:
         todo = [i for i in range(len(texts)) if i not in dropped]
         signatures = MinHash.bulk(
