@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import yaml
+from pydantic import BaseModel
 
 from core.store import Artifact
 from flows.preset import Preset
 from flows.runner import stage_key
 from flows.workspace import store
+from methods.training.axolotl import launch_command
+from methods.training.recipe import TrainRecipe
 from stages import load_stage
 
 __all__ = ["describe_plan"]
@@ -19,6 +22,17 @@ def _cuda(accelerator: str) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _recipes(value) -> list[TrainRecipe]:
+    """Every training recipe in a stage config (``train``, ``students.*.train``, ``tiers.*.train``)."""
+    if isinstance(value, TrainRecipe):
+        return [value]
+    if isinstance(value, BaseModel):
+        return [r for name in type(value).model_fields for r in _recipes(getattr(value, name))]
+    if isinstance(value, dict):
+        return [r for v in value.values() for r in _recipes(v)]
+    return []
 
 
 def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
@@ -51,10 +65,12 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
         body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip()
         lines += ["  config:", *("    " + line for line in body.splitlines())]
         if hasattr(module, "axolotl_configs"):
+            gpus = max((r.gpus for r in _recipes(cfg)), default=1)
+            launch = " ".join(launch_command("<axolotl python>", "train", "<work>/axolotl.yaml", gpus))
             for run, spec in module.axolotl_configs(cfg, cuda).items():
                 text = yaml.safe_dump(spec, sort_keys=False).rstrip()
                 lines += [
-                    f"  axolotl run '{run}' ({'GPU' if cuda else 'CPU'}):",
+                    f"  axolotl run '{run}' ({'GPU' if cuda else 'CPU'}; {gpus} process(es): {launch}):",
                     *("    " + line for line in text.splitlines()),
                 ]
         lines.append("")

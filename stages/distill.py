@@ -234,7 +234,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         axolotl.train(spec, run_dir, f"1E/{name}", preprocess_only=True)
         check_alignment(run_dir / "prepared", scored, f"1E/{name}")
-        last = axolotl.train(spec, run_dir, f"1E/{name}")
+        last = axolotl.train(spec, run_dir, f"1E/{name}", gpus=student.train.gpus)
         shutil.copy2(run_dir / "axolotl.log", out_dir / "logs" / f"{name}.log")
         model_dir = axolotl.trained_files(run_dir, out_dir / name)
         copy_tokenizer(Path(teacher_dir), model_dir)

@@ -97,7 +97,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         cfg.train, base, [axolotl_dataset(str(data_file))], str(work_dir / "lora"), tokenizer_type=tokenizer_type(base)
     )
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    last = axolotl.train(spec, work_dir / "lora", f"lora-{cfg.domain}")
+    last = axolotl.train(spec, work_dir / "lora", f"lora-{cfg.domain}", gpus=cfg.train.gpus)
     (out_dir / "logs").mkdir()
     shutil.copy2(work_dir / "lora" / "axolotl.log", out_dir / "logs" / "train.log")
     adapter = axolotl.trained_files(work_dir / "lora", out_dir / "adapter")

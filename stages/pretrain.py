@@ -119,7 +119,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             init_llama(arch, tokenizer, tok_dir, init, plan.arch.init_seed)
         spec = axolotl.render(plan.train, str(init), [dataset], str(run_dir), tokenizer_type=tokenizer_type(init))
         (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-        last = axolotl.train(spec, run_dir, f"P/{name}")
+        last = axolotl.train(spec, run_dir, f"P/{name}", gpus=plan.train.gpus)
         shutil.copy2(run_dir / "axolotl.log", out_dir / "logs" / f"{name}.log")
         family[name] = axolotl.trained_files(run_dir, out_dir / name)
         copy_tokenizer(tok_dir, family[name])

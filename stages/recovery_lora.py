@@ -162,7 +162,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         tokenizer_type=tokenizer_type(base),
     )
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    last = axolotl.train(spec, work_dir / "lora", "2F/recovery")
+    last = axolotl.train(spec, work_dir / "lora", "2F/recovery", gpus=cfg.train.gpus)
     (out_dir / "logs").mkdir()
     shutil.copy2(work_dir / "lora" / "axolotl.log", out_dir / "logs" / "train.log")
     adapter = axolotl.trained_files(work_dir / "lora", out_dir / "adapter")

@@ -3,6 +3,8 @@ named; the GPU preset resolves its plan in a dry run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -85,3 +87,13 @@ def test_gpu_preset_dry_run_prints_the_plan(monkeypatch):
     assert "stage 1B (failure-mining)" in text and "api_key_env: OPENROUTER_API_KEY" in text
     assert "kind: llm" in text and "size: 48827" in text
     assert "stage 1C (critique-filter)" in text and "general: 3200" in text
+    # multi-GPU training (issue "Beyond one machine"): the full fine-tune under ZeRO-3 on 8 GPUs,
+    # launched by accelerate, with the shipped DeepSpeed config resolved to a file that exists
+    assert (
+        "axolotl run 'sft' (GPU; 8 process(es): <axolotl python> -m accelerate.commands.launch --num_processes 8 "
+        in text
+    )
+    shipped = [line.split("deepspeed: ", 1)[1] for line in text.splitlines() if line.startswith("    deepspeed: /")]
+    assert shipped and all(Path(p).is_file() for p in shipped) and any(p.endswith("zero3_bf16.json") for p in shipped)
+    assert "axolotl run 'draft' (GPU; 1 process(es): <axolotl python> -m axolotl.cli.train" in text
+    assert "stage 1F (sd-tuning)" in text

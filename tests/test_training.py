@@ -42,7 +42,7 @@ def test_cpu_switches_override_the_recipe_and_gpu_keeps_it():
 def test_gpu_preset_dry_run_shows_the_axolotl_yamls():
     text = describe_plan(load_preset("llama31-8b"))
     for run in ("sft", "draft", "qualifier", "lora-code", "lora-math", "lora-general"):
-        assert f"axolotl run '{run}' (GPU):" in text
+        assert f"axolotl run '{run}' (GPU; " in text
     assert "base_model: meta-llama/Llama-3.1-8B-Instruct" in text
     assert "base_model: meta-llama/Llama-3.2-1B-Instruct" in text
     assert "type: axolotl.integrations.kd.chat_template" in text and "kd_trainer: true" in text

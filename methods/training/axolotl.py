@@ -38,7 +38,7 @@ from core.redaction import redact
 from methods.training.chat import TEMPLATE
 from methods.training.recipe import TrainRecipe
 
-__all__ = ["axolotl_python", "hardware_switches", "render", "train", "trained_files"]
+__all__ = ["axolotl_python", "hardware_switches", "launch_command", "render", "train", "trained_files"]
 
 log = logging.getLogger("kibidango.axolotl")
 
@@ -145,6 +145,8 @@ def render(
         else:
             cfg["lora_target_linear"] = recipe.lora.target_linear
     cfg |= recipe.axolotl
+    if isinstance(cfg.get("deepspeed"), str) and (REPO_ROOT / cfg["deepspeed"]).is_file():
+        cfg["deepspeed"] = str(REPO_ROOT / cfg["deepspeed"])  # a shipped config (recipes/deepspeed/), run from anywhere
     cfg |= extra or {}
     cfg |= hardware_switches(cuda, recipe.adapter)
     return cfg
@@ -195,18 +197,27 @@ def _metric_name(name: str) -> str:
     return re.sub(r"_+", "_", re.sub(r"[^\w\-./ :]", "_", name.replace(" (", "_").replace(")", ""))).strip("_")
 
 
-def _run(
-    python: Path, command: str, cfg_path: Path, env: dict[str, str], log_path: Path, label: str, max_steps: int
-) -> dict[str, float]:
-    """Run ``python -m axolotl.cli.<command> cfg`` to completion, streaming its output to
-    ``log_path`` and progress lines (step, loss, ETA) to the log. Returns the last logged
+def launch_command(python: Path | str, command: str, cfg_path: Path | str, gpus: int = 1) -> list[str]:
+    """``python -m axolotl.cli.<command> cfg``; training on ``gpus`` > 1 runs under accelerate,
+    one process per GPU, as ``axolotl train --launcher accelerate`` does
+    (``accelerate launch --num_processes N -m axolotl.cli.train cfg``)."""
+    if gpus > 1 and command == "train":
+        launch = [str(python), "-m", "accelerate.commands.launch", "--num_processes", str(gpus)]
+        return [*launch, "-m", "axolotl.cli.train", str(cfg_path)]
+    return [str(python), "-m", f"axolotl.cli.{command}", str(cfg_path)]
+
+
+def _run(cmd: list[str], env: dict[str, str], log_path: Path, label: str, max_steps: int) -> dict[str, float]:
+    """Run an axolotl command line (:func:`launch_command`) to completion, streaming its output
+    to ``log_path`` and progress lines (step, loss, ETA) to the log. Returns the last logged
     metrics. A failure raises with the tail of axolotl's output."""
+    command = cmd[-2].rsplit(".", 1)[-1]
     tail: deque[str] = deque(maxlen=40)
     last: dict[str, float] = {}
     step, started, last_line = 0, time.monotonic(), 0.0
     first_step: tuple[int, float] | None = None
     proc = subprocess.Popen(
-        [str(python), "-m", f"axolotl.cli.{command}", str(cfg_path)],
+        cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -275,11 +286,14 @@ def _kill(proc: subprocess.Popen) -> None:
             pass
 
 
-def train(cfg: dict[str, Any], run_dir: Path, label: str, *, preprocess_only: bool = False) -> dict[str, float]:
+def train(
+    cfg: dict[str, Any], run_dir: Path, label: str, *, preprocess_only: bool = False, gpus: int = 1
+) -> dict[str, float]:
     """Run axolotl on ``cfg`` in ``run_dir`` (the stage's work dir for this run: checkpoints,
-    prepared data, the log). A run that completed before with the same config is not repeated
-    (a stage resumed after an interruption); one that was interrupted resumes from its last
-    checkpoint (``auto_resume_from_checkpoints``). Returns the last logged training metrics."""
+    prepared data, the log), on ``gpus`` processes (the recipe's ``gpus``). A run that completed
+    before with the same config is not repeated (a stage resumed after an interruption); one that
+    was interrupted resumes from its last checkpoint (``auto_resume_from_checkpoints``). Returns
+    the last logged training metrics."""
     python = axolotl_python()
     run_dir.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(redact(cfg), sort_keys=False)  # the YAML is saved and logged: never a secret in it
@@ -297,9 +311,7 @@ def train(cfg: dict[str, Any], run_dir: Path, label: str, *, preprocess_only: bo
         log.info(f"{label}: resuming from {checkpoints[-1].name}")
     with _ONE_AT_A_TIME:
         metrics = _run(
-            python,
-            "preprocess" if preprocess_only else "train",
-            cfg_path,
+            launch_command(python, "preprocess" if preprocess_only else "train", cfg_path, gpus),
             _offline_env(cfg, python),
             run_dir / "axolotl.log",
             label,

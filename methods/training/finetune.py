@@ -38,7 +38,7 @@ def fine_tune(
         tokenizer_type=tokenizer or tokenizer_type(base),
     )
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    last = axolotl.train(spec, work_dir / "sft", label)
+    last = axolotl.train(spec, work_dir / "sft", label, gpus=recipe.gpus)
     (out_dir / "logs").mkdir()
     shutil.copy2(work_dir / "sft" / "axolotl.log", out_dir / "logs" / "train.log")
     model_dir = out_dir / tier

@@ -42,6 +42,13 @@ class TrainRecipe(StageConfig):
     adapter: Literal["full", "lora"] = Field("full", description="Full fine-tune, or a LoRA adapter.")
     lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings (adapter: lora).")
     merge_lora: bool = Field(False, description="Merge the trained LoRA into the base weights for the output model.")
+    gpus: int = Field(
+        1,
+        ge=1,
+        description="Processes on the node, one per GPU: above 1, axolotl runs under `accelerate launch "
+        "--num_processes N` (data parallel); pair it with axolotl.deepspeed (ZeRO) or axolotl.fsdp_config "
+        "to shard a model that one GPU cannot hold.",
+    )
     axolotl: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra axolotl keys passed through unchanged (e.g. flash_attention, deepspeed, "
