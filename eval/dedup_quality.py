@@ -17,8 +17,11 @@ Edits, one kind per copy (each applied with a seeded RNG):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import random
 import re
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 
@@ -31,8 +34,11 @@ from methods.curation.dedup import (
     digest,
     exact_duplicates,
     find_duplicates,
+    first_kept_wins,
     normalize_for_dedup,
 )
+from methods.curation.distributed import Cluster
+from methods.serving import redis_server
 
 __all__ = ["EDITS", "PlantedResult", "evaluate_planted", "plant", "rensa_duplicates"]
 
@@ -185,17 +191,15 @@ def rensa_duplicates(texts: list[str], cfg: DedupConfig) -> list[Duplicate]:
     if not cfg.near:
         return duplicates
     bands = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9)).b
-    lsh = RMinHashLSH(cfg.threshold, cfg.num_perm, bands)
-    kept: dict[int, RMinHash] = {}
-    for i in (i for i in range(len(texts)) if i not in dropped):
+
+    def sign(text: str) -> RMinHash:
         sig = RMinHash(cfg.num_perm, cfg.seed)
-        sig.update([s.decode() for s in _shingles(normalized[i], cfg.shingle, cfg.shingle_size)])
-        match = max(((sig.jaccard(kept[c]), c) for c in lsh.query(sig)), default=None)
-        if match is not None and match[0] >= cfg.threshold:
-            duplicates.append(Duplicate(i, match[1], "near_duplicate", match[0]))
-        else:
-            lsh.insert(i, sig)
-            kept[i] = sig
+        sig.update([s.decode() for s in _shingles(text, cfg.shingle, cfg.shingle_size)])
+        return sig
+
+    todo = [i for i in range(len(texts)) if i not in dropped]
+    lsh = RMinHashLSH(cfg.threshold, cfg.num_perm, bands)
+    duplicates += first_kept_wins(todo, (sign(normalized[i]) for i in todo), lsh, cfg.threshold)
     return sorted(duplicates, key=lambda d: d.index)
 
 
@@ -210,6 +214,7 @@ def main() -> None:
     parser.add_argument("--shingle-size", type=int, default=DedupConfig().shingle_size)
     parser.add_argument("--num-perm", type=int, default=DedupConfig().num_perm)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2, help="Dask workers for the cluster run (0: none)")
     args = parser.parse_args()
     cfg = DedupConfig(
         threshold=args.threshold, shingle=args.shingle, shingle_size=args.shingle_size, num_perm=args.num_perm
@@ -217,11 +222,21 @@ def main() -> None:
     texts = instruction_texts()
     rng = random.Random(args.seed)
     texts = rng.sample(texts, min(args.rows, len(texts)))
-    r = evaluate_planted(texts, cfg, args.copies, args.seed)
     print(f"config: {cfg.shingle_size}-{cfg.shingle} shingles, num_perm {cfg.num_perm}, threshold {cfg.threshold}")
-    print(f"base rows {r.base_rows:,}, planted {r.planted:,}, removed {r.removed:,}, correct removals {r.correct:,}")
-    print(f"recall {r.recall:.4f}  precision {r.precision:.4f}")
-    print("recall by edit: " + ", ".join(f"{k} {v:.4f}" for k, v in r.recall_by_edit.items()))
+    finders = {"stage 0, this process": None, "peer: rensa (Rust MinHash + LSH), same loop": rensa_duplicates}
+    with contextlib.ExitStack() as stack:
+        if args.workers and shutil.which("redis-server"):  # the same rows on a local Dask cluster + Redis
+            url = stack.enter_context(redis_server())
+            cluster = Cluster(f"local:{args.workers}", url)
+            finders[f"stage 0, Dask {args.workers} workers + Redis"] = functools.partial(
+                find_duplicates, cluster=cluster
+            )
+        for label, finder in finders.items():
+            r = evaluate_planted(texts, cfg, args.copies, args.seed, finder=finder)
+            print(f"{label}: base rows {r.base_rows:,}, planted {r.planted:,}, removed {r.removed:,}, "
+                  f"correct removals {r.correct:,}")  # fmt: skip
+            print(f"  recall {r.recall:.4f}  precision {r.precision:.4f}")
+            print("  recall by edit: " + ", ".join(f"{k} {v:.4f}" for k, v in r.recall_by_edit.items()))
 
 
 if __name__ == "__main__":

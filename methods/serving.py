@@ -80,12 +80,7 @@ def llama_cpp_server(
             _wait_ready(base, api_key, proc, start_timeout_s)
             yield base
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
             log.close()
 
 
@@ -142,9 +137,14 @@ def redis_server(start_timeout_s: float = 30.0) -> Iterator[str]:
                 time.sleep(0.1)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

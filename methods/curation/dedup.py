@@ -14,12 +14,20 @@ import hashlib
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from datasketch import MinHash, MinHashLSH
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["DedupConfig", "Duplicate", "digest", "exact_duplicates", "find_duplicates", "normalize_for_dedup"]
+__all__ = [
+    "DedupConfig",
+    "Duplicate",
+    "digest",
+    "exact_duplicates",
+    "find_duplicates",
+    "first_kept_wins",
+    "normalize_for_dedup",
+]
 
 
 class DedupConfig(BaseModel):
@@ -105,14 +113,26 @@ def find_duplicates(
         # false negatives (128 perms at 0.5: b=32, r=4 instead of b=25, r=5; a pair at Jaccard 0.7
         # is missed 0.02% of the time instead of 1%).
         lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9))
-        kept: dict[int, MinHash] = {}
-        for n, (i, sig) in enumerate(zip(todo, signatures)):
-            match = max(((sig.jaccard(kept[c]), c) for c in lsh.query(sig)), default=None)
-            if match is not None and match[0] >= cfg.threshold:
-                duplicates.append(Duplicate(i, match[1], "near_duplicate", match[0]))
-            else:
-                lsh.insert(i, sig)
-                kept[i] = sig
-            if progress and (n + 1) % 2000 == 0:
-                progress(n + 1)
+        duplicates += first_kept_wins(todo, signatures, lsh, cfg.threshold, progress)
     return sorted(duplicates, key=lambda d: d.index)
+
+
+def first_kept_wins(
+    rows: Sequence[int], signatures: Iterable, index, threshold: float, progress: Callable[[int], None] | None = None
+) -> list[Duplicate]:
+    """Near duplicates in input order: a row is dropped as a duplicate of its most similar
+    earlier **kept** row (LSH candidates confirmed at ``threshold`` by the estimated Jaccard),
+    else kept and indexed. ``index``: an empty LSH index with ``query`` and ``insert`` (datasketch's
+    ``MinHashLSH``, or a peer's) of the signatures' kind."""
+    duplicates = []
+    kept: dict[int, Any] = {}
+    for n, (i, sig) in enumerate(zip(rows, signatures)):
+        match = max(((sig.jaccard(kept[c]), c) for c in index.query(sig)), default=None)
+        if match is not None and match[0] >= threshold:
+            duplicates.append(Duplicate(i, match[1], "near_duplicate", match[0]))
+        else:
+            index.insert(i, sig)
+            kept[i] = sig
+        if progress and (n + 1) % 2000 == 0:
+            progress(n + 1)
+    return duplicates
