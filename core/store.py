@@ -11,7 +11,8 @@ edited file (same size or not) is a miss and the stage recomputes. ``verify(full
 every file whatever its mtime: ``make verify`` runs it over the whole store, and the runner runs
 it on the inputs of a stage that ships them (the bundle, stage X). An unreadable or malformed
 ``manifest.json`` is a miss, with a warning naming the directory; the recomputed artifact
-replaces it.
+replaces it. With a shared store (:mod:`core.remote`), a local miss looks there next and every
+publication is pushed there.
 """
 
 from __future__ import annotations
@@ -78,8 +79,11 @@ class Artifact:
 
 
 class ArtifactStore:
-    def __init__(self, root: Path | str):
+    def __init__(self, root: Path | str, remote=None):
+        """``remote``: a shared store (:class:`core.remote.RemoteStore`) where a lookup that misses
+        here looks next, and where every publication is pushed."""
         self.root = Path(root).resolve()
+        self.remote = remote
 
     def _stage_dir(self, stage_id: str) -> Path:
         return self.root / stage_id
@@ -93,14 +97,30 @@ class ArtifactStore:
         with a warning naming the directory."""
         path = self.path(stage_id, key)
         if not (path / MANIFEST).exists():
-            return None
+            return self._pull(stage_id, key)
         manifest, problem = read_manifest(path)
         if manifest is not None:
             problem = verify_files(path, manifest["files"], full=False)
         if problem:
-            log.warning(f"{path}: {problem}; not used as a cache hit, the stage recomputes")
-            return None
+            log.warning(
+                f"{path}: {problem}; not used as a cache hit"
+                + (", the stage recomputes" if self.remote is None else "")
+            )
+            return self._pull(stage_id, key)
         return Artifact(stage_id, key, str(path), manifest["digest"])
+
+    def _pull(self, stage_id: str, key: str) -> Artifact | None:
+        """The shared store's copy of ``key``, checked and installed here (None: a miss)."""
+        if self.remote is None:
+            return None
+        staging = self.new_staging_dir(stage_id, key)
+        manifest = self.remote.pull(stage_id, key, staging)
+        if manifest is None:
+            self.discard(staging)
+            return None
+        artifact = self._install(stage_id, key, staging, manifest["digest"])
+        log.info(f"stage {stage_id}: artifact {key} pulled from {self.remote.where(stage_id, key)}")
+        return artifact
 
     def verify(self, artifact_dir: Path, full: bool = True) -> str | None:
         """None if the artifact at ``artifact_dir`` is intact (every file hashed with ``full``),
@@ -178,6 +198,13 @@ class ArtifactStore:
             "files": files,
         }
         _write_durably(staging / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+        artifact = self._install(stage_id, key, staging, digest)
+        if self.remote is not None:
+            self.remote.push(Path(artifact.path), stage_id, key)
+        return artifact
+
+    def _install(self, stage_id: str, key: str, staging: Path, digest: str) -> Artifact:
+        """Rename a complete staging directory (manifest written) into place."""
         final = self.path(stage_id, key)
         if final.exists():
             # Forced rerun: move the old one aside first (rename cannot replace a non-empty

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from core.contract import TABLE_ROWS, KibidangoError, StageConfig, code_version, config_to_dict
 from core.progress import metric_sink
 from core.redaction import redact
+from core.remote import RemoteStore
 from core.store import Artifact, ArtifactStore, cache_key
 from flows.tracking import TAG, Tracker
 from stages import load_stage
@@ -62,7 +63,7 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
     module = load_stage(stage_id)
     sk = stage_key(stage_id, cfg, inputs)
     key, digests, params = sk.key, sk.digests, sk.config
-    store = ArtifactStore(ctx.store_root)
+    store = ArtifactStore(ctx.store_root, RemoteStore.from_env())  # this machine's shared-store settings
     tracker = Tracker(ctx.experiment)
     tags = {
         f"{TAG}stage_id": stage_id,

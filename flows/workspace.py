@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from core import paths
+from core.remote import RemoteStore
 from core.store import ArtifactStore
 
 __all__ = ["home", "store", "tracking_uri", "configure_environment", "reap_orphan_prefect_servers"]
@@ -19,7 +20,8 @@ def home() -> Path:
 
 
 def store() -> ArtifactStore:
-    return ArtifactStore(home() / "store")
+    """The workspace's store, backed by the shared store at ``KIBIDANGO_STORE_URL`` when set."""
+    return ArtifactStore(home() / "store", RemoteStore.from_env())
 
 
 def tracking_uri() -> str:

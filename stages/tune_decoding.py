@@ -70,7 +70,7 @@ class Config(StageConfig):
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from kibidango.bundle import load_bundle, with_meta
     from kibidango.pipeline import Pipeline
-    from kibidango.tune import tune
+    from kibidango.tune import describe, tune
     from methods.measure.lm import held_out_prompts
 
     for name in (cfg.bundle_input, cfg.data_input):
@@ -144,8 +144,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             metrics[f"{b}/best_{mode}_speed_vs_ar"] = row["speed_vs_ar"]
         if "sd" in r.best and "pyramid" in r.best:
             metrics[f"{b}/pyramid_over_sd"] = r.best["pyramid"]["speed_vs_ar"] / r.best["sd"]["speed_vs_ar"]
-    from kibidango.tune import describe
-
     summary = "; ".join(f"{b}: {describe(tuned[b])} at {r.chosen_speed:.2f}x ar" for b, r in results.items())
     return StageResult(
         metrics,
