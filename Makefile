@@ -3,6 +3,7 @@
 #   make test            lint (ruff) and the test suite (what CI runs); make test-slow: the full tiny preset as a test
 #   make stage-<id>      rerun one stage (forced), reusing cached upstream stages, e.g. make stage-0, make stage-2b
 #   make dry-run         resolve and print the stage plan of PRESET without running it
+#   make worker POOL=gpu deploy the stage flow to that Prefect work pool and run a worker (README "Scaling out")
 #   make schedule        serve the flow on a cron schedule (CRON="0 3 * * *")
 #   make mlflow-ui       MLflow UI on http://127.0.0.1:5000
 #   make compare         the evaluations (stage 9) across PRESET's runs; STAGE=0 METRICS=rows_out,duplicate_rate for others
@@ -32,7 +33,7 @@ METRICS     ?=
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup redis-server demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
+.PHONY: setup redis-server worker demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
   loadtest backend-agreement bench-kv-cache tune-runtime
 
 AXO_VENV    ?= .venv-axolotl
@@ -91,6 +92,10 @@ test-slow: setup
 
 stage-%: setup
 	$(PY) -m flows run --preset $(PRESET) --force $* $(ARGS)
+
+worker: setup
+	@test -n "$(POOL)" || { echo "usage: make worker POOL=<work pool> (with PREFECT_API_URL, KIBIDANGO_STORE_URL set)"; exit 2; }
+	$(PY) -m flows worker --pool $(POOL)
 
 dry-run: setup
 	$(PY) -m flows run --preset $(PRESET) --dry-run $(ARGS)

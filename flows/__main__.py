@@ -1,4 +1,4 @@
-"""Command line of the pipeline: ``python -m flows {run,compare,clean-cache,schedule}``.
+"""Command line of the pipeline: ``python -m flows {run,compare,clean-cache,verify,report,schedule,worker}``.
 The Makefile targets (``make demo``, ``make stage-<id>``, ...) call these."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _run(args: argparse.Namespace) -> None:
         )
 
     flow_fn = preset_flows().get(plan.name, pipeline)
-    artifacts = flow_fn(preset=args.preset, force=args.force, overrides=args.set)
+    artifacts = flow_fn(preset=args.preset, force=args.force, overrides=args.set, pools=_routes(args.pool))
     print("\n== where things are ==")
     print(f"workspace       {home()}")
     for sid, a in artifacts.items():
@@ -76,6 +76,22 @@ def _quiet_user_errors() -> None:
         for handler in logging.getLogger(name).handlers:
             if type(handler).__name__ != "APILogHandler":
                 handler.addFilter(quiet)
+
+
+def _routes(items: list[str]) -> dict[str, str]:
+    routes = {}
+    for item in items:
+        key, eq, pool = item.partition("=")
+        if not eq or not key or not pool:
+            raise KibidangoError(f"--pool {item!r}: expected STAGE_OR_TAG=POOL, e.g. --pool gpu=gpu-pool")
+        routes[key] = pool
+    return routes
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from flows.pools import start_worker
+
+    start_worker(args.pool)
 
 
 def _stage_id(known: list[str], given: str) -> str:
@@ -150,7 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override one config value")
     run.add_argument("--dry-run", action="store_true", help="resolve and print the stage plan; run nothing")
+    run.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        metavar="STAGE_OR_TAG=POOL",
+        help="run that stage (or every stage with that tag, e.g. gpu) on a worker of that Prefect work pool",
+    )
     run.set_defaults(func=_run)
+
+    work = sub.add_parser("worker", help="deploy the stage flow to a work pool and run a worker for it")
+    work.add_argument("--pool", required=True, help="the work pool (created, type process, if missing)")
+    work.set_defaults(func=_worker)
 
     cmp_ = sub.add_parser("compare", help="table of metrics across an experiment's stage runs")
     cmp_.add_argument("--experiment", default="kibidango-tiny")

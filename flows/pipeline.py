@@ -11,6 +11,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from core.store import Artifact
+from flows.pools import pool_stage_task
 from flows.preset import PRESETS_DIR, REPO_ROOT, load_preset
 from flows.runner import RunContext, stage_task
 from flows.tracking import TAG, Tracker
@@ -48,10 +49,14 @@ and on a 2-core machine parallel stages only share the cores (axolotl runs one a
 
 @flow(name="kibidango", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=STAGE_WORKERS))
 def pipeline(
-    preset: str = "tiny", force: list[str] | None = None, overrides: list[str] | None = None
+    preset: str = "tiny",
+    force: list[str] | None = None,
+    overrides: list[str] | None = None,
+    pools: dict[str, str] | None = None,
 ) -> dict[str, Artifact]:
-    """Run a preset's stages; ``force`` recomputes those stage ids even on a cache hit, and
-    ``overrides`` (``STAGE.KEY=VALUE``) change single config values for this run."""
+    """Run a preset's stages; ``force`` recomputes those stage ids even on a cache hit,
+    ``overrides`` (``STAGE.KEY=VALUE``) change single config values for this run, and ``pools``
+    (stage id or tag -> work pool) add to the preset's routes (:mod:`flows.pools`)."""
     plan = load_preset(preset, overrides)
     tracker = Tracker(plan.experiment)
     for run_id in tracker.reap_orphans():
@@ -75,7 +80,13 @@ def pipeline(
         futures = {}
         for sid in plan.order():
             inputs = {name: futures[up] for name, up in plan.needs(sid).items()}
-            futures[sid] = stage_task.submit(sid, plan.configs[sid], inputs, ctx)
+            pool = plan.pool(sid, pools)
+            if pool is None:
+                futures[sid] = stage_task.submit(sid, plan.configs[sid], inputs, ctx)
+            else:  # on a worker of that pool, through the shared store
+                futures[sid] = pool_stage_task.submit(
+                    sid, plan.configs[sid], inputs, ctx, pool, str(plan.path), list(overrides or [])
+                )
         artifacts = {sid: f.result() for sid, f in futures.items()}
         ok = True
     finally:

@@ -49,6 +49,11 @@ class PresetFile(BaseModel):
         description="Hardware the preset is meant for; dry runs render training configs for it (auto: this machine's).",
     )
     stages: dict[str, StagePlan]
+    pools: dict[str, str] = Field(
+        default_factory=dict,
+        description="Stage id or stage tag (stages.TAGS, e.g. gpu) -> Prefect work pool whose workers run it "
+        "(flows/pools.py); other stages run in the flow's own process.",
+    )
 
 
 class Preset:
@@ -60,6 +65,17 @@ class Preset:
 
     def needs(self, stage_id: str) -> dict[str, str]:
         return self.spec.stages[stage_id].needs
+
+    def pool(self, stage_id: str, extra: dict[str, str] | None = None) -> str | None:
+        """The work pool ``stage_id`` is routed to (``extra``: ``--pool`` routes, over the preset's),
+        by its id first, then by its tags; None: the flow's own process."""
+        from stages import TAGS
+
+        routes = {**self.spec.pools, **(extra or {})}
+        for key in (stage_id, *TAGS.get(stage_id, ())):
+            if key in routes:
+                return routes[key]
+        return None
 
     def order(self) -> list[str]:
         """Stage ids in an order where every stage comes after the stages it needs."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["STAGES", "load_stage"]
+__all__ = ["STAGES", "TAGS", "load_stage"]
 
 STAGES: dict[str, str] = {
     "0": "stages.curate",
@@ -35,6 +35,14 @@ STAGES: dict[str, str] = {
     "9": "stages.evaluate",
     "9A": "stages.gates",
 }
+
+
+TAGS: dict[str, tuple[str, ...]] = {
+    sid: ("gpu",) for sid in ("P", "1A", "1R", "1E", "3", "4", "5", "2A", "2B", "2C", "2F")
+}
+"""Placement tags of the stages (training and compression want a GPU); a preset's ``pools`` route a
+tag, or a stage id, to a Prefect work pool (:mod:`flows.pools`). Where a stage runs never changes
+what it computes, so tags are not part of any cache key."""
 
 
 def load_stage(stage_id: str) -> ModuleType:

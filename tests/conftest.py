@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,118 @@ def openai_server():
     key = "kbd-test-" + os.urandom(8).hex()
     with llama_cpp_server({"stories260K": gguf}, api_key=key) as base:
         yield base, key
+
+
+# Real servers on 127.0.0.1 for the scaling-out tests (tests/test_shared_store.py,
+# tests/test_work_pools.py): an S3-compatible object store, an MLflow tracking server, a Prefect
+# server. Each is a subprocess, started once per session and stopped at its end.
+
+
+def wait_http(url: str, proc, what: str, timeout_s: float = 120) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"{what} did not answer {url} in {timeout_s:.0f}s")
+
+
+def stop(proc) -> None:
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class S3Server:
+    bucket: str
+    options: dict
+    """fsspec/s3fs options for this process (endpoint and the test's credentials)."""
+    env: dict
+    """What a subprocess needs to use it as the shared store (with KIBIDANGO_STORE_URL)."""
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """``moto_server`` (moto's S3-compatible server) on loopback, with one bucket."""
+    import subprocess
+
+    from methods.serving import free_port
+
+    exe = Path(sys.executable).with_name("moto_server")
+    if not exe.is_file():
+        pytest.skip("moto_server is not installed (pip install 'moto[server]'; make setup does)")
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", proc, "moto_server", 60)
+        endpoint = f"http://127.0.0.1:{port}"
+        server = S3Server(
+            "kibidango-test",
+            {"endpoint_url": endpoint, "key": "test", "secret": "test-secret"},
+            {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1",
+             "KIBIDANGO_STORE_OPTIONS": json.dumps({"endpoint_url": endpoint})},
+        )  # fmt: skip
+        from core.remote import RemoteStore
+
+        RemoteStore(f"s3://{server.bucket}", server.options).fs.mkdir(server.bucket)
+        yield server
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """``mlflow server`` with a SQL (sqlite) backend and an artifact root; yields its URL."""
+    import subprocess
+
+    from methods.serving import free_port
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    exe = Path(sys.executable).with_name("mlflow")
+    cmd = [str(exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", (root / "art").as_uri()]  # fmt: skip
+    with open(root / "server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc, "mlflow server", 180)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """``prefect server start`` on loopback with its own home; yields its API URL."""
+    import subprocess
+
+    from methods.serving import free_port
+
+    root = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(root), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    exe = Path(sys.executable).with_name("prefect")
+    with open(root / "server.log", "wb") as log:
+        proc = subprocess.Popen([str(exe), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/health", proc, "prefect server", 180)
+        yield f"http://127.0.0.1:{port}/api"
+    finally:
+        stop(proc)

@@ -6,96 +6,20 @@ machine's flow run is all cache hits from the shared store; a damaged object is 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
-
-import pytest
 
 from core.remote import RemoteStore
 from core.store import ArtifactStore
 from flows.tracking import TAG
-from methods.serving import free_port
 from tests.conftest import REPO, cli_env, write_jsonl
 from tests.test_flow import _preset
 
-BUCKET = "kibidango-test"
-
-
-def _wait(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"{what} did not answer {url} in {timeout_s:.0f}s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on loopback and the environment that points s3fs at it."""
-    exe = Path(sys.executable).with_name("moto_server")
-    if not exe.is_file():
-        pytest.skip("moto_server is not installed (pip install 'moto[server]'; make setup does)")
-    port = free_port()
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        _wait(f"http://127.0.0.1:{port}/", proc, "moto_server", 60)
-        env = {
-            "AWS_ACCESS_KEY_ID": "test",
-            "AWS_SECRET_ACCESS_KEY": "test-secret",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "KIBIDANGO_STORE_OPTIONS": json.dumps({"endpoint_url": f"http://127.0.0.1:{port}"}),
-        }
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        RemoteStore(f"s3://{BUCKET}", {"endpoint_url": f"http://127.0.0.1:{port}"}).fs.mkdir(BUCKET)
-        yield env
-    finally:
-        for k, v in locals().get("old", {}).items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        _stop(proc)
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    exe = Path(sys.executable).with_name("mlflow")
-    cmd = [str(exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", (root / "art").as_uri()]  # fmt: skip
-    with open(root / "server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait(f"http://127.0.0.1:{port}/health", proc, "mlflow server", 180)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        _stop(proc)
-
 
 def _remote(s3, prefix: str) -> RemoteStore:
-    return RemoteStore(f"s3://{BUCKET}/{prefix}", json.loads(s3["KIBIDANGO_STORE_OPTIONS"]))
+    return RemoteStore(f"s3://{s3.bucket}/{prefix}", s3.options)
 
 
 def _publish(store: ArtifactStore, tmp_path: Path, text: str):
@@ -117,10 +41,10 @@ def test_an_artifact_pushed_by_one_machine_is_pulled_checked_by_another(s3, tmp_
 
     # a damaged object (same size) is never used: a miss with a warning naming it
     fs = _remote(s3, "unit").fs
-    fs.pipe_file(f"{BUCKET}/unit/0/k1/data/rows.txt", b"hellO")
+    fs.pipe_file(f"{s3.bucket}/unit/0/k1/data/rows.txt", b"hellO")
     d = ArtifactStore(tmp_path / "d", _remote(s3, "unit"))
     assert d.get("0", "k1") is None
-    assert f"s3://{BUCKET}/unit/0/k1: data/rows.txt does not match its size and sha256" in caplog.text
+    assert f"s3://{s3.bucket}/unit/0/k1: data/rows.txt does not match its size and sha256" in caplog.text
     assert not list((tmp_path / "d").rglob("rows.txt"))  # nothing half-installed
 
     # a forced rerun republishes; the other machine's damaged-local copy is replaced from the store
@@ -134,10 +58,10 @@ def test_an_artifact_pushed_by_one_machine_is_pulled_checked_by_another(s3, tmp_
 def test_a_second_machine_runs_the_flow_from_the_shared_store(s3, mlflow_server, tmp_path):
     rows = [{"instruction": f"Name colour {i}.", "output": f"Colour {i} is a shade of teal."} for i in range(40)]
     preset = _preset(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows))
-    url = f"s3://{BUCKET}/flow-{tmp_path.name}"
+    url = f"s3://{s3.bucket}/flow-{tmp_path.name}"
 
     def run(home: Path) -> subprocess.CompletedProcess:
-        env = {**cli_env(home), **s3, "KIBIDANGO_STORE_URL": url, "MLFLOW_TRACKING_URI": mlflow_server}
+        env = {**cli_env(home), **s3.env, "KIBIDANGO_STORE_URL": url, "MLFLOW_TRACKING_URI": mlflow_server}
         return subprocess.run([sys.executable, "-m", "flows", "run", "--preset", str(preset)], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=600)  # fmt: skip
 
