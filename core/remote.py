@@ -70,6 +70,7 @@ class RemoteStore:
     def manifest(self, stage_id: str, key: str) -> dict | None:
         """The published manifest of ``key`` (None: not published, or unreadable, with a warning)."""
         path = f"{self._dir(stage_id, key)}/{MANIFEST}"
+        self.fs.invalidate_cache()  # another machine may have published since this process listed anything
         try:
             raw = self.fs.cat_file(path)
         except FileNotFoundError:
@@ -85,6 +86,7 @@ class RemoteStore:
         """Upload a published local artifact; its manifest last."""
         manifest = json.loads((artifact_dir / MANIFEST).read_text())
         remote = self._dir(stage_id, key)
+        self.fs.invalidate_cache()
         if self.fs.exists(f"{remote}/{MANIFEST}"):  # a forced rerun: unpublish first
             self.fs.rm_file(f"{remote}/{MANIFEST}")
         for f in manifest["files"]:

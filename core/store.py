@@ -109,6 +109,18 @@ class ArtifactStore:
             return self._pull(stage_id, key)
         return Artifact(stage_id, key, str(path), manifest["digest"])
 
+    def sync(self, stage_id: str, key: str) -> Artifact | None:
+        """The shared store's version of ``key`` (a stage recomputed elsewhere, e.g. forced on a
+        worker, may have replaced the copy this machine has): pulled when the local copy is missing
+        or differs from it. Without a shared store: :meth:`get`."""
+        local = self.get(stage_id, key)
+        if self.remote is None:
+            return local
+        manifest = self.remote.manifest(stage_id, key)
+        if manifest is None or (local is not None and local.digest == manifest.get("digest")):
+            return local
+        return self._pull(stage_id, key)
+
     def _pull(self, stage_id: str, key: str) -> Artifact | None:
         """The shared store's copy of ``key``, checked and installed here (None: a miss)."""
         if self.remote is None:

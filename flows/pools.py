@@ -100,7 +100,7 @@ def pool_stage_task(
             f"stage {stage_id} on work pool {pool!r}: flow run {run.name} ended {run.state.type.value}: "
             f"{run.state.message or 'see the worker log'}"
         )
-    artifact = store().get(stage_id, key)
+    artifact = store().sync(stage_id, key)  # the worker's publication, even over an older local copy
     if artifact is None:
         raise KibidangoError(
             f"stage {stage_id} on work pool {pool!r}: flow run {run.name} completed but key {key} is not in the "

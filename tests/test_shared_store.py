@@ -92,3 +92,17 @@ def test_a_second_machine_runs_the_flow_from_the_shared_store(s3, mlflow_server,
     logged = {f.path for f in client.list_artifacts(computed.info.run_id)}
     assert "manifest.json" in logged and "data_card.md" in logged  # through the server's artifact root
     shutil.rmtree(tmp_path / "machine-a", ignore_errors=True)
+
+
+def test_sync_takes_the_shared_stores_newer_publication(s3, tmp_path):
+    """A stage forced on a worker republishes a key this machine already holds: ``get`` keeps the
+    intact local copy, ``sync`` (what a pool-routed stage's result is read with) takes the new one."""
+    a = ArtifactStore(tmp_path / "a", _remote(s3, "sync"))
+    b = ArtifactStore(tmp_path / "b", _remote(s3, "sync"))
+    _publish(a, tmp_path, "first")
+    assert (Path(b.get("0", "k1").path) / "data" / "rows.txt").read_text() == "first"
+    newer = _publish(a, tmp_path, "second")
+    assert (Path(b.get("0", "k1").path) / "data" / "rows.txt").read_text() == "first"
+    synced = b.sync("0", "k1")
+    assert synced.digest == newer.digest and (Path(synced.path) / "data" / "rows.txt").read_text() == "second"
+    assert b.sync("0", "k1").path == synced.path  # in step: nothing to pull
