@@ -104,7 +104,8 @@ def pool_stage_task(
     if artifact is None:
         raise KibidangoError(
             f"stage {stage_id} on work pool {pool!r}: flow run {run.name} completed but key {key} is not in the "
-            f"shared store {store().remote.url}; do the workers use the same KIBIDANGO_STORE_URL?"
+            f"shared store {store().remote.url}: is the worker's checkout at another commit (other code, other "
+            "keys), or its KIBIDANGO_STORE_URL another store?"
         )
     return artifact
 
