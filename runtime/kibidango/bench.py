@@ -124,6 +124,7 @@ def run_bench(
     backend: str = "torch",
     threads: int | None = None,
     kv_cache: str | None = None,
+    compile: bool = False,
     **decode,
 ) -> BenchResult:
     specs = {m: m.split("-", 1) if m.startswith("pyramid-") else [m, None] for m in modes}
@@ -134,6 +135,7 @@ def run_bench(
         mode="pyramid" if "pyramid" in needs else "sd" if "sd" in needs else "ar",
         threads=threads,
         kv_cache=kv_cache,
+        compile=compile,
     )
     decoder = Decoder(base.models)
     ids = [base.encode(p) for p in prompts]

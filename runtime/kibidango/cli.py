@@ -30,6 +30,12 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--threads", type=int, help="CPU threads per model (default: half the CPUs; $KIBIDANGO_THREADS)")
     g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch: compile the draft's and qualifier's single-token steps (torch.compile, static cache); "
+        "the first steps pay the compilation",
+    )
+    g.add_argument(
         "--kv-cache",
         dest="kv_cache",
         choices=["f16", "q8_0", "q4_0"],
@@ -74,6 +80,7 @@ def _generate(args: argparse.Namespace) -> None:
         adapter_cache=args.adapter_cache,
         threads=args.threads,
         kv_cache=args.kv_cache,
+        compile=args.compile,
         **_overrides(args),
     )
     if args.cascade is not None:
@@ -160,6 +167,7 @@ def _bench(args: argparse.Namespace) -> None:
         args.backend,
         threads=args.threads,
         kv_cache=args.kv_cache,
+        compile=args.compile,
         **_overrides(args),
     )
     print(format_table(result))
@@ -171,8 +179,9 @@ def _tune(args: argparse.Namespace) -> None:
     from kibidango.tune import format_tune, tune, write_tuned
 
     pipe = Pipeline.from_bundle(
-        args.bundle, backend=args.backend, mode="pyramid", adapter="none", threads=args.threads, kv_cache=args.kv_cache
-    )
+        args.bundle, backend=args.backend, mode="pyramid", adapter="none", threads=args.threads,
+        kv_cache=args.kv_cache, compile=args.compile,
+    )  # fmt: skip
 
     def progress(n: int, total: int, row: dict) -> None:
         print(f"  {n}/{total} candidates", file=sys.stderr, flush=True)
@@ -208,6 +217,7 @@ def _serve(args: argparse.Namespace) -> None:
         shutdown_grace_s=args.shutdown_grace,
         threads=args.threads,
         kv_cache=args.kv_cache,
+        compile=args.compile,
         **_overrides(args),
     )
 
@@ -295,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tun.add_argument("--threads", type=int)
     tun.add_argument("--kv-cache", dest="kv_cache", choices=["f16", "q8_0", "q4_0"])
+    tun.add_argument("--compile", action="store_true", help="torch: compiled draft and qualifier steps")
     tun.add_argument(
         "--write", metavar="DIR", help="write a copy of the bundle with the chosen settings as its defaults"
     )

@@ -79,6 +79,7 @@ class Pipeline:
         adapter_cache: int = 2,
         threads: int | None = None,
         kv_cache: str | None = None,
+        compile: bool = False,
         **overrides: Any,
     ) -> Pipeline:
         """Load a bundle's tokenizer and the tiers ``mode`` needs (default: the bundle's runtime
@@ -90,7 +91,9 @@ class Pipeline:
         ``threads``: CPU threads per model (llama.cpp; torch's process-wide pool), default
         :func:`kibidango.backends.llamacpp_backend.thread_counts` / torch's own; ``kv_cache``: the
         llama.cpp K/V cache type (``f16``, ``q8_0``, ``q4_0``; default: the bundle's ``kv_cache``
-        runtime default on llama.cpp, else f16)."""
+        runtime default on llama.cpp, else f16); ``compile`` (torch): the draft's and qualifier's
+        single-token steps compiled with ``torch.compile`` on a static cache (the target stays
+        eager, so lossless modes output what they did; the first steps pay the compilation)."""
         from transformers import AutoTokenizer
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
@@ -106,10 +109,12 @@ class Pipeline:
         tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
         if kv_cache is None:
             kv_cache = str(bundle.defaults.get("kv_cache", "f16")) if backend == "llamacpp" else "f16"
+        steps = compile and backend == "torch"
         models = {
-            name: load_model(backend, bundle.tier(name, backend), threads=threads, kv_cache=kv_cache)
+            name: load_model(backend, bundle.tier(name, backend), threads=threads, kv_cache=kv_cache,
+                             compile_steps=steps and name != "target")
             for name in TIERS[cfg.mode]
-        }
+        }  # fmt: skip
         router = bundle.router()
         domains = [d for d in bundle.adapters.domains if router is None or d in router.labels]
         loaded = LoadedAdapters(models["target"], bundle.adapters, adapter_cache) if domains else None

@@ -10,9 +10,15 @@ __all__ = ["ContextLengthError", "Model", "Session", "load_model"]
 
 
 def load_model(
-    backend: str, tier, n_ctx: int | None = None, threads: int | None = None, kv_cache: str = "f16"
+    backend: str,
+    tier,
+    n_ctx: int | None = None,
+    threads: int | None = None,
+    kv_cache: str = "f16",
+    compile_steps: bool = False,
 ) -> Model:
-    """A tier's model on ``backend``; ``kv_cache`` (llama.cpp only): the K/V cache type."""
+    """A tier's model on ``backend``; ``kv_cache`` (llama.cpp only): the K/V cache type;
+    ``compile_steps`` (torch only): a static cache and a compiled single-token step."""
     if backend == "torch":
         import torch
 
@@ -22,7 +28,7 @@ def load_model(
             raise ValueError(f"a {kv_cache} KV cache is a llama.cpp option: use --backend llamacpp")
         if threads is not None:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
-        return TorchModel(tier.hf, name=tier.name)
+        return TorchModel(tier.hf, name=tier.name, compile_steps=compile_steps)
     if backend == "llamacpp":
         from kibidango.backends.llamacpp_backend import LlamaCppModel
 

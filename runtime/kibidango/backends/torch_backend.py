@@ -1,5 +1,13 @@
 """transformers models with a ``DynamicCache`` that is cropped after a rejection, not rebuilt.
-The reference backend and the exactness oracle."""
+The reference backend and the exactness oracle.
+
+``compile_steps=True`` (the runtime sets it for the draft and qualifier tiers with ``--compile``):
+a ``StaticCache`` and the single-token forward compiled with ``torch.compile``. A transformers
+forward of a small model is mostly fixed per-call work (module dispatch, mask and cache
+bookkeeping in Python); compiling the one shape a draft steps with removes most of it. Multi-token
+feeds (prefill, verification) stay eager, on the same cache. Cropping moves each layer's write
+position back: slots past it are masked as the future until overwritten. The target is never compiled, so
+compiled kernels' rounding cannot change what a lossless mode outputs."""
 
 from __future__ import annotations
 
@@ -15,10 +23,14 @@ __all__ = ["TorchModel", "TorchSession"]
 
 class TorchSession:
     def __init__(self, model: TorchModel):
-        from transformers import DynamicCache
+        from transformers import DynamicCache, StaticCache
 
         self._model = model
-        self._cache = DynamicCache()
+        self._static = model.compiled_step is not None
+        if self._static:
+            self._cache = StaticCache(config=model.hf.config, max_cache_len=model.context_length)
+        else:
+            self._cache = DynamicCache()
         self.tokens: list[int] = []
         self.forward_calls = 0
         self.tokens_fed = 0
@@ -32,7 +44,13 @@ class TorchSession:
             )
         ids = torch.tensor([tokens], dtype=torch.long, device=self._model.device)
         with torch.inference_mode():
-            out = self._model.hf(input_ids=ids, past_key_values=self._cache, use_cache=True)
+            if self._static:
+                start = len(self.tokens)
+                position = torch.arange(start, start + len(tokens), device=self._model.device)
+                forward = self._model.compiled_step if len(tokens) == 1 else self._model.hf.forward
+                out = forward(input_ids=ids, past_key_values=self._cache, use_cache=True, cache_position=position)
+            else:
+                out = self._model.hf(input_ids=ids, past_key_values=self._cache, use_cache=True)
         self.tokens.extend(tokens)
         self.forward_calls += 1
         self.tokens_fed += len(tokens)
@@ -41,12 +59,24 @@ class TorchSession:
     def crop(self, n: int) -> None:
         drop = len(self.tokens) - n
         if drop > 0:
-            self._cache.crop(-drop)  # negative: remove that many trailing positions
+            if self._static:  # its layers write at their own counter: move it back (in place, a static address)
+                for layer in self._cache.layers:
+                    if layer.is_initialized:
+                        layer.cumulative_length.fill_(n)
+            else:
+                self._cache.crop(-drop)  # negative: remove that many trailing positions
             del self.tokens[n:]
 
 
 class TorchModel:
-    def __init__(self, path: str | Path, name: str = "", device: str | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        path: str | Path,
+        name: str = "",
+        device: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        compile_steps: bool = False,
+    ):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -57,6 +87,14 @@ class TorchModel:
         self.vocab_size = self.hf.config.vocab_size
         self.context_length = getattr(self.hf.config, "max_position_embeddings", 2048)
         self._peft = None
+        self.compiled_step = None
+        if compile_steps:
+            self.compile_steps()
+
+    def compile_steps(self) -> None:
+        """Compile the single-token forward (one static shape; compiled on its first call, tens
+        of seconds on a CPU) and give every new session a static cache."""
+        self.compiled_step = torch.compile(self.hf.forward, dynamic=False, fullgraph=False)
 
     @classmethod
     def from_hf(cls, hf_model, name: str = "model") -> TorchModel:
@@ -67,6 +105,7 @@ class TorchModel:
         self.vocab_size = hf_model.config.vocab_size
         self.context_length = getattr(hf_model.config, "max_position_embeddings", 2048)
         self._peft = None
+        self.compiled_step = None
         return self
 
     # LoRA adapters (peft), several loaded side by side, one active: peft injects its layers into
