@@ -13,6 +13,7 @@ caches can beat it; the table says so.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -153,6 +154,9 @@ def run_bench(
     )
     hf_time = hf_plain_time = 0.0
     hf_tokens = 0
+    for m in modes:  # warm-up, untimed: first-call costs (allocations; with --compile, the compilation)
+        for _chunk in decoder.generate(ids[0], dataclasses.replace(cfgs[m], max_new_tokens=8), Metrics(m)):
+            pass
     for _ in range(repeats):
         for prompt_ids in ids:
             for m in modes:
