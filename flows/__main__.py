@@ -38,8 +38,18 @@ def _run(args: argparse.Namespace) -> None:
             file=sys.stderr,
         )
 
+    routes = _routes(args.pool)
+    from stages import TAGS
+
+    known = set(plan.order()) | {t for tags in TAGS.values() for t in tags}
+    for key in routes:
+        if key not in known:
+            raise KibidangoError(f"--pool {key}=...: {key!r} is neither a stage of this preset nor a stage tag")
+    for sid in plan.order():
+        if plan.pool(sid, routes):
+            print(f"stage {sid} runs on a worker of work pool {plan.pool(sid, routes)!r}", file=sys.stderr)
     flow_fn = preset_flows().get(plan.name, pipeline)
-    artifacts = flow_fn(preset=args.preset, force=args.force, overrides=args.set, pools=_routes(args.pool))
+    artifacts = flow_fn(preset=args.preset, force=args.force, overrides=args.set, pools=routes)
     print("\n== where things are ==")
     print(f"workspace       {home()}")
     for sid, a in artifacts.items():

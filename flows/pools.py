@@ -89,12 +89,20 @@ def pool_stage_task(
     key = stage_key(stage_id, cfg, inputs).key
     refs = {name: {"stage_id": a.stage_id, "key": a.key} for name, a in inputs.items()}
     context = {k: v for k, v in dataclasses.asdict(ctx).items() if k != "store_root"}
-    run = run_deployment(
-        f"{STAGE_FLOW}/{pool}",
-        parameters={"stage_id": stage_id, "preset": preset, "overrides": overrides, "inputs": refs, "ctx": context},
-        timeout=None,
-        as_subflow=True,
-    )
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        run = run_deployment(
+            f"{STAGE_FLOW}/{pool}",
+            parameters={"stage_id": stage_id, "preset": preset, "overrides": overrides, "inputs": refs, "ctx": context},
+            timeout=None,
+            as_subflow=True,
+        )
+    except ObjectNotFound:
+        raise KibidangoError(
+            f"stage {stage_id}: no deployment {STAGE_FLOW}/{pool} on the Prefect server; start a worker for the pool "
+            f"(make worker POOL={pool}), which deploys it"
+        ) from None
     if not run.state.is_completed():
         raise KibidangoError(
             f"stage {stage_id} on work pool {pool!r}: flow run {run.name} ended {run.state.type.value}: "

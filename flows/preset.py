@@ -193,6 +193,14 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
     for item in overrides or []:
         if item.partition(".")[0] not in spec.stages:
             raise KibidangoError(f"override {item!r}: preset {spec.name!r} has no stage {item.partition('.')[0]!r}")
+    from stages import TAGS
+
+    known = set(spec.stages) | {t for tags in TAGS.values() for t in tags}
+    for key in spec.pools:
+        if key not in known:
+            raise KibidangoError(
+                f"{path}: pools: {key!r} is neither a stage of this preset nor a stage tag ({', '.join(sorted(known))})"
+            )
     preset_obj = Preset(path, spec, configs)
     for sid in spec.stages:
         for up in preset_obj.needs(sid).values():

@@ -97,3 +97,18 @@ def test_gpu_preset_dry_run_prints_the_plan(monkeypatch):
     assert shipped and all(Path(p).is_file() for p in shipped) and any(p.endswith("zero3_bf16.json") for p in shipped)
     assert "axolotl run 'draft' (GPU; 1 process(es): <axolotl python> -m axolotl.cli.train" in text
     assert "stage 1F (sd-tuning)" in text
+
+
+def test_pools_route_by_stage_id_then_tag_and_unknown_keys_are_errors(tmp_path):
+    spec = yaml.safe_load((REPO_ROOT / "recipes" / "presets" / "tiny.yaml").read_text())
+    spec["pools"] = {"gpu": "gpu-pool", "2B": "big-gpu"}
+    path = tmp_path / "routed.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    plan = load_preset(str(path))
+    assert plan.pool("1A") == "gpu-pool" and plan.pool("2B") == "big-gpu"  # the id wins over the tag
+    assert plan.pool("0") is None and plan.pool("X") is None  # untagged: the flow's own process
+    assert plan.pool("0", {"0": "cpu-pool"}) == "cpu-pool"  # --pool routes add to the preset's
+    spec["pools"] = {"gpus": "gpu-pool"}
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(KibidangoError, match="pools: 'gpus' is neither a stage of this preset nor a stage tag"):
+        load_preset(str(path))
