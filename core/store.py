@@ -11,8 +11,8 @@ edited file (same size or not) is a miss and the stage recomputes. ``verify(full
 every file whatever its mtime: ``make verify`` runs it over the whole store, and the runner runs
 it on the inputs of a stage that ships them (the bundle, stage X). An unreadable or malformed
 ``manifest.json`` is a miss, with a warning naming the directory; the recomputed artifact
-replaces it. With a shared store (:mod:`core.remote`), a local miss looks there next and every
-publication is pushed there.
+replaces it. With a shared store (:mod:`core.remote`), a local miss looks there next, every
+publication is pushed there, and a local hit the shared store lacks is pushed at its lookup.
 """
 
 from __future__ import annotations
@@ -107,6 +107,8 @@ class ArtifactStore:
                 + (", the stage recomputes" if self.remote is None else "")
             )
             return self._pull(stage_id, key)
+        if self.remote is not None and self.remote.manifest(stage_id, key) is None:
+            self.remote.push(path, stage_id, key)  # published here while the shared store was unreachable
         return Artifact(stage_id, key, str(path), manifest["digest"])
 
     def sync(self, stage_id: str, key: str) -> Artifact | None:

@@ -106,3 +106,14 @@ def test_sync_takes_the_shared_stores_newer_publication(s3, tmp_path):
     synced = b.sync("0", "k1")
     assert synced.digest == newer.digest and (Path(synced.path) / "data" / "rows.txt").read_text() == "second"
     assert b.sync("0", "k1").path == synced.path  # in step: nothing to pull
+
+
+def test_a_local_hit_the_shared_store_lacks_is_pushed(s3, tmp_path):
+    """An artifact published while the shared store was not configured (or unreachable) reaches it
+    at its next lookup, so other machines find it."""
+    alone = ArtifactStore(tmp_path / "a")
+    published = _publish(alone, tmp_path, "offline")
+    shared = ArtifactStore(tmp_path / "a", _remote(s3, "heal"))
+    assert shared.get("0", "k1").digest == published.digest
+    other = ArtifactStore(tmp_path / "b", _remote(s3, "heal"))
+    assert other.get("0", "k1").digest == published.digest
