@@ -29,7 +29,7 @@ from pathlib import Path
 
 from core.contract import KibidangoError
 
-__all__ = ["free_port", "llama_cpp_server", "redis_server", "wait_ready"]
+__all__ = ["free_port", "llama_cpp_server", "redis_server", "stop_process", "wait_ready"]
 
 
 def free_port() -> int:
@@ -80,7 +80,7 @@ def llama_cpp_server(
             _wait_ready(base, api_key, proc, start_timeout_s)
             yield base
         finally:
-            _stop(proc)
+            stop_process(proc)
             log.close()
 
 
@@ -137,10 +137,10 @@ def redis_server(start_timeout_s: float = 30.0) -> Iterator[str]:
                 time.sleep(0.1)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            _stop(proc)
+            stop_process(proc)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
     """SIGTERM, and SIGKILL after 10 s."""
     proc.terminate()
     try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,15 +116,20 @@ def wait_http(url: str, proc, what: str, timeout_s: float = 120) -> None:
     raise RuntimeError(f"{what} did not answer {url} in {timeout_s:.0f}s")
 
 
-def stop(proc) -> None:
+@contextmanager
+def served(cmd: list[str], health: str, log: Path, what: str, timeout_s: float, env: dict | None = None):
+    """A server subprocess (its own session, output to ``log``), once ``health`` answers; stopped on exit."""
     import subprocess
 
-    proc.terminate()
+    from methods.serving import stop_process
+
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        wait_http(health, proc, what, timeout_s)
+        yield proc
+    finally:
+        stop_process(proc)
 
 
 @dataclass
@@ -138,20 +144,15 @@ class S3Server:
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     """``moto_server`` (moto's S3-compatible server) on loopback, with one bucket."""
-    import subprocess
-
     from methods.serving import free_port
 
     exe = Path(sys.executable).with_name("moto_server")
     if not exe.is_file():
         pytest.skip("moto_server is not installed (pip install 'moto[server]'; make setup does)")
     port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/", proc, "moto_server", 60)
-        endpoint = f"http://127.0.0.1:{port}"
+    with served([str(exe), "-H", "127.0.0.1", "-p", str(port)], f"{endpoint}/", log, "moto_server", 60):
         server = S3Server(
             "kibidango-test",
             {"endpoint_url": endpoint, "key": "test", "secret": "test-secret"},
@@ -162,15 +163,11 @@ def s3(tmp_path_factory):
 
         RemoteStore(f"s3://{server.bucket}", server.options).fs.mkdir(server.bucket)
         yield server
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """``mlflow server`` with a SQL (sqlite) backend and an artifact root; yields its URL."""
-    import subprocess
-
     from methods.serving import free_port
 
     root = tmp_path_factory.mktemp("mlflow-server")
@@ -178,20 +175,13 @@ def mlflow_server(tmp_path_factory):
     exe = Path(sys.executable).with_name("mlflow")
     cmd = [str(exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", (root / "art").as_uri()]  # fmt: skip
-    with open(root / "server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc, "mlflow server", 180)
+    with served(cmd, f"http://127.0.0.1:{port}/health", root / "server.log", "mlflow server", 180):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """``prefect server start`` on loopback with its own home; yields its API URL."""
-    import subprocess
-
     from methods.serving import free_port
 
     root = tmp_path_factory.mktemp("prefect-server")
@@ -199,11 +189,6 @@ def prefect_server(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(root), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
     exe = Path(sys.executable).with_name("prefect")
-    with open(root / "server.log", "wb") as log:
-        proc = subprocess.Popen([str(exe), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        wait_http(f"http://127.0.0.1:{port}/api/health", proc, "prefect server", 180)
+    cmd = [str(exe), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with served(cmd, f"http://127.0.0.1:{port}/api/health", root / "server.log", "prefect server", 180, env):
         yield f"http://127.0.0.1:{port}/api"
-    finally:
-        stop(proc)

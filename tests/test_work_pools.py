@@ -18,7 +18,8 @@ import yaml
 
 from core.store import ArtifactStore
 from flows.tracking import TAG
-from tests.conftest import REPO, cli_env, stop
+from methods.serving import stop_process
+from tests.conftest import REPO, cli_env
 from tests.test_training_resume import _needs_axolotl_and_shared
 from tests.test_training_resume import _preset as _chain
 
@@ -82,7 +83,7 @@ def test_a_stage_runs_on_a_work_pool_through_the_shared_store(s3, mlflow_server,
         assert p_run.data.tags[f"{TAG}cached"] == "no" and p_run.data.metrics  # trained and tracked on the worker
 
         # another machine for the flow and a fresh worker: everything comes from the shared store
-        stop(worker)
+        stop_process(worker)
         shutil.rmtree(worker_home)
         worker = _worker(worker_home, _env(worker_home, s3, mlflow_server, prefect_server, url), log)
         second = flow(tmp_path / "flow-b")
@@ -95,4 +96,4 @@ def test_a_stage_runs_on_a_work_pool_through_the_shared_store(s3, mlflow_server,
         )
         assert [r.data.tags[f"{TAG}cached"] for r in runs] == ["no", "yes"]
     finally:
-        stop(worker)
+        stop_process(worker)
