@@ -2,19 +2,19 @@
 
 Why Dask (not Ray): the work is a map over shards of rows plus one sequential pass, which
 ``dask.distributed`` does with a pip-installable scheduler and workers that also run in-process
-(``LocalCluster``) for tests and laptops; Prefect drives it through ``prefect-dask`` when the
-flow itself should run on the cluster. Ray would bring its own object store and cluster manager
-for no gain here.
+(``LocalCluster``) for tests and laptops. Ray would bring its own object store and cluster
+manager for no gain here.
 
 The result is the single-process one, row for row (:func:`methods.curation.dedup.find_duplicates`
 keeps a row unless it matches a row **kept** before it). Three steps:
 
 1. **Sign** (workers, shard by shard): normalise, sha256, shingle and MinHash each row with the
    same parameters as the local run; insert every signature into one datasketch ``MinHashLSH``
-   whose storage is Redis (datasketch's own Redis storage; every worker opens the same index by
-   its basename) and store the signature itself under ``<basename>:sig:<row>``.
+   whose storage is Redis (datasketch's own Redis layout, written one row per round trip by a Lua
+   script; any datasketch client opens the index by its basename) and store the signature itself
+   under ``<basename>:sig:<row>``.
 2. **Query** (workers, after every shard is signed): each row's LSH candidates from the complete
-   index (one pipelined read per band and shard), kept when they come earlier in the input and
+   index (one SUNION of its bands' buckets, pipelined per shard), kept when they come earlier in the input and
    their estimated Jaccard reaches the threshold. Band collisions are a property of a pair, not of
    what else is in the index, so these are exactly the candidates the local run sees, before it
    knows which earlier rows it kept.
@@ -33,7 +33,7 @@ import pickle
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,7 @@ class Cluster:
     that holds the shared index (``redis://host:6379/0``; a password in it is never printed)."""
 
     scheduler: str
-    redis_url: str
+    redis_url: str = field(repr=False)  # may hold a password
 
     @classmethod
     def from_env(cls) -> Cluster | None:
