@@ -25,8 +25,6 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass
 
-from datasketch import MinHashLSH
-
 from methods.curation.dedup import (
     DedupConfig,
     Duplicate,
@@ -35,6 +33,7 @@ from methods.curation.dedup import (
     exact_duplicates,
     find_duplicates,
     first_kept_wins,
+    lsh_index,
     normalize_for_dedup,
 )
 from methods.curation.distributed import Cluster
@@ -190,7 +189,7 @@ def rensa_duplicates(texts: list[str], cfg: DedupConfig) -> list[Duplicate]:
     dropped = {d.index for d in duplicates}
     if not cfg.near:
         return duplicates
-    bands = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9)).b
+    bands = lsh_index(cfg).b  # stage 0's banding
 
     def sign(text: str) -> RMinHash:
         sig = RMinHash(cfg.num_perm, cfg.seed)

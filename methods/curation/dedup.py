@@ -26,6 +26,7 @@ __all__ = [
     "exact_duplicates",
     "find_duplicates",
     "first_kept_wins",
+    "lsh_index",
     "normalize_for_dedup",
 ]
 
@@ -108,13 +109,17 @@ def find_duplicates(
             num_perm=cfg.num_perm,
             seed=cfg.seed,
         )
-        # Candidates are confirmed with the estimated Jaccard below, so a false LSH candidate costs
-        # one comparison while a missed one is a duplicate kept: weight the banding towards few
-        # false negatives (128 perms at 0.5: b=32, r=4 instead of b=25, r=5; a pair at Jaccard 0.7
-        # is missed 0.02% of the time instead of 1%).
-        lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9))
-        duplicates += first_kept_wins(todo, signatures, lsh, cfg.threshold, progress)
+        duplicates += first_kept_wins(todo, signatures, lsh_index(cfg), cfg.threshold, progress)
     return sorted(duplicates, key=lambda d: d.index)
+
+
+def lsh_index(cfg: DedupConfig, storage_config: dict | None = None) -> MinHashLSH:
+    """An empty LSH index with stage 0's banding (in memory, or in ``storage_config``'s store).
+    Candidates are confirmed with the estimated Jaccard, so a false LSH candidate costs one
+    comparison while a missed one is a duplicate kept: the banding is weighted towards few false
+    negatives (128 perms at 0.5: b=32, r=4 instead of b=25, r=5; a pair at Jaccard 0.7 is missed
+    0.02% of the time instead of 1%)."""
+    return MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, weights=(0.1, 0.9), storage_config=storage_config)
 
 
 def first_kept_wins(

@@ -105,11 +105,10 @@ def _redis_params(url: str) -> dict[str, Any]:
 
 
 def _lsh(cfg: dict, redis_url: str, basename: bytes):
-    from datasketch import MinHashLSH
+    from methods.curation.dedup import DedupConfig, lsh_index
 
     storage = {"type": "redis", "basename": basename, "redis": _redis_params(redis_url)}
-    # the same banding as the local run (methods.curation.dedup.find_duplicates)
-    return MinHashLSH(threshold=cfg["threshold"], num_perm=cfg["num_perm"], weights=(0.1, 0.9), storage_config=storage)
+    return lsh_index(DedupConfig.model_validate(cfg), storage)  # the local run's banding
 
 
 # One row into datasketch's Redis layout in one round trip. datasketch's own insertion session
