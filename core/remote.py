@@ -94,10 +94,11 @@ class RemoteStore:
         self.fs.put_file(str(artifact_dir / MANIFEST), f"{remote}/{MANIFEST}")
         log.info(f"stage {stage_id}: artifact {key} pushed to {self.where(stage_id, key)}")
 
-    def pull(self, stage_id: str, key: str, staging: Path) -> dict | None:
+    def pull(self, stage_id: str, key: str, staging: Path, manifest: dict | None = None) -> dict | None:
         """Download ``key`` into ``staging`` and check every file; the manifest (with this
-        machine's file times) or None when it is not there or not intact."""
-        manifest = self.manifest(stage_id, key)
+        machine's file times) or None when it is not there or not intact. ``manifest``: the one
+        :meth:`manifest` returned, when the caller has read it already."""
+        manifest = manifest if manifest is not None else self.manifest(stage_id, key)
         if manifest is None:
             return None
         from core.store import read_manifest  # the same checks as a local manifest

@@ -94,10 +94,32 @@ class ArtifactStore:
     def get(self, stage_id: str, key: str) -> Artifact | None:
         """The published artifact for ``key``, or None (a miss). A damaged artifact (a file
         missing, resized, or changed since it was published) or an unreadable manifest is a miss,
-        with a warning naming the directory."""
+        with a warning naming the directory. With a shared store, a local miss is pulled from it
+        and a local hit it lacks is pushed to it."""
+        return self._reconcile(stage_id, key, newest=False)
+
+    def sync(self, stage_id: str, key: str) -> Artifact | None:
+        """:meth:`get`, and the shared store's version of ``key`` where it differs from the local
+        copy (a stage recomputed elsewhere, e.g. forced on a worker, replaced it there)."""
+        return self._reconcile(stage_id, key, newest=True)
+
+    def _reconcile(self, stage_id: str, key: str, newest: bool) -> Artifact | None:
+        local = self._local(stage_id, key)
+        if self.remote is None:
+            return local
+        manifest = self.remote.manifest(stage_id, key)  # one read of the shared store per lookup
+        if manifest is None:
+            if local is not None:  # published here while the shared store was unreachable
+                self.remote.push(Path(local.path), stage_id, key)
+            return local
+        if local is not None and (not newest or local.digest == manifest.get("digest")):
+            return local
+        return self._pull(stage_id, key, manifest)
+
+    def _local(self, stage_id: str, key: str) -> Artifact | None:
         path = self.path(stage_id, key)
         if not (path / MANIFEST).exists():
-            return self._pull(stage_id, key)
+            return None
         manifest, problem = read_manifest(path)
         if manifest is not None:
             problem = verify_files(path, manifest["files"], full=False)
@@ -106,29 +128,14 @@ class ArtifactStore:
                 f"{path}: {problem}; not used as a cache hit"
                 + (", the stage recomputes" if self.remote is None else "")
             )
-            return self._pull(stage_id, key)
-        if self.remote is not None and self.remote.manifest(stage_id, key) is None:
-            self.remote.push(path, stage_id, key)  # published here while the shared store was unreachable
+            return None
         return Artifact(stage_id, key, str(path), manifest["digest"])
 
-    def sync(self, stage_id: str, key: str) -> Artifact | None:
-        """The shared store's version of ``key`` (a stage recomputed elsewhere, e.g. forced on a
-        worker, may have replaced the copy this machine has): pulled when the local copy is missing
-        or differs from it. Without a shared store: :meth:`get`."""
-        local = self.get(stage_id, key)
-        if self.remote is None:
-            return local
-        manifest = self.remote.manifest(stage_id, key)
-        if manifest is None or (local is not None and local.digest == manifest.get("digest")):
-            return local
-        return self._pull(stage_id, key)
-
-    def _pull(self, stage_id: str, key: str) -> Artifact | None:
-        """The shared store's copy of ``key``, checked and installed here (None: a miss)."""
-        if self.remote is None:
-            return None
+    def _pull(self, stage_id: str, key: str, manifest: dict) -> Artifact | None:
+        """The shared store's copy of ``key`` (its ``manifest`` read), checked and installed here
+        (None: not intact, a miss)."""
         staging = self.new_staging_dir(stage_id, key)
-        manifest = self.remote.pull(stage_id, key, staging)
+        manifest = self.remote.pull(stage_id, key, staging, manifest)
         if manifest is None:
             self.discard(staging)
             return None
