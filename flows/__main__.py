@@ -39,12 +39,7 @@ def _run(args: argparse.Namespace) -> None:
         )
 
     routes = _routes(args.pool)
-    from stages import TAGS
-
-    known = set(plan.order()) | {t for tags in TAGS.values() for t in tags}
-    for key in routes:
-        if key not in known:
-            raise KibidangoError(f"--pool {key}=...: {key!r} is neither a stage of this preset nor a stage tag")
+    plan.check_routes(routes, "--pool")
     for sid in plan.order():
         if plan.pool(sid, routes):
             print(f"stage {sid} runs on a worker of work pool {plan.pool(sid, routes)!r}", file=sys.stderr)

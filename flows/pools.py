@@ -79,9 +79,11 @@ def pool_stage_task(
     overrides: list[str],
 ) -> Artifact:
     from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
 
     _need_server(f"stage {stage_id} on work pool {pool!r}")
-    if store().remote is None:
+    here = store()
+    if here.remote is None:
         raise KibidangoError(
             f"stage {stage_id} on work pool {pool!r}: the worker's artifact must reach this flow through a shared "
             "store; set KIBIDANGO_STORE_URL (and the same on every worker)"
@@ -89,8 +91,6 @@ def pool_stage_task(
     key = stage_key(stage_id, cfg, inputs).key
     refs = {name: {"stage_id": a.stage_id, "key": a.key} for name, a in inputs.items()}
     context = {k: v for k, v in dataclasses.asdict(ctx).items() if k != "store_root"}
-    from prefect.exceptions import ObjectNotFound
-
     try:
         run = run_deployment(
             f"{STAGE_FLOW}/{pool}",
@@ -108,11 +108,11 @@ def pool_stage_task(
             f"stage {stage_id} on work pool {pool!r}: flow run {run.name} ended {run.state.type.value}: "
             f"{run.state.message or 'see the worker log'}"
         )
-    artifact = store().sync(stage_id, key)  # the worker's publication, even over an older local copy
+    artifact = here.sync(stage_id, key)  # the worker's publication, even over an older local copy
     if artifact is None:
         raise KibidangoError(
             f"stage {stage_id} on work pool {pool!r}: flow run {run.name} completed but key {key} is not in the "
-            f"shared store {store().remote.url}: is the worker's checkout at another commit (other code, other "
+            f"shared store {here.remote.url}: is the worker's checkout at another commit (other code, other "
             "keys), or its KIBIDANGO_STORE_URL another store?"
         )
     return artifact

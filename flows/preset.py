@@ -77,6 +77,17 @@ class Preset:
                 return routes[key]
         return None
 
+    def check_routes(self, routes: dict[str, str], where: str) -> None:
+        """Every key of ``routes`` (pools by stage id or tag) names a stage of this preset or a tag."""
+        from stages import TAGS
+
+        known = set(self.spec.stages) | {t for tags in TAGS.values() for t in tags}
+        for key in routes:
+            if key not in known:
+                raise KibidangoError(
+                    f"{where}: {key!r} is neither a stage of this preset nor a stage tag ({', '.join(sorted(known))})"
+                )
+
     def order(self) -> list[str]:
         """Stage ids in an order where every stage comes after the stages it needs."""
         done: list[str] = []
@@ -193,15 +204,8 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
     for item in overrides or []:
         if item.partition(".")[0] not in spec.stages:
             raise KibidangoError(f"override {item!r}: preset {spec.name!r} has no stage {item.partition('.')[0]!r}")
-    from stages import TAGS
-
-    known = set(spec.stages) | {t for tags in TAGS.values() for t in tags}
-    for key in spec.pools:
-        if key not in known:
-            raise KibidangoError(
-                f"{path}: pools: {key!r} is neither a stage of this preset nor a stage tag ({', '.join(sorted(known))})"
-            )
     preset_obj = Preset(path, spec, configs)
+    preset_obj.check_routes(spec.pools, f"{path}: pools")
     for sid in spec.stages:
         for up in preset_obj.needs(sid).values():
             if up not in spec.stages:
