@@ -68,16 +68,16 @@ class Config(StageConfig):
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
-    from kibidango.bundle import load_bundle, with_meta
+    from kibidango.bundle import load_bundle
     from kibidango.pipeline import Pipeline
-    from kibidango.tune import describe, tune
+    from kibidango.tune import describe, tune, write_tuned_backends
     from methods.measure.lm import held_out_prompts
 
     for name in (cfg.bundle_input, cfg.data_input):
         if name not in inputs:
             raise KibidangoError(f"input {name!r} is not wired (add it to the preset's needs of stage 1F)")
     src = inputs[cfg.bundle_input] / "bundle"
-    bundle = load_bundle(src)
+    bundle = load_bundle(src)  # every file hashed, once for the whole stage (the loads below skip it)
     missing = {"draft", "qualifier", "target"} - set(bundle.tiers)
     if missing:
         raise KibidangoError(f"{src}: tuning needs the draft, qualifier and target tiers (missing {sorted(missing)})")
@@ -94,7 +94,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
 
     results, candidates, prompts = {}, [], []
     for backend in cfg.backends:
-        pipe = Pipeline.from_bundle(src, backend=backend, mode="pyramid", adapter="none", threads=cfg.threads)
+        pipe = Pipeline.from_bundle(src, backend=backend, mode="pyramid", adapter="none", threads=cfg.threads,
+                                    verify=False)  # fmt: skip
         if not prompts:  # room for the generated tokens in every tier's context
             lookahead = max([*cfg.grid.k, *(q for _, q in cfg.grid.lengths)]) + 1
             room = min(m.context_length for m in pipe.models.values()) - cfg.max_new_tokens - lookahead
@@ -124,9 +125,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         }
         for b, r in results.items()
     }
-    meta = bundle.meta
-    with_meta(src, out_dir / "bundle", {"tuned_defaults": {**meta.get("tuned_defaults", {}), **tuned},
-                                        "tuning": {**meta.get("tuning", {}), **tuning}})  # fmt: skip
+    write_tuned_backends(src, out_dir / "bundle", tuned, tuning)
 
     (out_dir / "tuning.json").write_text(json.dumps({"tuned_defaults": tuned, "tuning": tuning}, indent=2))
     with open(out_dir / "candidates.jsonl", "w") as f:

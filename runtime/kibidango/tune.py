@@ -28,7 +28,7 @@ from kibidango.confidence import score_answer
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import Metrics
 
-__all__ = ["TuneResult", "candidates", "describe", "format_tune", "tune", "write_tuned"]
+__all__ = ["TuneResult", "candidates", "describe", "format_tune", "tune", "write_tuned", "write_tuned_backends"]
 
 GRID = {
     "k": (2, 3, 4, 6, 8),
@@ -187,9 +187,22 @@ def write_tuned(
 ) -> Path:
     """A copy of the bundle at ``src`` whose bundle.json carries ``chosen`` as the runtime
     defaults for ``backend`` (``tuned_defaults``) and the tuning's figures (``tuning``)."""
+    return write_tuned_backends(src, dest, {backend: chosen}, {backend: report})
+
+
+def write_tuned_backends(
+    src: str | Path, dest: str | Path, tuned: dict[str, dict[str, Any]], tuning: dict[str, dict[str, Any]]
+) -> Path:
+    """:func:`write_tuned` for several backends at once (backend -> settings, backend -> figures);
+    other backends' earlier tuning in ``src`` stays."""
     from kibidango.bundle import load_bundle, with_meta
 
-    meta = load_bundle(src).meta
-    tuned = {**meta.get("tuned_defaults", {}), backend: chosen}
-    tuning = {**meta.get("tuning", {}), backend: report}
-    return with_meta(src, dest, {"tuned_defaults": tuned, "tuning": tuning})
+    meta = load_bundle(src, verify=False).meta  # with_meta hashes every file before it copies
+    return with_meta(
+        src,
+        dest,
+        {
+            "tuned_defaults": {**meta.get("tuned_defaults", {}), **tuned},
+            "tuning": {**meta.get("tuning", {}), **tuning},
+        },
+    )
