@@ -41,8 +41,9 @@ def _run(args: argparse.Namespace) -> None:
     routes = _routes(args.pool)
     plan.check_routes(routes, "--pool")
     for sid in plan.order():
-        if plan.pool(sid, routes):
-            print(f"stage {sid} runs on a worker of work pool {plan.pool(sid, routes)!r}", file=sys.stderr)
+        pool = plan.pool(sid, routes)
+        if pool:
+            print(f"stage {sid} runs on a worker of work pool {pool!r}", file=sys.stderr)
     flow_fn = preset_flows().get(plan.name, pipeline)
     artifacts = flow_fn(preset=args.preset, force=args.force, overrides=args.set, pools=routes)
     print("\n== where things are ==")

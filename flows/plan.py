@@ -62,8 +62,9 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
             lines.append(f"stage {sid} ({module.NAME}): key known once {', '.join(needs.values())} ran  [would run]")
         for name, up in needs.items():
             lines.append(f"  needs {name} <- stage {up}")
-        if plan.pool(sid):
-            lines.append(f"  runs on a worker of Prefect work pool {plan.pool(sid)!r}")
+        pool = plan.pool(sid)
+        if pool:
+            lines.append(f"  runs on a worker of Prefect work pool {pool!r}")
         body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip()
         lines += ["  config:", *("    " + line for line in body.splitlines())]
         if hasattr(module, "axolotl_configs"):

@@ -100,33 +100,17 @@ def openai_server():
 # server. Each is a subprocess, started once per session and stopped at its end.
 
 
-def wait_http(url: str, proc, what: str, timeout_s: float = 120) -> None:
-    import time
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"{what} did not answer {url} in {timeout_s:.0f}s")
-
-
 @contextmanager
 def served(cmd: list[str], health: str, log: Path, what: str, timeout_s: float, env: dict | None = None):
     """A server subprocess (its own session, output to ``log``), once ``health`` answers; stopped on exit."""
     import subprocess
 
-    from methods.serving import stop_process
+    from methods.serving import stop_process, wait_ready
 
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_http(health, proc, what, timeout_s)
+        wait_ready(health, proc, timeout_s, what)
         yield proc
     finally:
         stop_process(proc)
