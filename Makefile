@@ -33,12 +33,12 @@ METRICS     ?=
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup redis-server worker demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
+.PHONY: setup redis-server bubblewrap worker demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
   loadtest backend-agreement bench-kv-cache tune-runtime
 
 AXO_VENV    ?= .venv-axolotl
 
-setup: $(VENV)/.installed $(AXO_VENV)/.installed redis-server
+setup: $(VENV)/.installed $(AXO_VENV)/.installed redis-server bubblewrap
 
 # redis-server: the shared LSH index of stage 0's distributed dedup (its tests start one on
 # 127.0.0.1, and skip with the reason when there is none). Debian's package, where we may install.
@@ -47,6 +47,15 @@ redis-server:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "note: no redis-server (apt-get install redis-server): the distributed-dedup tests will skip"; fi; }
+
+# bubblewrap: the code judge's sandbox (methods/judges/code.py: PID, network and mount namespaces,
+# a private tmpfs). Without it code is judged only where the judge's settings accept the weaker
+# fallback (weak_sandbox_ok), and the sandbox tests skip saying so.
+bubblewrap:
+	@command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	  else echo "note: no bubblewrap (apt-get install bubblewrap): code is judged only with weak_sandbox_ok"; fi; }
 
 # torch first, pinned: a plain `torch` requirement (from any dependency) resolves to a multi-GB
 # CUDA build; with 2.13.0 (CPU) already installed, nothing else replaces it.

@@ -41,7 +41,7 @@ from kibidango.router import Router
 from methods.benchmarks import unit_hash
 from methods.calibration import auroc, brier, ece, fit_logistic, fit_temperature, reliability_plot, token_confidence
 from methods.failures import RowLog, select_tasks, task_record, training_texts, verdict_record
-from methods.judges import make_judges
+from methods.judges import make_judges, sandbox_note
 from methods.measure.generate import ScoredAnswerer
 from methods.training.chat import encode, load_split, messages, prompt_text
 from stages.mine_failures import Config as MiningConfig
@@ -97,7 +97,13 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     with open(out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
         for r in table:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    report = {"command": "make stage-2g", "bins": f"{BINS} equal-mass", "token": tokens, "answer": answers}
+    report = {
+        "command": "make stage-2g",
+        "code_sandbox": sandbox_note(cfg.judges),
+        "bins": f"{BINS} equal-mass",
+        "token": tokens,
+        "answer": answers,
+    }
     reliability_plot(answers.pop("curves"), out_dir / "reliability_answers.png", "answers: P(judge passes)", BINS)
     (out_dir / "calibration_eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     (out_dir / "CALIBRATION_CARD.md").write_text(_card(report))
@@ -285,7 +291,7 @@ def _card(r: dict) -> str:
         "# Confidence calibration (stage 2G)",
         "",
         f"Every figure below was computed by the stage that wrote this card (`{r['command']}`). "
-        f"ECE: {r['bins']} bins (each bin holds the same number of predictions).",
+        f"ECE: {r['bins']} bins (each bin holds the same number of predictions). " + r.get("code_sandbox", ""),
         "",
         "## Token level: temperature scaling",
         "",

@@ -40,7 +40,7 @@ from core.progress import Progress
 from kibidango.backends.base import ContextLengthError
 from methods.evaluation import EvalSample, evaluation_tasks, wilson
 from methods.failures import RowLog, task_record, training_texts, verdict_record
-from methods.judges import KINDS, check_settings, make_judges
+from methods.judges import KINDS, check_settings, make_judges, sandbox_note
 from methods.training.chat import TEMPLATE, load_split
 
 NAME = "evaluation"
@@ -97,6 +97,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     quality = _quality(table, policies)
     report = {
         "command": "make stage-9",
+        "code_sandbox": sandbox_note(cfg.judges),
         "tasks": len(rows),
         "policies": policies,
         "quality": quality,
@@ -303,7 +304,7 @@ def _card(r: dict) -> str:
         "",
         f"{r['tasks']} tasks no stage trained or mined on (the benchmarks' evaluation parts; self-instruct seed "
         "tasks), answered through the runtime in the bundle's decoding mode, greedy, judged (`make stage-9`). "
-        "95% Wilson intervals.",
+        "95% Wilson intervals. " + r.get("code_sandbox", ""),
         "",
         "| sample | metric | n | "
         + " | ".join(f"adapter `{p}`" for p in r["policies"])

@@ -32,7 +32,7 @@ from core.hashing import file_sha256
 from core.progress import Progress, report_metrics
 from methods.benchmarks import BENCHMARKS
 from methods.failures import RowLog, failure_rate, select_tasks, task_record, training_texts, verdict_record
-from methods.judges import KINDS, check_settings, make_judges
+from methods.judges import KINDS, check_settings, make_judges, sandbox_note
 from methods.measure.generate import Answerer
 from methods.training.chat import load_split
 
@@ -206,6 +206,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         }
     stats = {
         "command": "make stage-1b",
+        "code_sandbox": sandbox_note(cfg.judges),
         "tested": len(table),
         "judged": judged,
         "failed": failed,
@@ -283,6 +284,8 @@ def _card(stats: dict) -> str:
         "Answers by how they ended: "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(stats["finish_reasons"].items()))
         + " (`length`: cut at max_new_tokens; `context`: the prompt alone fills the student's context, no answer).",
+        "",
+        stats.get("code_sandbox", ""),
         "",
     ]
     return "\n".join(lines)

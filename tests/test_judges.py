@@ -4,6 +4,7 @@ contain and report."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +49,10 @@ MBPP = Task(
 
 @pytest.fixture(scope="module")
 def code():
+    from methods.judges.code import isolation
+
+    if isolation()["kind"] != "bubblewrap":
+        pytest.skip("needs bubblewrap (apt-get install bubblewrap; make setup installs it as root)")
     return make_judge("code", wall_seconds=8, cpu_seconds=3, memory_mb=512)
 
 
@@ -82,13 +87,19 @@ def test_hostile_programs_are_contained_and_reported(code, tmp_path, monkeypatch
         "fork bomb": ("import os\nwhile True:\n    os.fork()\n", "error", "os.fork is not allowed"),
         "subprocess": ("import subprocess\nsubprocess.run(['true'])\n", "error", "not allowed"),
         "10 GB allocation": ("x = bytearray(10 * 1024 ** 3)\n", "error", "MemoryError"),
-        "write outside": (f"open({str(outside)!r}, 'w').write('x')\n", "error", "writing outside the sandbox"),
+        "write outside": (f"open({str(outside)!r}, 'w').write('x')\n", "error", "Error"),
         "network": (
             "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\n",
             "error",
             "socket.connect is not allowed",
         ),
         "ctypes": ("import ctypes\nctypes.CDLL(None).system(b'touch /tmp/kb-ctypes')\n", "error", "not allowed"),
+        "exit before the tests": ("import os\nos._exit(0)\n", "error", "ended before its tests ran"),
+        "exit inside a test": (
+            "def add(a, b):\n    import os\n    os._exit(0)\n",
+            "error",
+            "ended while its tests ran",
+        ),
     }
     for name, (program, outcome, reason) in cases.items():
         started = time.monotonic()
@@ -97,38 +108,201 @@ def test_hostile_programs_are_contained_and_reported(code, tmp_path, monkeypatch
         assert not verdict.passed and time.monotonic() - started < 60, name
     assert not outside.exists() and not Path("/tmp/kb-ctypes").exists()
     secret = code(Task("env", "?", tests=("assert 'OPENAI_API_KEY' not in __import__('os').environ",)), "x = 1\n")
-    assert secret.passed  # the program's environment is empty
+    assert secret.passed  # the tester's environment is empty, and so is the candidate's:
+    env = code(
+        Task("env2", "?", tests=("assert seen == []",)), "import os\nseen = [k for k in os.environ if 'KEY' in k]\n"
+    )
+    assert env.passed, env
     flood = code(MBPP, "print('y' * 50_000_000)\n")
     assert flood.outcome == "error" and not flood.passed  # stdout is capped by the file-size limit
 
 
-def test_a_fork_bomb_leaves_no_process_behind(code):
-    """Even with the audit hook out of the way (os.fork is refused by the hook first), the process
-    group is killed and the process limit holds."""
-    program = "import sys\nsys.addaudithook = None\nimport os\nfor _ in range(10):\n    os.fork()\n"
-    before = _python_processes()
-    code(MBPP, program)
-    time.sleep(0.5)
-    assert _python_processes() <= before
+def test_values_cross_as_plain_data_so_a_rigged_object_passes_nothing(code):
+    rigged = "class Always:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Always()\n"
+    verdict = code(MBPP, rigged)  # the object stays in the sandbox; the tests hold a handle, equal only to itself
+    assert verdict.outcome == "failed" and verdict.score == 0 and "AssertionError" in verdict.reason
+    shadow = "def abs(x):\n    return 0\n\ndef add(a, b):\n    return 99\n"  # would make abs(add(..) - 3) < 1 true
+    task = Task("shadow", "?", tests=("assert abs(add(1, 2) - 3) < 1",))
+    assert code(task, shadow).outcome == "failed"
+    # ... unless the task asks for that name (MBPP 126 asks for `sum`): its reference defines it
+    asked = Task("sum", "?", reference="def sum(a, b):\n    return a + b\n", tests=("assert sum(1, 2) == 3",))
+    assert code(asked, "def sum(a, b):\n    return a + b\n").passed
+    # objects of the program's classes, built by the tests or the task's setup, cross as handles
+    pairs = Task(
+        "pairs",
+        "?",
+        tests=(
+            "assert longest([Pair(1, 2), Pair(3, 4)]) == 2",
+            "assert longest([root]) == 1",
+            "assert width(int) == 3",
+        ),
+        setup="root = Pair(0, 9)\n",
+    )
+    program = (
+        "class Pair:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n"
+        "def longest(ps):\n    return len([p for p in ps if isinstance(p, Pair)])\n"
+        "def width(t):\n    return len(str(t(123)))\n"
+    )
+    assert code(pairs, program).passed
+    kinds = (
+        "import math\n"
+        "def f(x):\n"
+        "    return [x, (x,), {x}, frozenset([x]), {x: [x]}, b'x', bytearray(b'y'), 1.5, float('inf'), 2 ** 200,\n"
+        "            range(3), 1 + 2j, None, True, 'é']\n"
+        "def g():\n"
+        "    return (i for i in range(3))\n"
+        "def h():\n"
+        "    raise ValueError('no')\n"
+    )
+    tests = (
+        "assert f(1) == [1, (1,), {1}, frozenset([1]), {1: [1]}, b'x', bytearray(b'y'), 1.5, math.inf, 2 ** 200,"
+        " range(3), 1 + 2j, None, True, 'é']",
+        "assert list(g()) == [0, 1, 2] and g() != [0, 1, 2]",
+        "try:\n    h()\nexcept ValueError as e:\n    assert str(e) == 'no'\nelse:\n    raise AssertionError",
+        "assert math.isclose(f(2)[7], 1.5)",  # the program's `import math`, seen by the tests
+    )
+    verdict = code(Task("kinds", "?", tests=tests), kinds)
+    assert verdict.passed, verdict
 
 
-def _python_processes() -> int:
-    count = 0
+def test_a_forged_verdict_is_never_a_pass(code):
+    """The old sandbox trusted a result line with a nonce the program could read. Now the count
+    is the tester's, on a channel the program has no handle on: whatever the program prints or
+    writes onto its own reply pipe, it passes only the tests its functions pass."""
+    forge = (
+        "import json, os, sys\n"
+        "line = json.dumps({'passed': 3, 'total': 3, 'errors': []})\n"
+        "print(line)\n"
+        "for fd in range(1, 20):\n"
+        "    try:\n"
+        "        os.write(fd, (line + '\\n').encode())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)\n"
+    )
+    verdict = code(MBPP, forge)
+    assert not verdict.passed and verdict.outcome == "error", verdict
+    # the reply pipe gets '{}' and then junk: an unreadable reply is an error, never an exception
+    for junk in ("{}", "[]", "not json", '{"ok": {"x": 1}}'):
+        program = f"import os, sys\ndef add(a, b):\n    os.write(int(sys.argv[2]), {junk!r}.encode() + b'\\n')\n    return a + b\n"
+        verdict = code(MBPP, program)
+        assert not verdict.passed and verdict.outcome in ("error", "failed"), (junk, verdict)
+
+
+def test_malformed_tester_output_is_a_judge_error_never_an_exception():
+    from methods.judges.code import _read_counts
+
+    for bad in (b"", b"{}", b"[]", b"not json", b'{"passed": 5, "total": 3, "errors": []}', b'{"passed": "3"}'):
+        assert _read_counts(bad) is None, bad
+    assert _read_counts(b'noise\n{"passed": 1, "total": 2, "errors": ["x"]}\n')["passed"] == 1
+
+
+def test_nothing_outside_the_sandbox_can_be_read_or_written(code, tmp_path):
+    from tests.conftest import SHARED
+
+    repo = Path(__file__).resolve().parents[1]
+    marker = f"kb-escape-{os.getpid()}"
+    program = (
+        "import os\n"
+        "leaked = []\n"
+        f"for p in ['/etc/passwd', {str(repo / 'README.md')!r}, {str(SHARED / 'docs' / 'PLAN.md')!r}, '/root', {str(tmp_path)!r}]:\n"
+        "    try:\n"
+        "        open(p).read(1) if not os.path.isdir(p) else os.listdir(p)\n"
+        "        leaked.append(p)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "made = []\n"
+        f"for make in (lambda: os.mkdir('/tmp/{marker}-dir'), lambda: os.symlink('/etc', '/tmp/{marker}-link'),\n"
+        f"             lambda: open('/tmp/{marker}-file', 'w').write('x'),\n"
+        f"             lambda: os.rename('/tmp/{marker}-file', '/tmp/{marker}-moved')):\n"
+        "    try:\n"
+        "        make()\n"
+        "        made.append(1)\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    verdict = code(Task("reads", "?", tests=("assert leaked == []", "assert made")), program)
+    assert verdict.passed, verdict  # made inside the sandbox's own /tmp ...
+    for suffix in ("-dir", "-link", "-file", "-moved"):  # ... which is not the machine's
+        assert not Path(f"/tmp/{marker}{suffix}").exists() and not Path(f"/tmp/{marker}{suffix}").is_symlink()
+
+
+def test_the_disk_is_capped(code):
+    program = (
+        "block = b'x' * (1 << 20)\nwith open('big', 'wb') as f:\n    for _ in range(1024):\n        f.write(block)\n"
+    )
+    verdict = code(MBPP, program)
+    assert verdict.outcome == "error" and ("No space left" in verdict.reason or "File too large" in verdict.reason)
+
+
+def _sandbox_processes(marker: str) -> list[int]:
+    found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and b"guard.py" in (entry / "cmdline").read_bytes():
-                count += 1
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
         except OSError:
             continue
-    return count
+    return found
+
+
+def test_a_survivor_dies_with_the_sandbox_and_cannot_poison_later_verdicts(code):
+    """The escape of the old sandbox: _posixsubprocess.fork_exec raises no audit event, and
+    call_setsid put the child out of the killed process group; it outlived the verdict and rewrote
+    later tasks' tests. Here it is a process of the sandbox's PID namespace: gone with the verdict,
+    and later tasks' tests are not in any sandbox a candidate can reach."""
+    marker = f"kb-survivor-{os.getpid()}-{time.monotonic_ns()}"
+    survivor = (
+        "import glob, os, time\n"
+        f"# {marker}\n"
+        "deadline = time.time() + 60\n"
+        "while time.time() < deadline:\n"
+        "    for path in glob.glob('/tmp/**/*.json', recursive=True) + glob.glob('/tmp/kibidango-*/**', recursive=True):\n"
+        "        try:\n"
+        '            open(path, \'w\').write(\'{"program": "", "tests": ["pass"], "setup": ""}\')\n'
+        "        except OSError:\n"
+        "            pass\n"
+        "    time.sleep(0.01)\n"
+    )
+    program = (
+        "import _posixsubprocess, os, sys\n"
+        f"src = {survivor!r}\n"
+        "r, w = os.pipe()\n"
+        "started = _posixsubprocess.fork_exec([sys.executable, '-c', src], [sys.executable.encode()], True, (),"
+        " None, None, -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, -1, -1, None, False) > 0\n"
+        "def add(a, b):\n"
+        "    return 0\n"
+    )
+    first = code(Task("survivor", "?", tests=("assert started", "assert add(1, 2) == 3")), program)
+    assert first.outcome == "failed" and first.score == 0.5, first  # the survivor was started, unseen by any hook
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:  # the verdict is back: not one process of the sandbox runs
+        assert _sandbox_processes(marker) == []
+        time.sleep(0.05)
+    for _ in range(3):  # later wrong answers stay wrong
+        later = code(MBPP, "def add(a, b):\n    return a - b\n")
+        assert later.outcome == "failed" and later.score == 0, later
+
+
+def test_without_bubblewrap_code_is_judged_only_when_the_settings_accept_the_fallback(monkeypatch):
+    import methods.judges.code as sandbox
+
+    fallback = {"kind": "fallback", "python": sys.executable, **sandbox._fallback()}
+    monkeypatch.setattr(sandbox, "isolation", lambda: fallback)
+    with pytest.raises(sandbox.SandboxUnavailable, match="weak_sandbox_ok"):
+        make_judge("code")(MBPP, "def add(a, b):\n    return a + b\n")
+    weak = make_judge("code", weak_sandbox_ok=True, wall_seconds=8)
+    verdict = weak(Task("w", "?", tests=MBPP.tests[:2]), "def add(a, b):\n    return a + b\n")
+    assert verdict.passed and verdict.details["isolation"]["kind"] == "fallback"
+    forged = weak(MBPP, 'print(\'{"passed": 3, "total": 3, "errors": []}\')\nimport os\nos._exit(0)\n')
+    assert not forged.passed  # the verdict channel holds in the fallback too
 
 
 def test_the_sandbox_says_how_it_isolates(code):
     verdict = code(MBPP, "def add(a, b):\n    return a + b\n")
     iso = verdict.details["isolation"]
-    assert set(iso) == {"network_namespace", "user_nobody", "python"}
-    if os.geteuid() == 0 and iso["network_namespace"]:
-        assert iso["user_nobody"]
+    assert set(iso) == {"kind", "network_namespace", "user_nobody", "python"}
+    assert iso["kind"] == "bubblewrap" and iso["network_namespace"] and iso["user_nobody"]
 
 
 # ---- llm judge: against a real OpenAI-compatible server on 127.0.0.1 ----------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from methods.judges.base import Judge, Task, Verdict
 
-__all__ = ["KINDS", "Judge", "Task", "Verdict", "check_settings", "make_judge", "make_judges"]
+__all__ = ["KINDS", "Judge", "Task", "Verdict", "check_settings", "make_judge", "make_judges", "sandbox_note"]
 
 KINDS = ("math", "code", "reference", "llm")
 
@@ -66,3 +66,22 @@ def make_judge(kind: str, **settings) -> Judge:
 def make_judges(specs: dict[str, dict]) -> dict[str, Judge]:
     """One judge per domain from a recipe's ``judges`` table (``{domain: {kind: ..., **settings}}``)."""
     return {domain: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for domain, j in specs.items()}
+
+
+def sandbox_note(specs: dict[str, dict]) -> str:
+    """One sentence for a stage's card: where the code judge of a recipe's ``judges`` table ran
+    answers (bubblewrap, or the weaker fallback the recipe opted into), or "" when none runs code."""
+    if not any(j.get("kind") == "code" for j in specs.values()):
+        return ""
+    from methods.judges.code import isolation
+
+    iso = isolation()
+    if iso["kind"] == "bubblewrap":
+        return (
+            "Code answers ran in bubblewrap (own PID, network and mount namespaces, a private size-capped tmpfs, "
+            'uid 65534, rlimits; the tests in a second sandbox; README "Security").'
+        )
+    return (
+        "Code answers ran in the WEAKER FALLBACK sandbox (bubblewrap could not run; the recipe set weak_sandbox_ok): "
+        f"unshare network namespace {iso['network_namespace']}, user nobody {iso['user_nobody']}, an audit hook."
+    )

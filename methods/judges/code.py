@@ -1,37 +1,50 @@
 """The code judge: the candidate program runs against the task's tests in a sandbox, never in the
-pipeline's process.
+pipeline's process — and the tests never run in the candidate's process.
 
-The sandbox (:func:`run_sandboxed`) is a child Python (``-I``: isolated, no user site, PYTHON*
-variables ignored) in a fresh temporary directory, with
+Two processes per task, each in its own **bubblewrap** sandbox (:func:`run_sandboxed`):
 
-- an empty environment (``PATH``, ``HOME`` = the directory, ``LANG``): no API key is there to read;
-- resource limits (``resource``): CPU seconds, address space, file size (which also caps stdout and
-  stderr, written to files), open files, and processes;
-- a wall-clock timeout, after which its whole process group is killed (so is whatever it left);
-- no network: a new network namespace (util-linux ``unshare --net``) where the OS allows it, with
-  only a loopback that is down; and when started as root, the user ``nobody`` (``unshare -S/-G``),
-  so the process limit applies and nothing outside world-writable places can be written;
-- an audit hook (PEP 578) installed before the candidate runs that refuses writes outside the
-  directory, sockets, starting processes (fork, exec, subprocess, os.system) and ctypes.
+- the **candidate** process executes the answer's program (and the task's setup code), then
+  answers calls by value: ``name(args)`` in, the return value (or the exception's type and
+  message) out, over two pipes;
+- the **tester** process holds the tests. It executes each test statement with the candidate's
+  functions bound to proxies that make those calls; values cross as plain data (numbers, strings,
+  bytes, lists, tuples, sets, dicts, ranges, iterators as their items), decoded into builtin types,
+  so no object of the candidate's (a rigged ``__eq__``, say) reaches a test. The tester counts what
+  passed and prints the count, which the judge reads from the tester's stdout: a channel the
+  candidate has no handle on. A candidate that exits, crashes or hangs mid-test fails that test
+  and every later one; it cannot read the tests (they are not in its sandbox), and whatever it
+  prints is only its stdout.
 
-What this does not do: the audit hook is a tripwire, not a wall (a C extension can go around it),
-and as ``nobody`` a program that got past it could still write to world-writable directories such
-as /tmp (no private mount namespace); without root or user namespaces there is no network
-namespace and no separate user, and the sandbox says so in ``isolation``. A program written to forge the result line could claim a pass: the sandbox
-protects the machine, and the judge trusts answers not to attack its bookkeeping.
+Each sandbox (``bwrap --unshare-all --new-session --die-with-parent``): its own PID namespace (every
+process dies with the sandbox: the judge kills the namespace's init and waits for it), its own
+network namespace (no interface but a loopback that is down), its own mount namespace with only
+``/usr`` (and the interpreter's prefix when it lives elsewhere) bound read-only, a private tmpfs
+``/tmp`` of ``disk_bytes`` as its only writable place, a fresh ``/proc`` and a minimal ``/dev``;
+no repository, no ``../shared``, no home, no ``/etc``; an empty environment (no API key); uid and gid
+65534 inside, and — when the judge runs as root and the kernel allows unprivileged user namespaces —
+``nobody`` outside too. Resource limits (CPU seconds, address space, file size, open files,
+processes) and a wall-clock limit hold for both.
+
+Where bubblewrap cannot run, code is judged only when the settings opt into the weaker fallback
+(``weak_sandbox_ok``): the same two processes, the candidate under ``unshare --net`` as ``nobody``
+with an audit hook (PEP 578) that refuses writes outside its directory, sockets, new processes
+and ctypes — a tripwire, not a wall. ``isolation()["kind"]`` says which ran (``bubblewrap`` or
+``fallback``); every verdict's ``details["isolation"]`` carries it and the stages print it in their
+cards. The audit hook also runs inside bubblewrap, where it only gives clearer errors.
 
 Outcomes: ``passed`` (every test passed), ``failed`` (it ran; some tests failed; ``score`` is the
 share that passed), ``timeout`` (wall or CPU limit), ``error`` (it crashed, hit a limit, or did
-something the sandbox refuses; the reason says which).
+something the sandbox refuses; the reason says which), ``judge_error`` (the tester gave no readable
+result: never a pass, never an exception).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
 import resource
-import secrets
 import shutil
 import signal
 import subprocess
@@ -44,15 +57,127 @@ from pathlib import Path
 
 from methods.judges.base import Task, Verdict
 
-__all__ = ["CodeJudge", "SandboxLimits", "SandboxResult", "isolation", "run_sandboxed"]
+__all__ = ["CodeJudge", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "isolation", "run_sandboxed"]
 
 _NOBODY = 65534
+_MAX_MESSAGE = 4 << 20  # one value crossing between the sandboxes, as JSON
 
-_GUARD = r"""
-import json, os, sys
-_root = os.path.realpath(os.getcwd())
-_nonce = sys.stdin.readline().strip()
+# Values cross by value: the same codec in both processes (plain data only; decoded into builtins).
+_CODEC = (
+    f"_MAX = {_MAX_MESSAGE}\n"
+    + r"""
+import json, os, select, sys, time
+def _enc(x, depth=0):
+    if depth > 200:
+        raise ValueError("a value nested too deeply to leave the sandbox")
+    if x is None or x is True or x is False:
+        return x
+    if isinstance(x, bool):
+        return bool(x)
+    if isinstance(x, int):
+        return {"i": str(int(x))}
+    if isinstance(x, float):
+        return {"f": repr(float(x))}
+    if isinstance(x, complex):
+        return {"c": [repr(x.real), repr(x.imag)]}
+    if isinstance(x, str):
+        return str.__str__(x)
+    if isinstance(x, (bytes, bytearray)):
+        return {"bytearray" if isinstance(x, bytearray) else "b": bytes(x).hex()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        tag = "l" if isinstance(x, list) else "t" if isinstance(x, tuple) else "s" if isinstance(x, set) else "fs"
+        return {tag: [_enc(v, depth + 1) for v in x]}
+    if isinstance(x, dict):
+        return {"d": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in x.items()]}
+    if isinstance(x, range):
+        return {"r": [x.start, x.stop, x.step]}
+    if hasattr(type(x), "__next__") and hasattr(type(x), "__iter__"):
+        items = []
+        for v in x:
+            items.append(_enc(v, depth + 1))
+            if len(items) > 100000:
+                raise ValueError("an iterator too long to leave the sandbox")
+        return {"it": items}
+    if isinstance(x, type) and getattr(__builtins__ if isinstance(__builtins__, dict) else vars(__builtins__),
+                                      "get")(x.__name__) is x:
+        return {"type": x.__name__}
+    return _leaf(x)
+def _dec(x):
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if not isinstance(x, dict) or not x:
+        raise ValueError("malformed value")
+    if "h" in x:
+        return _unleaf(x)
+    if len(x) != 1:
+        raise ValueError("malformed value")
+    (tag, v), = x.items()
+    if tag == "i":
+        return int(v)
+    if tag == "f":
+        return float(v)
+    if tag == "c":
+        return complex(float(v[0]), float(v[1]))
+    if tag == "b":
+        return bytes.fromhex(v)
+    if tag == "bytearray":
+        return bytearray.fromhex(v)
+    if tag in ("l", "t", "s", "fs", "it"):
+        items = [_dec(i) for i in v]
+        return {"l": list, "t": tuple, "s": set, "fs": frozenset, "it": iter}[tag](items)
+    if tag == "d":
+        return {_dec(k): _dec(w) for k, w in v}
+    if tag == "r":
+        return range(int(v[0]), int(v[1]), int(v[2]))
+    if tag == "type":
+        t = (__builtins__ if isinstance(__builtins__, dict) else vars(__builtins__)).get(str(v))
+        if isinstance(t, type):
+            return t
+    if tag == "h":
+        return _unleaf(x)
+    raise ValueError(f"malformed value tag {tag!r}")
+def _send(fd, obj):
+    data = (json.dumps(obj) + "\n").encode()
+    if len(data) > _MAX:
+        data = (json.dumps({"raise": "ValueError", "message": "a value too large to leave the sandbox"}) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+_buf = bytearray()
+def _recv(fd, deadline):
+    # one JSON line, or None at end of stream; "timeout" past the deadline; "malformed" for junk
+    global _buf
+    while b"\n" not in _buf:
+        if len(_buf) > _MAX:
+            return "malformed"
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
+            return "timeout"
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return None
+        _buf += chunk
+    line, _, rest = bytes(_buf).partition(b"\n")
+    _buf = bytearray(rest)
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return "malformed"
+    return obj if isinstance(obj, dict) else "malformed"
+"""
+)
+
+# The candidate's process: run the program, then answer calls. The audit hook is a tripwire for
+# clearer errors (and the only guard in the fallback); bubblewrap is the wall.
+_CANDIDATE = (
+    _CODEC
+    + r"""
+import signal
+# PID 1 of its namespace ignores a signal it has no handler for: the CPU limit's SIGXCPU ends it here
+signal.signal(signal.SIGXCPU, lambda *_: os._exit(128 + signal.SIGXCPU))
+_rfd, _wfd = int(sys.argv[1]), int(sys.argv[2])
+_spec = json.loads(sys.stdin.readline())
 sys.stdin.close()
+_root = os.path.realpath(os.getcwd())
 _BLOCKED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
             "os.kill", "os.killpg", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
             "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function"}
@@ -66,26 +191,175 @@ def _hook(event, args):
         if writing and not os.path.realpath(os.fsdecode(args[0])).startswith(_root + os.sep):
             raise PermissionError(f"sandbox: writing outside the sandbox is not allowed: {os.fsdecode(args[0])}")
 sys.addaudithook(_hook)
-with open("task.json") as f:
-    _task = json.load(f)
+_objs = []
+def _leaf(x):  # an object that is not plain data stays here; the tester gets a handle to pass back
+    _objs.append(x)
+    return {"h": len(_objs) - 1, "type": type(x).__name__[:100]}
+def _unleaf(x):
+    return _objs[int(x["h"])]
 _ns = {"__name__": "__main__"}
-_result = {"passed": 0, "total": len(_task["tests"]), "errors": []}
 try:
-    exec(compile(_task["program"], "candidate.py", "exec"), _ns)
-    if _task["setup"]:
-        exec(compile(_task["setup"], "setup.py", "exec"), _ns)
+    exec(compile(_spec["program"], "candidate.py", "exec"), _ns)
+    if _spec["setup"]:
+        exec(compile(_spec["setup"], "setup.py", "exec"), _ns)
 except BaseException as e:
-    _result["crash"] = f"{type(e).__name__}: {str(e)[:300]}"
-else:
-    for i, test in enumerate(_task["tests"]):
-        try:
-            exec(compile(test, f"test_{i}.py", "exec"), _ns)
-            _result["passed"] += 1
-        except BaseException as e:
-            _result["errors"].append(f"test {i}: {type(e).__name__}: {str(e)[:200]}")
+    sys.stdout.flush()
+    _send(_wfd, {"crash": f"{type(e).__name__}: {str(e)[:300]}"})
+    os._exit(1)
 sys.stdout.flush()
-print(f"\n{_nonce} " + json.dumps(_result), flush=True)
+_callables, _values, _modules = [], {}, {}
+for _k, _v in list(_ns.items()):
+    if _k.startswith("__"):
+        continue
+    if type(_v).__name__ == "module":
+        _modules[_k] = str(getattr(_v, "__name__", ""))
+    elif callable(_v):  # a class too: its instances come back as handles
+        _callables.append(_k)
+    elif not hasattr(type(_v), "__next__"):
+        try:  # the setup's objects (a tree of the program's class, say) cross as handles
+            _values[_k] = _enc(_v)
+        except Exception:
+            pass
+_send(_wfd, {"ready": {"callables": _callables, "values": _values, "modules": _modules}})
+while True:
+    _req = _recv(_rfd, None)
+    if not isinstance(_req, dict):
+        os._exit(0)
+    try:
+        _args = [_dec(a) for a in _req["args"]]
+        _kwargs = {str(k): _dec(v) for k, v in _req["kwargs"].items()}
+        _out = {"ok": _enc(_ns[_req["call"]](*_args, **_kwargs))}
+    except BaseException as e:
+        _out = {"raise": type(e).__name__, "message": str(e)[:300]}
+    sys.stdout.flush()
+    _send(_wfd, _out)
 """
+)
+
+# The tester's process: the tests, with the candidate's names bound to proxies.
+_TESTER = (
+    _CODEC
+    + r"""
+import builtins
+_wfd, _rfd = int(sys.argv[1]), int(sys.argv[2])
+_spec = json.loads(sys.stdin.read())
+_deadline = time.monotonic() + _spec["wall"]
+_result = {"passed": 0, "total": len(_spec["tests"]), "errors": []}
+class _Handle:
+    "An object of the candidate's that is not plain data: it can only be passed back."
+    def __init__(self, n, kind):
+        self.n, self.kind = n, kind
+    def __repr__(self):
+        return f"<{self.kind} object in the sandbox>"
+_handles = {}
+def _leaf(x):
+    if isinstance(x, _Handle):
+        return {"h": x.n}
+    raise TypeError(f"a {type(x).__name__} value cannot be passed into the sandbox (plain data only)")
+def _unleaf(x):
+    n = int(x["h"])
+    if n not in _handles:
+        _handles[n] = _Handle(n, str(x.get("type", "object"))[:100])
+    return _handles[n]
+class _Gone(BaseException):
+    "The candidate is gone or unreadable: no test after this can pass (not catchable as Exception)."
+def _raise(name, message):
+    kind = getattr(builtins, str(name), None)
+    error = None
+    if isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins":
+        try:
+            error = kind(message)
+        except Exception:
+            pass
+    raise error if error is not None else RuntimeError(f"{name}: {message}")
+_state = {"gone": None}
+def _proxy(name):
+    def call(*args, **kwargs):
+        if _state["gone"]:
+            raise _Gone(_state["gone"])
+        request = {"call": name, "args": [_enc(a) for a in args], "kwargs": {k: _enc(v) for k, v in kwargs.items()}}
+        try:
+            _send(_wfd, request)
+            reply = _recv(_rfd, _deadline)
+        except OSError:
+            reply = None
+        if reply == "timeout":
+            _state["gone"] = "timeout"
+        elif reply is None:
+            _state["gone"] = "the program ended while its tests ran"
+        elif reply == "malformed" or not ({"ok", "raise"} & set(reply)):
+            _state["gone"] = "the program sent an unreadable reply"
+        if _state["gone"]:
+            raise _Gone(_state["gone"])
+        if "ok" in reply:
+            try:
+                return _dec(reply["ok"])
+            except Exception:
+                _state["gone"] = "the program sent an unreadable value"
+                raise _Gone(_state["gone"])
+        _raise(reply.get("raise"), reply.get("message", ""))
+    call.__name__ = call.__qualname__ = name
+    return call
+_ready = _recv(_rfd, _deadline)
+if _ready == "timeout":
+    _result["timeout"] = True
+elif _ready is None:
+    _result["gone"] = "the program ended before its tests ran"
+elif _ready == "malformed" or not ({"ready", "crash"} & set(_ready)):
+    _result["gone"] = "the program sent an unreadable reply"
+elif "crash" in _ready:
+    _result["crash"] = str(_ready["crash"])[:400]
+else:
+    # the candidate's names, never one that would shadow a builtin the tests rely on; the modules
+    # it imported, imported here from the same standard library (tests may use them unimported)
+    import importlib
+    _ns = {"__name__": "__main__"}
+    _shadow = set(_spec["may_shadow"])
+    _own = lambda k: isinstance(k, str) and k.isidentifier() and (k in _shadow or not hasattr(builtins, k))
+    try:
+        _got = _ready["ready"]
+        for _k in _got["callables"]:
+            if _own(_k):
+                _ns[_k] = _proxy(_k)
+        for _k, _v in _got["values"].items():
+            if _own(_k):
+                try:
+                    _ns[_k] = _dec(_v)
+                except Exception:
+                    pass
+        for _k, _m in _got.get("modules", {}).items():
+            if _own(_k):
+                try:
+                    _ns[_k] = importlib.import_module(str(_m))
+                except Exception:
+                    pass
+        if _spec["setup"]:
+            exec(compile(_spec["setup"], "test_setup.py", "exec"), _ns)
+    except _Gone as e:
+        _result["gone"] = str(e)
+    except BaseException as e:
+        _result["setup_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    else:
+        for _i, _test in enumerate(_spec["tests"]):
+            try:
+                exec(compile(_test, f"test_{_i}.py", "exec"), _ns)
+                _result["passed"] += 1
+            except _Gone as e:
+                _result["errors"].append(f"test {_i}: {e}")
+            except BaseException as e:
+                _result["errors"].append(f"test {_i}: {type(e).__name__}: {str(e)[:200]}")
+        if _state["gone"] == "timeout":
+            _result["timeout"] = True
+        elif _state["gone"]:
+            _result["gone"] = _state["gone"]
+sys.stdout.write(json.dumps(_result) + "\n")
+sys.stdout.flush()
+"""
+)
+
+
+class SandboxUnavailable(RuntimeError):
+    """bubblewrap cannot run here and the settings did not opt into the weaker fallback."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +368,7 @@ class SandboxLimits:
     cpu_seconds: int = 5
     memory_bytes: int = 1 << 30
     file_bytes: int = 8 << 20
+    disk_bytes: int = 16 << 20
     processes: int = 64
     open_files: int = 64
     output_chars: int = 4000
@@ -101,112 +376,293 @@ class SandboxLimits:
 
 @dataclass
 class SandboxResult:
-    status: str  # "exited", "timeout", "signalled"
+    status: str  # "exited", "timeout"
     returncode: int | None
+    """The candidate process's exit status (bubblewrap passes its child's on)."""
     stdout: str
     stderr: str
     seconds: float
     isolation: dict = field(default_factory=dict)
 
 
+def _interpreter() -> tuple[str, list[str]]:
+    """The Python the sandboxes run and the directories it needs bound read-only: the system's
+    under /usr where there is one (a virtualenv's would need the project's tree), else this
+    interpreter's base prefix."""
+    for python in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(python):
+            return python, []
+    base = getattr(sys, "_base_executable", sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    return os.path.join(prefix, "bin", os.path.basename(base)), [] if prefix.startswith("/usr/") else [prefix]
+
+
+def _bwrap_argv(python: str, extra: list[str], limits: SandboxLimits, info_fd: int) -> list[str]:
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--uid", str(_NOBODY)]
+    argv += ["--gid", str(_NOBODY), "--hostname", "sandbox", "--info-fd", str(info_fd), "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    for path in extra:
+        argv += ["--ro-bind", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp"]
+    argv += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    return argv + ["--setenv", "LANG", "C.UTF-8", "--", python]
+
+
 @lru_cache(maxsize=1)
 def isolation() -> dict:
-    """What this machine lets the sandbox do: a network namespace, a separate user, and the
-    interpreter it runs (as ``nobody`` it must be one that ``nobody`` may execute: a virtualenv
-    under /root is not)."""
+    """How code is sandboxed on this machine: ``kind`` is ``bubblewrap`` (``outside_uid``: the
+    uid the sandbox has outside, 65534 where unprivileged user namespaces allow it) or ``fallback``
+    (``network_namespace``/``user_nobody``: what ``unshare`` could do)."""
+    python, extra = _interpreter()
+    if shutil.which("bwrap"):
+        for as_nobody in (True, False) if os.geteuid() == 0 else (False,):
+            if _bwrap_runs(python, extra, as_nobody):
+                return {
+                    "kind": "bubblewrap",
+                    "python": python,
+                    "binds": extra,
+                    "outside_uid": _NOBODY if as_nobody else os.geteuid(),
+                    "network_namespace": True,
+                    "user_nobody": True,
+                }
+    return {"kind": "fallback", "python": sys.executable, **_fallback()}
+
+
+def _bwrap_runs(python: str, extra: list[str], as_nobody: bool) -> bool:
+    r, w = os.pipe()
+    try:
+        argv = _bwrap_argv(python, extra, SandboxLimits(), w)
+        done = subprocess.run(
+            [*argv, "-I", "-c", "pass"],
+            capture_output=True,
+            timeout=20,
+            pass_fds=(w,),
+            preexec_fn=_drop if as_nobody else None,
+        )
+        return done.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _fallback() -> dict:
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
-    system = [p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)]
-    candidates = list(dict.fromkeys([sys.executable, getattr(sys, "_base_executable", sys.executable), *system]))
     modes = ([["-S", str(_NOBODY), "-G", str(_NOBODY)]] if root else []) + [[] if root else ["--map-root-user"]]
     if unshare:
         for user in modes:
-            for python in (c for c in candidates if c):
-                try:
-                    probe = [unshare, "--net", *user, "--", python, "-I", "-c", "pass"]
-                    if subprocess.run(probe, capture_output=True, timeout=20).returncode == 0:
-                        args = [unshare, "--net", *user, "--"]
-                        return {
-                            "network_namespace": True,
-                            "user_nobody": bool(user) and root,
-                            "python": python,
-                            "unshare_args": args,
-                        }
-                except (OSError, subprocess.SubprocessError):
-                    continue
-    return {"network_namespace": False, "user_nobody": False, "python": sys.executable, "unshare_args": []}
+            try:
+                probe = [unshare, "--net", *user, "--", sys.executable, "-I", "-c", "pass"]
+                if subprocess.run(probe, capture_output=True, timeout=20).returncode == 0:
+                    return {
+                        "network_namespace": True,
+                        "user_nobody": bool(user) and root,
+                        "argv": [unshare, "--net", *user, "--"],
+                    }
+            except (OSError, subprocess.SubprocessError):
+                continue
+    return {"network_namespace": False, "user_nobody": False, "argv": []}
 
 
-def _limits(limits: SandboxLimits):
+def _drop() -> None:
+    os.setgroups([])
+    os.setgid(_NOBODY)
+    os.setuid(_NOBODY)
+
+
+def _limits(limits: SandboxLimits, as_nobody: bool):
     def apply() -> None:
-        os.setsid()
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if as_nobody:
+            _drop()
 
     return apply
 
 
-def run_sandboxed(
-    program: str, tests: list[str], setup: str = "", limits: SandboxLimits | None = None
-) -> tuple[SandboxResult, dict | None]:
-    """Run ``program`` then each of ``tests`` (statements) in the sandbox; returns the process
-    result and the guard's count of passed tests (None if the program never got that far)."""
-    limits = limits or SandboxLimits()
-    iso = isolation()
-    work = Path(tempfile.mkdtemp(prefix="kibidango-sandbox-"))
-    nonce = secrets.token_hex(16)
-    try:
-        (work / "guard.py").write_text(_GUARD)
-        (work / "task.json").write_text(json.dumps({"program": program, "tests": tests, "setup": setup}))
-        out, err = open(work / "stdout.txt", "wb"), open(work / "stderr.txt", "wb")
-        command = [*iso["unshare_args"], iso["python"], "-I", "guard.py"]
-        if iso["user_nobody"]:
-            for p in (work, *work.iterdir()):
-                os.chown(p, _NOBODY, _NOBODY)
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"}
-        started = time.monotonic()
-        proc = subprocess.Popen(
-            command, cwd=work, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err, preexec_fn=_limits(limits)
+class _Sandboxed:
+    """One process in its sandbox; :meth:`kill` ends it and everything it started, and returns
+    only once they are gone."""
+
+    def __init__(self, source: str, fds: tuple[int, int], limits: SandboxLimits, iso: dict, files: dict, cwd: Path):
+        self.iso, self.info = iso, None
+        if iso["kind"] == "bubblewrap":
+            info_r, info_w = os.pipe()
+            argv = _bwrap_argv(iso["python"], iso["binds"], limits, info_w)
+            as_nobody = iso["outside_uid"] == _NOBODY and os.geteuid() == 0
+            pass_fds = (*fds, info_w)
+        else:
+            info_r = info_w = None
+            argv = [*iso["argv"], iso["python"]]
+            as_nobody = False  # unshare -S/-G drops to nobody itself
+            pass_fds = fds
+            if iso["user_nobody"]:
+                os.chown(cwd, _NOBODY, _NOBODY)
+        self.proc = subprocess.Popen(
+            [*argv, "-I", "-c", source, *map(str, fds)],
+            cwd=cwd,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"},
+            stdin=subprocess.PIPE,
+            stdout=files["stdout"],
+            stderr=files["stderr"],
+            pass_fds=pass_fds,
+            preexec_fn=_limits(limits, as_nobody),
+            start_new_session=True,
         )
-        out.close()
-        err.close()
+        if info_w is not None:
+            os.close(info_w)
+            self.info = _read_info(info_r)
+
+    def feed(self, data: bytes) -> None:
         try:
-            proc.stdin.write((nonce + "\n").encode())
-            proc.stdin.close()
+            self.proc.stdin.write(data)
+            self.proc.stdin.close()
         except OSError:
             pass
-        status = "exited"
-        try:
-            proc.wait(timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the group: whatever it started dies with it
+
+    def kill(self) -> int:
+        if self.proc.poll() is not None:
+            return self.proc.returncode
+        child = (self.info or {}).get("child-pid")
+        if child:
+            try:  # the namespace's init: the kernel kills every process of the namespace with it
+                os.kill(child, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            proc.wait()
+            try:  # bwrap reaps its init, then exits: no orphan left to the machine's init to reap
+                return self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return self.proc.wait()
+
+
+def _read_info(fd: int) -> dict | None:
+    data = b""
+    try:
+        while chunk := os.read(fd, 4096):
+            data += chunk
+            if b"}" in data:
+                break
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data[: data.index(b"}") + 1])
+    except ValueError:
+        return None
+
+
+def run_sandboxed(
+    program: str,
+    tests: list[str],
+    setup: str = "",
+    limits: SandboxLimits | None = None,
+    test_setup: str = "",
+    weak_sandbox_ok: bool = False,
+    may_shadow: tuple[str, ...] = (),
+) -> tuple[SandboxResult, dict | None]:
+    """Run ``program`` then ``setup`` in the candidate's sandbox and ``tests`` (after
+    ``test_setup``, which only the tester sees) in the tester's, where the program's names are
+    bound — except those that would shadow a builtin the tests use, unless ``may_shadow`` names
+    them (the functions the task asks for: MBPP's ``sum``); returns the candidate's process result
+    and the tester's count (``passed``, ``total``, ``errors``, and
+    ``crash``/``gone``/``timeout``/``setup_error`` when they apply), or None when the tester gave
+    nothing readable."""
+    limits = limits or SandboxLimits()
+    iso = isolation()
+    if iso["kind"] != "bubblewrap" and not weak_sandbox_ok:
+        raise SandboxUnavailable(
+            "the code judge needs bubblewrap (apt-get install bubblewrap; make setup installs it) and it cannot "
+            "run here; set weak_sandbox_ok: true in the code judge's settings to accept the weaker fallback"
+        )
+    work = Path(tempfile.mkdtemp(prefix="kibidango-judge-"))
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    started = time.monotonic()
+    candidate = tester = None
+    try:
+        (work / "candidate").mkdir()
+        (work / "tester").mkdir()
+        files = {k: open(work / f"{k}.txt", "wb") for k in ("stdout", "stderr", "tester_stdout", "tester_stderr")}
+        candidate = _Sandboxed(_CANDIDATE, (req_r, resp_w), limits, iso, files, work / "candidate")
+        os.close(req_r)
+        os.close(resp_w)
+        req_r = resp_w = -1
+        tester_files = {"stdout": files["tester_stdout"], "stderr": files["tester_stderr"]}
+        tester = _Sandboxed(_TESTER, (req_w, resp_r), limits, _tester_iso(iso), tester_files, work / "tester")
+        os.close(req_w)
+        os.close(resp_r)
+        req_w = resp_r = -1
+        for f in files.values():
+            f.close()
+        candidate.feed((json.dumps({"program": program, "setup": setup}) + "\n").encode())
+        spec = {"tests": list(tests), "setup": test_setup, "wall": limits.wall_seconds, "may_shadow": list(may_shadow)}
+        tester.feed(json.dumps(spec).encode())
+        status = "exited"
+        try:
+            tester.proc.wait(timeout=limits.wall_seconds + 10)  # its own deadline ends it first
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        tester.kill()
+        returncode = candidate.proc.poll()
+        candidate.kill()
         seconds = time.monotonic() - started
-        if status == "exited" and proc.returncode < 0:
-            status = "signalled"
-        stdout = (work / "stdout.txt").read_bytes().decode("utf-8", "replace")
+        counts = _read_counts((work / "tester_stdout.txt").read_bytes()[:_MAX_MESSAGE])
+        if counts is not None and counts.get("timeout"):
+            status = "timeout"
+        stdout = (work / "stdout.txt").read_bytes()[: limits.output_chars * 4].decode("utf-8", "replace")
         stderr = (work / "stderr.txt").read_bytes()[: limits.output_chars * 4].decode("utf-8", "replace")
-        counts = None
-        for line in stdout.splitlines():
-            if line.startswith(nonce + " "):
-                counts = json.loads(line[len(nonce) + 1 :])
-        visible = "\n".join(line for line in stdout.splitlines() if not line.startswith(nonce))
-        where = {k: iso[k] for k in ("network_namespace", "user_nobody", "python")}
+        if counts is None:
+            stderr += (work / "tester_stderr.txt").read_bytes()[-2000:].decode("utf-8", "replace")
+        where = {k: iso[k] for k in ("kind", "network_namespace", "user_nobody", "python")}
         result = SandboxResult(
-            status, proc.returncode, visible[: limits.output_chars], stderr[: limits.output_chars], seconds, where
+            status, returncode, stdout[: limits.output_chars], stderr[: limits.output_chars], seconds, where
         )
         return result, counts
     finally:
+        for proc in (tester, candidate):
+            if proc is not None:
+                proc.kill()
+        for fd in (req_r, req_w, resp_r, resp_w):
+            if fd >= 0:
+                os.close(fd)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _tester_iso(iso: dict) -> dict:
+    """The tester runs trusted test code; in the fallback it needs no namespace of its own."""
+    return iso if iso["kind"] == "bubblewrap" else {**iso, "argv": [], "user_nobody": False}
+
+
+def _read_counts(data: bytes) -> dict | None:
+    """The tester's count, or None for anything malformed (never an exception)."""
+    lines = data.decode("utf-8", "replace").strip().splitlines()
+    try:
+        counts = json.loads(lines[-1]) if lines else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(counts, dict):
+        return None
+    ok = (
+        isinstance(counts.get("passed"), int)
+        and isinstance(counts.get("total"), int)
+        and isinstance(counts.get("errors"), list)
+        and 0 <= counts["passed"] <= counts["total"]
+    )
+    return counts if ok else None
 
 
 def extract_code(answer: str) -> str:
@@ -221,21 +677,22 @@ def extract_code(answer: str) -> str:
 @dataclass
 class CodeJudge:
     """Runs the answer's program against ``task.tests`` (MBPP: assert statements) or HumanEval's
-    ``check`` (one test: ``check(entry_point)`` after the check function's definition)."""
+    ``check`` (one test: ``check(entry_point)`` after the check function's definition, which only
+    the tester sees). ``weak_sandbox_ok``: judge code without bubblewrap (see the module)."""
 
     wall_seconds: float = 10.0
     cpu_seconds: int = 5
     memory_mb: int = 1024
+    weak_sandbox_ok: bool = False
     kind: str = "code"
 
     def __call__(self, task: Task, answer: str) -> Verdict:
         started = time.monotonic()
         if not task.tests:
             return Verdict(False, 0.0, f"task {task.id} has no tests", "judge_error", 0.0)
-        tests = list(task.tests)
-        setup = task.setup
-        if task.entry_point:  # HumanEval: the check function, then one call of it
-            setup = (setup + "\n" + "\n".join(tests)).strip()
+        tests, test_setup = list(task.tests), ""
+        if task.entry_point:  # HumanEval: the check function (the tester's alone), then one call of it
+            test_setup = "\n".join(tests)
             tests = [f"check({task.entry_point})"]
         program = extract_code(answer)
         if task.entry_point and not re.search(rf"^def {re.escape(task.entry_point)}\s*\(", program, re.MULTILINE):
@@ -243,24 +700,49 @@ class CodeJudge:
         limits = SandboxLimits(
             wall_seconds=self.wall_seconds, cpu_seconds=self.cpu_seconds, memory_bytes=self.memory_mb << 20
         )
-        result, counts = run_sandboxed(program, tests, setup, limits)
+        shadow = _defined_names(task.reference) + ((task.entry_point,) if task.entry_point else ())
+        result, counts = run_sandboxed(program, tests, task.setup, limits, test_setup, self.weak_sandbox_ok, shadow)
         cost = time.monotonic() - started
         details = {"isolation": result.isolation, "seconds": round(result.seconds, 3), "returncode": result.returncode}
-        if result.status == "timeout" or result.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
-            limit = "wall" if result.status == "timeout" else "CPU"
+        # SIGXCPU at the soft CPU limit; SIGKILL at the hard one (a program that replaced the handler)
+        cpu = result.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
+            result.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and result.seconds >= self.cpu_seconds
+        )
+        if result.status == "timeout" or (cpu and (counts is None or counts["passed"] < counts["total"])):
+            limit = "CPU" if cpu else "wall"
             return Verdict(False, 0.0, f"timeout: the {limit} limit was reached", "timeout", cost, details)
         if counts is None:
-            why = (
-                _last_error(result.stderr) or f"the program ended with status {result.returncode} before its tests ran"
+            why = _last_error(result.stderr) or "no readable result"
+            return Verdict(
+                False, 0.0, f"judge error: the tester gave no readable result ({why})", "judge_error", cost, details
             )
-            return Verdict(False, 0.0, f"error: {why}", "error", cost, details)
         if "crash" in counts:
             return Verdict(False, 0.0, f"error: {counts['crash']}", "error", cost, details)
+        if "setup_error" in counts:
+            reason = f"judge error: the task's test setup failed: {counts['setup_error']}"
+            return Verdict(False, 0.0, reason, "judge_error", cost, details)
         passed, total = counts["passed"], counts["total"]
+        if "gone" in counts and passed < total:
+            why = _last_error(result.stderr) or f"status {result.returncode}"
+            return Verdict(
+                False, passed / total if total else 0.0, f"error: {counts['gone']} ({why})", "error", cost, details
+            )
         score = passed / total if total else 0.0
         if passed == total:
             return Verdict(True, 1.0, f"all {total} tests passed", "passed", cost, details)
-        return Verdict(False, score, f"{passed}/{total} tests passed; {counts['errors'][0]}", "failed", cost, details)
+        first = str(counts["errors"][0]) if counts["errors"] else "no detail"
+        return Verdict(False, score, f"{passed}/{total} tests passed; {first}", "failed", cost, details)
+
+
+def _defined_names(reference: str) -> tuple[str, ...]:
+    """The top-level functions and classes of a task's reference solution: the names the task asks
+    the program to define, which it may do even where they are builtins' names."""
+    try:
+        tree = ast.parse(reference)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return ()
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return tuple(node.name for node in tree.body if isinstance(node, kinds))
 
 
 def _last_error(stderr: str) -> str:
