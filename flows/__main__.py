@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ def _run(args: argparse.Namespace) -> None:
     from flows.preset import load_preset
 
     plan = load_preset(args.preset, args.set)
+    if args.resend_unconfirmed:  # read by the stage at run time; not part of any cache key
+        os.environ["KIBIDANGO_RESEND_UNCONFIRMED"] = "1"
     args.force = [_stage_id(plan.order(), sid) for sid in args.force]
     if args.dry_run:
         print(describe_plan(plan, args.force))
@@ -172,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override one config value")
     run.add_argument("--dry-run", action="store_true", help="resolve and print the stage plan; run nothing")
+    run.add_argument(
+        "--resend-unconfirmed",
+        action="store_true",
+        help="1D: charge every paid request whose fate a killed attempt left unknown its worst case and send it "
+        "again (a journal line cut by the kill otherwise stops the stage)",
+    )
     run.add_argument(
         "--pool",
         action="append",

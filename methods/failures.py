@@ -124,7 +124,8 @@ class RowLog:
 
     def __init__(self, path: Path):
         self._journal = Journal(path)
-        self.rows: dict[str, dict] = {row["id"]: row for row in self._journal.events}
+        # a torn last line (a kill mid-write) is a row not finished: it is done again
+        self.rows: dict[str, dict] = {row["id"]: row for row in self._journal.events if row.get("event") != "torn"}
         self.resumed = len(self.rows)
 
     def __len__(self) -> int:

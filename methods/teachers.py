@@ -103,6 +103,17 @@ def worst_case_usd(tier: TierConfig, prompt: str) -> float:
     return tier.usd(prompt_bound, tier.max_tokens)
 
 
+def credible_usage(usage) -> tuple[int | None, int | None]:
+    """A reply's (prompt, completion) token counts, or (None, None) when they cannot be believed:
+    absent, or not non-negative whole numbers."""
+    counts = [
+        getattr(usage, name, None) if usage is not None else None for name in ("prompt_tokens", "completion_tokens")
+    ]
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
+        return None, None
+    return counts[0], counts[1]
+
+
 class Budget:
     """A hard limit in dollars, shared by every thread of a run."""
 
@@ -135,8 +146,9 @@ class TierDead(KibidangoError):
 class TeacherReply:
     text: str | None
     """None when every attempt failed (``error`` says why)."""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    prompt_tokens: int | None = 0
+    """None (both counts) when the reply's usage is absent or not credible: charged its worst case."""
+    completion_tokens: int | None = 0
     attempts: int = 0
     retries: Counter = field(default_factory=Counter)
     seconds: float = 0.0
@@ -186,10 +198,8 @@ class TeacherClient:
                 text = done.choices[0].message.content if done.choices else None
                 if not text or not text.strip():
                     raise ValueError("the reply has no text")
-                usage = done.usage
                 reply.text = text
-                reply.prompt_tokens = usage.prompt_tokens if usage else 0
-                reply.completion_tokens = usage.completion_tokens if usage else 0
+                reply.prompt_tokens, reply.completion_tokens = credible_usage(done.usage)
                 reply.seconds = time.monotonic() - started
                 return reply
             except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as e:

@@ -9,7 +9,12 @@ converted to GGUF in the work directory) under llama-cpp-python's server on 127.
 The budget is hard: a request leaves only if its worst-case cost fits what is left; once nothing
 fits, the remaining rows are skipped and counted. Every paid request is journaled before it is
 sent (``work_dir/journal.jsonl``): a killed run's rerun never sends a prompt to a tier twice — a
-request that was in flight at the kill is charged its worst case and the row moves on.
+request that was in flight at the kill is charged its worst case and the row moves on. A journal
+line cut by the kill (:mod:`methods.journal`) is never read as "not sent": a cut ``sent`` record is
+a request in flight (charged, not resent); a cut ``reply``, or a cut line that does not say which
+request it records, stops the stage with the file and line, until the rerun says
+``--resend-unconfirmed`` (``KIBIDANGO_RESEND_UNCONFIRMED=1``): then every request whose fate is
+unknown is charged its worst case **and** sent again.
 
 A share of the critical failures (``holdout_share``, by a hash of the row id) is held out: never
 sent to a teacher, never trained on; the retraining round measures its failure rate on them.
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +43,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256, tree_sha256
 from core.progress import Progress
+from kibidango.ledger import trusted_cost
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.teachers import Budget, TeacherClient, TierConfig, TierDead, worst_case_usd
@@ -90,12 +98,19 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     log.info(f"{len(rows):,} critical failures to the teachers, {len(held):,} held out for the retraining's evaluation")
     judges = mined_judges(inputs["mined"])
     journal = Journal(work_dir / "journal.jsonl")
-    state = _replay(journal.events)
-    for (row, tier), reserved in state.lost.items():  # charged their worst case, never sent again
+    resend = os.environ.get("KIBIDANGO_RESEND_UNCONFIRMED", "") not in ("", "0")
+    state = _replay(journal.events, journal.path, resend)
+    by_id, tiers = {r["id"]: r for r in rows}, {t.name: t for t in cfg.tiers}
+    for (row, tier), reserved in state.lost.items():  # maybe served and billed: charged their worst case
+        if reserved is None:  # a cut `sent` line that lost its amount: the worst case, priced again
+            reserved = worst_case_usd(tiers[tier], by_id[row]["prompt"]) if row in by_id and tier in tiers else 0.0
+        state.spent += reserved
+        if resend:  # charged, and asked again
+            journal.write({"event": "unconfirmed", "row": row, "tier": tier, "usd": reserved})
+            continue
         event = {"event": "error", "row": row, "tier": tier, "usd": reserved, "attempts": 0, "retries": {}}
         event["reason"] = "in flight when an earlier attempt was killed: charged its worst case, not resent"
         journal.write(event)
-        state.spent += reserved
         state.done[(row, tier)] = event
     budget = Budget(cfg.budget_usd, state.spent)
     if journal.resumed:
@@ -149,6 +164,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     )
 
 
+_HARMLESS = ("verdict", "error", "skipped", "dead", "unconfirmed")  # a cut one of these pays nothing again
+
+
 class _State:
     """What the journal says: per (row, tier) the settled outcome, the requests lost in flight,
     and the money spent."""
@@ -156,16 +174,48 @@ class _State:
     def __init__(self) -> None:
         self.done: dict[tuple[str, str], dict] = {}  # verdict or terminal event
         self.replies: dict[tuple[str, str], dict] = {}  # answered, maybe not yet judged
-        self.lost: dict[tuple[str, str], float] = {}
+        self.lost: dict[tuple[str, str], float | None] = {}
         self.spent = 0.0
 
 
-def _replay(events: list[dict]) -> _State:
+_FIELDS = {k: re.compile(rf'"{k}"\s*:\s*"((?:[^"\\]|\\.)*)"') for k in ("event", "row", "tier")}
+_RESERVED = re.compile(r'"reserved"\s*:\s*([0-9][0-9.eE+-]*)[,}]')
+
+
+def _fragment(text: str) -> dict:
+    """What a cut journal line still says: its event, row, tier and reserved amount, where whole."""
+    out: dict = {k: json.loads(f'"{m.group(1)}"') for k, rx in _FIELDS.items() if (m := rx.search(text))}
+    if m := _RESERVED.search(text):
+        out["reserved"] = float(m.group(1))
+    return out
+
+
+def _replay(events: list[dict], path: Path, resend: bool = False) -> _State:
+    """The state the journal at ``path`` records. A cut ``sent`` line is a request in flight; a cut
+    ``reply`` line, or a cut line whose request cannot be read, is an error unless ``resend``."""
     state = _State()
-    sent: dict[tuple[str, str], float] = {}
+    sent: dict[tuple[str, str], float | None] = {}
     for e in events:
-        key = (e["row"], e["tier"])
         kind = e["event"]
+        if kind == "torn":
+            cut = _fragment(e["text"])
+            known = "row" in cut and "tier" in cut
+            if cut.get("event") == "sent" and known:
+                sent[(cut["row"], cut["tier"])] = cut.get("reserved")
+            elif (cut.get("event") == "reply" and known) or cut.get("event") not in _HARMLESS:
+                if not resend:
+                    what = (
+                        f"the reply of row {cut['row']!r} from tier {cut['tier']!r} (paid, unreadable)"
+                        if cut.get("event") == "reply" and known
+                        else "a record that no longer says which request it was (it may be one sent and paid)"
+                    )
+                    raise KibidangoError(
+                        f"{path}: line {e['line']} was cut by a kill and held {what}. Rerun with "
+                        "--resend-unconfirmed (KIBIDANGO_RESEND_UNCONFIRMED=1) to charge every request whose fate is "
+                        "unknown its worst case and send it again"
+                    )
+            continue
+        key = (e["row"], e["tier"])
         if kind == "sent":
             sent[key] = e["reserved"]
         elif kind == "reply":
@@ -176,6 +226,9 @@ def _replay(events: list[dict]) -> _State:
             sent.pop(key, None)
             state.spent += e.get("usd", 0.0)
             state.done[key] = e
+        elif kind == "unconfirmed":  # charged its worst case by an earlier attempt, to be asked again
+            sent.pop(key, None)
+            state.spent += e["usd"]
         elif kind == "verdict":
             state.done[key] = e
     state.lost = sent  # in flight at the kill: maybe served and billed
@@ -283,9 +336,15 @@ class _Cascade:
             self.journal.write(event)
             self.state.done[key] = event
             return None
-        # Unread attempts (timeouts, malformed replies) are charged their worst case; the answer what the endpoint reported.
-        usd = worst * r.unread + (tier.usd(r.prompt_tokens, r.completion_tokens) if r.text is not None else 0.0)
-        usd = min(usd, sum(held))
+        # Unread attempts (timeouts, malformed replies) are charged their worst case; the answer what the
+        # endpoint reported, when that is credible (kibidango.ledger.trusted_cost: never a credit, never
+        # above what was held; else the worst case).
+        answer_usd = 0.0
+        if r.text is not None:
+            answer_usd = None if r.prompt_tokens is None else tier.usd(r.prompt_tokens, r.completion_tokens)
+        usd, trusted = trusted_cost(None if answer_usd is None else worst * r.unread + answer_usd, sum(held))
+        if not trusted:
+            log.warning(f"tier {tier.name}: the reply's usage is not credible; charged the worst case ${usd:.6f}")
         self.budget.settle(sum(held), usd)
         common = {"row": row["id"], "tier": tier.name, "usd": usd, "attempts": r.attempts}
         common.update(retries=dict(r.retries), seconds=round(r.seconds, 3))
@@ -327,18 +386,24 @@ def _serve(cfg: Config, work_dir: Path, stack: ExitStack) -> dict[str, str]:
 def _ledger(events: list[dict]) -> list[dict]:
     """One line per request (row, tier): its reply or error, verdict, dollars and seconds."""
     by_key: dict[tuple[str, str], dict] = {}
+    unconfirmed: Counter = Counter()  # worst cases charged for requests sent again (--resend-unconfirmed)
     for e in events:
+        if e["event"] == "torn":
+            continue
         key = (e["row"], e["tier"])
-        if e["event"] in ("reply", "error"):
+        if e["event"] == "unconfirmed":
+            unconfirmed[key] += e["usd"]
+            by_key.setdefault(key, {"row": e["row"], "tier": e["tier"]})
+        elif e["event"] in ("reply", "error"):
             entry = {k: v for k, v in e.items() if k not in ("event", "text")}
             entry["answer"] = e.get("text")
             by_key[key] = {**by_key.get(key, {}), **entry}
         elif e["event"] == "verdict":
             by_key.setdefault(key, {"row": e["row"], "tier": e["tier"]})
             by_key[key].update({k: e[k] for k in ("passed", "outcome", "score", "reason")})
-    for entry in by_key.values():
+    for key, entry in by_key.items():
         entry.setdefault("passed", False)
-        entry.setdefault("usd", 0.0)
+        entry["usd"] = entry.get("usd", 0.0) + unconfirmed[key]
     return list(by_key.values())
 
 

@@ -1,7 +1,8 @@
 """A fault-injecting HTTP proxy for tests: in front of a real OpenAI-compatible server on
 127.0.0.1, it forwards requests and, per the script it is given, answers a request with a timeout
 (forwarded, then held past the client's timeout: served, perhaps billed, never received), a 429
-with Retry-After, a 500, or a reply whose JSON is cut in half. It records every request it
+with Retry-After, a 500, a reply whose JSON is cut in half, or the server's real reply with its
+``usage`` replaced (``usage=<JSON>``, NaN allowed; ``usage=absent`` removes it). It records every request it
 forwarded upstream (the server's requests: what a paid endpoint would bill)."""
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class FaultProxy:
         self.server.server_close()
 
     def script(self, *faults: str) -> None:
-        """Faults for the next chat requests, in order: timeout, 429, 500, truncate, ok."""
+        """Faults for the next chat requests, in order: timeout, 429, 500, truncate, usage=<JSON>, ok."""
         with self._lock:
             self.faults.extend(faults)
 
@@ -77,6 +78,13 @@ class FaultProxy:
             return None
         if fault == "truncate":
             data = data[: len(data) // 2]
+        if fault.startswith("usage="):
+            reply = json.loads(data)
+            if fault == "usage=absent":
+                reply.pop("usage", None)
+            else:
+                reply["usage"] = json.loads(fault.removeprefix("usage="))
+            data = json.dumps(reply).encode()  # NaN stays NaN, as a careless provider might send it
         return self._reply(handler, status, data, {"Content-Type": ctype})
 
     def _forward(self, handler: BaseHTTPRequestHandler, body: bytes | None) -> tuple[int, bytes, str]:

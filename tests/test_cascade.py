@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 from eval.shared_data import SHARED
 from tests.conftest import OPENAI_KEY_ENV, cli_env
 from tests.fault_proxy import FaultProxy
-from tests.test_failure_mining import _run_stage
+from tests.test_failure_mining import CHILD, REPO_ROOT, _run_stage
 
 GGUF = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
 
@@ -172,6 +175,119 @@ def test_a_killed_run_never_sends_a_prompt_to_a_tier_twice(openai_server, worksp
         assert not leaks and key not in done.output
     finally:
         proxy.close()
+
+
+def test_a_cut_journal_line_is_never_read_as_not_sent(openai_server, workspace, tmp_path):
+    """A real run killed after some requests, its journal then cut as a kill or a damaged disk
+    would leave it: a line cut in the middle is refused (file and line named, nothing sent); a cut
+    `sent` record at the end is a request perhaps paid (charged, its prompt never sent again); a cut
+    `reply` stops the stage until --resend-unconfirmed, which charges it and asks again."""
+    base, key = openai_server
+    proxy = FaultProxy(base.removesuffix("/v1"))
+    try:
+        inputs = _inputs(tmp_path, n_math=12, n_easy=12)
+        tiers = [_tier("open", base_url=proxy.base_url, model="stories260K", api_key_env=OPENAI_KEY_ENV, max_tokens=64)]
+        tiers.append({"name": "gold", "kind": "reference", "usd_per_answer": 0.05})
+        store = workspace / "store"
+        spec = {
+            "stage": "1D",
+            "config": {"tiers": tiers, "budget_usd": 10.0, "holdout_share": 0.0},
+            "inputs": {"critical": ["1C", str(inputs["critical"])], "mined": ["1B", str(inputs["mined"])]},
+            "store": str(store),
+        }
+        env = {**cli_env(workspace), OPENAI_KEY_ENV: key}
+        proc = _run_stage(spec, env, wait=False)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(proxy.prompts()) < 6 and proc.poll() is None:
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        [journal] = (store / "1D").glob(".work-*/journal.jsonl")
+        text = journal.read_text()
+        assert text.endswith("\n")  # a SIGKILL does not cut a write: the cuts below are made by hand
+        lines = text.splitlines(keepends=True)
+        events = [json.loads(line) for line in lines]
+        replies = [i for i, e in enumerate(events) if e["event"] == "reply"]
+        assert len(replies) >= 2 and len(lines) > replies[0] + 1, "the kill came too early to cut a reply"
+
+        def rerun(extra_env=None):
+            return subprocess.run(
+                [sys.executable, "-c", CHILD, json.dumps(spec)],
+                cwd=REPO_ROOT, env={**env, **(extra_env or {})}, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+
+        # 1. a reply cut in the middle of the journal: refused, naming the file and the line
+        i = replies[0]
+        journal.write_text("".join(lines[:i] + [lines[i][: len(lines[i]) // 2] + "\n"] + lines[i + 1 :]))
+        before = len(proxy.prompts())
+        done = rerun()
+        assert done.returncode != 0 and f"journal.jsonl: line {i + 1} is damaged" in done.stdout + done.stderr
+        assert len(proxy.prompts()) == before  # nothing was sent
+
+        # 2. a reply cut at the end: the stage stops, naming the line, nothing sent
+        last_reply = replies[-1]
+        journal.write_text("".join(lines[:last_reply]) + lines[last_reply][: len(lines[last_reply]) // 2])
+        done = rerun()
+        out = done.stdout + done.stderr
+        assert (
+            done.returncode != 0 and f"line {last_reply + 1} was cut by a kill" in out and "--resend-unconfirmed" in out
+        )
+        assert len(proxy.prompts()) == before
+        work = journal.parent
+        shutil.copytree(work, tmp_path / "killed-work")  # the killed attempt, for step 4
+
+        # 3. a `sent` record cut at the end (of a row no attempt asked yet): charged, its prompt never sent
+        asked = {e["row"] for e in events}
+        fresh = next(f"m{n}" for n in range(12) if f"m{n}" not in asked)
+        journal.write_text(text + json.dumps({"event": "sent", "row": fresh, "tier": "open", "reserved": 0.5})[:-12])
+        done = rerun()
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        sent_now = proxy.prompts("stories260K")
+        assert len(sent_now) == len(set(sent_now)), "a prompt was sent to the paid tier twice"
+        ledger = {(e["row"], e["tier"]): e for e in _published_ledger(store)}
+        from methods.teachers import TierConfig, worst_case_usd
+
+        prompt = next(
+            r["prompt"]
+            for r in map(json.loads, (inputs["critical"] / "critical.jsonl").read_text().splitlines())
+            if r["id"] == fresh
+        )
+        worst = worst_case_usd(TierConfig(**tiers[0]), prompt)  # the cut took the amount: priced again
+        assert "not resent" in ledger[(fresh, "open")]["reason"] and ledger[(fresh, "open")]["usd"] == pytest.approx(
+            worst
+        )
+
+        # 4. the cut reply of step 2 with --resend-unconfirmed: charged its worst case and asked again
+        for artifact in (store / "1D").iterdir():
+            if not artifact.name.startswith("."):
+                shutil.rmtree(artifact)  # forget step 3's result: the stage runs again on the killed journal
+        shutil.copytree(tmp_path / "killed-work", work)
+        row = events[last_reply]["row"]
+        before = proxy.prompts("stories260K").count(proxy_prompt := _prompt_sha(inputs, row))
+        done = rerun({"KIBIDANGO_RESEND_UNCONFIRMED": "1"})
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert proxy.prompts("stories260K").count(proxy_prompt) == before + 1  # asked again, as the flag says
+        ledger = {(e["row"], e["tier"]): e for e in _published_ledger(store)}
+        assert ledger[(row, "open")]["usd"] > 0 and ledger[(row, "open")]["answer"]
+    finally:
+        proxy.close()
+
+
+def _prompt_sha(inputs: dict, row: str) -> str:
+    """The proxy's digest of the messages 1D sends for ``row`` (read from what it forwarded)."""
+    import hashlib
+
+    from methods.teachers import TierConfig
+
+    rows = {r["id"]: r for r in map(json.loads, (inputs["critical"] / "critical.jsonl").read_text().splitlines())}
+    system = TierConfig(name="x", base_url="http://x/v1", model="m", api_key_env="K").system
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": rows[row]["prompt"]}]
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+
+
+def _published_ledger(store: Path) -> list[dict]:
+    [artifact] = [p for p in (store / "1D").iterdir() if not p.name.startswith(".")]
+    return [json.loads(line) for line in (artifact / "ledger.jsonl").read_text().splitlines()]
 
 
 def _lost(store: Path) -> int:

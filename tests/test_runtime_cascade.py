@@ -113,6 +113,57 @@ def test_budget_spent_answers_locally_and_never_overspends(pipe, proxy, tmp_path
     assert tiers[-1].budget_left_usd == pytest.approx(state.left_usd)
 
 
+HOSTILE_USAGE = (
+    '{"prompt_tokens": -100000000, "completion_tokens": -100000000, "total_tokens": -200000000}',
+    '{"prompt_tokens": NaN, "completion_tokens": NaN, "total_tokens": NaN}',
+    '{"prompt_tokens": 1000000000000, "completion_tokens": 1000000000000, "total_tokens": 2000000000000}',
+    '{"prompt_tokens": "twelve", "completion_tokens": [3], "total_tokens": null}',
+    '{"prompt_tokens": 1.5, "completion_tokens": 2, "total_tokens": 3.5}',
+    '{"completion_tokens": 3}',
+    "absent",
+)
+
+
+def test_a_reply_never_credits_the_budget(pipe, proxy, tmp_path):
+    """Hostile usage from the provider (negative, NaN, huge, strings, fractions, a missing count,
+    none at all) is charged at the call's reservation, counted as untrusted, never credited: the
+    number of paid calls a budget allows stays what the worst case allows."""
+    import sqlite3
+
+    casc = _cascade(pipe, proxy, tmp_path, max_retries=0)
+
+    def rows():
+        return (
+            sqlite3.connect(tmp_path / "ledger.sqlite")
+            .execute(
+                "SELECT reserved_usd, settled_usd, untrusted FROM entries WHERE state = 'settled' ORDER BY created"
+            )
+            .fetchall()
+        )
+
+    for usage in HOSTILE_USAGE:
+        proxy.script(f"usage={usage}")
+        r = casc.answer("Once upon a time", max_new_tokens=4)
+        assert r.tier == "cloud", (usage, r.flags)
+        reserved, settled, untrusted = rows()[-1]
+        assert settled == pytest.approx(reserved) and untrusted == 1 and r.usd == pytest.approx(reserved), usage
+    assert casc.client.counts["usage_untrusted"] == len(HOSTILE_USAGE)
+    assert casc.ledger.untrusted == len(HOSTILE_USAGE)
+    proxy.script("ok")  # the server's own usage is believed: less than the worst case
+    casc.answer("Once upon a time", max_new_tokens=4)
+    reserved, settled, untrusted = rows()[-1]
+    assert 0 < settled < reserved and untrusted == 0
+
+    # a budget for exactly three worst cases: negative usage on every reply buys no fourth call
+    budget = 3 * reserved + reserved / 2
+    casc = _cascade(pipe, proxy, tmp_path / "b", max_retries=0, budget_limit=budget)
+    proxy.script(*[f"usage={HOSTILE_USAGE[0]}"] * 10)
+    before = len(proxy.forwarded)
+    tiers = [casc.answer("Once upon a time", max_new_tokens=4).tier for _ in range(6)]
+    assert len(proxy.forwarded) - before == 3 and tiers.count("cloud") == 3
+    assert casc.ledger.state().settled_usd <= budget
+
+
 def test_validation_band_and_the_local_band(pipe, proxy, tmp_path):
     import hashlib
     import json
@@ -277,6 +328,9 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
             assert m[f'kibidango_cloud_budget_spent_usd{{{name},period="total"}}'] == pytest.approx(ledger.settled_usd)
             assert m[f'kibidango_cloud_budget_left_usd{{{name},period="total"}}'] == pytest.approx(ledger.left_usd)
             assert m[f"kibidango_cloud_request_seconds_count{{{name}}}"] > 0  # the restarted one spent too
+            buckets = [v for k, v in m.items() if k.startswith(f"kibidango_cloud_request_seconds_bucket{{{name},")]
+            assert buckets == sorted(buckets)  # cumulative, and the +Inf bucket is the count, not a sum of sums
+            assert buckets[-1] == m[f"kibidango_cloud_request_seconds_count{{{name}}}"]
             assert m[f'kibidango_queue_depth{{model="{model.removesuffix("-cascade")}"}}'] == 0
             assert key not in httpx.get(f"{base}/metrics").text
     finally:

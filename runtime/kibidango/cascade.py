@@ -19,6 +19,7 @@ name the file and the field.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,11 +144,21 @@ def _read(path: Path) -> dict:
 
 
 def _number(doc: dict, key: str, where: str, lo: float, hi: float | None = None) -> float:
+    """A finite number in [lo, hi] (JSON's NaN and Infinity are refused), or an error naming the
+    config's sources and the field."""
     v = doc[key]
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < lo or (hi is not None and v > hi):
+    ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+    if not ok or v < lo or (hi is not None and v > hi):
         bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise CascadeConfigError(f"{where}.{key}: {v!r} is not a number {bound}")
+        raise CascadeConfigError(f"{where}.{key}: {v!r} is not a finite number {bound}")
     return float(v)
+
+
+def _integer(doc: dict, key: str, where: str, lo: int, hi: int) -> int:
+    v = _number(doc, key, where, lo, hi)
+    if v != int(v):
+        raise CascadeConfigError(f"{where}.{key}: {doc[key]!r} is not a whole number")
+    return int(v)
 
 
 def parse_cascade(doc: dict, where: str) -> CascadeConfig:
@@ -162,7 +173,7 @@ def parse_cascade(doc: dict, where: str) -> CascadeConfig:
     router, esc = doc.get("router", {}), doc.get("escalation", {})
     kw: dict[str, Any] = {"source": where}
     if "max_tokens" in draft:
-        kw["draft_max_tokens"] = int(_number(draft, "max_tokens", f"{where}: draft", 1))
+        kw["draft_max_tokens"] = _integer(draft, "max_tokens", f"{where}: draft", 1, _MAX_TOKENS)
     if "threshold" in qual:
         kw["qualifier_threshold"] = _number(qual, "threshold", f"{where}: qualifier", 0, 1.0 + 1e-6)
     if "threshold" in router:
@@ -177,6 +188,9 @@ def parse_cascade(doc: dict, where: str) -> CascadeConfig:
         if kw["cloud"].fallback_threshold > kw.get("qualifier_threshold", CascadeConfig.qualifier_threshold):
             raise CascadeConfigError(f"{where}: cloud.fallback_threshold is above qualifier.threshold")
     return CascadeConfig(**kw)
+
+
+_MAX_TOKENS = 1_000_000  # a bound on any token count a config names (a typo'd 1e12 is an error, not an overflow)
 
 
 def _cloud(c: Any, where: str) -> CloudConfig:
@@ -201,13 +215,18 @@ def _cloud(c: Any, where: str) -> CloudConfig:
         ("usd_per_1k_completion", 0, None),
         ("fallback_threshold", 0, 1.0 + 1e-6),
         ("budget_limit", 0, None),
-        ("timeout_s", 0.001, None),
+        ("timeout_s", 0.001, 86_400),
     ):
         if key in c:
             kw[key] = _number(c, key, where, lo, hi)
-    for key in ("max_retries", "breaker_failures", "max_tokens", "validation_max_tokens"):
+    for key, lo, hi in (
+        ("max_retries", 0, 100),
+        ("breaker_failures", 1, 1_000_000),
+        ("max_tokens", 1, _MAX_TOKENS),
+        ("validation_max_tokens", 1, _MAX_TOKENS),
+    ):
         if key in c:
-            kw[key] = int(_number(c, key, where, 0 if key == "max_retries" else 1))
+            kw[key] = _integer(c, key, where, lo, hi)
     if "budget_period" in c:
         if c["budget_period"] not in ("month", "day", "total"):
             raise CascadeConfigError(f"{where}.budget_period: month, day or total")

@@ -13,7 +13,9 @@ One call (:meth:`CloudClient.chat`):
    jitter, counted by cause; 401/403/404 and other 4xx end the call at once;
 4. the reservation is **settled** with the reported usage — plus the worst case of every attempt
    that may have been served and billed without a usable reply (a timeout, a malformed reply) —
-   or **released** when nothing can have been billed.
+   or **released** when nothing can have been billed. Usage that is absent, not whole numbers,
+   negative, or dearer than the reservation is not believed: the call is charged its reservation
+   (``usage_untrusted`` counted, a warning logged), so a reply can never credit the budget.
 
 The API key is read from the environment variable the config names, at call time; it never
 appears in a result, an error or a log line (``_clean``).
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from kibidango.cascade import CloudConfig
 from kibidango.ledger import BudgetExceeded, Ledger
 
-__all__ = ["CloudClient", "CloudReply", "backoff_seconds", "retry_after_seconds"]
+__all__ = ["CloudClient", "CloudReply", "backoff_seconds", "retry_after_seconds", "usage_cost"]
 
 log = logging.getLogger("kibidango.cloud")
 
@@ -141,15 +143,19 @@ class CloudClient:
             reply.text, reply.status, reply.error = None, "degraded", f"unexpected {type(e).__name__}"
             usd, billed = 0.0, len(rids)  # any of them may have been served: each charged its worst case
         # the first `billed` reservations are charged their worst case; the next one, if a reply
-        # came, what the reply cost; the rest were never used
+        # came, what the reply cost (its reservation when the usage is not credible); the rest
+        # were never used
+        reply.usd = 0.0
         for i, rid in enumerate(rids):
             if i < billed:
-                self.ledger.settle(rid, worst)
+                reply.usd += self.ledger.settle(rid, worst)
             elif i == billed and reply.text is not None:
-                self.ledger.settle(rid, usd)
+                charged = self.ledger.settle(rid, usd)
+                if charged != usd:
+                    self.counts["usage_untrusted"] += 1
+                reply.usd += charged
             else:
                 self.ledger.release(rid)
-        reply.usd = min(billed, len(rids)) * worst + (usd if reply.text is not None else 0.0)
         reply.seconds = time.monotonic() - started
         self._outcome(reply.text is not None)
         self.counts[reply.status] += 1
@@ -157,7 +163,7 @@ class CloudClient:
             self.counts[f"retry_{cause}"] += n
         return reply
 
-    def _attempts(self, messages, max_tokens: int, key: str, reply: CloudReply, may_resend) -> tuple[float, int]:
+    def _attempts(self, messages, max_tokens: int, key: str, reply: CloudReply, may_resend) -> tuple[float | None, int]:
         import openai
 
         cfg = self.cfg
@@ -174,12 +180,8 @@ class CloudClient:
                 text = done.choices[0].message.content if done.choices else None
                 if not text or not text.strip():
                     raise ValueError("the reply has no text")
-                usage = done.usage
                 reply.text, reply.status, reply.error = text, "ok", None
-                prompt_tokens = usage.prompt_tokens if usage else 0
-                completion_tokens = usage.completion_tokens if usage else max_tokens
-                usd = (prompt_tokens * cfg.usd_per_1k_prompt + completion_tokens * cfg.usd_per_1k_completion) / 1000
-                return usd, maybe_billed
+                return usage_cost(done.usage, cfg.usd_per_1k_prompt, cfg.usd_per_1k_completion), maybe_billed
             except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as e:
                 reply.status, reply.error = (
                     "degraded",
@@ -222,6 +224,18 @@ class CloudClient:
         reply.status = "degraded"
         reply.error = self._clean(f"{reply.error} (after {reply.attempts} attempts)")
         return 0.0, maybe_billed
+
+
+def usage_cost(usage, usd_per_1k_prompt: float, usd_per_1k_completion: float) -> float | None:
+    """Dollars for a reply's ``usage``, or None when it cannot be believed: absent, or token
+    counts that are not non-negative whole numbers (the ledger then charges the reservation)."""
+    counts = []
+    for name in ("prompt_tokens", "completion_tokens"):
+        n = getattr(usage, name, None) if usage is not None else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            return None
+        counts.append(n)
+    return (counts[0] * usd_per_1k_prompt + counts[1] * usd_per_1k_completion) / 1000
 
 
 def backoff_seconds(base: float, attempt: int) -> float:

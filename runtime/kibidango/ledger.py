@@ -5,17 +5,23 @@ SQLite in WAL mode (``<state dir>/ledger.sqlite``). A cloud call first **reserve
 cost: in one ``BEGIN IMMEDIATE`` transaction (one writer at a time, across processes) the
 period's settled spend plus its open reservations plus the new amount must stay within the limit,
 or nothing is reserved and the caller answers locally. After the call the reservation is
-**settled** with the cost the provider reported (never more than reserved: the worst case bounds
-it; a larger report is recorded and flagged) or **released** when the call failed before anything
-could be billed. A reservation whose process died is still counted: it may have been paid, so
-:meth:`Ledger.reap` charges it at its reserved amount — the spend can overshoot the truth, never the
-limit.
+**settled** with the cost the provider's reported usage gives, or **released** when the call failed
+before anything could be billed. A settled cost lies in [0, reservation]: a cost that cannot be
+trusted — absent, not a number, negative, NaN, or above the worst case — is charged **at the
+reservation**, with a warning and ``usage_untrusted`` counted; a reply never credits the budget. A
+reservation whose process died is still counted: it may have been paid, so :meth:`Ledger.reap`
+charges it at its reserved amount — the spend can overshoot the truth, never the limit. A
+reservation records its process's id and start token (boot id + start time), so a process that
+later got the same id (a server restarted after ``kill -9`` as PID 1 of its container) does not
+keep a dead one's reservation open.
 
 Periods: ``month`` (UTC ``YYYY-MM``), ``day`` (``YYYY-MM-DD``) or ``total``.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import sqlite3
 import time
@@ -23,9 +29,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from kibidango.state import Database, pid_alive
+from kibidango.state import Database, pid_alive, process_token
 
-__all__ = ["BudgetExceeded", "Ledger", "LedgerState", "period_of"]
+__all__ = ["BudgetExceeded", "Ledger", "LedgerState", "period_of", "trusted_cost"]
+
+log = logging.getLogger("kibidango.ledger")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -42,6 +50,7 @@ CREATE TABLE IF NOT EXISTS entries (
 );
 CREATE INDEX IF NOT EXISTS entries_period ON entries (period, state);
 """
+_COLUMNS = {"token": "TEXT", "untrusted": "INTEGER NOT NULL DEFAULT 0"}  # added after the first release
 
 
 class BudgetExceeded(RuntimeError):
@@ -75,8 +84,8 @@ class Ledger:
     """``Ledger(state_dir, limit_usd, period="month")``; thread-safe (a connection per thread)."""
 
     def __init__(self, state_dir: str | Path, limit_usd: float, period: str = "month"):
-        if not limit_usd >= 0:
-            raise ValueError("budget limit: a non-negative number of dollars")
+        if isinstance(limit_usd, bool) or not isinstance(limit_usd, int | float) or not 0 <= limit_usd < math.inf:
+            raise ValueError(f"budget limit: a finite, non-negative number of dollars, not {limit_usd!r}")
         period_of(period)  # validates
         self._db = Database(
             Path(state_dir) / "ledger.sqlite", synchronous="FULL"
@@ -85,9 +94,15 @@ class Ledger:
         self.limit_usd = float(limit_usd)
         self.period = period
         self._host = os.uname().nodename
+        self._token = process_token()
+        self.untrusted = 0  # settlements charged at the reservation because the reported cost was not credible
         with self._db.transaction() as db:
             for statement in filter(str.strip, _SCHEMA.split(";")):
                 db.execute(statement)
+            have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+            for column, kind in _COLUMNS.items():
+                if column not in have:
+                    db.execute(f"ALTER TABLE entries ADD COLUMN {column} {kind}")
 
     @staticmethod
     def _totals(db: sqlite3.Connection, period: str) -> tuple[float, float]:
@@ -102,8 +117,8 @@ class Ledger:
     def reserve(self, usd: float, note: str = "") -> str:
         """Reserve ``usd`` (the call's worst case) or raise :class:`BudgetExceeded`; returns the
         reservation's id."""
-        if not usd >= 0:
-            raise ValueError("a reservation is a non-negative number of dollars")
+        if isinstance(usd, bool) or not isinstance(usd, int | float) or not 0 <= usd < math.inf:
+            raise ValueError(f"a reservation is a finite, non-negative number of dollars, not {usd!r}")
         period = period_of(self.period)
         with self._db.transaction() as db:
             settled, reserved = self._totals(db, period)
@@ -115,24 +130,32 @@ class Ledger:
             rid = uuid.uuid4().hex
             now = time.time()
             db.execute(
-                "INSERT INTO entries VALUES (?, ?, 'reserved', ?, NULL, ?, ?, ?, ?, ?)",
-                (rid, period, usd, os.getpid(), self._host, note[:200], now, now),
+                "INSERT INTO entries (id, period, state, reserved_usd, settled_usd, pid, host, note, created, updated,"
+                " token) VALUES (?, ?, 'reserved', ?, NULL, ?, ?, ?, ?, ?, ?)",
+                (rid, period, float(usd), os.getpid(), self._host, note[:200], now, now, self._token),
             )
         return rid
 
-    def settle(self, rid: str, usd: float) -> float:
-        """Record what the call cost (the provider's usage); returns the amount recorded. A cost
-        above the reservation is recorded as reported (the worst case was wrong) — the limit
-        check of later reservations sees it."""
+    def settle(self, rid: str, usd) -> float:
+        """Record what the call cost; returns the amount recorded. ``usd`` is what the provider's
+        usage gives, or None when the reply had none: a cost that is not a finite number in
+        [0, reservation] is charged at the reservation (:func:`trusted_cost`) — never credited,
+        never above the worst case that was checked against the limit."""
         with self._db.transaction() as db:
-            row = db.execute("SELECT state FROM entries WHERE id = ?", (rid,)).fetchone()
+            row = db.execute("SELECT state, reserved_usd FROM entries WHERE id = ?", (rid,)).fetchone()
             if row is None or row[0] != "reserved":
                 raise KeyError(f"reservation {rid}: {'unknown' if row is None else row[0]}")
+            amount, trusted = trusted_cost(usd, float(row[1]))
             db.execute(
-                "UPDATE entries SET state='settled', settled_usd=?, updated=? WHERE id=?",
-                (float(usd), time.time(), rid),
+                "UPDATE entries SET state='settled', settled_usd=?, updated=?, untrusted=? WHERE id=?",
+                (amount, time.time(), 0 if trusted else 1, rid),
             )
-        return float(usd)
+        if not trusted:
+            self.untrusted += 1
+            log.warning(
+                f"reservation {rid}: the reported cost {usd!r} is not credible; charged the reserved ${amount:.6f}"
+            )
+        return amount
 
     def release(self, rid: str) -> None:
         """The call failed before anything could be billed (refused connection, 4xx before the
@@ -147,10 +170,10 @@ class Ledger:
         no longer run (killed mid-call: they may have been billed); returns how many."""
         charged = 0
         with self._db.transaction() as db:
-            for rid, pid, amount in db.execute(
-                "SELECT id, pid, reserved_usd FROM entries WHERE state='reserved' AND host=?", (self._host,)
+            for rid, pid, token, amount in db.execute(
+                "SELECT id, pid, token, reserved_usd FROM entries WHERE state='reserved' AND host=?", (self._host,)
             ).fetchall():
-                if not pid_alive(pid):
+                if not pid_alive(pid, token):
                     db.execute(
                         "UPDATE entries SET state='settled', settled_usd=?, note=note || ' [charged: process died]',"
                         " updated=? WHERE id=?",
@@ -163,3 +186,16 @@ class Ledger:
         period = period_of(self.period)
         settled, reserved = self._totals(self._db.connection(), period)
         return LedgerState(period, self.limit_usd, settled, reserved)
+
+
+def trusted_cost(usd, reserved: float) -> tuple[float, bool]:
+    """``(amount to charge, whether the reported cost was credible)``: a finite number in
+    [0, reserved] is charged as is; anything else (None, not a number, negative, NaN, infinite,
+    above the worst case) is charged at ``reserved``."""
+    ok = (
+        not isinstance(usd, bool)
+        and isinstance(usd, int | float)
+        and math.isfinite(usd)
+        and 0 <= usd <= reserved + 1e-12
+    )
+    return (min(float(usd), reserved), True) if ok else (reserved, False)

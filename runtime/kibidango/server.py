@@ -149,7 +149,7 @@ class _Stats:
                 if result.cloud is not None and result.cloud.attempts:
                     self.cloud_calls += 1
                     self.cloud_seconds_sum += result.cloud.seconds
-                    for i, edge in enumerate(_CLOUD_BUCKETS):
+                    for i, edge in enumerate(_CLOUD_BUCKETS):  # cumulative, as Prometheus reads `le`
                         if result.cloud.seconds <= edge:
                             self.cloud_seconds[i] += 1
             self.requests += 1
@@ -235,7 +235,7 @@ class _Stats:
                 "# HELP kibidango_cloud_request_seconds Cloud calls, retries and backoff included.",
                 "# TYPE kibidango_cloud_request_seconds histogram",
                 *(
-                    f'kibidango_cloud_request_seconds_bucket{{{m},le="{"+Inf" if edge == float("inf") else f"{edge:g}"}"}} {sum(self.cloud_seconds[: i + 1])}'
+                    f'kibidango_cloud_request_seconds_bucket{{{m},le="{"+Inf" if edge == float("inf") else f"{edge:g}"}"}} {self.cloud_seconds[i]}'
                     for i, edge in enumerate(_CLOUD_BUCKETS)
                 ),
                 f"kibidango_cloud_request_seconds_sum{{{m}}} {self.cloud_seconds_sum:.6f}",

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["Database", "default_state_dir", "pid_alive"]
+__all__ = ["Database", "default_state_dir", "pid_alive", "process_token"]
 
 
 def default_state_dir() -> Path:
@@ -27,8 +27,27 @@ def default_state_dir() -> Path:
     return Path(base).expanduser() / "kibidango"
 
 
-def pid_alive(pid: int) -> bool:
-    """True if a process with this id runs on this machine (ours included)."""
+def process_token(pid: int | None = None) -> str | None:
+    """What tells one process from a later one with the same id: the boot id and the process's
+    start time (Linux ``/proc``); None where neither can be read."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
+
+
+def pid_alive(pid: int, token: str | None = None) -> bool:
+    """True if the process with this id runs on this machine (ours included) — and, given the
+    ``token`` it recorded (:func:`process_token`), is that process and not a later one that got
+    the same id (a server restarted after ``kill -9`` as PID 1 of its container)."""
+    if token is not None:
+        now = process_token(pid)
+        if now is not None:
+            return now == token
     if pid == os.getpid():
         return True
     try:

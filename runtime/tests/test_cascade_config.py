@@ -4,6 +4,7 @@ file, and clear errors naming the source and field (never echoing a key)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -42,10 +43,22 @@ def test_bundle_thresholds_under_a_user_file(tmp_path):
     assert "cascade/cascade.json" in c.source and "mine.json" in c.source
 
 
+_CLOUD = {"base_url": "http://127.0.0.1:9/v1", "model": "m", "api_key_env": "K", "usd_per_1k_prompt": 0.01,
+          "usd_per_1k_completion": 0.02}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        ({"qualifier": {"threshold": 1.5}}, r"qualifier\.threshold: 1\.5 is not a number in \[0, 1"),
+        ({"qualifier": {"threshold": 1.5}}, r"qualifier\.threshold: 1\.5 is not a finite number in \[0, 1"),
+        ({"qualifier": {"threshold": math.nan}}, r"qualifier\.threshold: nan is not a finite number"),
+        ({"cloud": {**_CLOUD, "usd_per_1k_prompt": math.nan}}, r"cloud\.usd_per_1k_prompt: nan is not a finite"),
+        ({"cloud": {**_CLOUD, "budget_limit": math.nan}}, r"cloud\.budget_limit: nan is not a finite"),
+        ({"cloud": {**_CLOUD, "budget_limit": math.inf}}, r"cloud\.budget_limit: inf is not a finite"),
+        ({"cloud": {**_CLOUD, "max_tokens": math.inf}}, r"cloud\.max_tokens: inf is not a finite number in"),
+        ({"cloud": {**_CLOUD, "max_tokens": 2.5}}, r"cloud\.max_tokens: 2\.5 is not a whole number"),
+        ({"cloud": {**_CLOUD, "max_tokens": 10**15}}, r"cloud\.max_tokens: 1000000000000000 is not a finite number in"),
+        ({"draft": {"max_tokens": -1}}, r"draft\.max_tokens: -1 is not a finite number"),
         ({"qualifer": {}}, r"unknown field\(s\) \['qualifer'\]"),
         (
             {

@@ -93,3 +93,40 @@ def test_reservations_released_reaped_and_periods(tmp_path):
     assert period_of("month", 0) == "1970-01" and period_of("total") == "total"
     with pytest.raises(ValueError):
         Ledger(tmp_path, 1.0, period="week")
+
+
+def test_a_settled_cost_is_never_a_credit_nor_above_its_reservation(tmp_path):
+    ledger = Ledger(tmp_path, limit_usd=1.00, period="total")
+    for reported in (-2000.0, float("nan"), float("inf"), 2e9, None, "0.01", True):
+        rid = ledger.reserve(0.05)
+        assert ledger.settle(rid, reported) == 0.05, reported  # charged at the worst case
+    assert ledger.untrusted == 7
+    rid = ledger.reserve(0.05)
+    assert ledger.settle(rid, 0.02) == 0.02 and ledger.untrusted == 7  # a credible cost is taken as is
+    assert ledger.state().settled_usd == pytest.approx(7 * 0.05 + 0.02)
+    for bad in (float("nan"), float("inf"), -1.0, "10"):
+        with pytest.raises(ValueError, match="finite, non-negative"):
+            Ledger(tmp_path / "x", bad)
+        with pytest.raises(ValueError, match="finite, non-negative"):
+            ledger.reserve(bad)
+
+
+def test_a_killed_servers_reservation_is_reaped_when_its_successor_has_the_same_pid(tmp_path):
+    """Two processes, each PID 1 of its own PID namespace (a container's server, killed with
+    kill -9 and restarted): the successor's pid is the dead one's, and its reservation is reaped."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    probe = [unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", "import os; assert os.getpid() == 1"]
+    if not unshare or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("needs unshare --pid (root, or user namespaces)")
+    state = str(tmp_path)
+    first = f"import os; from kibidango.ledger import Ledger; Ledger({state!r}, 1.0).reserve(0.25); os._exit(9)"
+    assert subprocess.run([*probe[:4], sys.executable, "-c", first]).returncode == 9
+    second = (
+        f"import json, os; from kibidango.ledger import Ledger; l = Ledger({state!r}, 1.0); assert os.getpid() == 1;"
+        " print(json.dumps([l.reap(), l.state().settled_usd, l.state().reserved_usd]))"
+    )
+    done = subprocess.run([*probe[:4], sys.executable, "-c", second], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [1, 0.25, 0.0]
