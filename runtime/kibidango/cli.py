@@ -215,6 +215,9 @@ def _serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         request_timeout_s=args.request_timeout,
         shutdown_grace_s=args.shutdown_grace,
+        api_key_env=args.api_key_env,
+        api_keys_file=args.api_keys_file,
+        insecure_no_auth=args.insecure_no_auth,
         threads=args.threads,
         kv_cache=args.kv_cache,
         compile=args.compile,
@@ -337,6 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled (504)")
     srv.add_argument(
         "--shutdown-grace", type=float, default=10.0, help="seconds running requests get to finish after SIGTERM"
+    )
+    srv.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="require 'Authorization: Bearer <key>' on /v1/, the key(s) read from this environment variable "
+        "(comma-separated); session memory is kept per key",
+    )
+    srv.add_argument("--api-keys-file", metavar="PATH", help="API keys, one per line (# comments), as --api-key-env")
+    srv.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve a non-loopback --host without API keys (any client that reaches it is served)",
     )
     _decode_args(srv)
     _adapter_args(srv)

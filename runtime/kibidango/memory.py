@@ -5,6 +5,10 @@ Bounded three ways: at most ``turns`` exchanges per session (older ones are dele
 arrive), at most ``max_chars`` of context handed back (the oldest exchanges are dropped first,
 and one exchange longer than that is cut from its start), and a retention limit: exchanges older
 than ``retention_s`` are deleted (:meth:`SessionMemory.purge`, also run as exchanges are added).
+
+Every method takes a ``scope``: whose sessions these are (the server passes a digest of the
+request's API key). The same session id under another scope is another session: a client never
+reads, extends or forgets a session another key created.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ class SessionMemory:
         db = self._db.connection()
         db.execute(
             "CREATE TABLE IF NOT EXISTS exchanges (session TEXT NOT NULL, at REAL NOT NULL,"
-            " user TEXT NOT NULL, assistant TEXT NOT NULL)"
+            " user TEXT NOT NULL, assistant TEXT NOT NULL, scope TEXT NOT NULL DEFAULT '')"
         )
-        db.execute("CREATE INDEX IF NOT EXISTS exchanges_session ON exchanges (session, at)")
+        if "scope" not in {row[1] for row in db.execute("PRAGMA table_info(exchanges)")}:  # an older state dir
+            db.execute("ALTER TABLE exchanges ADD COLUMN scope TEXT NOT NULL DEFAULT ''")
+        db.execute("CREATE INDEX IF NOT EXISTS exchanges_scope_session ON exchanges (scope, session, at)")
 
     @staticmethod
     def check_id(session: str) -> str:
@@ -49,27 +55,31 @@ class SessionMemory:
             raise ValueError("session id: 1-128 characters of A-Z, a-z, 0-9, _ . : -")
         return session
 
-    def add(self, session: str, user: str, assistant: str) -> None:
+    def add(self, session: str, user: str, assistant: str, scope: str = "") -> None:
         """Keep one exchange; drop the session's exchanges beyond ``turns`` and every expired one."""
         self.check_id(session)
         now = self._clock()
         with self._db.transaction() as db:
-            db.execute("INSERT INTO exchanges VALUES (?, ?, ?, ?)", (session, now, user, assistant))
             db.execute(
-                "DELETE FROM exchanges WHERE session = ? AND rowid NOT IN"
-                " (SELECT rowid FROM exchanges WHERE session = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
-                (session, session, self.turns),
+                "INSERT INTO exchanges (session, at, user, assistant, scope) VALUES (?, ?, ?, ?, ?)",
+                (session, now, user, assistant, scope),
+            )
+            db.execute(
+                "DELETE FROM exchanges WHERE scope = ? AND session = ? AND rowid NOT IN (SELECT rowid FROM exchanges"
+                " WHERE scope = ? AND session = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
+                (scope, session, scope, session, self.turns),
             )
             db.execute("DELETE FROM exchanges WHERE at < ?", (now - self.retention_s,))
 
-    def context(self, session: str) -> list[dict[str, str]]:
+    def context(self, session: str, scope: str = "") -> list[dict[str, str]]:
         """The session's kept exchanges as chat turns, oldest first, within ``max_chars``."""
         self.check_id(session)
         rows = (
             self._db.connection()
             .execute(
-                "SELECT user, assistant FROM exchanges WHERE session = ? AND at >= ? ORDER BY at DESC, rowid DESC LIMIT ?",
-                (session, self._clock() - self.retention_s, self.turns),
+                "SELECT user, assistant FROM exchanges WHERE scope = ? AND session = ? AND at >= ?"
+                " ORDER BY at DESC, rowid DESC LIMIT ?",
+                (scope, session, self._clock() - self.retention_s, self.turns),
             )
             .fetchall()
         )
@@ -94,5 +104,9 @@ class SessionMemory:
         cur = self._db.connection().execute("DELETE FROM exchanges WHERE at < ?", (self._clock() - self.retention_s,))
         return cur.rowcount
 
-    def forget(self, session: str) -> None:
-        self._db.connection().execute("DELETE FROM exchanges WHERE session = ?", (self.check_id(session),))
+    def forget(self, session: str, scope: str = "") -> int:
+        """Delete the session's exchanges (in ``scope``); returns how many there were."""
+        cur = self._db.connection().execute(
+            "DELETE FROM exchanges WHERE scope = ? AND session = ?", (scope, self.check_id(session))
+        )
+        return cur.rowcount

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -45,7 +47,7 @@ from kibidango.memory import SessionMemory
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import TIERS, Metrics
 
-__all__ = ["create_app", "serve", "uvicorn_server"]
+__all__ = ["create_app", "key_scope", "load_api_keys", "serve", "uvicorn_server"]
 
 log = logging.getLogger("kibidango.server")
 
@@ -399,6 +401,7 @@ class _Scheduler:
         self.refused: dict[str, int] = {"queue_full": 0, "shutting_down": 0}
         self.busy_seconds = 0.0  # the models' time, over `served` requests: Retry-After's estimate
         self.served = 0
+        self.live: set[_Generation] = set()  # started, not finished: answered 503 if a shutdown cannot wait
 
     def admit(self) -> str | None:
         """Take a request in (None) or say why not: ``queue_full`` or ``shutting_down``."""
@@ -425,6 +428,8 @@ class _Scheduler:
         piece), then ``unlocked(value)`` without them; the generation ends with ``("end", value)``.
         The caller has been admitted."""
         gen = _Generation(time.monotonic() + self.request_timeout_s)
+        with self.counts:
+            self.live.add(gen)
         threading.Thread(
             target=self._work, args=(gen, locked, unlocked), name="kibidango-generate", daemon=True
         ).start()
@@ -442,6 +447,16 @@ class _Scheduler:
         finally:
             with self.counts:
                 self.in_flight -= 1
+                self.live.discard(gen)
+
+    def abandon(self) -> int:
+        """Answer every request still running with 503 now (the end of a shutdown that cannot
+        wait for it); its work ends on its own. Returns how many."""
+        with self.counts:
+            live = list(self.live)
+        for gen in live:
+            gen.put("shutting_down")
+        return len(live)
 
     def _run(self, gen: _Generation, locked, unlocked) -> None:
         ticket = self.lock.enter()
@@ -490,7 +505,12 @@ class _Scheduler:
                 self.timed_out += 1
             gen.put("timeout")
             return
-        if gen.cancel.is_set() or self.closing.is_set():
+        if self.closing.is_set() and not gen.cancel.is_set():  # cut by a shutdown: 503 + Retry-After
+            with self.counts:
+                self.refused["shutting_down"] += 1
+            gen.put("shutting_down")
+            return
+        if gen.cancel.is_set():
             with self.counts:
                 self.cancelled += 1
             gen.put("end", value)
@@ -557,12 +577,50 @@ class _BodyLimit:
         return await self.app(scope, counted, send)
 
 
-async def _send_error(send, status: int, message: str) -> None:
+async def _send_error(send, status: int, message: str, code: str | None = None, headers: tuple = ()) -> None:
     body = json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
     ).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    head = [(b"content-type", b"application/json"), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": body})
+
+
+def key_scope(key: str) -> str:
+    """What session memory is keyed by for a request made with ``key``: a digest, never the key."""
+    return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
+
+
+class _Auth:
+    """ASGI middleware: every ``/v1/`` request needs ``Authorization: Bearer <key>`` with one of
+    ``keys`` (compared in constant time, every key each time), else 401 in OpenAI's error shape.
+    ``/health`` and ``/metrics`` stay open (probes and scrapers). The request's scope carries
+    :func:`key_scope` of its key; no key is ever logged or echoed."""
+
+    def __init__(self, app, keys: list[str], on_refuse=lambda: None):
+        self.app, self.on_refuse = app, on_refuse
+        self.keys = [k.encode("utf-8") for k in keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        kind, _, token = header.partition(b" ")
+        token = token.strip()
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(token, key)
+        if not (ok and kind.lower() == b"bearer"):
+            self.on_refuse()
+            message = (
+                "Incorrect API key provided."
+                if token
+                else "You didn't provide an API key. You need to provide your API key in an Authorization header "
+                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+            )
+            return await _send_error(send, 401, message, "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+        scope.setdefault("state", {})["key_scope"] = key_scope(token.decode("utf-8", "replace"))
+        return await self.app(scope, receive, send)
 
 
 def _max_token_bytes(tokenizer) -> int:
@@ -587,8 +645,10 @@ def create_app(
     memory: SessionMemory | None = None,
     max_queue: int = 64,
     request_timeout_s: float = 600.0,
+    api_keys: list[str] | None = None,
 ):
-    """The FastAPI app. ``stall_seconds``: a generation that makes no progress for this long turns
+    """The FastAPI app. ``api_keys``: every ``/v1/`` request must bear one (:class:`_Auth`);
+    session memory is then kept per key. ``stall_seconds``: a generation that makes no progress for this long turns
     ``/health`` to 503 ("wedged"), so a supervisor can restart the server. ``cascade``: requests
     for the model ``<model_name>-cascade`` go through it (tier, confidence, cost and budget left in
     the response's ``kibidango.cascade``). ``memory``: chat requests with a session id (the
@@ -772,9 +832,13 @@ def create_app(
             return JSONResponse({"error": {"message": "cancelled", "type": "cancelled"}}, status_code=499)
         return error(500, "internal error during generation (the server log has the details)", kind="server_error")
 
-    async def remember(session: str | None, query: str, text: str) -> None:
+    def scope_of(request: Request) -> str:
+        """Whose sessions a request may use: its API key's digest ("" on a server without keys)."""
+        return getattr(request.state, "key_scope", "")
+
+    async def remember(session: str | None, query: str, text: str, scope: str) -> None:
         if memory is not None and session is not None and text:
-            await asyncio.to_thread(memory.add, session, query, text)
+            await asyncio.to_thread(memory.add, session, query, text, scope)
 
     async def sse(gen: _Generation, metrics: Metrics, chunk, done) -> AsyncIterator[str]:
         parts: list[str] = []
@@ -881,7 +945,7 @@ def create_app(
             gen = scheduler.start(locked)
 
         async def done(text: str) -> None:
-            await remember(session, query, text)
+            await remember(session, query, text, scope_of(request))
 
         if req.stream:
 
@@ -932,14 +996,28 @@ def create_app(
                 return error(400, str(e), "session_id")
             if memory is None:
                 return error(400, "session_id: this server keeps no session memory", "session_id")
-            history = await asyncio.to_thread(memory.context, session)
+            history = await asyncio.to_thread(memory.context, session, scope_of(request))
         turns = history + [{"role": m.role, "content": m.content} for m in req.messages]
         query = next((m.content for m in reversed(req.messages) if m.role == "user"), req.messages[-1].content)
         prompt = _chat_prompt(pipe.tokenizer, turns)  # for the size check before tokenising
         ids = _chat_ids(pipe.tokenizer, turns) if len(prompt.encode("utf-8")) <= prompt_bytes_limit else None
         return await respond(request, req, prompt, "chat.completion", choice, query, turns, session, ids)
 
+    @app.delete("/v1/sessions/{session_id}")
+    async def forget(request: Request, session_id: str):
+        """Forget a session's memory (only the calling key's session of that id)."""
+        try:
+            SessionMemory.check_id(session_id)
+        except ValueError as e:
+            return error(400, str(e), "session_id")
+        if memory is None:
+            return error(404, "this server keeps no session memory", "session_id", code="not_found")
+        removed = await asyncio.to_thread(memory.forget, session_id, scope_of(request))
+        return {"id": session_id, "object": "session", "deleted": True, "exchanges": removed}
+
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes, on_refuse=stats.count_error)
+    if api_keys:  # outermost: a request without a key is refused before its body is read
+        app.add_middleware(_Auth, keys=list(api_keys), on_refuse=stats.count_error)
     return app
 
 
@@ -984,15 +1062,36 @@ def serve(
     max_queue: int = 64,
     request_timeout_s: float = 600.0,
     shutdown_grace_s: float = 10.0,
+    api_key_env: str | None = None,
+    api_keys_file: str | None = None,
+    insecure_no_auth: bool = False,
     **overrides: Any,
 ) -> None:
     """Serve a bundle. ``cascade``: a cascade config (a name, a file, or ``bundle`` for the
     bundle's own 6C choice) served as ``<model>-cascade``, its budget ledger and the session
     memory in ``state_dir``. On SIGTERM/SIGINT the server stops taking requests, refuses the
-    queued ones (503), gives running ones ``shutdown_grace_s`` to finish, then cancels them."""
+    queued ones (503), gives running ones ``shutdown_grace_s`` to finish, then answers them 503.
+
+    API keys (``Authorization: Bearer``) come from the environment variable ``api_key_env`` (one key,
+    or several separated by commas) and/or ``api_keys_file`` (one per line, ``#`` comments). Without
+    any, the server binds only a loopback address (every local client is trusted, and it says so);
+    another address without keys needs ``insecure_no_auth``."""
     import uvicorn
 
     from kibidango.state import default_state_dir
+
+    keys = load_api_keys(api_key_env, api_keys_file)
+    if not keys and not _loopback(host) and not insecure_no_auth:
+        raise ValueError(
+            f"refusing to serve {host} without API keys: set --api-key-env NAME (or --api-keys-file), or pass "
+            "--insecure-no-auth to accept any client that can reach it"
+        )
+    if keys:
+        log.warning(f"API keys required on /v1/: {len(keys)} key(s) from {_key_sources(api_key_env, api_keys_file)}")
+    elif _loopback(host):
+        log.warning(f"no API keys: serving {host} (loopback) only; every local client is trusted")
+    else:
+        log.warning(f"no API keys and --insecure-no-auth: ANY client that reaches {host}:{port} is served")
 
     # Loads the tiers of the default mode; a request may choose any mode those tiers serve
     # (a pyramid server also serves sd and ar).
@@ -1030,6 +1129,7 @@ def serve(
         memory=memory,
         max_queue=max_queue,
         request_timeout_s=request_timeout_s,
+        api_keys=keys,
     )
     # Open requests get shutdown_grace_s to finish after SIGTERM; then they are cancelled, which
     # cancels their generations (uvicorn's default waits for them however long they take).
@@ -1037,16 +1137,119 @@ def serve(
     uvicorn_server(config).run()
 
 
+def load_api_keys(env: str | None = None, path: str | None = None) -> list[str]:
+    """The server's API keys: from the environment variable ``env`` (comma-separated) and the
+    file ``path`` (one per line, ``#`` comments). Errors name the variable or file and line, never
+    a key."""
+    import os
+
+    keys: list[str] = []
+    if env is not None:
+        value = os.environ.get(env, "")
+        if not value.strip():
+            raise ValueError(f"--api-key-env {env}: the environment variable is not set or empty")
+        keys += [k.strip() for k in value.split(",") if k.strip()]
+    if path is not None:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise ValueError(f"--api-keys-file {path}: cannot read it ({e.strerror})") from None
+        for n, line in enumerate(lines, 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                if any(c.isspace() for c in line):
+                    raise ValueError(f"--api-keys-file {path}: line {n} holds whitespace inside a key")
+                keys.append(line)
+        if not keys:
+            raise ValueError(f"--api-keys-file {path}: no key in it")
+    for where, key in ((env or path, k) for k in keys):
+        if len(key) < 16:
+            raise ValueError(f"API keys from {where}: a key shorter than 16 characters (too easy to guess)")
+    return keys
+
+
+def _key_sources(env: str | None, path: str | None) -> str:
+    return " and ".join(x for x in (f"${env}" if env else None, path) if x)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def uvicorn_server(config):
-    """A uvicorn server for an app of :func:`create_app` that drains on SIGTERM/SIGINT: the
-    scheduler refuses what is queued (503) before uvicorn stops accepting and waits for the rest."""
+    """A uvicorn server for an app of :func:`create_app` that drains on SIGTERM/SIGINT, so that
+    every request it took gets an HTTP answer. The first signal starts the drain while the server
+    keeps accepting: new and queued requests are answered 503 + Retry-After, running ones get
+    ``config.timeout_graceful_shutdown`` seconds to finish; then the rest stop after their decoding
+    round and are answered 503 (a request still at the cloud too, after a few seconds more). Only
+    then does the listening socket close: its backlog is first cut to nothing and what was already
+    in it accepted and answered, so a client that connected is answered or, arriving after, refused
+    — never reset after its request was sent. A second signal stops at once (uvicorn's way)."""
     import uvicorn
 
     scheduler = config.app.state.scheduler
+    grace_s = config.timeout_graceful_shutdown if config.timeout_graceful_shutdown is not None else 10.0
+    config.timeout_graceful_shutdown = 5.0  # uvicorn's own wait, after the drain: only answers being written
 
     class _Server(uvicorn.Server):
+        drain: asyncio.Task | None = None
+
         def handle_exit(self, sig, frame):
-            scheduler.draining.set()
+            if not scheduler.draining.is_set():
+                self._captured_signals.append(sig)  # re-raised once the server has stopped, as uvicorn does
+                scheduler.draining.set()
+                return
             super().handle_exit(sig, frame)
 
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter):
+                return True
+            if scheduler.draining.is_set():
+                if self.drain is None:
+                    self.drain = asyncio.create_task(self._drain())
+                return self.drain.done()
+            return False
+
+        async def _drain(self) -> None:
+            deadline = time.monotonic() + grace_s
+            while scheduler.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if scheduler.in_flight:
+                scheduler.closing.set()  # each generation stops after its round and is answered 503
+                cut = time.monotonic() + 5.0
+                while scheduler.in_flight and time.monotonic() < cut:
+                    await asyncio.sleep(0.05)
+                if scheduler.abandon():  # still at the cloud: answered now, its work ends on its own
+                    log.warning("shutdown: requests still waiting for the cloud were answered 503")
+            scheduler.closing.set()
+            for server in self.servers:  # no new connection joins the backlog; those in it are taken
+                for sock in server.sockets:
+                    _shrink_backlog(sock)
+            await asyncio.sleep(0.5)  # accepted and answered (503) before the socket closes
+
     return _Server(config)
+
+
+def _shrink_backlog(sock) -> None:
+    """``listen(0)`` on a listening socket: the kernel keeps what already connected and drops new
+    handshakes (their clients retry, then find the socket closed: refused, nothing sent)."""
+    import os
+    import socket
+
+    try:
+        dup = socket.socket(fileno=os.dup(sock.fileno()))
+    except OSError:
+        return
+    try:
+        dup.listen(0)
+    except OSError:
+        pass
+    finally:
+        dup.close()
