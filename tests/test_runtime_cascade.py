@@ -219,6 +219,27 @@ def test_a_prompt_past_the_local_context_goes_to_the_cloud(pipe, proxy, tmp_path
         CascadePipeline(pipe, load_cascade("local-only"), tmp_path).answer(long, max_new_tokens=4)
 
 
+def test_the_server_sends_a_prompt_past_the_local_context_to_the_cloud(pipe, proxy, tmp_path, monkeypatch):
+    """Through the server: the cascade's model takes a prompt longer than the local context (its
+    cloud answers it); the plain model refuses it with a 400 naming its limit. (The local context
+    is cut to 64 tokens here: the cloud stand-in is the same 512-token model.)"""
+    from fastapi.testclient import TestClient
+
+    from kibidango.server import create_app
+
+    monkeypatch.setattr(pipe.models["target"], "context_length", 64)
+    casc = _cascade(pipe, proxy, tmp_path, qualifier=0.5, fallback=0.1)
+    long = [{"role": "user", "content": "Once upon a time " * 30}]
+    with TestClient(create_app(pipe, model_name="kb", cascade=casc)) as client:
+        r = client.post("/v1/chat/completions", json={"model": "kb-cascade", "messages": long, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        cascade = r.json()["kibidango"]["cascade"]
+        assert cascade["tier"] == "cloud" and "local_context" in cascade["flags"], cascade
+        assert r.json()["choices"][0]["message"]["content"]
+        r = client.post("/v1/chat/completions", json={"model": "kb", "messages": long, "max_tokens": 4})
+        assert r.status_code == 400 and "this server accepts at most 63" in r.json()["error"]["message"]
+
+
 def _serve(bundle, port: int, config, state, env, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(

@@ -135,8 +135,8 @@ class CascadePipeline:
         p_fail = self.detector.p_fail(query, conf) if self.detector is not None else None
         flagged = p_fail is not None and p_fail >= self.detector.threshold
         result = CascadeResult(local.text, "local", confidence, p_fail, 0.0, self._left(), local=local)
-        if confidence is None:
-            result.flags.append("uncalibrated")
+        if confidence is None:  # no calibrator, or one that gave no finite value on this answer
+            result.flags.append("confidence_invalid" if local.metrics.confidence_error else "uncalibrated")
         action = None
         if local.metrics.finish_reason == "cancelled":
             result.flags.append("cancelled")

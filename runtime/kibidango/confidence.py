@@ -30,6 +30,9 @@ __all__ = ["ANSWER_FEATURES", "Calibrator", "EscalationDetector", "Logistic", "a
 ANSWER_FEATURES = ("mean_logprob", "min_logprob", "mean_entropy", "tokens", "calibrated_mean_logprob")
 
 
+TEMPERATURE_RANGE = (1e-2, 1e2)
+
+
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     z = np.asarray(z, dtype=np.float64)
     z = z - z.max(axis=-1, keepdims=True)
@@ -98,8 +101,12 @@ class Logistic:
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         x = np.atleast_2d(np.asarray(x, dtype=np.float64))
-        z = ((x - np.asarray(self.mean)) / np.asarray(self.std)) @ np.asarray(self.weights) + self.bias
-        return 1.0 / (1.0 + np.exp(-np.clip(z, -500, 500)))
+        with np.errstate(all="ignore"):  # an overflow shows as NaN, which the callers check
+            # elementwise, not a BLAS matmul: inf - inf must stay NaN for the checks to see it
+            z = (((x - np.asarray(self.mean)) / np.asarray(self.std)) * np.asarray(self.weights)).sum(
+                axis=1
+            ) + self.bias
+            return 1.0 / (1.0 + np.exp(-np.clip(z, -500, 500)))
 
 
 @dataclass
@@ -122,10 +129,29 @@ class Calibrator:
             isinstance(t, int | float) and np.isfinite(t) and t > 0 for t in temps.values()
         ):
             raise BundleError(f"{path}: temperature must map a backend to a positive number")
+        if not all(TEMPERATURE_RANGE[0] <= t <= TEMPERATURE_RANGE[1] for t in temps.values()):
+            raise BundleError(f"{path}: a temperature outside {TEMPERATURE_RANGE} (no calibration fits one)")
         answer = Logistic.from_dict(spec["answer"], f"{path}: answer") if spec.get("answer") else None
         if answer is not None and not set(answer.features) <= set(ANSWER_FEATURES):
             raise BundleError(f"{path}: unknown answer features {sorted(set(answer.features) - set(ANSWER_FEATURES))}")
-        return cls({k: float(v) for k, v in temps.items()}, answer, spec.get("metrics", {}))
+        calibrator = cls({k: float(v) for k, v in temps.items()}, answer, spec.get("metrics", {}))
+        calibrator.probe(path)
+        return calibrator
+
+    def probe(self, where) -> None:
+        """Refuse a calibrator that gives anything but a finite confidence in [0, 1] on answers like
+        the ones it will see (finite weights can still overflow: 1e308 over a std of 1e-308)."""
+        rng = np.random.default_rng(0)
+        for backend in self.temperature:
+            for scale in (0.1, 1.0, 10.0):
+                logits = rng.normal(0.0, scale, size=(8, 64))
+                feats = answer_features(logits, list(rng.integers(0, 64, size=8)), self.temperature_for(backend))
+                with np.errstate(all="ignore"):
+                    value = self.confidence(feats)
+                if not (np.isfinite(value) and 0.0 <= value <= 1.0):
+                    raise BundleError(
+                        f"{where}: the calibrator gives {value!r} on a probe answer ({backend}), not [0, 1]"
+                    )
 
     def to_dict(self) -> dict:
         return {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,13 @@ class Pipeline:
         fields = {f.name for f in dataclasses.fields(DecodeConfig)}
         tuned = (bundle.meta.get("tuned_defaults") or {}).get(backend, {})  # kibidango tune / stage 1F
         defaults = {k: v for k, v in {**bundle.defaults, **tuned}.items() if k in fields}
+        try:  # the bundle's own settings, before any caller's: an error names the file and the field
+            DecodeConfig(
+                **{**defaults, **({"stop_ids": tuple(defaults["stop_ids"])} if "stop_ids" in defaults else {})}
+            )
+        except (TypeError, ValueError) as e:
+            where = f"runtime_defaults / tuned_defaults.{backend}" if tuned else "runtime_defaults"
+            raise BundleError(f"{bundle.root / 'bundle.json'}: {where}: {e}") from None
         defaults.update(overrides)
         if mode is not None:
             defaults["mode"] = mode
@@ -226,7 +234,11 @@ class Pipeline:
             return
         answer = [t for t in out if t not in self.defaults.stop_ids]
         feats = score_answer(self.models["target"], ids, answer, self.calibrator.temperature_for(self.backend))
-        metrics.confidence = self.calibrator.confidence(feats)
+        confidence = self.calibrator.confidence(feats)
+        if math.isfinite(confidence) and 0.0 <= confidence <= 1.0:
+            metrics.confidence = confidence
+        else:  # reported as null with the reason, never a NaN in a response
+            metrics.confidence, metrics.confidence_error = None, f"the calibrator gave {confidence!r}"
 
     def _text(
         self,

@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kibidango.backends.base import ContextLengthError
 from kibidango.cascade_pipeline import CascadePipeline, CascadeResult, Draft
+from kibidango.chat_template import TemplateBoundError, render_chat
 from kibidango.memory import SessionMemory
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import TIERS, Metrics
@@ -110,11 +111,25 @@ class CompletionRequest(_Decoding):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[dict[str, Any]]
+    """A string, or OpenAI's list of content parts: text parts are joined (by newlines, as vLLM
+    does); any other part (an image, audio) is refused — this server reads text."""
 
     @field_validator("content")
     @classmethod
     def _content(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("content: an empty list of parts")
+            texts = []
+            for i, part in enumerate(v):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"content[{i}]: a {kind!r} part; this server reads only text parts")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content[{i}].text: a string")
+                texts.append(part["text"])
+            v = "\n".join(texts)
         return _valid_text(v, "content")
 
 
@@ -285,21 +300,25 @@ _CLOUD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("
 
 
 def _chat_prompt(tokenizer, turns: list[dict[str, str]]) -> str:
+    """The chat's prompt: the bundle's chat template rendered within bounds
+    (:func:`kibidango.chat_template.render_chat`; call it off the event loop)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return render_chat(tokenizer, turns)
     # No chat template (a bare story model): a plain transcript ending with the assistant's turn.
     return "".join(f"{m['role']}: {m['content']}\n" for m in turns) + "assistant:"
 
 
-def _chat_ids(tokenizer, turns: list[dict[str, str]]) -> list[int] | None:
-    """The chat's token ids straight from the template (its text holds the BOS token already:
-    encoding that text again would add a second one); None without a template."""
+def _chat_ids(tokenizer, prompt: str) -> list[int] | None:
+    """The chat's token ids, as transformers' apply_chat_template makes them: the rendered text
+    holds the BOS token already, so it is encoded without adding special tokens; None without a
+    template (the prompt is encoded as any completion prompt)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    return list(tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True, return_dict=False))
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 _HEALTH_STALL_S = 120.0
+_CLOUD_PROMPT_TOKENS = 32_768  # the cascade model's prompt bound without --max-prompt-tokens
 
 
 class _Generation:
@@ -678,7 +697,16 @@ def create_app(
     app.state.stats = stats
     context = min(m.context_length for m in pipe.models.values())
     prompt_limit = min(max_prompt_tokens or context, context - 1)
-    prompt_bytes_limit = prompt_limit * _max_token_bytes(pipe.tokenizer)
+    token_bytes = _max_token_bytes(pipe.tokenizer)
+    # The cascade's model takes prompts past the local context: its cloud tier answers them.
+    cloud_limit = max_prompt_tokens or _CLOUD_PROMPT_TOKENS
+    if cascade is None or cascade.client is None:
+        cloud_limit = prompt_limit
+
+    def limits(model: str | None) -> tuple[int, int]:
+        """(tokens, bytes) a prompt to ``model`` may have."""
+        tokens = cloud_limit if model is not None and model == cascade_name else prompt_limit
+        return tokens, tokens * token_bytes
 
     def error(
         status: int,
@@ -748,16 +776,17 @@ def create_app(
                 "model",
                 code="model_not_found",
             )
+        token_limit, bytes_limit = limits(req.model)
         size = len(prompt.encode("utf-8"))
-        if size > prompt_bytes_limit:
+        if size > bytes_limit:
             return error(
                 400,
-                f"prompt: {size} bytes, more than {prompt_limit} tokens can spell; this server accepts at most {prompt_limit} tokens",
+                f"prompt: {size} bytes, more than {token_limit} tokens can spell; this server accepts at most {token_limit} tokens",
                 "prompt",
             )
         ids = ids if ids is not None else pipe.encode(prompt)
-        if len(ids) > prompt_limit:
-            return error(400, f"prompt: {len(ids)} tokens; this server accepts at most {prompt_limit}", "prompt")
+        if len(ids) > token_limit:
+            return error(400, f"prompt: {len(ids)} tokens; this server accepts at most {token_limit}", "prompt")
         max_tokens = req.max_tokens or 16
         if max_tokens > max_tokens_limit:
             return error(
@@ -999,8 +1028,11 @@ def create_app(
             history = await asyncio.to_thread(memory.context, session, scope_of(request))
         turns = history + [{"role": m.role, "content": m.content} for m in req.messages]
         query = next((m.content for m in reversed(req.messages) if m.role == "user"), req.messages[-1].content)
-        prompt = _chat_prompt(pipe.tokenizer, turns)  # for the size check before tokenising
-        ids = _chat_ids(pipe.tokenizer, turns) if len(prompt.encode("utf-8")) <= prompt_bytes_limit else None
+        try:  # the bundle's template is code: rendered off the event loop, within time and size bounds
+            prompt = await asyncio.to_thread(_chat_prompt, pipe.tokenizer, turns)
+        except TemplateBoundError as e:
+            return error(400, str(e), "messages", code="chat_template")
+        ids = _chat_ids(pipe.tokenizer, prompt) if len(prompt.encode("utf-8")) <= limits(req.model)[1] else None
         return await respond(request, req, prompt, "chat.completion", choice, query, turns, session, ids)
 
     @app.delete("/v1/sessions/{session_id}")

@@ -20,6 +20,7 @@ Modes (speculative sampling: Leviathan et al. 2023, arXiv 2211.17192; Pyramid SD
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,6 +58,19 @@ class DecodeConfig:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("k", "l_D", "l_Q", "max_new_tokens", "seed"):
+            value = getattr(self, name)
+            if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}: {value!r} is not a whole number")
+        for name in ("tau_Q", "tau_T", "temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name}: {value!r} is not a finite number")
+        for name in ("mode", "variant", "divergence"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not a string")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_ids):
+            raise ValueError(f"stop_ids: {list(self.stop_ids)!r} are not all token ids")
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.variant not in VARIANTS:
@@ -99,6 +113,8 @@ class Metrics:
     """The domain adapter the target ran with (None: the base weights)."""
     confidence: float | None = None
     """Calibrated P(the answer passes its judge) (2G)."""
+    confidence_error: str | None = None
+    """Why ``confidence`` is None although the bundle has a calibrator (it gave no finite value)."""
 
     def count(self, stage: str, drafted: int, accepted: int) -> None:
         self.num_draft_tokens[stage] = self.num_draft_tokens.get(stage, 0) + drafted
@@ -168,6 +184,7 @@ class Metrics:
             "router_confidence": self.router_confidence,
             "adapter": self.adapter,
             "confidence": self.confidence,
+            **({"confidence_error": self.confidence_error} if self.confidence_error else {}),
         }
 
 

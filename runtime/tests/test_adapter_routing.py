@@ -172,3 +172,48 @@ def test_cli_and_server_report_domain_adapter_and_confidence(bundle, capsys):
     assert 'kibidango_adapter_loads_total{model="kibidango-test"} 1' in metrics
     assert 'kibidango_requests_by_domain_total{model="kibidango-test",domain="math"} 2' in metrics
     assert 'kibidango_answer_confidence_count{model="kibidango-test"} 3' in metrics
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"answer": {"weights": [1e308] * 5, "std": [1e-308] * 5}}, "gives nan on a probe answer"),
+        ({"temperature": {"torch": 1e-320}}, "a temperature outside"),
+        ({"temperature": {"torch": 1e9}}, "a temperature outside"),
+    ],
+)
+def test_a_calibrator_that_gives_no_finite_confidence_is_refused_at_load(bundle, tmp_path, change, message):
+    from kibidango.confidence import Calibrator
+
+    spec = json.loads((bundle / "calibration" / "calibration.json").read_text())
+    for key, value in change.items():
+        spec[key] = {**spec[key], **value} if isinstance(spec[key], dict) else value
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(BundleError, match=message):
+        Calibrator.load(path)
+
+
+def test_a_non_finite_confidence_at_run_time_is_null_with_its_reason_never_a_500(bundle):
+    """A calibrator that passes the load probe but overflows on a real answer (inf - inf): the
+    response says confidence null and why, in strict JSON, streamed or not."""
+    from starlette.testclient import TestClient
+
+    from kibidango import Pipeline
+    from kibidango.confidence import Calibrator
+    from kibidango.server import create_app
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a response"))
+
+    pipe = Pipeline.from_bundle(bundle, adapter="none")
+    pipe.calibrator = Calibrator({"torch": 1.0}, Logistic(["tokens", "tokens"], [1e308, -1e308], 0.0, [0.0, 0.0],
+                                                          [1e-308, 1e-308]))  # fmt: skip
+    with TestClient(create_app(pipe, model_name="kibidango-test")) as client:
+        r = client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        k = strict(r.text)["kibidango"]
+        assert k["confidence"] is None and "the calibrator gave nan" in k["confidence_error"]
+        with client.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 3, "stream": True}) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+        assert strict(events[-1])["kibidango"]["confidence"] is None

@@ -112,3 +112,21 @@ def test_prompt_longer_than_the_context_is_a_clear_error(stories_family):
         p.generate("Once upon a time " * 200, max_new_tokens=5)
     near = p.generate("Once upon a time " * 100, max_new_tokens=400)  # clamped to the context
     assert near.metrics.prompt_tokens + near.metrics.generated_tokens <= 512
+
+
+@pytest.mark.parametrize(
+    ("defaults", "field"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"k": 2.5}, "k"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"stop_ids": ["x"]}, "stop_ids"),
+    ],
+)
+def test_bad_runtime_defaults_name_the_file_and_the_field(tmp_path, defaults, field):
+    from kibidango import Pipeline
+
+    needs_stories()
+    bundle = write_bundle(tmp_path / "b", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", **defaults})
+    with pytest.raises(BundleError, match=rf"bundle\.json: runtime_defaults: {field}: .* not"):
+        Pipeline.from_bundle(bundle)

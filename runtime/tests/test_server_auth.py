@@ -128,3 +128,20 @@ def test_without_keys_only_loopback_is_served(bundle, monkeypatch, tmp_path):
         load_api_keys(None, str(keys_file))
     keys_file.write_text(f"# ours\n{BOB}\n")
     assert load_api_keys("KB_TEST_SERVER_KEY", str(keys_file)) == [ALICE, BOB, BOB]
+
+
+def test_text_content_parts_are_read_and_other_parts_refused(server):
+    client = _client(server, ALICE)
+    parts = [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]
+    joined = client.chat.completions.create(
+        model="kibidango-tiny", messages=[{"role": "user", "content": parts}], max_tokens=3, temperature=0
+    )
+    plain = client.chat.completions.create(
+        model="kibidango-tiny", messages=[{"role": "user", "content": "Once upon\na time"}], max_tokens=3, temperature=0
+    )
+    assert joined.choices[0].message.content == plain.choices[0].message.content
+    assert joined.usage.prompt_tokens == plain.usage.prompt_tokens
+    image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="kibidango-tiny", messages=[{"role": "user", "content": image}])
+    assert "content[1]: a 'image_url' part; this server reads only text parts" in e.value.message

@@ -211,3 +211,52 @@ def test_a_chat_template_prompts_with_one_bos(tmp_path):
     with TestClient(create_app(pipe)) as client:
         r = client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 2}).json()
     assert r["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("template", "why"),
+    [
+        ("{{ ('A' * 99999) * 99999 }}", "larger than this server renders"),
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "range of 99,999"),
+        ("{% for i in range(9999) %}{% for j in range(9999) %}{% endfor %}{% endfor %}", "s to render"),
+        ("{{ 'x'.ljust(10 ** 10) }}", "larger than this server renders"),
+        ("{% for i in range(9000) %}{{ 'y' * 999 }}{% endfor %}", "more than 1,048,576 characters"),
+        ("{{ raise_exception('no system role') }}", "refused this conversation: no system role"),
+    ],
+)
+def test_a_hostile_chat_template_is_refused_within_bounds_and_health_answers(tmp_path, template, why):
+    """A bundle's chat template is code: one that would allocate gigabytes or loop forever is
+    stopped within its time and size bounds and the request refused (400, naming the bound), while
+    /health keeps answering (the rendering is off the event loop)."""
+    import shutil
+    import time as clock
+
+    from fastapi.testclient import TestClient
+
+    from kibidango.pipeline import Pipeline
+    from kibidango.server import create_app
+
+    needs_stories()
+    hf = tmp_path / "hf"
+    shutil.copytree(STORIES, hf)
+    (hf / "chat_template.jinja").write_text(template)
+    bundle = write_bundle(tmp_path / "b", {"target": {"hf": hf, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]})
+    pipe = Pipeline.from_bundle(bundle)
+    health: list[int] = []
+    with TestClient(create_app(pipe)) as client:
+        done = threading.Event()
+
+        def probe() -> None:
+            while not done.is_set():
+                health.append(client.get("/health").status_code)
+                clock.sleep(0.1)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        started = clock.monotonic()
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        done.set()
+        prober.join()
+    assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template", r.text
+    assert why in r.json()["error"]["message"]
+    assert clock.monotonic() - started < 30 and health and set(health) == {200}
