@@ -2,13 +2,18 @@
 ``s3://bucket/prefix`` through s3fs, ``gs://``, ``file://`` ...), so that several machines of one
 run find each other's artifacts.
 
-Layout: ``<url>/<stage_id>/<cache_key>/`` with the artifact's files and its ``manifest.json``. An
-object store has no rename, so publication keeps the local store's guarantee another way: the
-manifest is the commit marker. A push removes the old manifest first (readers then see a miss),
-uploads every file, and writes the manifest last (one PUT, atomic on S3); a pull reads the
-manifest, downloads every file it lists and checks each one's size and sha256 before the artifact
-enters the local store (with the local store's own atomic rename). A half-pushed, damaged or
-replaced-meanwhile artifact is a miss with a warning, never a wrong input.
+Layout: ``<url>/<stage_id>/<cache_key>/manifest.json``, and the artifact's files under a prefix
+of their own publication, ``<url>/<stage_id>/<cache_key>/<publication>/``, which the manifest
+names (``"prefix"``). An object store has no rename, so publication keeps the local store's
+guarantee another way: a push uploads every file under a new, unique prefix, then writes the
+manifest (one PUT, atomic on S3) — the switch. Two machines publishing one key at once each write
+their own prefix, and the manifest names whichever finished last: complete either way, never a
+mix (the losing prefix is left, and removed by a later push once it is an hour old). A pull reads
+the manifest, downloads every file it lists and checks each one's size and sha256 before the
+artifact enters the local store (with the local store's own atomic rename); the artifact's
+digest is computed again from the checked files, never taken from the manifest. A half-pushed,
+damaged, forged or malformed artifact is a miss with a warning, never a wrong input or a crash.
+(Manifests of the first layout, files beside the manifest, are still read.)
 
 The local store stays the working copy (stages read and write local paths); the remote is where
 lookups that miss locally look next and where every publication goes. Credentials come from the
@@ -21,6 +26,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import time
+import uuid
 from pathlib import Path
 
 from core.contract import KibidangoError
@@ -29,6 +37,8 @@ from core.hashing import file_sha256
 __all__ = ["RemoteStore"]
 
 MANIFEST = "manifest.json"
+_PUBLICATION = "pub-"
+_PREFIX_NAME = re.compile(r"^pub-[0-9]{1,12}-[0-9a-f]{12}$")
 
 log = logging.getLogger("kibidango.store")
 
@@ -83,16 +93,37 @@ class RemoteStore:
         return manifest
 
     def push(self, artifact_dir: Path, stage_id: str, key: str) -> None:
-        """Upload a published local artifact; its manifest last."""
+        """Upload a published local artifact under a prefix of its own; then switch the manifest
+        to it. What was published before stays readable until the switch."""
         manifest = json.loads((artifact_dir / MANIFEST).read_text())
         remote = self._dir(stage_id, key)
-        self.fs.invalidate_cache()
-        if self.fs.exists(f"{remote}/{MANIFEST}"):  # a forced rerun: unpublish first
-            self.fs.rm_file(f"{remote}/{MANIFEST}")
+        prefix = f"{_PUBLICATION}{int(time.time())}-{uuid.uuid4().hex[:12]}"
         for f in manifest["files"]:
-            self.fs.put_file(str(artifact_dir / f["path"]), f"{remote}/{f['path']}")
-        self.fs.put_file(str(artifact_dir / MANIFEST), f"{remote}/{MANIFEST}")
+            self.fs.put_file(str(artifact_dir / f["path"]), f"{remote}/{prefix}/{f['path']}")
+        manifest["prefix"] = prefix
+        self.fs.pipe_file(f"{remote}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True).encode())
         log.info(f"stage {stage_id}: artifact {key} pushed to {self.where(stage_id, key)}")
+        self._collect(remote, keep=prefix)
+
+    def _collect(self, remote: str, keep: str) -> None:
+        """Remove publications of this key an hour old or more that the manifest does not name
+        (replaced by a forced rerun, or lost a race): never one a reader or publisher may be using."""
+        self.fs.invalidate_cache()
+        try:
+            named = json.loads(self.fs.cat_file(f"{remote}/{MANIFEST}")).get("prefix")
+            entries = self.fs.ls(remote, detail=False)
+        except (OSError, ValueError):
+            return
+        for entry in entries:
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if not name.startswith(_PUBLICATION) or name in (keep, named):
+                continue
+            try:
+                made = int(name[len(_PUBLICATION) :].split("-", 1)[0])
+            except ValueError:
+                continue
+            if time.time() - made > 3600:
+                self.fs.rm(entry, recursive=True)
 
     def pull(self, stage_id: str, key: str, staging: Path, manifest: dict | None = None) -> dict | None:
         """Download ``key`` into ``staging`` and check every file; the manifest (with this
@@ -101,23 +132,32 @@ class RemoteStore:
         manifest = manifest if manifest is not None else self.manifest(stage_id, key)
         if manifest is None:
             return None
-        from core.store import read_manifest  # the same checks as a local manifest
+        from core.store import content_digest, read_manifest  # the same checks as a local manifest
 
         (staging / MANIFEST).write_text(json.dumps(manifest))
         manifest, problem = read_manifest(staging)
         remote = self._dir(stage_id, key)
+        prefix = manifest.get("prefix") if manifest is not None else None
+        if prefix is not None and not (isinstance(prefix, str) and _PREFIX_NAME.match(prefix)):
+            manifest, problem = None, f"manifest.json names a malformed prefix {str(prefix)[:60]!r}"
+        source = f"{remote}/{prefix}" if prefix else remote
         for f in [] if manifest is None else manifest["files"]:
             dest = staging / f["path"]
-            dest.parent.mkdir(parents=True, exist_ok=True)
             try:
-                self.fs.get_file(f"{remote}/{f['path']}", str(dest))
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(f"{source}/{f['path']}", str(dest))
             except FileNotFoundError:
                 problem = f"{f['path']} is missing"
+                break
+            except OSError as e:  # a path the manifest lists both as a file and as a directory, say
+                problem = f"{f['path']} cannot be written ({type(e).__name__})"
                 break
             if dest.stat().st_size != f["size"] or file_sha256(dest) != f["sha256"]:
                 problem = f"{f['path']} does not match its size and sha256"
                 break
             f["mtime_ns"] = dest.stat().st_mtime_ns
+        if manifest is not None and not problem and content_digest(manifest["files"]) != manifest["digest"]:
+            problem = "manifest.json's digest is not the digest of its files"
         if problem:
             log.warning(f"{self.where(stage_id, key)}: {problem}; not used as a cache hit, the stage recomputes")
             return None

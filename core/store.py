@@ -58,7 +58,7 @@ def cache_key(stage_id: str, code_version: str, config: dict, input_digests: dic
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-def _content_digest(files: list[dict]) -> str:
+def content_digest(files: list[dict]) -> str:
     """Digest of an artifact's content: its files' paths and hashes (not the manifest, whose
     run id and timestamp differ between two runs that produce the same bytes)."""
     return hashlib.sha256(canonical_json([[f["path"], f["sha256"]] for f in files]).encode()).hexdigest()[:24]
@@ -123,6 +123,8 @@ class ArtifactStore:
         manifest, problem = read_manifest(path)
         if manifest is not None:
             problem = verify_files(path, manifest["files"], full=False)
+        if not problem and content_digest(manifest["files"]) != manifest["digest"]:
+            problem = "manifest.json's digest is not the digest of its files"
         if problem:
             log.warning(
                 f"{path}: {problem}; not used as a cache hit"
@@ -208,7 +210,7 @@ class ArtifactStore:
                         "mtime_ns": st.st_mtime_ns,
                     }
                 )
-        digest = _content_digest(files)
+        digest = content_digest(files)
         manifest = {
             "schema": MANIFEST_SCHEMA,
             "stage_id": stage_id,
@@ -278,6 +280,7 @@ def read_manifest(path: Path) -> tuple[dict | None, str | None]:
         or not isinstance(manifest.get("files"), list)
     ):
         return None, "manifest.json lacks its digest or file list"
+    paths: set[str] = set()
     for i, f in enumerate(manifest["files"]):
         if not (
             isinstance(f, dict)
@@ -287,8 +290,15 @@ def read_manifest(path: Path) -> tuple[dict | None, str | None]:
         ):
             return None, f"manifest.json files[{i}] is malformed"
         parts = Path(f["path"]).parts
-        if Path(f["path"]).is_absolute() or ".." in parts:
+        if Path(f["path"]).is_absolute() or ".." in parts or not parts or f["path"] != Path(f["path"]).as_posix():
             return None, f"manifest.json files[{i}] points outside the artifact"
+        paths.add(Path(f["path"]).as_posix())
+    if len(paths) < len(manifest["files"]):
+        return None, "manifest.json lists a file twice"
+    for path in sorted(paths):  # `a` and `a/b`: one name cannot be a file and a directory
+        clash = sorted({p.as_posix() for p in Path(path).parents} & paths)
+        if clash:
+            return None, f"manifest.json lists {clash[0]!r} as a file and {path!r} inside it"
     return manifest, None
 
 

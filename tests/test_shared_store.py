@@ -41,7 +41,8 @@ def test_an_artifact_pushed_by_one_machine_is_pulled_checked_by_another(s3, tmp_
 
     # a damaged object (same size) is never used: a miss with a warning naming it
     fs = _remote(s3, "unit").fs
-    fs.pipe_file(f"{s3.bucket}/unit/0/k1/data/rows.txt", b"hellO")
+    prefix = json.loads(fs.cat_file(f"{s3.bucket}/unit/0/k1/manifest.json"))["prefix"]  # this publication's files
+    fs.pipe_file(f"{s3.bucket}/unit/0/k1/{prefix}/data/rows.txt", b"hellO")
     d = ArtifactStore(tmp_path / "d", _remote(s3, "unit"))
     assert d.get("0", "k1") is None
     assert f"s3://{s3.bucket}/unit/0/k1: data/rows.txt does not match its size and sha256" in caplog.text
@@ -53,6 +54,59 @@ def test_an_artifact_pushed_by_one_machine_is_pulled_checked_by_another(s3, tmp_
     again = b.get("0", "k1")
     assert again is not None and again.digest == republished.digest
     assert (Path(again.path) / "data" / "rows.txt").read_text() == "hello again"
+
+
+def test_a_forged_digest_or_a_colliding_file_list_is_a_miss_never_a_hit_or_a_crash(s3, tmp_path, caplog):
+    a = ArtifactStore(tmp_path / "a", _remote(s3, "forged"))
+    published = _publish(a, tmp_path, "hello")
+    fs = _remote(s3, "forged").fs
+    path = f"{s3.bucket}/forged/0/k1/manifest.json"
+    manifest = json.loads(fs.cat_file(path))
+    fs.pipe_file(path, json.dumps({**manifest, "digest": "0" * 24}).encode())  # the files are intact
+    assert ArtifactStore(tmp_path / "b", _remote(s3, "forged")).get("0", "k1") is None
+    assert "manifest.json's digest is not the digest of its files" in caplog.text
+    # a file `data` and a file `data/rows.txt`: one name as a file and as a directory
+    entry = manifest["files"][0]
+    fs.pipe_file(f"{s3.bucket}/forged/0/k1/{manifest['prefix']}/data", b"x")
+    both = {**manifest, "files": [{**entry, "path": "data", "size": 1}, entry]}
+    fs.pipe_file(path, json.dumps(both).encode())
+    assert ArtifactStore(tmp_path / "c", _remote(s3, "forged")).get("0", "k1") is None
+    assert "lists 'data' as a file and 'data/rows.txt' inside it" in caplog.text
+    fs.pipe_file(path, json.dumps({**manifest, "prefix": "../../elsewhere"}).encode())
+    assert ArtifactStore(tmp_path / "d", _remote(s3, "forged")).get("0", "k1") is None
+    assert "malformed prefix" in caplog.text
+    fs.pipe_file(path, json.dumps(manifest).encode())  # restored: a hit again, with the files' own digest
+    assert ArtifactStore(tmp_path / "e", _remote(s3, "forged")).get("0", "k1").digest == published.digest
+
+
+def test_two_machines_publishing_one_key_at_once_never_damage_it(s3, tmp_path):
+    """Ten rounds of two publishers racing on one key (a forced rerun on two workers): after each,
+    a third machine pulls an intact artifact, one publisher's or the other's, never a mix."""
+    import threading
+
+    contents = set()
+    for round_ in range(10):
+        texts = [f"round {round_} from a " + "a" * 5000, f"round {round_} from b " + "b" * 7000]
+        contents.update(texts)
+        stores = [ArtifactStore(tmp_path / f"r{round_}-{m}", _remote(s3, "race")) for m in "ab"]
+        barrier = threading.Barrier(2)
+
+        def publish(store, text, barrier=barrier):
+            staging = store.new_staging_dir("0", "k1")
+            (staging / "data").mkdir()
+            for n in range(8):  # several files: a mix would show
+                (staging / "data" / f"part{n}.txt").write_text(text)
+            barrier.wait()
+            store.publish("0", "k1", staging, {"metrics": {}})
+
+        threads = [threading.Thread(target=publish, args=(s, t)) for s, t in zip(stores, texts, strict=True)]
+        [t.start() for t in threads]
+        [t.join(120) for t in threads]
+        reader = ArtifactStore(tmp_path / f"r{round_}-reader", _remote(s3, "race"))
+        got = reader.get("0", "k1")
+        assert got is not None, f"round {round_}: the shared copy is damaged"
+        parts = {(Path(got.path) / "data" / f"part{n}.txt").read_text() for n in range(8)}
+        assert len(parts) == 1 and parts <= set(texts), f"round {round_}: a mix of two publications"
 
 
 def test_a_second_machine_runs_the_flow_from_the_shared_store(s3, mlflow_server, tmp_path):
