@@ -4,7 +4,6 @@ contain and report."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -287,13 +286,15 @@ def test_a_survivor_dies_with_the_sandbox_and_cannot_poison_later_verdicts(code)
 def test_without_bubblewrap_code_is_judged_only_when_the_settings_accept_the_fallback(monkeypatch):
     import methods.judges.code as sandbox
 
-    fallback = {"kind": "fallback", "python": sys.executable, **sandbox._fallback()}
+    fallback = {"kind": "fallback", **sandbox._fallback()}
     monkeypatch.setattr(sandbox, "isolation", lambda: fallback)
     with pytest.raises(sandbox.SandboxUnavailable, match="weak_sandbox_ok"):
         make_judge("code")(MBPP, "def add(a, b):\n    return a + b\n")
     weak = make_judge("code", weak_sandbox_ok=True, wall_seconds=8)
     verdict = weak(Task("w", "?", tests=MBPP.tests[:2]), "def add(a, b):\n    return a + b\n")
     assert verdict.passed and verdict.details["isolation"]["kind"] == "fallback"
+    if os.geteuid() == 0 and fallback["network_namespace"]:
+        assert verdict.details["isolation"]["user_nobody"]  # as root: the candidate runs as nobody
     forged = weak(MBPP, 'print(\'{"passed": 3, "total": 3, "errors": []}\')\nimport os\nos._exit(0)\n')
     assert not forged.passed  # the verdict channel holds in the fallback too
 

@@ -93,3 +93,25 @@ def test_the_budget_holds_the_worst_case_and_never_overspends():
     assert budget.limit - budget.spent < worst  # it stopped only when the worst case no longer fit
     reference = TierConfig(name="gold", kind="reference", usd_per_answer=0.25)
     assert worst_case_usd(reference, "anything") == 0.25 and reference.paid
+
+
+def test_usage_a_reply_reports_is_believed_only_when_credible():
+    """1D's teachers: absent, negative, fractional or non-numeric counts are not believed (the
+    stage then charges the request's worst case, as kibidango.ledger.trusted_cost does)."""
+    from types import SimpleNamespace
+
+    from kibidango.ledger import trusted_cost
+    from methods.teachers import credible_usage
+
+    assert credible_usage(SimpleNamespace(prompt_tokens=12, completion_tokens=3)) == (12, 3)
+    for usage in (
+        None,
+        SimpleNamespace(prompt_tokens=-5, completion_tokens=3),
+        SimpleNamespace(prompt_tokens=1.5, completion_tokens=3),
+        SimpleNamespace(prompt_tokens="12", completion_tokens=3),
+        SimpleNamespace(prompt_tokens=float("nan"), completion_tokens=3),
+        SimpleNamespace(completion_tokens=3),
+    ):
+        assert credible_usage(usage) == (None, None), usage
+    assert trusted_cost(None, 0.5) == (0.5, False) and trusted_cost(-2000.0, 0.5) == (0.5, False)
+    assert trusted_cost(0.2, 0.5) == (0.2, True) and trusted_cost(7.0, 0.5) == (0.5, False)

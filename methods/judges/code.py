@@ -429,7 +429,7 @@ def isolation() -> dict:
                     "network_namespace": True,
                     "user_nobody": True,
                 }
-    return {"kind": "fallback", "python": sys.executable, **_fallback()}
+    return {"kind": "fallback", **_fallback()}
 
 
 def _bwrap_runs(python: str, extra: list[str], as_nobody: bool) -> bool:
@@ -452,22 +452,28 @@ def _bwrap_runs(python: str, extra: list[str], as_nobody: bool) -> bool:
 
 
 def _fallback() -> dict:
+    """What ``unshare`` can do here: a network namespace, and as root the user ``nobody`` — with
+    an interpreter ``nobody`` may execute (a virtualenv under /root is not one)."""
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
+    system = [p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)]
+    pythons = list(dict.fromkeys([sys.executable, getattr(sys, "_base_executable", sys.executable), *system]))
     modes = ([["-S", str(_NOBODY), "-G", str(_NOBODY)]] if root else []) + [[] if root else ["--map-root-user"]]
-    if unshare:
-        for user in modes:
+    for user in modes if unshare else []:
+        for python in pythons:
             try:
-                probe = [unshare, "--net", *user, "--", sys.executable, "-I", "-c", "pass"]
+                probe = [unshare, "--net", *user, "--", python, "-I", "-c", "pass"]
                 if subprocess.run(probe, capture_output=True, timeout=20).returncode == 0:
+                    argv = [unshare, "--net", *user, "--"]
                     return {
                         "network_namespace": True,
                         "user_nobody": bool(user) and root,
-                        "argv": [unshare, "--net", *user, "--"],
+                        "python": python,
+                        "argv": argv,
                     }
             except (OSError, subprocess.SubprocessError):
                 continue
-    return {"network_namespace": False, "user_nobody": False, "argv": []}
+    return {"network_namespace": False, "user_nobody": False, "python": sys.executable, "argv": []}
 
 
 def _drop() -> None:

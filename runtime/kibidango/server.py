@@ -1221,9 +1221,10 @@ def uvicorn_server(config):
     keeps accepting: new and queued requests are answered 503 + Retry-After, running ones get
     ``config.timeout_graceful_shutdown`` seconds to finish; then the rest stop after their decoding
     round and are answered 503 (a request still at the cloud too, after a few seconds more). Only
-    then does the listening socket close: its backlog is first cut to nothing and what was already
-    in it accepted and answered, so a client that connected is answered or, arriving after, refused
-    — never reset after its request was sent. A second signal stops at once (uvicorn's way)."""
+    then does the listening socket close: first no new connection may complete on it
+    (:func:`_stop_new_connections`) and what is in its backlog is accepted and answered, so a client
+    that connected is answered or, arriving after, refused — never reset after its request was
+    sent. A second signal stops at once (uvicorn's way)."""
     import uvicorn
 
     scheduler = config.app.state.scheduler
@@ -1261,27 +1262,37 @@ def uvicorn_server(config):
                 if scheduler.abandon():  # still at the cloud: answered now, its work ends on its own
                     log.warning("shutdown: requests still waiting for the cloud were answered 503")
             scheduler.closing.set()
-            for server in self.servers:  # no new connection joins the backlog; those in it are taken
+            for server in self.servers:  # no new connection completes; those in the backlog are taken
                 for sock in server.sockets:
-                    _shrink_backlog(sock)
+                    _stop_new_connections(sock)
             await asyncio.sleep(0.5)  # accepted and answered (503) before the socket closes
 
     return _Server(config)
 
 
-def _shrink_backlog(sock) -> None:
-    """``listen(0)`` on a listening socket: the kernel keeps what already connected and drops new
-    handshakes (their clients retry, then find the socket closed: refused, nothing sent)."""
+def _stop_new_connections(sock) -> None:
+    """Let no new connection complete on a listening socket, while those already in its backlog
+    stay to be accepted: on Linux a socket filter that drops every incoming packet (a new client's
+    handshake never completes; it retries, then finds the socket closed: refused, nothing sent —
+    while established connections have sockets of their own, which the filter does not touch);
+    elsewhere ``listen(0)``, which only shrinks the backlog."""
+    import ctypes
     import os
     import socket
+    import struct
 
     try:
         dup = socket.socket(fileno=os.dup(sock.fileno()))
     except OSError:
         return
     try:
-        dup.listen(0)
+        drop = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))  # BPF_RET|BPF_K 0: drop
+        program = struct.pack("HL", 1, ctypes.addressof(drop))  # struct sock_fprog {len; *filter}
+        dup.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26), program)
     except OSError:
-        pass
+        try:
+            dup.listen(0)
+        except OSError:
+            pass
     finally:
         dup.close()
