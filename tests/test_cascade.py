@@ -138,27 +138,34 @@ def test_faults_are_retried_and_the_budget_is_never_overspent(openai_server, mon
         proxy.close()
 
 
+def _killed_run(proxy: FaultProxy, key: str, workspace: Path, tmp_path: Path):
+    """Stage 1D on 24 rows in a child process, killed with SIGKILL once 6 prompts went upstream:
+    (inputs, tiers, store, spec, env) for the rerun."""
+    inputs = _inputs(tmp_path, n_math=12, n_easy=12)
+    tiers = [_tier("open", base_url=proxy.base_url, model="stories260K", api_key_env=OPENAI_KEY_ENV, max_tokens=64)]
+    tiers.append({"name": "gold", "kind": "reference", "usd_per_answer": 0.05})
+    store = workspace / "store"
+    spec = {
+        "stage": "1D",
+        "config": {"tiers": tiers, "budget_usd": 10.0, "holdout_share": 0.0},
+        "inputs": {"critical": ["1C", str(inputs["critical"])], "mined": ["1B", str(inputs["mined"])]},
+        "store": str(store),
+    }
+    env = {**cli_env(workspace), OPENAI_KEY_ENV: key}
+    proc = _run_stage(spec, env, wait=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(proxy.prompts()) < 6 and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return inputs, tiers, store, spec, env
+
+
 def test_a_killed_run_never_sends_a_prompt_to_a_tier_twice(openai_server, workspace, tmp_path):
     base, key = openai_server
     proxy = FaultProxy(base.removesuffix("/v1"))
     try:
-        inputs = _inputs(tmp_path, n_math=12, n_easy=12)
-        tiers = [_tier("open", base_url=proxy.base_url, model="stories260K", api_key_env=OPENAI_KEY_ENV, max_tokens=64)]
-        tiers.append({"name": "gold", "kind": "reference", "usd_per_answer": 0.05})
-        store = workspace / "store"
-        spec = {
-            "stage": "1D",
-            "config": {"tiers": tiers, "budget_usd": 10.0, "holdout_share": 0.0},
-            "inputs": {"critical": ["1C", str(inputs["critical"])], "mined": ["1B", str(inputs["mined"])]},
-            "store": str(store),
-        }
-        env = {**cli_env(workspace), OPENAI_KEY_ENV: key}
-        proc = _run_stage(spec, env, wait=False)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(proxy.prompts()) < 6 and proc.poll() is None:
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        inputs, tiers, store, spec, env = _killed_run(proxy, key, workspace, tmp_path)
         before = len(proxy.prompts())
         assert 6 <= before < 24, "the kill came too late to test a resume"
         [journal] = (store / "1D").glob(".work-*/journal.jsonl")
@@ -185,23 +192,7 @@ def test_a_cut_journal_line_is_never_read_as_not_sent(openai_server, workspace, 
     base, key = openai_server
     proxy = FaultProxy(base.removesuffix("/v1"))
     try:
-        inputs = _inputs(tmp_path, n_math=12, n_easy=12)
-        tiers = [_tier("open", base_url=proxy.base_url, model="stories260K", api_key_env=OPENAI_KEY_ENV, max_tokens=64)]
-        tiers.append({"name": "gold", "kind": "reference", "usd_per_answer": 0.05})
-        store = workspace / "store"
-        spec = {
-            "stage": "1D",
-            "config": {"tiers": tiers, "budget_usd": 10.0, "holdout_share": 0.0},
-            "inputs": {"critical": ["1C", str(inputs["critical"])], "mined": ["1B", str(inputs["mined"])]},
-            "store": str(store),
-        }
-        env = {**cli_env(workspace), OPENAI_KEY_ENV: key}
-        proc = _run_stage(spec, env, wait=False)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(proxy.prompts()) < 6 and proc.poll() is None:
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        inputs, tiers, store, spec, env = _killed_run(proxy, key, workspace, tmp_path)
         [journal] = (store / "1D").glob(".work-*/journal.jsonl")
         text = journal.read_text()
         assert text.endswith("\n")  # a SIGKILL does not cut a write: the cuts below are made by hand

@@ -17,6 +17,17 @@ def needs_stories() -> None:
         pytest.skip(f"needs stories260K at {STORIES} (absent on this machine)")
 
 
+def stories_bundle(tmp_path_factory, name: str) -> Path:
+    """A bundle of stories260K alone (ar, preset ``tiny``) for a test module; skips without it."""
+    from kibidango import write_bundle
+
+    needs_stories()
+    root = tmp_path_factory.mktemp(name)
+    return write_bundle(
+        root / "bundle", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]}, preset="tiny"
+    )
+
+
 def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, vocab: int = 64, scale: float = 1.0):
     """A random Llama in float64 (so batched and one-token forwards agree to ~1e-15 and greedy
     ties cannot flip between them)."""

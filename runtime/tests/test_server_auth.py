@@ -9,10 +9,9 @@ import httpx
 import openai
 import pytest
 
-from kibidango import write_bundle
 from kibidango.memory import SessionMemory
 from kibidango.server import key_scope, load_api_keys, serve
-from tests.conftest import STORIES, needs_stories
+from tests.conftest import stories_bundle
 from tests.slow_server import Server
 
 ALICE = "sk-alice-0123456789abcdef0123456789"
@@ -21,11 +20,7 @@ BOB = "sk-bob-fedcba9876543210fedcba98765"
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    needs_stories()
-    root = tmp_path_factory.mktemp("auth")
-    return write_bundle(
-        root / "bundle", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]}, preset="tiny"
-    )
+    return stories_bundle(tmp_path_factory, "auth")
 
 
 @pytest.fixture(scope="module")

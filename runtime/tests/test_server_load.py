@@ -14,7 +14,7 @@ import pytest
 
 from kibidango import write_bundle
 from kibidango.loadtest import percentile, run_load
-from tests.conftest import STORIES, needs_stories
+from tests.conftest import STORIES, needs_stories, stories_bundle
 from tests.slow_server import Server, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 8, "temperature": 0}
@@ -22,11 +22,7 @@ CHAT = {"messages": [{"role": "user", "content": "Once upon a time"}], "max_toke
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    needs_stories()
-    root = tmp_path_factory.mktemp("load")
-    return write_bundle(
-        root / "bundle", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]}, preset="tiny"
-    )
+    return stories_bundle(tmp_path_factory, "load")
 
 
 def _metric(base: str, name: str, labels: str = "") -> float:

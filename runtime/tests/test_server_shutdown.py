@@ -16,19 +16,14 @@ import time
 import httpx
 import pytest
 
-from kibidango import write_bundle
 from kibidango.loadtest import run_load
-from tests.conftest import STORIES, needs_stories
+from tests.conftest import stories_bundle
 from tests.slow_server import Server, free_port, wait_for
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    needs_stories()
-    root = tmp_path_factory.mktemp("shutdown")
-    return write_bundle(
-        root / "bundle", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]}, preset="tiny"
-    )
+    return stories_bundle(tmp_path_factory, "shutdown")
 
 
 def test_a_request_running_when_the_grace_ends_is_answered_503(bundle):
