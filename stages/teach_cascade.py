@@ -116,7 +116,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     if journal.resumed:
         log.info(
             f"resuming: {len(state.done):,} (row, tier) pairs settled, {len(state.lost)} in flight at the kill "
-            f"(charged, not resent), ${state.spent:.4f} spent"
+            f"(charged, {'sent again: --resend-unconfirmed' if resend else 'not resent'}), ${state.spent:.4f} spent"
         )
     cascade = _Cascade(cfg, rows, judges, journal, state, budget)
     try:
