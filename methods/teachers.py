@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
-from kibidango.cloud import backoff_seconds, retry_after_seconds
+from kibidango.cloud import backoff_seconds, credible_usage, retry_after_seconds
 from methods.judges.llm import api_error_text
 
 __all__ = [
@@ -101,17 +101,6 @@ def worst_case_usd(tier: TierConfig, prompt: str) -> float:
         return tier.usd_per_answer
     prompt_bound = len((tier.system + prompt).encode("utf-8")) + TEMPLATE_TOKENS
     return tier.usd(prompt_bound, tier.max_tokens)
-
-
-def credible_usage(usage) -> tuple[int | None, int | None]:
-    """A reply's (prompt, completion) token counts, or (None, None) when they cannot be believed:
-    absent, or not non-negative whole numbers."""
-    counts = [
-        getattr(usage, name, None) if usage is not None else None for name in ("prompt_tokens", "completion_tokens")
-    ]
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
-        return None, None
-    return counts[0], counts[1]
 
 
 class Budget:

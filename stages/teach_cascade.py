@@ -200,13 +200,14 @@ def _replay(events: list[dict], path: Path, resend: bool = False) -> _State:
         if kind == "torn":
             cut = _fragment(e["text"])
             known = "row" in cut and "tier" in cut
+            reply = cut.get("event") == "reply" and known
             if cut.get("event") == "sent" and known:
                 sent[(cut["row"], cut["tier"])] = cut.get("reserved")
-            elif (cut.get("event") == "reply" and known) or cut.get("event") not in _HARMLESS:
+            elif reply or cut.get("event") not in _HARMLESS:
                 if not resend:
                     what = (
                         f"the reply of row {cut['row']!r} from tier {cut['tier']!r} (paid, unreadable)"
-                        if cut.get("event") == "reply" and known
+                        if reply
                         else "a record that no longer says which request it was (it may be one sent and paid)"
                     )
                     raise KibidangoError(

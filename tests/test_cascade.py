@@ -204,8 +204,12 @@ def test_a_cut_journal_line_is_never_read_as_not_sent(openai_server, workspace, 
         def rerun(extra_env=None):
             return subprocess.run(
                 [sys.executable, "-c", CHILD, json.dumps(spec)],
-                cwd=REPO_ROOT, env={**env, **(extra_env or {})}, capture_output=True, text=True, timeout=600,
-            )  # fmt: skip
+                cwd=REPO_ROOT,
+                env={**env, **(extra_env or {})},
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
 
         # 1. a reply cut in the middle of the journal: refused, naming the file and the line
         i = replies[0]

@@ -100,8 +100,8 @@ def test_usage_a_reply_reports_is_believed_only_when_credible():
     stage then charges the request's worst case, as kibidango.ledger.trusted_cost does)."""
     from types import SimpleNamespace
 
+    from kibidango.cloud import credible_usage
     from kibidango.ledger import trusted_cost
-    from methods.teachers import credible_usage
 
     assert credible_usage(SimpleNamespace(prompt_tokens=12, completion_tokens=3)) == (12, 3)
     for usage in (

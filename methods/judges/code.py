@@ -60,20 +60,19 @@ from methods.judges.base import Task, Verdict
 __all__ = ["CodeJudge", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "isolation", "run_sandboxed"]
 
 _NOBODY = 65534
+_SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
 _MAX_MESSAGE = 4 << 20  # one value crossing between the sandboxes, as JSON
 
 # Values cross by value: the same codec in both processes (plain data only; decoded into builtins).
 _CODEC = (
     f"_MAX = {_MAX_MESSAGE}\n"
     + r"""
-import json, os, select, sys, time
+import builtins, json, os, select, sys, time
 def _enc(x, depth=0):
     if depth > 200:
         raise ValueError("a value nested too deeply to leave the sandbox")
     if x is None or x is True or x is False:
         return x
-    if isinstance(x, bool):
-        return bool(x)
     if isinstance(x, int):
         return {"i": str(int(x))}
     if isinstance(x, float):
@@ -98,8 +97,7 @@ def _enc(x, depth=0):
             if len(items) > 100000:
                 raise ValueError("an iterator too long to leave the sandbox")
         return {"it": items}
-    if isinstance(x, type) and getattr(__builtins__ if isinstance(__builtins__, dict) else vars(__builtins__),
-                                      "get")(x.__name__) is x:
+    if isinstance(x, type) and getattr(builtins, x.__name__, None) is x:
         return {"type": x.__name__}
     return _leaf(x)
 def _dec(x):
@@ -129,12 +127,8 @@ def _dec(x):
         return {_dec(k): _dec(w) for k, w in v}
     if tag == "r":
         return range(int(v[0]), int(v[1]), int(v[2]))
-    if tag == "type":
-        t = (__builtins__ if isinstance(__builtins__, dict) else vars(__builtins__)).get(str(v))
-        if isinstance(t, type):
-            return t
-    if tag == "h":
-        return _unleaf(x)
+    if tag == "type" and isinstance(getattr(builtins, str(v), None), type):
+        return getattr(builtins, str(v))
     raise ValueError(f"malformed value tag {tag!r}")
 def _send(fd, obj):
     data = (json.dumps(obj) + "\n").encode()
@@ -240,7 +234,6 @@ while True:
 _TESTER = (
     _CODEC
     + r"""
-import builtins
 _wfd, _rfd = int(sys.argv[1]), int(sys.argv[2])
 _spec = json.loads(sys.stdin.read())
 _deadline = time.monotonic() + _spec["wall"]
@@ -389,7 +382,7 @@ def _interpreter() -> tuple[str, list[str]]:
     """The Python the sandboxes run and the directories it needs bound read-only: the system's
     under /usr where there is one (a virtualenv's would need the project's tree), else this
     interpreter's base prefix."""
-    for python in ("/usr/bin/python3", "/usr/local/bin/python3"):
+    for python in _SYSTEM_PYTHONS:
         if os.path.exists(python):
             return python, []
     base = getattr(sys, "_base_executable", sys.executable)
@@ -456,7 +449,7 @@ def _fallback() -> dict:
     an interpreter ``nobody`` may execute (a virtualenv under /root is not one)."""
     unshare = shutil.which("unshare")
     root = os.geteuid() == 0
-    system = [p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)]
+    system = [p for p in _SYSTEM_PYTHONS if os.path.exists(p)]
     pythons = list(dict.fromkeys([sys.executable, getattr(sys, "_base_executable", sys.executable), *system]))
     modes = ([["-S", str(_NOBODY), "-G", str(_NOBODY)]] if root else []) + [[] if root else ["--map-root-user"]]
     for user in modes if unshare else []:
@@ -501,7 +494,7 @@ class _Sandboxed:
     only once they are gone."""
 
     def __init__(self, source: str, fds: tuple[int, int], limits: SandboxLimits, iso: dict, files: dict, cwd: Path):
-        self.iso, self.info = iso, None
+        self.info = None
         if iso["kind"] == "bubblewrap":
             info_r, info_w = os.pipe()
             argv = _bwrap_argv(iso["python"], iso["binds"], limits, info_w)

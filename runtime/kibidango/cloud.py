@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from kibidango.cascade import CloudConfig
 from kibidango.ledger import BudgetExceeded, Ledger
 
-__all__ = ["CloudClient", "CloudReply", "backoff_seconds", "retry_after_seconds", "usage_cost"]
+__all__ = ["CloudClient", "CloudReply", "backoff_seconds", "credible_usage", "retry_after_seconds", "usage_cost"]
 
 log = logging.getLogger("kibidango.cloud")
 
@@ -226,16 +226,21 @@ class CloudClient:
         return 0.0, maybe_billed
 
 
+def credible_usage(usage) -> tuple[int | None, int | None]:
+    """An OpenAI-compatible reply's (prompt, completion) token counts, or (None, None) when they
+    cannot be believed: absent, or not non-negative whole numbers (the caller then charges the
+    call's worst case). Used by this cloud tier and by stage 1D's teachers."""
+    counts = [getattr(usage, name, None) for name in ("prompt_tokens", "completion_tokens")]
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
+        return None, None
+    return counts[0], counts[1]
+
+
 def usage_cost(usage, usd_per_1k_prompt: float, usd_per_1k_completion: float) -> float | None:
-    """Dollars for a reply's ``usage``, or None when it cannot be believed: absent, or token
-    counts that are not non-negative whole numbers (the ledger then charges the reservation)."""
-    counts = []
-    for name in ("prompt_tokens", "completion_tokens"):
-        n = getattr(usage, name, None) if usage is not None else None
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            return None
-        counts.append(n)
-    return (counts[0] * usd_per_1k_prompt + counts[1] * usd_per_1k_completion) / 1000
+    """Dollars for a reply's ``usage``, or None when it cannot be believed (:func:`credible_usage`;
+    the ledger then charges the reservation)."""
+    prompt, completion = credible_usage(usage)
+    return None if prompt is None else (prompt * usd_per_1k_prompt + completion * usd_per_1k_completion) / 1000
 
 
 def backoff_seconds(base: float, attempt: int) -> float:

@@ -84,7 +84,7 @@ class Ledger:
     """``Ledger(state_dir, limit_usd, period="month")``; thread-safe (a connection per thread)."""
 
     def __init__(self, state_dir: str | Path, limit_usd: float, period: str = "month"):
-        if isinstance(limit_usd, bool) or not isinstance(limit_usd, int | float) or not 0 <= limit_usd < math.inf:
+        if not _dollars(limit_usd):
             raise ValueError(f"budget limit: a finite, non-negative number of dollars, not {limit_usd!r}")
         period_of(period)  # validates
         self._db = Database(
@@ -117,7 +117,7 @@ class Ledger:
     def reserve(self, usd: float, note: str = "") -> str:
         """Reserve ``usd`` (the call's worst case) or raise :class:`BudgetExceeded`; returns the
         reservation's id."""
-        if isinstance(usd, bool) or not isinstance(usd, int | float) or not 0 <= usd < math.inf:
+        if not _dollars(usd):
             raise ValueError(f"a reservation is a finite, non-negative number of dollars, not {usd!r}")
         period = period_of(self.period)
         with self._db.transaction() as db:
@@ -192,10 +192,10 @@ def trusted_cost(usd, reserved: float) -> tuple[float, bool]:
     """``(amount to charge, whether the reported cost was credible)``: a finite number in
     [0, reserved] is charged as is; anything else (None, not a number, negative, NaN, infinite,
     above the worst case) is charged at ``reserved``."""
-    ok = (
-        not isinstance(usd, bool)
-        and isinstance(usd, int | float)
-        and math.isfinite(usd)
-        and 0 <= usd <= reserved + 1e-12
-    )
+    ok = _dollars(usd) and usd <= reserved + 1e-12
     return (min(float(usd), reserved), True) if ok else (reserved, False)
+
+
+def _dollars(x) -> bool:
+    """A finite, non-negative number (not a bool, not NaN)."""
+    return not isinstance(x, bool) and isinstance(x, int | float) and 0 <= x < math.inf

@@ -102,18 +102,13 @@ class Pipeline:
         tuned = (bundle.meta.get("tuned_defaults") or {}).get(backend, {})  # kibidango tune / stage 1F
         defaults = {k: v for k, v in {**bundle.defaults, **tuned}.items() if k in fields}
         try:  # the bundle's own settings, before any caller's: an error names the file and the field
-            DecodeConfig(
-                **{**defaults, **({"stop_ids": tuple(defaults["stop_ids"])} if "stop_ids" in defaults else {})}
-            )
+            cfg = DecodeConfig(**_with_tuple_stops(defaults))
         except (TypeError, ValueError) as e:
             where = f"runtime_defaults / tuned_defaults.{backend}" if tuned else "runtime_defaults"
             raise BundleError(f"{bundle.root / 'bundle.json'}: {where}: {e}") from None
-        defaults.update(overrides)
-        if mode is not None:
-            defaults["mode"] = mode
-        if "stop_ids" in defaults:  # JSON gives a list
-            defaults["stop_ids"] = tuple(defaults["stop_ids"])
-        cfg = DecodeConfig(**defaults)
+        cfg = dataclasses.replace(
+            cfg, **_with_tuple_stops({**overrides, **({"mode": mode} if mode is not None else {})})
+        )
         tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
         if kv_cache is None:
             kv_cache = str(bundle.defaults.get("kv_cache", "f16")) if backend == "llamacpp" else "f16"
@@ -269,3 +264,8 @@ class Pipeline:
             if cut is not None:
                 metrics.finish_reason = "stop"
                 return
+
+
+def _with_tuple_stops(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``stop_ids`` as a tuple (JSON gives a list)."""
+    return {**settings, "stop_ids": tuple(settings["stop_ids"])} if "stop_ids" in settings else settings

@@ -1194,9 +1194,10 @@ def load_api_keys(env: str | None = None, path: str | None = None) -> list[str]:
                 keys.append(line)
         if not keys:
             raise ValueError(f"--api-keys-file {path}: no key in it")
-    for where, key in ((env or path, k) for k in keys):
-        if len(key) < 16:
-            raise ValueError(f"API keys from {where}: a key shorter than 16 characters (too easy to guess)")
+    if any(len(key) < 16 for key in keys):
+        raise ValueError(
+            f"API keys from {_key_sources(env, path)}: a key shorter than 16 characters (too easy to guess)"
+        )
     return keys
 
 
@@ -1251,23 +1252,24 @@ def uvicorn_server(config):
             return False
 
         async def _drain(self) -> None:
-            deadline = time.monotonic() + grace_s
-            while scheduler.in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if scheduler.in_flight:
-                scheduler.closing.set()  # each generation stops after its round and is answered 503
-                cut = time.monotonic() + 5.0
-                while scheduler.in_flight and time.monotonic() < cut:
-                    await asyncio.sleep(0.05)
-                if scheduler.abandon():  # still at the cloud: answered now, its work ends on its own
-                    log.warning("shutdown: requests still waiting for the cloud were answered 503")
-            scheduler.closing.set()
+            await _idle(scheduler, grace_s)
+            scheduler.closing.set()  # what still runs stops after its decoding round and is answered 503
+            await _idle(scheduler, 5.0)
+            if scheduler.abandon():  # still at the cloud: answered now, its work ends on its own
+                log.warning("shutdown: requests still waiting for the cloud were answered 503")
             for server in self.servers:  # no new connection completes; those in the backlog are taken
                 for sock in server.sockets:
                     _stop_new_connections(sock)
             await asyncio.sleep(0.5)  # accepted and answered (503) before the socket closes
 
     return _Server(config)
+
+
+async def _idle(scheduler: _Scheduler, seconds: float) -> None:
+    """Wait until no request is in flight, or ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while scheduler.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def _stop_new_connections(sock) -> None:

@@ -207,8 +207,9 @@ def test_a_non_finite_confidence_at_run_time_is_null_with_its_reason_never_a_500
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a response"))
 
     pipe = Pipeline.from_bundle(bundle, adapter="none")
-    pipe.calibrator = Calibrator({"torch": 1.0}, Logistic(["tokens", "tokens"], [1e308, -1e308], 0.0, [0.0, 0.0],
-                                                          [1e-308, 1e-308]))  # fmt: skip
+    pipe.calibrator = Calibrator(
+        {"torch": 1.0}, Logistic(["tokens", "tokens"], [1e308, -1e308], 0.0, [0.0, 0.0], [1e-308, 1e-308])
+    )
     with TestClient(create_app(pipe, model_name="kibidango-test")) as client:
         r = client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3})
         assert r.status_code == 200, r.text

@@ -43,8 +43,13 @@ def test_bundle_thresholds_under_a_user_file(tmp_path):
     assert "cascade/cascade.json" in c.source and "mine.json" in c.source
 
 
-_CLOUD = {"base_url": "http://127.0.0.1:9/v1", "model": "m", "api_key_env": "K", "usd_per_1k_prompt": 0.01,
-          "usd_per_1k_completion": 0.02}  # fmt: skip
+_CLOUD = {
+    "base_url": "http://127.0.0.1:9/v1",
+    "model": "m",
+    "api_key_env": "K",
+    "usd_per_1k_prompt": 0.01,
+    "usd_per_1k_completion": 0.02,
+}
 
 
 @pytest.mark.parametrize(

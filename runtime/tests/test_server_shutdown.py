@@ -79,11 +79,11 @@ def test_sigterm_under_load_loses_no_request(bundle, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - the server writes it until it ends
+    serve = [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port),
-         "--shutdown-grace", "1", "--threads", "1"],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [*serve, "--shutdown-grace", "1", "--threads", "1"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -99,8 +99,9 @@ def test_sigterm_under_load_loses_no_request(bundle, tmp_path):
                 proc.send_signal(signal.SIGTERM)
 
         body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
-        r = run_load(base, body, requests=3000, concurrency=16, timeout_s=60, endpoint="/v1/completions",
-                     progress=progress)  # fmt: skip
+        r = run_load(
+            base, body, requests=3000, concurrency=16, timeout_s=60, endpoint="/v1/completions", progress=progress
+        )
         assert proc.wait(60) in (0, -signal.SIGTERM)
         assert r.lost == 0, (r.outcomes, (tmp_path / "server.log").read_text()[-3000:])
         assert set(r.outcomes) <= {"200", "503", "refused_connection"}, r.outcomes
