@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from kibidango.cloud import CloudClient
-    from kibidango.ledger import Ledger
-    from kibidango.pipeline import Pipeline
+    from kibidango.cascade.cloud import CloudClient
+    from kibidango.cascade.ledger import Ledger
+    from kibidango.cascade.pipeline import CascadePipeline
     from methods.failures import task_of, task_record
     from methods.judges import make_judges
     from methods.serving import llama_cpp_server
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         # the bundle's 6C thresholds and prices, under the stand-in's address: as a bundle user runs it
-        cascade = Pipeline.from_config(connection, bundle=bundle_dir, state_dir=Path(tmp) / "cascade")
+        cascade = CascadePipeline.from_bundle(bundle_dir, connection, state_dir=Path(tmp) / "cascade")
         pipe, config = cascade.pipe, cascade.config
         cloud_only = CloudClient(config.cloud, Ledger(Path(tmp) / "cloud-only", 100.0, "total"))
         records = []

@@ -49,7 +49,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kibidango.loadtest import format_load, run_load
+    from kibidango.server.loadtest import format_load, run_load
 
     parser = argparse.ArgumentParser(prog="python -m eval.server_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", help="a bundle directory (default: the newest stage-X bundle)")

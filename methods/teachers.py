@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
-from kibidango.cloud import backoff_seconds, credible_usage, retry_after_seconds
+from kibidango.cascade.cloud import backoff_seconds, credible_usage, retry_after_seconds
 from methods.judges.llm import api_error_text
 
 __all__ = [

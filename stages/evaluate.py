@@ -235,7 +235,7 @@ def _quality(table: list[dict], policies: list[str]) -> dict:
 
 
 def _size(bundle) -> dict:
-    files = bundle.meta.get("files", [])
+    files = bundle.manifest.files
     tiers = {}
     for name, tier in bundle.tiers.items():
         for form in ("hf", "gguf"):
@@ -247,8 +247,8 @@ def _size(bundle) -> dict:
                 if form == "hf"
                 else path.parent.relative_to(bundle.root).as_posix()
             )
-            tiers[f"{name}/{form}"] = sum(f["size"] for f in files if f["path"].startswith(prefix + "/"))
-    return {"bytes": sum(f["size"] for f in files), "tiers": tiers}
+            tiers[f"{name}/{form}"] = sum(f.size for f in files if f.path.startswith(prefix + "/"))
+    return {"bytes": sum(f.size for f in files), "tiers": tiers}
 
 
 _RSS_PROBE = """

@@ -11,9 +11,12 @@ what ``kibidango`` reads:
 - ``adapters/<domain>/``: the domain LoRAs (3-5) and the recovery LoRA (2F), each with its
   ``adapter.json``; ``router/router.json``: the domain router (6A), ``calibration/calibration.json``
   (2G), ``escalation/escalation.json`` (6B) and ``cascade/cascade.json`` (6C), when wired;
-- ``bundle.json``: schema, preset, every file with size + sha256, every stage's cache key and
-  MLflow run id (the lineage of the inputs, read from their manifests), the tier table with each
-  tier's measured figures, runtime defaults;
+- ``bundle.json`` (:class:`kibidango.schema.BundleManifest`): schema, preset, every file with
+  size + sha256, every stage's cache key (the lineage of the inputs, read from their manifests),
+  the tier table with each tier's measured figures, runtime defaults. Nothing in the bundle
+  depends on when or where it was built: no build time, MLflow run id or git sha (those are in the
+  stage's manifest and its MLflow run), so stage X recomputed from unchanged inputs publishes the
+  same bytes, and the stages after it stay cache hits;
 - ``BUNDLE_CARD.md``: every figure taken from the stages' metrics (:mod:`methods.compression.card`).
 
 Outputs: ``bundle/`` and a copy of the card beside it.
@@ -92,24 +95,19 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     stages = lineage(inputs)
     metrics = {name: stages[path.parent.name]["metrics"] for name, path in inputs.items()}
     root = out_dir / "bundle"
-    shas = {s: v["git_sha"] for s, v in stages.items()}
-    pipeline_sha = next(iter(set(shas.values()))) if len(set(shas.values())) == 1 else "mixed (see stage_git_shas)"
     write_bundle(
         root,
         tiers,
         cfg.runtime_defaults,
         preset=cfg.preset,
-        pipeline_git_sha=pipeline_sha,
-        stage_git_shas=shas,
         stage_cache_keys={s: v["key"] for s, v in stages.items()},
-        mlflow_run_ids={s: v["mlflow_run_id"] for s, v in stages.items() if v.get("mlflow_run_id")},
         card="BUNDLE_CARD.md",
         finalize=lambda tmp: _add_extras(tmp, cfg, inputs, metrics, stages),
     )
     bundle = load_bundle(root)  # the runtime's own check: every hash, one tokenizer across tiers
     shutil.copy2(root / "BUNDLE_CARD.md", out_dir / "BUNDLE_CARD.md")
-    files = bundle.meta["files"]
-    result = {"files": float(len(files)), "bundle_bytes": float(sum(f["size"] for f in files))}
+    files = bundle.manifest.files
+    result = {"files": float(len(files)), "bundle_bytes": float(sum(f.size for f in files))}
     summary = (
         f"bundle/ with {len(files)} files, {result['bundle_bytes'] / 1e6:.2f} MB, and BUNDLE_CARD.md; "
         f"bundle.json sha256 {bundle.digest} (pin it: kibidango generate --expect-sha256 {bundle.digest})"

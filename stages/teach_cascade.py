@@ -43,7 +43,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256, tree_sha256
 from core.progress import Progress
-from kibidango.ledger import trusted_cost
+from kibidango.cascade.ledger import trusted_cost
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.teachers import Budget, TeacherClient, TierConfig, TierDead, worst_case_usd
@@ -338,7 +338,7 @@ class _Cascade:
             self.state.done[key] = event
             return None
         # Unread attempts (timeouts, malformed replies) are charged their worst case; the answer what the
-        # endpoint reported, when that is credible (kibidango.ledger.trusted_cost: never a credit, never
+        # endpoint reported, when that is credible (kibidango.cascade.ledger.trusted_cost: never a credit, never
         # above what was held; else the worst case).
         answer_usd = 0.0
         if r.text is not None:

@@ -83,7 +83,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         raise KibidangoError(f"{src}: tuning needs the draft, qualifier and target tiers (missing {sorted(missing)})")
     for backend in cfg.backends:
         form = "gguf" if backend == "llamacpp" else "hf"
-        if any(not bundle.meta["tiers"][t].get(form) for t in ("draft", "qualifier", "target")):
+        if any(not getattr(bundle.manifest.tiers[t], form) for t in ("draft", "qualifier", "target")):
             raise KibidangoError(f"{src}: backend {backend!r} needs every tier's {form} weights; drop it from backends")
 
     from transformers import AutoTokenizer

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from core.contract import KibidangoError
+from core.hashing import file_sha256
+from core.store import content_digest
 from eval.shared_data import SHARED
 from tests.conftest import noisy_copy
 
@@ -60,6 +63,17 @@ def family(tmp_path_factory) -> Path:
     for tier in ("draft", "qualifier", "target"):
         shutil.copytree(STORIES, root / tier)
     return root
+
+
+def _listing(root: Path) -> list[dict]:
+    """Every file under ``root`` with its sha256, as the artifact store digests an artifact."""
+    return [
+        {"path": p.relative_to(root).as_posix(), "sha256": file_sha256(p)} for p in sorted(root.rglob("*")) if p.is_file()
+    ]
+
+
+def card_text(out: Path) -> str:
+    return (out / "bundle" / "BUNDLE_CARD.md").read_text()
 
 
 def _run(stage_id: str, inputs: dict[str, Path], out: Path, **config):
@@ -258,8 +272,23 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
         runtime_defaults={"mode": "sd", "k": 3, "stop_ids": [2]},
     )
     bundle = load_bundle(out / "bundle")
-    assert set(bundle.tiers) == {"draft", "target"} and bundle.meta["stage_cache_keys"]["0"] == "key0"
-    assert bundle.meta["mlflow_run_ids"]["2D"] == "run2D" and result.metrics["files"] == len(bundle.meta["files"])
+    assert set(bundle.tiers) == {"draft", "target"} and bundle.manifest.stage_cache_keys["0"] == "key0"
+    assert result.metrics["files"] == len(bundle.manifest.files)
+    # Rebuilt from the same inputs (a rerun of X): the same bytes, so the stages after X stay cache hits.
+    # Nothing in the bundle says when, by which git sha or under which MLflow run it was built.
+    again = store / "X" / "keyX-rerun"
+    time.sleep(1.1)  # a wall-clock time in any file would differ now
+    _run(
+        "X",
+        {"target": arts["2B"], "small": arts["2C"], "gguf": gguf, "prune": arts["2A"]},
+        again,
+        preset="test",
+        hf_tiers={"target": "target", "draft": "small"},
+        runtime_defaults={"mode": "sd", "k": 3, "stop_ids": [2]},
+    )
+    assert content_digest(_listing(again)) == content_digest(_listing(out))
+    manifest = (out / "bundle" / "bundle.json").read_text()
+    assert "run2D" not in manifest and "run2D" not in card_text(out) and "git_sha" not in manifest
     card = (out / "bundle" / "BUNDLE_CARD.md").read_text()
     g = json.loads((gguf / "gguf.json").read_text())["metrics"]
     assert f"{g['draft_gguf_bytes'] / 1e6:.3f} MB" in card and f"{g['draft_token_agreement']:.1%}" in card
@@ -279,7 +308,7 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
 
     packed = store / "2E" / "key2E"
     metrics = _run("2E", {"bundle": out}, packed, dict_size=8192, level=10).metrics
-    assert metrics["ratio"] > 1 and metrics["files"] == len(bundle.meta["files"]) + 2  # + bundle.json and its .sha256
+    assert metrics["ratio"] > 1 and metrics["files"] == len(bundle.manifest.files) + 2  # + bundle.json and its .sha256
     assert "byte for byte" in (packed / "pack_report.md").read_text()
 
     victim = out / "bundle" / "tiers" / "draft" / "gguf" / "draft-Q8_0.gguf"

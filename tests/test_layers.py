@@ -1,7 +1,9 @@
 """Imports run one way: flows -> stages -> methods -> core, with eval/ scripts on top and the
-runtime (kibidango) importable by all and importing none of them. Every import statement of every
-module is read (function-level imports included), so a new import that runs back up a floor
-fails here with its file and line."""
+runtime (kibidango) importable by all and importing none of them. Inside the runtime: the
+decoding core and the bundle -> ``kibidango.cascade`` -> ``kibidango.server`` -> the CLI. No stage
+imports another stage, and no two modules import each other, however indirectly. Every import
+statement of every module is read (function-level imports included), so a new import that runs
+back up a floor or closes a circle fails here with its file and line."""
 
 from __future__ import annotations
 
@@ -33,6 +35,49 @@ def _modules(package: str):
     return sorted(root.rglob("*.py"))
 
 
+def _name(path: Path) -> str:
+    rel = path.relative_to(REPO / "runtime" if path.is_relative_to(REPO / "runtime") else REPO).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _graph() -> dict[str, dict[str, int]]:
+    """module -> {module it imports (itself a module of this repository): line}. ``from a import b``
+    counts as an import of ``a.b`` when that is a module, else of ``a``; relative imports resolve."""
+    paths = {_name(p): p for package in [*FLOOR, "kibidango"] for p in _modules(package)}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            for t in targets:
+                if t in paths and t != name:
+                    edges.setdefault(t, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+RUNTIME_FLOOR = {"kibidango.cascade": 1, "kibidango.server": 2, "kibidango.cli": 3, "kibidango.__main__": 3}
+"""The runtime's floors: the decoding core and the bundle (0: every module not named here), the
+cascade (1), the server (2), the CLI (3). A module imports only its own floor and those below."""
+
+
+def _runtime_floor(module: str) -> int:
+    for prefix, floor in RUNTIME_FLOOR.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return floor
+    return 0
+
+
 def test_every_import_goes_down_a_floor_or_stays():
     wrong = []
     for package, floor in FLOOR.items():
@@ -58,3 +103,69 @@ def test_the_runtime_imports_nothing_of_the_pipeline():
 def test_the_runtime_has_no_import_cycle_between_bundle_and_pack():
     pack = {t for _, t in _imports(REPO / "runtime/kibidango/pack.py", "kibidango")}
     assert "kibidango.bundle" not in pack
+
+
+def test_the_runtime_floors_import_only_downward():
+    """The decoding core and the bundle never import the cascade or the server (so editing either
+    changes no stage's code version), the cascade never imports the server."""
+    graph, wrong = _graph(), []
+    for module, edges in graph.items():
+        if not module.startswith("kibidango"):
+            continue
+        for target, line in edges.items():
+            if target.startswith("kibidango.") and _runtime_floor(target) > _runtime_floor(module):
+                wrong.append(f"{module}:{line}: floor {_runtime_floor(module)} imports {target} (floor {_runtime_floor(target)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_stage_imports_another_stage():
+    graph = _graph()
+    wrong = [
+        f"{module}:{line}: imports {target}"
+        for module, edges in graph.items()
+        if module.startswith("stages.")
+        for target, line in edges.items()
+        if target.startswith("stages")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circle_anywhere():
+    """Tarjan's strongly connected components over every import of every module: each must be a
+    single module."""
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    described = [
+        " <-> ".join(c) + ": " + "; ".join(f"{a}:{graph[a][b]} -> {b}" for a in c for b in graph[a] if b in c)
+        for c in circles
+    ]
+    assert not circles, "\n".join(described)

@@ -33,8 +33,8 @@ def pipe(tmp_path_factory):
 
 
 def _cascade(pipe, proxy, state, qualifier=1.0 + 1e-6, fallback=1.0 + 1e-6, **cloud):
-    from kibidango.cascade import parse_cascade
-    from kibidango.cascade_pipeline import CascadePipeline
+    from kibidango.cascade.config import parse_cascade
+    from kibidango.cascade.pipeline import CascadePipeline
 
     doc = {
         "qualifier": {"threshold": qualifier},
@@ -168,7 +168,7 @@ def test_validation_band_and_the_local_band(pipe, proxy, tmp_path):
     import hashlib
     import json
 
-    from kibidango.cascade_pipeline import VALIDATION_PROMPT
+    from kibidango.cascade.pipeline import VALIDATION_PROMPT
 
     casc = _cascade(pipe, proxy, tmp_path, fallback=0.5)  # uncalibrated confidence 1.0: between the two
     r = casc.answer("Once upon a time", max_new_tokens=4)
@@ -208,8 +208,8 @@ def test_a_cloud_that_refuses_connections_is_retried_then_answered_locally(pipe,
 
 def test_a_prompt_past_the_local_context_goes_to_the_cloud(pipe, proxy, tmp_path):
     from kibidango.backends.base import ContextLengthError
-    from kibidango.cascade import load_cascade
-    from kibidango.cascade_pipeline import CascadePipeline
+    from kibidango.cascade.config import load_cascade
+    from kibidango.cascade.pipeline import CascadePipeline
 
     long = "Once upon a time " * 200  # past stories260K's 512 tokens
     casc = _cascade(pipe, proxy, tmp_path, qualifier=0.5, fallback=0.1)  # would accept any local answer
@@ -225,7 +225,7 @@ def test_the_server_sends_a_prompt_past_the_local_context_to_the_cloud(pipe, pro
     is cut to 64 tokens here: the cloud stand-in is the same 512-token model.)"""
     from fastapi.testclient import TestClient
 
-    from kibidango.server import create_app
+    from kibidango.server.app import create_app
 
     monkeypatch.setattr(pipe.models["target"], "context_length", 64)
     casc = _cascade(pipe, proxy, tmp_path, qualifier=0.5, fallback=0.1)
@@ -286,8 +286,8 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
 
     import httpx
 
-    from kibidango.ledger import Ledger
-    from kibidango.loadtest import run_load
+    from kibidango.cascade.ledger import Ledger
+    from kibidango.server.loadtest import run_load
     from methods.serving import free_port
 
     limit = 0.1  # about 160 of the 200 answers: the budget runs out near the end

@@ -97,11 +97,11 @@ def test_the_budget_holds_the_worst_case_and_never_overspends():
 
 def test_usage_a_reply_reports_is_believed_only_when_credible():
     """1D's teachers: absent, negative, fractional or non-numeric counts are not believed (the
-    stage then charges the request's worst case, as kibidango.ledger.trusted_cost does)."""
+    stage then charges the request's worst case, as kibidango.cascade.ledger.trusted_cost does)."""
     from types import SimpleNamespace
 
-    from kibidango.cloud import credible_usage
-    from kibidango.ledger import trusted_cost
+    from kibidango.cascade.cloud import credible_usage
+    from kibidango.cascade.ledger import trusted_cost
 
     assert credible_usage(SimpleNamespace(prompt_tokens=12, completion_tokens=3)) == (12, 3)
     for usage in (

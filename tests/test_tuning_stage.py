@@ -74,8 +74,8 @@ def test_stage_1f_tunes_and_ships_the_choice(stage0, tmp_path):
     assert tuning["tuning"]["torch"]["chosen_speed_vs_ar"] == result.metrics["torch/chosen_speed_vs_ar"]
 
     tuned = load_bundle(out / "bundle")  # every hash checked: a valid bundle
-    assert tuned.meta["tuned_defaults"] == {"torch": chosen}
-    assert tuned.meta["runtime_defaults"] == {"mode": "sd", "k": 4, "stop_ids": [2]}  # the plain ones stay
+    assert tuned.manifest.tuned_defaults == {"torch": chosen}
+    assert tuned.manifest.runtime_defaults == {"mode": "sd", "k": 4, "stop_ids": [2]}  # the plain ones stay
     d = Pipeline.from_bundle(out / "bundle", adapter="none").defaults
     assert d.mode == chosen["mode"] and all(getattr(d, k) == v for k, v in chosen.items())
     assert Pipeline.from_bundle(x / "bundle", adapter="none").defaults.mode == "sd"  # X's bundle is untouched

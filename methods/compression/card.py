@@ -182,8 +182,11 @@ def bundle_card(
         "",
         "## Lineage",
         "",
-        "| stage | cache key | MLflow run |",
-        "|---|---|---|",
+        "Each stage's artifact, by cache key (its manifest in the artifact store holds the MLflow run, "
+        "git sha and build time; the card holds nothing that changes when the same inputs are rebuilt).",
+        "",
+        "| stage | cache key |",
+        "|---|---|",
     ]
-    lines += [f"| {s} | {v['key']} | {v.get('mlflow_run_id') or '-'} |" for s, v in stages.items()]
+    lines += [f"| {s} | {v['key']} |" for s, v in stages.items()]
     return "\n".join(lines) + "\n"

@@ -96,9 +96,7 @@ def find_duplicates(
     (:class:`methods.curation.distributed.Cluster`): the same result computed on a Dask cluster
     with the LSH index in Redis."""
     if cluster is not None:
-        from methods.curation.distributed import distributed_duplicates
-
-        return distributed_duplicates(texts, cfg, cluster, progress)
+        return cluster.duplicates(texts, cfg, progress)
     normalized = [normalize_for_dedup(t) for t in texts]
     duplicates = exact_duplicates(map(digest, normalized)) if cfg.exact else []
     dropped = {d.index for d in duplicates}

@@ -70,6 +70,10 @@ class Cluster:
             )
         return cls(scheduler, redis_url)
 
+    def duplicates(self, texts: Sequence[str], cfg, progress: Callable[[int], None] | None = None) -> list:
+        """:func:`distributed_duplicates` on this cluster (what ``find_duplicates(..., cluster=)`` calls)."""
+        return distributed_duplicates(texts, cfg, self, progress)
+
     @property
     def shown(self) -> str:
         from redis.connection import parse_url

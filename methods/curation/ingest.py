@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from core.contract import KibidangoError
 from core.hashing import file_sha256, tree_sha256
 from methods.curation.records import Example, Reject, normalize_text
+from methods.curation.split import part, task_id
 
 __all__ = ["FieldError", "SourceError", "SourceSpec", "parse_record", "read_source", "records", "source_digest"]
 
@@ -126,8 +127,6 @@ def source_digest(spec: SourceSpec) -> str:
 def read_source(spec: SourceSpec, held_out: list[str] | None = None) -> Iterator[Example | Reject]:
     """Every row of the source as an Example (domain may still be `auto`) or a Reject. A benchmark
     source's evaluation rows are skipped; their task ids are appended to ``held_out``."""
-    from methods.benchmarks import part, task_id
-
     n_valid = n_seen = 0
     for line, record in records(spec):
         n_seen += 1

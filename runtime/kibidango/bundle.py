@@ -1,8 +1,8 @@
 """The bundle: ``bundle.json`` plus the files it lists.
 
     bundle/
-      bundle.json                      schema, provenance, every file with size + sha256,
-                                       tier table, runtime defaults
+      bundle.json                      :class:`kibidango.schema.BundleManifest`: schema, lineage,
+                                       every file with size + sha256, tier table, runtime defaults
       bundle.json.sha256               the manifest's own sha256 (``sha256sum -c`` reads it)
       tiers/<tier>/hf/                 transformers-loadable weights and tokenizer
       tiers/<tier>/gguf/<name>.gguf    llama.cpp-loadable weights
@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 
 from kibidango.integrity import BundleError, contained, parse_json, sha256_bytes, sha256_file
 from kibidango.pack import is_packed, unpack_bundle, unpacked_cache
+from kibidango.schema import SCHEMA_VERSION, BundleManifest, FileEntry, TierEntry
 
 __all__ = [
     "Bundle",
@@ -49,7 +49,6 @@ __all__ = [
 
 log = logging.getLogger("kibidango.bundle")
 
-SCHEMA_VERSION = 1
 TIER_ORDER = ("draft", "qualifier", "target")
 _TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MANIFEST_DIGEST = "bundle.json.sha256"
@@ -60,15 +59,19 @@ class Tier:
     name: str
     hf: Path | None
     gguf: Path | None
-    info: dict[str, Any]
+    entry: TierEntry
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The tier's figures (vocabulary, shape, quantization) as bundle.json has them."""
+        return {k: v for k, v in self.entry.__dict__.items() if k not in ("hf", "gguf") and v not in (None, {})}
 
 
 @dataclass
 class Bundle:
     root: Path
-    meta: dict[str, Any]
+    manifest: BundleManifest
     tiers: dict[str, Tier]
-    defaults: dict[str, Any] = field(default_factory=dict)
     digest: str = ""
     """sha256 of bundle.json: what ``expect_sha256`` pins."""
     unlisted: list[str] = field(default_factory=list)
@@ -84,7 +87,7 @@ class Bundle:
 
     @functools.cached_property
     def _listed_paths(self) -> frozenset[str]:
-        return frozenset(f["path"] for f in self.meta.get("files", []))
+        return frozenset(f.path for f in self.manifest.files)
 
     @property
     def adapters(self):
@@ -93,9 +96,14 @@ class Bundle:
 
         return AdapterSet(self.root / "adapters", listed=self.listed)
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The decoding defaults the bundle ships (``runtime_defaults``)."""
+        return self.manifest.runtime_defaults
+
     def _part(self, key: str) -> Path | None:
         """The listed file bundle.json names under ``key``, or None when it names none."""
-        rel = self.meta.get(key)
+        rel = self.manifest.part(key)
         if rel is None:
             return None
         path = contained(self.root, rel, f"{self.root}: {key}")
@@ -177,31 +185,26 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
         raise BundleError(f"{manifest}: sha256 {digest}, but {expect} was expected (pinned): refused")
     if verify:
         _check_manifest_digest(root, digest)
-    meta = parse_json(raw, manifest)
-    if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
-        found = meta.get("schema_version") if isinstance(meta, dict) else type(meta).__name__
-        raise BundleError(f"{manifest}: schema_version {found!r}, this runtime reads {SCHEMA_VERSION}")
+    meta = BundleManifest.from_json(parse_json(raw, manifest), str(manifest))
     listed = _listed_files(root, meta, manifest)
     if verify:
         for rel, entry in listed.items():
             p = root / rel
             if not p.is_file():
                 raise BundleError(f"{root}: file {rel} is missing")
-            if p.stat().st_size != entry.get("size"):
+            if p.stat().st_size != entry.size:
                 raise BundleError(
-                    f"{root}: file {rel} has {p.stat().st_size} bytes, bundle.json says {entry.get('size')} (truncated or replaced)"
+                    f"{root}: file {rel} has {p.stat().st_size} bytes, bundle.json says {entry.size} (truncated or replaced)"
                 )
-            if sha256_file(p) != entry.get("sha256"):
+            if sha256_file(p) != entry.sha256:
                 raise BundleError(
                     f"{root}: file {rel} does not match its sha256 in bundle.json (tampered or corrupted)"
                 )
     tiers = {}
-    for name, spec in (meta.get("tiers") or {}).items():
-        if not isinstance(spec, dict):
-            raise BundleError(f"{manifest}: tiers.{name} is not an object")
-        hf = _tier_dir(root, spec["hf"], listed, f"{manifest}: tiers.{name}.hf") if spec.get("hf") else None
-        gguf = _tier_file(root, spec["gguf"], listed, f"{manifest}: tiers.{name}.gguf") if spec.get("gguf") else None
-        tiers[name] = Tier(name, hf, gguf, {k: v for k, v in spec.items() if k not in ("hf", "gguf")})
+    for name, spec in meta.tiers.items():
+        hf = _tier_dir(root, spec.hf, listed, f"{manifest}: tiers.{name}.hf") if spec.hf else None
+        gguf = _tier_file(root, spec.gguf, listed, f"{manifest}: tiers.{name}.gguf") if spec.gguf else None
+        tiers[name] = Tier(name, hf, gguf, spec)
     if not tiers:
         raise BundleError(f"{manifest}: no tiers")
     unlisted = sorted(
@@ -215,9 +218,9 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
         log.warning(
             f"{root}: {len(unlisted)} file(s) not listed in bundle.json (never loaded): {', '.join(unlisted[:10])}"
         )
-    bundle = Bundle(root, meta, tiers, meta.get("runtime_defaults", {}), digest, unlisted)
+    bundle = Bundle(root, meta, tiers, digest, unlisted)
     _check_shared_tokenizer(bundle)
-    release = meta.get("release")
+    release = meta.release
     if isinstance(release, dict) and release.get("releasable") is False:
         failed = ", ".join(str(g) for g in release.get("failed", [])) or "?"
         log.warning(
@@ -229,30 +232,31 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
 def stamp_release(src: str | Path, dest: str | Path, release: dict[str, Any]) -> Path:
     """A copy of the bundle at ``src`` whose bundle.json carries ``release`` (the quality gates'
     verdict: ``releasable``, ``gates``, ``failed``, ``waived``); see :func:`with_meta`."""
-    return with_meta(src, dest, {"release": release})
+    return with_meta(src, dest, release=release)
 
 
-def with_meta(src: str | Path, dest: str | Path, updates: dict[str, Any]) -> Path:
+def with_meta(src: str | Path, dest: str | Path, **updates: Any) -> Path:
     """A copy of the bundle at ``src`` (files hard-linked where the filesystem allows) whose
-    bundle.json has ``updates`` set, with bundle.json's digest file rewritten. Every listed file is
-    verified first; the copy is written beside ``dest`` and renamed into place."""
+    bundle.json has the fields ``updates`` set (:class:`kibidango.schema.BundleManifest`), with
+    bundle.json's digest file rewritten. Every listed file is verified first; the copy is written
+    beside ``dest`` and renamed into place."""
     source = load_bundle(src, verify=True)
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    for entry in source.meta["files"]:
-        target = tmp / entry["path"]
+    for entry in source.manifest.files:
+        target = tmp / entry.path
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(source.root / entry["path"], target)
+            os.link(source.root / entry.path, target)
         except OSError:  # another filesystem, or no hard links: a copy
-            shutil.copy2(source.root / entry["path"], target)
-    return _seal(tmp, {**source.meta, **updates}, dest)
+            shutil.copy2(source.root / entry.path, target)
+    return _seal(tmp, source.manifest.replace(**updates), dest)
 
 
-def _seal(tmp: Path, body: dict[str, Any], root: Path) -> Path:
+def _seal(tmp: Path, manifest: BundleManifest, root: Path) -> Path:
     """Write bundle.json and its digest into ``tmp`` and rename it to ``root`` (replacing it)."""
-    text = json.dumps(body, indent=2, sort_keys=True).encode()
+    text = json.dumps(manifest.to_json(), indent=2, sort_keys=True).encode()
     (tmp / "bundle.json").write_bytes(text)
     (tmp / MANIFEST_DIGEST).write_text(f"{sha256_bytes(text)}  bundle.json\n")
     if root.exists():
@@ -272,32 +276,27 @@ def _check_manifest_digest(root: Path, digest: str) -> None:
         raise BundleError(f"{root}: bundle.json does not match {MANIFEST_DIGEST} (edited or corrupted)")
 
 
-def _listed_files(root: Path, meta: dict, manifest: Path) -> dict[str, dict]:
+def _listed_files(root: Path, meta: BundleManifest, manifest: Path) -> dict[str, FileEntry]:
     """bundle.json's ``files``, each path checked to stay inside the bundle, keyed by path."""
-    entries = meta.get("files", [])
-    if not isinstance(entries, list):
-        raise BundleError(f"{manifest}: files is not a list")
-    listed: dict[str, dict] = {}
-    for i, entry in enumerate(entries):
+    listed: dict[str, FileEntry] = {}
+    for i, entry in enumerate(meta.files):
         where = f"{manifest}: files[{i}].path"
-        if not isinstance(entry, dict):
-            raise BundleError(f"{manifest}: files[{i}] is not an object")
-        contained(root, entry.get("path"), where)
-        rel = entry["path"]
+        contained(root, entry.path, where)
+        rel = entry.path
         if rel in listed:
             raise BundleError(f"{where}: {rel!r} is listed twice")
         listed[rel] = entry
     return listed
 
 
-def _tier_file(root: Path, rel: Any, listed: dict[str, dict], what: str) -> Path:
+def _tier_file(root: Path, rel: Any, listed: dict[str, FileEntry], what: str) -> Path:
     path = contained(root, rel, what)
     if rel not in listed:
         raise BundleError(f"{what}: {rel!r} is not in bundle.json's files, so it was never hashed: refused")
     return path
 
 
-def _tier_dir(root: Path, rel: Any, listed: dict[str, dict], what: str) -> Path:
+def _tier_dir(root: Path, rel: Any, listed: dict[str, FileEntry], what: str) -> Path:
     """A tier's weights directory: inside the bundle, holding listed files only (transformers
     loads whatever the directory holds, so an unlisted file there would be loaded unchecked)."""
     path = contained(root, rel, what)
@@ -342,8 +341,8 @@ def write_bundle(
 ) -> Path:
     """Assemble a bundle at ``root``. ``tiers`` maps a tier name to ``{"hf": dir, "gguf": file,
     **info}`` (either weight form may be absent); files are copied into the layout, hashed and
-    listed. Extra keyword arguments (preset, pipeline git sha, cache keys, MLflow run ids, ...)
-    go into bundle.json as they are. ``finalize(tmp_dir)`` may add files (adapters, the card)
+    listed. Extra keyword arguments are fields of :class:`kibidango.schema.BundleManifest`
+    (preset, stage cache keys, ...); an unknown one is refused. ``finalize(tmp_dir)`` may add files (adapters, the card)
     before anything is hashed and returns more bundle.json fields. Written to a temporary
     directory and renamed into place."""
     root = Path(root)
@@ -373,10 +372,9 @@ def write_bundle(
     ]
     body = {
         "schema_version": SCHEMA_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **meta,
         "tiers": tier_table,
         "runtime_defaults": runtime_defaults or {},
         "files": files,
     }
-    return _seal(tmp, body, root)
+    return _seal(tmp, BundleManifest.from_json(body, f"{root}/bundle.json (being written)"), root)

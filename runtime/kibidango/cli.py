@@ -100,12 +100,12 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _cascade(args: argparse.Namespace, pipe, prompt: str) -> None:
-    """``generate --cascade CONFIG``: the local/cloud cascade (kibidango.cascade_pipeline) for one
+    """``generate --cascade CONFIG``: the local/cloud cascade (kibidango.cascade.pipeline) for one
     prompt; the answer on stdout, which tier answered, its confidence, cost and the budget left on
     stderr (all of it, with the local metrics, as JSON with ``--stats``)."""
-    from kibidango.cascade import load_cascade
-    from kibidango.cascade_pipeline import CascadePipeline
-    from kibidango.state import default_state_dir
+    from kibidango.cascade.config import load_cascade
+    from kibidango.cascade.pipeline import CascadePipeline
+    from kibidango.cascade.state import default_state_dir
 
     config = load_cascade(args.cascade, bundle=pipe.bundle)
     state = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
@@ -124,34 +124,30 @@ def _cascade(args: argparse.Namespace, pipe, prompt: str) -> None:
 
 def _inspect(args: argparse.Namespace) -> None:
     bundle = load_bundle(args.bundle, verify=True, expect_sha256=args.expect_sha256)
-    meta = bundle.meta
-    print(f"bundle {bundle.root}  schema {meta['schema_version']}  created {meta.get('created', '?')}")
+    meta = bundle.manifest
+    print(f"bundle {bundle.root}  schema {meta.schema_version}  preset {meta.preset or '-'}")
     pinned = (
         "matches the pinned digest"
         if args.expect_sha256
         else "compare it with the digest the pipeline printed, or pin it with --expect-sha256"
     )
     print(f"bundle.json sha256: {bundle.digest}  ({pinned})")
-    for key in ("preset", "pipeline_git_sha"):
-        if key in meta:
-            print(f"{key}: {meta[key]}")
     print("tiers:")
     for name, tier in bundle.tiers.items():
         forms = ", ".join(f for f, p in (("hf", tier.hf), ("gguf", tier.gguf)) if p is not None)
         info = ", ".join(f"{k}={v}" for k, v in tier.info.items())
         print(f"  {name:<10} {forms:<10} {info}")
     print(f"runtime defaults: {json.dumps(bundle.defaults, sort_keys=True)}")
-    for backend, tuned in (meta.get("tuned_defaults") or {}).items():
-        speed = (meta.get("tuning") or {}).get(backend, {}).get("chosen_speed_vs_ar")
+    for backend, tuned in meta.tuned_defaults.items():
+        speed = meta.tuning.get(backend, {}).get("chosen_speed_vs_ar")
         measured = f" ({speed:.2f}x target-only decoding when tuned)" if speed is not None else ""
         print(f"  tuned for {backend} (kibidango tune / stage 1F, read over the above): {json.dumps(tuned)}{measured}")
-    for key in ("stage_cache_keys", "mlflow_run_ids"):
-        if meta.get(key):
-            print(f"{key}: {json.dumps(meta[key], sort_keys=True)}")
-    files = meta.get("files", [])
+    if meta.stage_cache_keys:
+        print(f"built from (stage: cache key): {json.dumps(meta.stage_cache_keys, sort_keys=True)}")
+    files = meta.files
     for rel in bundle.unlisted:
         print(f"WARNING: {rel} is not listed in bundle.json (not hashed, never loaded)")
-    print(f"OK: {len(files)} files, {sum(f['size'] for f in files) / 1e6:.2f} MB, every sha256 verified")
+    print(f"OK: {len(files)} files, {sum(f.size for f in files) / 1e6:.2f} MB, every sha256 verified")
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -195,7 +191,7 @@ def _tune(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from kibidango.server import serve
+    from kibidango.server.launch import serve
 
     serve(
         args.bundle,
@@ -226,7 +222,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _loadtest(args: argparse.Namespace) -> None:
-    from kibidango.loadtest import format_load, run_load
+    from kibidango.server.loadtest import format_load, run_load
 
     prompts = [args.prompt]
     if args.prompts:

@@ -99,7 +99,7 @@ class Pipeline:
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
         fields = {f.name for f in dataclasses.fields(DecodeConfig)}
-        tuned = (bundle.meta.get("tuned_defaults") or {}).get(backend, {})  # kibidango tune / stage 1F
+        tuned = bundle.manifest.tuned_defaults.get(backend, {})  # kibidango tune / stage 1F
         defaults = {k: v for k, v in {**bundle.defaults, **tuned}.items() if k in fields}
         try:  # the bundle's own settings, before any caller's: an error names the file and the field
             cfg = DecodeConfig(**_with_tuple_stops(defaults))
@@ -129,27 +129,6 @@ class Pipeline:
         cascade = bundle.cascade() or {}
         threshold = float((cascade.get("router") or {}).get("threshold", 0.0))
         return cls(tokenizer, models, cfg, bundle, backend, adapter, loaded, router, threshold, bundle.calibrator())
-
-    @classmethod
-    def from_config(
-        cls,
-        name_or_path: str | Path | None,
-        bundle: str | Path,
-        state_dir: str | Path | None = None,
-        **from_bundle: Any,
-    ):
-        """The local/cloud cascade over a bundle: ``name_or_path`` is a named cascade config
-        (``plan-example``, ``local-only``), a JSON/YAML file, or None for the bundle's own (6C);
-        ``state_dir`` holds the budget ledger (default :func:`kibidango.state.default_state_dir`);
-        ``from_bundle``: as :meth:`from_bundle`. Returns a
-        :class:`kibidango.cascade_pipeline.CascadePipeline` (``.answer(prompt)``)."""
-        from kibidango.cascade import load_cascade
-        from kibidango.cascade_pipeline import CascadePipeline
-        from kibidango.state import default_state_dir
-
-        pipe = cls.from_bundle(bundle, **from_bundle)
-        config = load_cascade(name_or_path, bundle=pipe.bundle)
-        return CascadePipeline(pipe, config, state_dir if state_dir is not None else default_state_dir())
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])

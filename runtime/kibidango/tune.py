@@ -197,12 +197,5 @@ def write_tuned_backends(
     other backends' earlier tuning in ``src`` stays."""
     from kibidango.bundle import load_bundle, with_meta
 
-    meta = load_bundle(src, verify=False).meta  # with_meta hashes every file before it copies
-    return with_meta(
-        src,
-        dest,
-        {
-            "tuned_defaults": {**meta.get("tuned_defaults", {}), **tuned},
-            "tuning": {**meta.get("tuning", {}), **tuning},
-        },
-    )
+    meta = load_bundle(src, verify=False).manifest  # with_meta hashes every file before it copies
+    return with_meta(src, dest, tuned_defaults={**meta.tuned_defaults, **tuned}, tuning={**meta.tuning, **tuning})

@@ -49,7 +49,8 @@ class Server:
         import uvicorn
 
         from kibidango.pipeline import Pipeline
-        from kibidango.server import create_app, uvicorn_server
+        from kibidango.server.app import create_app
+        from kibidango.server.drain import uvicorn_server
 
         pipe = Pipeline.from_bundle(bundle, mode="ar")
         pipe.models = {name: SlowModel(m, delay) for name, m in pipe.models.items()}

@@ -148,7 +148,7 @@ def test_cli_and_server_report_domain_adapter_and_confidence(bundle, capsys):
 
     from kibidango import Pipeline
     from kibidango.cli import main
-    from kibidango.server import create_app
+    from kibidango.server.app import create_app
 
     assert (
         main(["generate", "--bundle", str(bundle), "--adapter", "auto", "--max-new-tokens", "3", "--stats", CODE]) == 0
@@ -201,7 +201,7 @@ def test_a_non_finite_confidence_at_run_time_is_null_with_its_reason_never_a_500
 
     from kibidango import Pipeline
     from kibidango.confidence import Calibrator
-    from kibidango.server import create_app
+    from kibidango.server.app import create_app
 
     def strict(text: str):
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a response"))

@@ -210,3 +210,38 @@ def test_a_listed_adapter_is_loaded_and_checked(tmp_path):
     adapters = load_bundle(root).adapters
     assert adapters.domains == ["code"]
     assert [p.name for p in adapters.get("code").files("peft")] == ["adapter_config.json"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.update(created="2026-01-01T00:00:00Z"), r"bundle\.json: created: not a field"),
+        (lambda m: m["tiers"]["target"].update(vocab_size="512"), r"tiers\.target\.vocab_size is str, expected int"),
+        (lambda m: m["files"][0].update(size=True), r"files\[0\]\.size is bool, expected int"),
+        (lambda m: m.update(tuned_defaults=[]), r"tuned_defaults is not an object"),
+        (lambda m: m["files"][0].pop("sha256"), r"files\[0\]\.sha256 is missing"),
+        (lambda m: m.update(schema_version=1), r"schema_version 1, this runtime reads 2 .*rebuild it with stage X"),
+    ],
+)
+def test_bundle_json_is_read_through_its_schema(clean, tmp_path, edit, message):
+    """Every key of bundle.json is a field of kibidango.schema.BundleManifest: an unknown key, a
+    value of the wrong type or a missing one is refused naming the file and the field."""
+    bundle = _copy(clean, tmp_path)
+    _rewrite(bundle, edit)
+    with pytest.raises(BundleError, match=message):
+        load_bundle(bundle)
+
+
+def test_every_schema_field_is_described_and_written_fields_round_trip(clean):
+    import dataclasses
+
+    from kibidango.schema import AdapterEntry, BundleManifest, FileEntry, TierEntry, describe
+
+    for cls in (BundleManifest, TierEntry, FileEntry, AdapterEntry):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no description"
+            assert f"`{f.name}`" in describe()
+    doc = json.loads((clean / "bundle.json").read_text())
+    assert BundleManifest.from_json(doc, "bundle.json").to_json() == doc
+    with pytest.raises(BundleError, match=r"mlflow_run_ids: not a field"):
+        write_bundle(clean.parent / "other", {"target": {"hf": STORIES}}, mlflow_run_ids={"X": "run"})

@@ -10,7 +10,7 @@ import pytest
 
 from kibidango import write_bundle
 from kibidango.bundle import load_bundle
-from kibidango.cascade import CascadeConfigError, load_cascade
+from kibidango.cascade.config import CascadeConfigError, load_cascade
 from tests.conftest import STORIES, needs_stories
 
 

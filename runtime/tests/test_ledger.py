@@ -10,12 +10,12 @@ import textwrap
 
 import pytest
 
-from kibidango.ledger import BudgetExceeded, Ledger, period_of
+from kibidango.cascade.ledger import BudgetExceeded, Ledger, period_of
 
 WORKER = textwrap.dedent(
     """
     import json, random, sys, threading, time
-    from kibidango.ledger import BudgetExceeded, Ledger
+    from kibidango.cascade.ledger import BudgetExceeded, Ledger
 
     state, out, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ledger = Ledger(state, limit_usd=1.00, period="month")
@@ -85,7 +85,7 @@ def test_reservations_released_reaped_and_periods(tmp_path):
     with pytest.raises(KeyError):
         ledger.settle(b, 0.01)  # settled once only
     # a process killed mid-call: its reservation is charged in full by reap()
-    code = f"from kibidango.ledger import Ledger; import os; Ledger({str(tmp_path)!r}, 0.10, 'day').reserve(0.03); os._exit(9)"
+    code = f"from kibidango.cascade.ledger import Ledger; import os; Ledger({str(tmp_path)!r}, 0.10, 'day').reserve(0.03); os._exit(9)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 9
     assert ledger.state().reserved_usd == pytest.approx(0.03)
     assert ledger.reap() == 1
@@ -121,10 +121,10 @@ def test_a_killed_servers_reservation_is_reaped_when_its_successor_has_the_same_
     if not unshare or subprocess.run(probe, capture_output=True).returncode != 0:
         pytest.skip("needs unshare --pid (root, or user namespaces)")
     state = str(tmp_path)
-    first = f"import os; from kibidango.ledger import Ledger; Ledger({state!r}, 1.0).reserve(0.25); os._exit(9)"
+    first = f"import os; from kibidango.cascade.ledger import Ledger; Ledger({state!r}, 1.0).reserve(0.25); os._exit(9)"
     assert subprocess.run([*probe[:4], sys.executable, "-c", first]).returncode == 9
     second = (
-        f"import json, os; from kibidango.ledger import Ledger; l = Ledger({state!r}, 1.0); assert os.getpid() == 1;"
+        f"import json, os; from kibidango.cascade.ledger import Ledger; l = Ledger({state!r}, 1.0); assert os.getpid() == 1;"
         " print(json.dumps([l.reap(), l.state().settled_usd, l.state().reserved_usd]))"
     )
     done = subprocess.run([*probe[:4], sys.executable, "-c", second], capture_output=True, text=True)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kibidango.memory import SessionMemory
+from kibidango.cascade.memory import SessionMemory
 
 
 class Clock:

@@ -37,7 +37,7 @@ def test_a_packed_bundle_loads_and_generates_like_the_original(bundle, tmp_path,
     monkeypatch.setenv("KIBIDANGO_CACHE", str(tmp_path / "cache"))
     pack_bundle(bundle, tmp_path / "packed", dict_size=16 * 1024)
     packed = load_bundle(tmp_path / "packed")
-    assert packed.root.is_relative_to(tmp_path / "cache") and packed.meta["preset"] == "test"
+    assert packed.root.is_relative_to(tmp_path / "cache") and packed.manifest.preset == "test"
     a = Pipeline.from_bundle(bundle).generate("Once upon a time", max_new_tokens=16)
     b = Pipeline.from_bundle(tmp_path / "packed").generate("Once upon a time", max_new_tokens=16)
     assert a.token_ids == b.token_ids

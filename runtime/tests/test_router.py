@@ -51,7 +51,7 @@ def test_a_tampered_router_is_refused(tmp_path):
     (root / "router" / "router.json").write_text(json.dumps(spec))
     with pytest.raises(BundleError, match="router"):
         load_bundle(root)
-    assert load_bundle(_bundle(tmp_path / "again", _router())).meta["router"] == "router/router.json"
+    assert load_bundle(_bundle(tmp_path / "again", _router())).manifest.router == "router/router.json"
     plain = write_bundle(tmp_path / "plain", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar"})
     assert load_bundle(plain).router() is None  # a bundle without a router routes nothing
 

@@ -9,8 +9,9 @@ import httpx
 import openai
 import pytest
 
-from kibidango.memory import SessionMemory
-from kibidango.server import key_scope, load_api_keys, serve
+from kibidango.cascade.memory import SessionMemory
+from kibidango.server.auth import key_scope, load_api_keys
+from kibidango.server.launch import serve
 from tests.conftest import stories_bundle
 from tests.slow_server import Server
 

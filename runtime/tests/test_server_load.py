@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kibidango import write_bundle
-from kibidango.loadtest import percentile, run_load
+from kibidango.server.loadtest import percentile, run_load
 from tests.conftest import STORIES, needs_stories, stories_bundle
 from tests.slow_server import Server, wait_for
 
@@ -108,7 +108,7 @@ def test_sigterm_refuses_the_queued_and_lets_the_running_finish(bundle):
 
 
 def test_session_memory_gives_a_chat_its_earlier_exchanges(bundle, tmp_path):
-    from kibidango.memory import SessionMemory
+    from kibidango.cascade.memory import SessionMemory
 
     memory = SessionMemory(tmp_path, turns=2)
     srv = Server(bundle, delay=0.0, memory=memory)
@@ -135,11 +135,11 @@ def test_session_memory_gives_a_chat_its_earlier_exchanges(bundle, tmp_path):
 def test_the_cascade_model_answers_with_its_tier(bundle, tmp_path):
     from fastapi.testclient import TestClient
 
-    from kibidango.memory import SessionMemory
-    from kibidango.pipeline import Pipeline
-    from kibidango.server import create_app
+    from kibidango.cascade.memory import SessionMemory
+    from kibidango.cascade.pipeline import CascadePipeline
+    from kibidango.server.app import create_app
 
-    casc = Pipeline.from_config("local-only", bundle, state_dir=tmp_path, mode="ar")
+    casc = CascadePipeline.from_bundle(bundle, "local-only", state_dir=tmp_path, mode="ar")
     memory = SessionMemory(tmp_path)
     with TestClient(create_app(casc.pipe, model_name="kibidango-tiny", cascade=casc, memory=memory)) as client:
         names = [m["id"] for m in client.get("/v1/models").json()["data"]]
@@ -165,9 +165,9 @@ def test_the_cascade_model_answers_with_its_tier(bundle, tmp_path):
 
 
 def test_the_models_are_granted_in_arrival_order():
-    from kibidango.server import _FifoLock
+    from kibidango.server.scheduler import FifoLock
 
-    lock = _FifoLock()
+    lock = FifoLock()
     first = lock.enter()
     waiting = [lock.enter() for _ in range(4)]
     assert first.is_set() and not any(t.is_set() for t in waiting)
@@ -190,7 +190,7 @@ def test_a_chat_template_prompts_with_one_bos(tmp_path):
     from fastapi.testclient import TestClient
 
     from kibidango.pipeline import Pipeline
-    from kibidango.server import create_app
+    from kibidango.server.app import create_app
 
     needs_stories()
     hf = tmp_path / "hf"
@@ -230,7 +230,7 @@ def test_a_hostile_chat_template_is_refused_within_bounds_and_health_answers(tmp
     from fastapi.testclient import TestClient
 
     from kibidango.pipeline import Pipeline
-    from kibidango.server import create_app
+    from kibidango.server.app import create_app
 
     needs_stories()
     hf = tmp_path / "hf"

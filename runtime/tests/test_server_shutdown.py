@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from kibidango.loadtest import run_load
+from kibidango.server.loadtest import run_load
 from tests.conftest import stories_bundle
 from tests.slow_server import Server, free_port, wait_for
 

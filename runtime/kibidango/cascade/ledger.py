@@ -29,11 +29,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from kibidango.state import Database, pid_alive, process_token
+from kibidango.cascade.state import Database, pid_alive, process_token
 
 __all__ = ["BudgetExceeded", "Ledger", "LedgerState", "period_of", "trusted_cost"]
 
-log = logging.getLogger("kibidango.ledger")
+log = logging.getLogger("kibidango.cascade.ledger")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (

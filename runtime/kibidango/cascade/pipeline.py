@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kibidango.backends.base import ContextLengthError
-from kibidango.cascade import CascadeConfig
-from kibidango.cloud import CloudClient, CloudReply
-from kibidango.ledger import Ledger
+from kibidango.cascade.cloud import CloudClient, CloudReply
+from kibidango.cascade.config import CascadeConfig, load_cascade
+from kibidango.cascade.ledger import Ledger
+from kibidango.cascade.state import default_state_dir
 from kibidango.pipeline import GenerationResult, Pipeline
 
 __all__ = ["CascadePipeline", "CascadeResult", "Draft", "VALIDATION_PROMPT"]
@@ -92,6 +93,22 @@ class CascadePipeline:
             self.ledger.reap()  # calls of processes killed mid-call: charged their reserved worst case
             self.client = client or CloudClient(config.cloud, self.ledger)
         pipe.router_threshold = config.router_threshold
+
+    @classmethod
+    def from_bundle(
+        cls,
+        bundle: str | Path,
+        config: str | Path | None = None,
+        state_dir: str | Path | None = None,
+        **from_bundle,
+    ) -> CascadePipeline:
+        """The local/cloud cascade over a bundle: ``config`` is a named cascade config
+        (``plan-example``, ``local-only``), a JSON/YAML file, or None for the bundle's own (6C);
+        ``state_dir`` holds the budget ledger (default :func:`kibidango.cascade.state.default_state_dir`);
+        ``from_bundle``: the local tiers' settings, as :meth:`kibidango.Pipeline.from_bundle`."""
+        pipe = Pipeline.from_bundle(bundle, **from_bundle)
+        cascade = load_cascade(config, bundle=pipe.bundle)
+        return cls(pipe, cascade, state_dir if state_dir is not None else default_state_dir())
 
     def answer(
         self,

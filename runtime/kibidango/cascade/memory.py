@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kibidango.state import Database
+from kibidango.cascade.state import Database
 
 __all__ = ["SessionMemory"]
 

@@ -33,12 +33,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kibidango.cascade import CloudConfig
-from kibidango.ledger import BudgetExceeded, Ledger
+from kibidango.cascade.config import CloudConfig
+from kibidango.cascade.ledger import BudgetExceeded, Ledger
 
 __all__ = ["CloudClient", "CloudReply", "backoff_seconds", "credible_usage", "retry_after_seconds", "usage_cost"]
 
-log = logging.getLogger("kibidango.cloud")
+log = logging.getLogger("kibidango.cascade.cloud")
 
 TEMPLATE_TOKENS = 64
 

@@ -1,0 +1,95 @@
+"""Shutdown that answers every request the server took: see :func:`uvicorn_server`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from kibidango.server.scheduler import Scheduler
+
+log = logging.getLogger("kibidango.server")
+
+
+def uvicorn_server(config):
+    """A uvicorn server for an app of :func:`create_app` that drains on SIGTERM/SIGINT, so that
+    every request it took gets an HTTP answer. The first signal starts the drain while the server
+    keeps accepting: new and queued requests are answered 503 + Retry-After, running ones get
+    ``config.timeout_graceful_shutdown`` seconds to finish; then the rest stop after their decoding
+    round and are answered 503 (a request still at the cloud too, after a few seconds more). Only
+    then does the listening socket close: first no new connection may complete on it
+    (:func:`_stop_new_connections`) and what is in its backlog is accepted and answered, so a client
+    that connected is answered or, arriving after, refused — never reset after its request was
+    sent. A second signal stops at once (uvicorn's way)."""
+    import uvicorn
+
+    scheduler = config.app.state.scheduler
+    grace_s = config.timeout_graceful_shutdown if config.timeout_graceful_shutdown is not None else 10.0
+    config.timeout_graceful_shutdown = 5.0  # uvicorn's own wait, after the drain: only answers being written
+
+    class _Server(uvicorn.Server):
+        drain: asyncio.Task | None = None
+
+        def handle_exit(self, sig, frame):
+            if not scheduler.draining.is_set():
+                self._captured_signals.append(sig)  # re-raised once the server has stopped, as uvicorn does
+                scheduler.draining.set()
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter):
+                return True
+            if scheduler.draining.is_set():
+                if self.drain is None:
+                    self.drain = asyncio.create_task(self._drain())
+                return self.drain.done()
+            return False
+
+        async def _drain(self) -> None:
+            await _idle(scheduler, grace_s)
+            scheduler.closing.set()  # what still runs stops after its decoding round and is answered 503
+            await _idle(scheduler, 5.0)
+            if scheduler.abandon():  # still at the cloud: answered now, its work ends on its own
+                log.warning("shutdown: requests still waiting for the cloud were answered 503")
+            for server in self.servers:  # no new connection completes; those in the backlog are taken
+                for sock in server.sockets:
+                    _stop_new_connections(sock)
+            await asyncio.sleep(0.5)  # accepted and answered (503) before the socket closes
+
+    return _Server(config)
+
+
+async def _idle(scheduler: Scheduler, seconds: float) -> None:
+    """Wait until no request is in flight, or ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while scheduler.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def _stop_new_connections(sock) -> None:
+    """Let no new connection complete on a listening socket, while those already in its backlog
+    stay to be accepted: on Linux a socket filter that drops every incoming packet (a new client's
+    handshake never completes; it retries, then finds the socket closed: refused, nothing sent —
+    while established connections have sockets of their own, which the filter does not touch);
+    elsewhere ``listen(0)``, which only shrinks the backlog."""
+    import ctypes
+    import os
+    import socket
+    import struct
+
+    try:
+        dup = socket.socket(fileno=os.dup(sock.fileno()))
+    except OSError:
+        return
+    try:
+        drop = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))  # BPF_RET|BPF_K 0: drop
+        program = struct.pack("HL", 1, ctypes.addressof(drop))  # struct sock_fprog {len; *filter}
+        dup.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26), program)
+    except OSError:
+        try:
+            dup.listen(0)
+        except OSError:
+            pass
+    finally:
+        dup.close()
