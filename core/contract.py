@@ -81,8 +81,13 @@ class Stage(Protocol):
     def run(self, cfg: StageConfig, inputs: dict[str, Path], out_dir: Path) -> StageResult: ...
 
 
-PLUMBING = ("core",)
-"""Modules that cannot change what a stage writes: not part of any stage's code version."""
+PLUMBING = ("core", "kibidango.cascade.cloud", "kibidango.cascade.ledger", "kibidango.cascade.state")
+"""Modules that are not part of any stage's code version: the project's plumbing (the store, the
+contract, progress), and the paid OpenAI-compatible client with its budget ledger. The client is
+transport: what a provider replies is not a function of our code, and the stage that pays for a
+reply journals it before using it (1D), so a recompute never pays again; what a stage does with a
+reply — and its own prices and budget, which are config — is hashed. The rest of the runtime's
+cascade and server is reached by no stage (``tests/test_code_version.py``)."""
 
 
 def code_version(stage: ModuleType, sources: dict[str, str] | None = None) -> str:

@@ -91,3 +91,45 @@ def test_moving_plumbing_keeps_every_key(baseline):
     moved = src.replace("from core.hashing import file_sha256", "from core.store import file_sha256")
     assert moved != src
     assert _versions({"stages.pretrain": moved}) == baseline
+
+
+def _runtime_modules(package: str) -> list[str]:
+    root = Path(importlib.util.find_spec(package).submodule_search_locations[0])
+    return sorted(f"{package}.{p.stem}" for p in root.glob("*.py") if p.stem != "__init__")
+
+
+def test_an_edit_to_the_cascade_or_the_server_changes_no_stage(baseline):
+    """The runtime's floors: the ledger's error message, the server's metrics, the cascade's
+    routing... none is code a stage runs to make its artifact (the paid client is transport: see
+    core.contract.PLUMBING), so none retrains the chain."""
+    modules = _runtime_modules("kibidango.cascade") + _runtime_modules("kibidango.server")
+    assert "kibidango.cascade.ledger" in modules and "kibidango.server.app" in modules
+    sources = {}
+    for module in modules:  # all edited at once: one key that moved would show
+        src = _source(module)
+        tree_edit = src.replace('"""\n\nfrom __future__', '"""\n\nKB_EDITED = 1\n\nfrom __future__', 1)
+        edited = re.sub(r"(\n    def [^\n]*:\n)", r"\1        KB_EDITED = 2\n", tree_edit)  # every method's body too
+        sources[module] = re.sub(r'(raise \w+\(\s*f?")', r"\1edited: ", edited)  # every error message
+        assert sources[module] != src, module
+    assert _versions(sources) == baseline
+    ledger = _source("kibidango.cascade.ledger")
+    edited = ledger.replace("} does not fit the ${left", "} DOES NOT FIT the ${left")
+    assert edited != ledger and _versions({"kibidango.cascade.ledger": edited}) == baseline
+
+
+def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(baseline):
+    """The speculative decoder runs in the stages that generate with the runtime (1B, 1C and 1R
+    through failure mining's answerer, 1E's draft agreement, 1F's tuning, 2G's answers, 9's
+    evaluation); no other stage's key moves."""
+    src = _source("kibidango.speculative")
+    edited = src.replace("class Decoder:\n", "class Decoder:\n    KB_EDITED = 1\n", 1)
+    assert edited != src
+    changed = {sid for sid, v in _versions({"kibidango.speculative": edited}).items() if v != baseline[sid]}
+    assert changed == {"1B", "1C", "1E", "1F", "1R", "2G", "9"}
+    src = _source("kibidango.bundle")
+    edited = src.replace("def load_bundle(", "def load_bundle(  # edited\n    ", 1).replace(
+        "    root = Path(path)\n    if is_packed(root):", "    root = Path(path)\n    KB_EDITED = 1\n    if is_packed(root):", 1
+    )
+    assert edited != src
+    changed = {sid for sid, v in _versions({"kibidango.bundle": edited}).items() if v != baseline[sid]}
+    assert changed and changed <= {"1B", "1C", "1E", "1F", "1R", "2G", "9", "X", "9A"}, changed
