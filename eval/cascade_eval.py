@@ -63,7 +63,8 @@ def _ids(path: Path) -> set[str]:
 def fresh_rows(cfg, data: Path, used: set[str], per_sample: int | None) -> list[dict]:
     """Held-out tasks of 2G's samples that are not in ``used``: 2G's selection with another seed
     and thrice the size, the used ones dropped, then each sample's size (or ``per_sample``)."""
-    from methods.failures import select_tasks, training_texts
+    from methods.failures import training_texts
+    from methods.heldout import select_tasks
     from methods.training.chat import load_split
 
     wide = cfg.model_copy(

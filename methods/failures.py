@@ -13,8 +13,8 @@ is.
 - :data:`FAILURES` and :func:`failure_rate`: what counts as a failure, and the rate over verdicts;
 - :func:`read_jsonl` and :func:`mined_judges`: what the downstream stages (1C, 1D, 1R, 3-5) read
   of their inputs;
-- :func:`select_tasks`, :func:`task_record`, :func:`verdict_record`: the held-out tasks a sample
-  takes and the JSON records of a task and a verdict (1B, 2G and ``make eval-cascade``).
+- :func:`task_record`, :func:`verdict_record`: the JSON records of a task and a verdict (1B, 2G,
+  9 and ``make eval-cascade``; the tasks themselves: :mod:`methods.heldout`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from core.contract import KibidangoError
-from methods.benchmarks import load_tasks, unit_hash
+from methods.benchmarks import unit_hash
 from methods.journal import Journal
 from methods.judges import Task
-from methods.training.chat import load_split, prompt_text
 
 __all__ = [
     "FAILURES",
@@ -40,7 +39,6 @@ __all__ = [
     "read_jsonl",
     "row_key",
     "sample",
-    "select_tasks",
     "severity",
     "task_of",
     "task_record",
@@ -91,7 +89,6 @@ def training_texts(rows: Iterable[dict]) -> set[str]:
 
 def task_of(row: dict):
     """The judge task of a 1B/1C table row (it carries the prompt, reference and tests)."""
-    from methods.judges import Task
 
     return Task(
         row["id"],
@@ -151,43 +148,6 @@ def severity(score: float, confidence: float, domain_weight: float, confidence_w
     a failure the judge scored lower, that the student wrote with more confidence (it does not
     know it is wrong: what retraining and calibration most need), in a domain that matters more."""
     return domain_weight * (1.0 - score) * ((1.0 - confidence_weight) + confidence_weight * confidence)
-
-
-def select_tasks(cfg, data: Path, seen: set[str]) -> tuple[list[dict], dict[str, int]]:
-    """The held-out tasks of ``cfg.samples`` (1B's sample form: stage-0 held-out splits
-    ``cfg.held_out_splits`` or benchmark files), ``cfg.seed`` choosing which, in a fixed order; and
-    per sample how many were left out as seen in training (``seen``: :func:`training_texts`)."""
-    rows: list[dict] = []
-    excluded: dict[str, int] = {}
-    taken: set[str] = set()
-    for s in cfg.samples:
-        if s.source == "stage0":
-            pool = []
-            for split in cfg.held_out_splits:
-                for r in load_split(data, split, s.sample_domain):
-                    if not r["instruction"]:  # a plain text (a story) is no task to answer
-                        continue
-                    task = Task(r["id"], prompt_text(r["instruction"], r["input"]), r["output"])
-                    pool.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": task})
-            excluded[s.name] = 0
-        else:
-            if not Path(s.path).is_file():
-                log.warning(f"sample {s.name!r}: {s.path} is absent; skipped (optional)")
-                continue
-            pool, excluded[s.name] = [], 0
-            for bt in load_tasks(s.source, s.path, "mining"):
-                instruction, input_ = bt.instruction()
-                if row_key(instruction, input_) in seen:
-                    excluded[s.name] += 1  # curated into training by stage 0: not held out
-                    continue
-                pool.append({"id": bt.id, "instruction": instruction, "input": input_, "task": bt.task})
-        chosen = [r for r in sample(pool, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in taken][: s.size]
-        if len(chosen) < s.size:
-            log.warning(f"sample {s.name!r}: {len(chosen)} held-out rows, fewer than its size {s.size}")
-        for r in chosen:
-            taken.add(r["id"])
-            rows.append({**r, "sample": s.name, "source": s.source, "domain": s.sample_domain})
-    return rows, excluded
 
 
 def task_record(row: dict) -> dict:

@@ -6,8 +6,8 @@ checkpoint for torch, the 2D GGUF for llama.cpp).
    and an evaluation half. One temperature per backend minimises the fitting half's NLL
    (:func:`methods.calibration.fit_temperature`); ECE (15 **equal-mass** bins of top-1
    confidence) and NLL before/after are measured on the evaluation half.
-2. **Answer level**: Platt scaling. The target answers held-out tasks (the samples of stage 1B's
-   form: benchmarks' mining halves, stage 0's held-out rows), once with the base weights and once
+2. **Answer level**: Platt scaling. The target answers held-out tasks (:class:`methods.heldout.HeldOutTasks`, as
+   stage 1B: benchmarks' mining halves, stage 0's held-out rows), once with the base weights and once
    with the domain adapter the router (6A) picks, and every answer is judged (1B's judges). An
    answer's features (:data:`kibidango.confidence.ANSWER_FEATURES`: mean and min token
    log-probability, mean entropy, length, mean log-probability at the fitted temperature) ->
@@ -35,16 +35,15 @@ import numpy as np
 from pydantic import Field
 
 from core.contract import KibidangoError, StageResult
-from core.progress import Progress
 from kibidango.confidence import ANSWER_FEATURES, Calibrator
 from kibidango.router import Router
 from methods.benchmarks import unit_hash
 from methods.calibration import auroc, brier, ece, fit_logistic, fit_temperature, reliability_plot, token_confidence
-from methods.failures import RowLog, select_tasks, task_record, training_texts, verdict_record
-from methods.judges import make_judges, sandbox_note
+from methods.failures import task_record, training_texts, verdict_record
+from methods.heldout import HeldOutTasks, answer_and_judge, select_tasks
+from methods.judges import sandbox_note
 from methods.measure.generate import ScoredAnswerer
 from methods.training.chat import encode, load_split, messages, prompt_text
-from stages.mine_failures import Config as MiningConfig
 
 NAME = "calibration"
 RESUMABLE = True
@@ -55,7 +54,8 @@ log = logging.getLogger("kibidango.stage.2G")
 BINS = 15
 
 
-class Config(MiningConfig):
+class Config(HeldOutTasks):
+    tier: str = Field("target", description="Tier directory of the `target` input (the compressed target).")
     gguf: bool = Field(True, description="Also fit the temperature of the target's GGUF (llama.cpp backend).")
     token_rows: int = Field(300, gt=1, description="Stage-0 validation rows for the token-level fit and measure.")
     max_positions: int = Field(40000, gt=10, description="At most this many answer positions (logits held in memory).")
@@ -179,53 +179,39 @@ def _token_level(cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict
 
 def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, work_dir: Path) -> list[dict]:
     """Every task answered with the base weights and (where the router picks a domain with an
-    adapter) with that adapter, each answer judged; resumable through ``rows.jsonl``."""
-    judges = make_judges(cfg.judges)
+    adapter) with that adapter, each answer judged; resumable (:func:`methods.heldout.answer_and_judge`)."""
     domains = answerer.adapters.adapters.domains if answerer.adapters is not None else []
-    done = RowLog(work_dir / "rows.jsonl")
-    if done.resumed:
-        log.info(f"resuming: {done.resumed:,} of {len(rows):,} tasks were answered by an earlier attempt")
-    progress = Progress("2G answers", len(rows), log)
-    try:
-        for i, row in enumerate(rows, 1):
-            prior = done.get(row["id"])
-            if prior is not None and not prior.get("retryable"):
+
+    def answer(row: dict, prior: dict | None, judge) -> dict:
+        query = prompt_text(row["instruction"], row["input"])
+        route, route_conf = router.route(query) if router is not None else ("base", None)
+        record = {**task_record(row), "query": query, "route": route, "route_confidence": route_conf}
+        record["split"] = "fit" if _fit_half(row["id"], cfg.fit_share) else "eval"
+        # The gold answer judged like the model's: the cloud stand-in of stage 6C's sweep.
+        reference = verdict_record(judge(row["task"], row["task"].reference), judge.kind)
+        record["reference_passed"] = reference["passed"]
+        record["query_tokens"] = len(answerer.tokenizer(query)["input_ids"])
+        record["reference_tokens"] = len(answerer.tokenizer(row["task"].reference)["input_ids"])
+        retryable = reference["retryable"]
+        for variant, adapter in (("base", None), ("adapter", route if route in domains else None)):
+            if variant == "adapter" and adapter is None:
+                record[variant] = None
                 continue
-            query = prompt_text(row["instruction"], row["input"])
-            route, route_conf = router.route(query) if router is not None else ("base", None)
-            record = {**task_record(row), "query": query, "route": route, "route_confidence": route_conf}
-            record["split"] = "fit" if _fit_half(row["id"], cfg.fit_share) else "eval"
-            # The gold answer judged like the model's: the cloud stand-in of stage 6C's sweep.
-            reference = verdict_record(
-                judges[row["domain"]](row["task"], row["task"].reference), judges[row["domain"]].kind
-            )
-            record["reference_passed"] = reference["passed"]
-            record["query_tokens"] = len(answerer.tokenizer(query)["input_ids"])
-            record["reference_tokens"] = len(answerer.tokenizer(row["task"].reference)["input_ids"])
-            retryable = reference["retryable"]
-            for variant, adapter in (("base", None), ("adapter", route if route in domains else None)):
-                if variant == "adapter" and adapter is None:
-                    record[variant] = None
-                    continue
-                a, feats = answerer.answer(row["instruction"], row["input"], adapter, temperature)
-                verdict = judges[row["domain"]](row["task"], a.text)
-                judged = verdict_record(verdict, judges[row["domain"]].kind)
-                retryable |= judged["retryable"]
-                record[variant] = {
-                    "adapter": adapter,
-                    "answer": a.text,
-                    "tokens": a.tokens,
-                    "finish_reason": a.finish_reason,
-                    "features": feats,
-                    **judged,
-                }
-            record["retryable"] = retryable
-            done.add(record)
-            progress.update(i)
-        progress.finish(len(rows))
-    finally:
-        done.close()
-    return [done.get(r["id"]) for r in rows]
+            a, feats = answerer.answer(row["instruction"], row["input"], adapter, temperature)
+            judged = verdict_record(judge(row["task"], a.text), judge.kind)
+            retryable |= judged["retryable"]
+            record[variant] = {
+                "adapter": adapter,
+                "answer": a.text,
+                "tokens": a.tokens,
+                "finish_reason": a.finish_reason,
+                "features": feats,
+                **judged,
+            }
+        record["retryable"] = retryable
+        return record
+
+    return answer_and_judge(cfg, rows, work_dir, "2G answers", answer)[0]
 
 
 def _matrix(answers: list[dict]) -> tuple[np.ndarray, np.ndarray]:

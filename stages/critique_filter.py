@@ -32,7 +32,8 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.curation.dedup import DedupConfig, find_duplicates
 from methods.failures import FAILURES, RowLog, read_jsonl, severity, task_of
-from methods.judges import check_settings, make_judge
+from methods.judges import make_judge
+from methods.judges.settings import LLMJudgeSettings
 
 NAME = "critique-filter"
 RESUMABLE = True
@@ -64,7 +65,7 @@ class Config(StageConfig):
         description="Near-duplicate prompts collapsed (stage 0's MinHash LSH) before ranking.",
     )
     critique: Literal["none", "self", "llm"] = Field("none", description="Who explains each kept failure.")
-    critic: dict | None = Field(
+    critic: LLMJudgeSettings | None = Field(
         None, description="critique=llm: the llm judge's settings (base_url, model, api_key_env, ...)."
     )
     tier: str = Field("target", description="critique=self: the tier directory of the `student` input.")
@@ -75,7 +76,6 @@ class Config(StageConfig):
         if self.critique == "llm":
             if not self.critic:
                 raise ValueError("critique: llm needs `critic` (base_url, model, api_key_env)")
-            check_settings("llm", {"rubric": CRITIC_RUBRIC, **{k: v for k, v in self.critic.items() if k != "kind"}})
         ks = self.top_k.values() if isinstance(self.top_k, dict) else [self.top_k]
         if any(k < 1 for k in ks):
             raise ValueError("top_k must be >= 1")
@@ -151,8 +151,10 @@ def _critic(cfg: Config, inputs: dict[str, Path]):
     if cfg.critique == "none":
         return None
     if cfg.critique == "llm":
-        settings = {k: v for k, v in cfg.critic.items() if k != "kind"}
-        judge = make_judge("llm", **{"rubric": CRITIC_RUBRIC, **settings})
+        critic = cfg.critic
+        if "rubric" not in critic.model_fields_set:  # the critic's own rubric unless the recipe gives one
+            critic = critic.model_copy(update={"rubric": CRITIC_RUBRIC})
+        judge = make_judge(critic)
 
         def ask_llm(r: dict) -> dict:
             v = judge(task_of(r), r["answer"])

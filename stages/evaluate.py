@@ -33,14 +33,14 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from core.contract import KibidangoError, StageConfig, StageResult
-from core.progress import Progress
+from core.contract import KibidangoError, StageResult
 from kibidango.backends.base import ContextLengthError
 from methods.evaluation import EvalSample, evaluation_tasks, wilson
-from methods.failures import RowLog, task_record, training_texts, verdict_record
-from methods.judges import KINDS, check_settings, make_judges, sandbox_note
+from methods.failures import task_record, training_texts, verdict_record
+from methods.heldout import Judged, answer_and_judge
+from methods.judges import sandbox_note
 from methods.training.chat import TEMPLATE, load_split
 
 NAME = "evaluation"
@@ -53,9 +53,8 @@ _METRIC = {"gsm8k": "accuracy", "mbpp": "pass_at_1", "humaneval": "pass_at_1", "
 """Metric names per source (MLflow allows no "@" in a name: pass@1 is `pass_at_1`)."""
 
 
-class Config(StageConfig):
+class Config(Judged):
     samples: list[EvalSample] = Field(min_length=1)
-    judges: dict[str, dict] = Field(description="One judge per domain (stage 1B's form: {kind: ..., settings}).")
     max_new_tokens: int = Field(128, gt=0)
     policies: list[Literal["auto", "none"]] = Field(["auto", "none"], min_length=1)
     backend: Literal["torch", "llamacpp"] = "torch"
@@ -64,19 +63,8 @@ class Config(StageConfig):
     speed_new_tokens: int = Field(48, gt=0)
     speed_modes: list[str] = Field(["ar", "sd", "pyramid"], min_length=1)
 
-    @model_validator(mode="after")
-    def _judged(self) -> Config:
-        for domain, judge in self.judges.items():
-            if judge.get("kind") not in KINDS:
-                raise ValueError(f"judges.{domain}: kind must be one of {', '.join(KINDS)}")
-            try:
-                check_settings(judge["kind"], {k: v for k, v in judge.items() if k != "kind"})
-            except ValueError as e:
-                raise ValueError(f"judges.{domain}: {e}") from None
-        missing = {s.domain for s in self.samples} - set(self.judges)
-        if missing:
-            raise ValueError(f"judges: no judge for domain(s) {sorted(missing)}")
-        return self
+    def domains(self) -> dict[str, str]:
+        return {s.name: s.domain for s in self.samples}
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
@@ -150,47 +138,31 @@ def _splits(data: Path) -> list[str]:
 
 
 def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir: Path) -> list[dict]:
-    judges = make_judges(cfg.judges)
-    done = RowLog(work_dir / "rows.jsonl")
-    if done.resumed:
-        log.info(f"resuming: {done.resumed:,} of {len(rows):,} tasks were answered by an earlier attempt")
-    progress = Progress("9 answers", len(rows), log)
-    try:
-        for i, row in enumerate(rows, 1):
-            prior = done.get(row["id"])
-            if prior is not None and not prior.get("retryable"):
-                continue
-            query = row["task"].prompt
-            turns = [{"role": "user", "content": query}]
-            ids = list(
-                pipe.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False)
-            )
-            record = {**task_record(row), "answers": {}}
-            retryable = False
-            for policy in policies:
-                judge = judges[row["domain"]]
-                try:
-                    result = pipe.generate(  # greedy: the figures are reproducible run to run
-                        ids, query=query, adapter=policy, max_new_tokens=cfg.max_new_tokens, score=False,
-                        temperature=0.0,
-                    )  # fmt: skip
-                    text, m = result.text, result.metrics
-                    answer = {"tokens": m.generated_tokens, "finish_reason": m.finish_reason,
-                              "domain": m.domain, "adapter": m.adapter}  # fmt: skip
-                except ContextLengthError:  # the task does not fit the context: no answer, a failure
-                    text, answer = "", {"tokens": 0, "finish_reason": "context", "domain": None, "adapter": None}
-                verdict = verdict_record(judge(row["task"], text), judge.kind)
-                retryable |= verdict["retryable"]
-                record["answers"][policy] = {"text": text, **answer, **verdict}
-                if policy == "none":  # the base target, as it stands now: how likely it finds the gold answer
-                    record["reference"] = _reference_nll(pipe, ids, row["task"].reference)
-            record["retryable"] = retryable
-            done.add(record)
-            progress.update(i)
-        progress.finish(len(rows))
-    finally:
-        done.close()
-    return [done.get(r["id"]) for r in rows]
+    def answer(row: dict, prior: dict | None, judge) -> dict:
+        query = row["task"].prompt
+        turns = [{"role": "user", "content": query}]
+        ids = list(pipe.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False))
+        record = {**task_record(row), "answers": {}}
+        retryable = False
+        for policy in policies:
+            try:  # greedy: the figures are reproducible run to run
+                result = pipe.generate(
+                    ids, query=query, adapter=policy, max_new_tokens=cfg.max_new_tokens, score=False, temperature=0.0
+                )
+                text, m = result.text, result.metrics
+                reply = {"tokens": m.generated_tokens, "finish_reason": m.finish_reason}
+                reply.update(domain=m.domain, adapter=m.adapter)
+            except ContextLengthError:  # the task does not fit the context: no answer, a failure
+                text, reply = "", {"tokens": 0, "finish_reason": "context", "domain": None, "adapter": None}
+            verdict = verdict_record(judge(row["task"], text), judge.kind)
+            retryable |= verdict["retryable"]
+            record["answers"][policy] = {"text": text, **reply, **verdict}
+            if policy == "none":  # the base target, as it stands now: how likely it finds the gold answer
+                record["reference"] = _reference_nll(pipe, ids, row["task"].reference)
+        record["retryable"] = retryable
+        return record
+
+    return answer_and_judge(cfg, rows, work_dir, "9 answers", answer)[0]
 
 
 def _reference_nll(pipe, prompt_ids: list[int], reference: str) -> dict | None:

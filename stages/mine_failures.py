@@ -23,16 +23,15 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from core.contract import KibidangoError, StageConfig, StageResult
+from core.contract import KibidangoError, StageResult
 from core.hashing import file_sha256
-from core.progress import Progress, report_metrics
-from methods.benchmarks import BENCHMARKS
-from methods.failures import RowLog, failure_rate, select_tasks, task_record, training_texts, verdict_record
-from methods.judges import KINDS, check_settings, make_judges, sandbox_note
+from core.progress import report_metrics
+from methods.failures import failure_rate, task_record, training_texts, verdict_record
+from methods.heldout import HeldOutTasks, answer_and_judge, select_tasks
+from methods.judges import sandbox_note
 from methods.measure.generate import Answerer
 from methods.training.chat import load_split
 
@@ -43,60 +42,11 @@ LIBRARIES = ("transformers", "torch", "datasets", "sacrebleu")
 log = logging.getLogger("kibidango.stage.1B")
 
 
-class Sample(StageConfig):
-    name: str = Field(description="Label of this sample in the table and the metrics.")
-    source: Literal["gsm8k", "mbpp", "humaneval", "stage0"] = Field(
-        description="A benchmark's mining half, or stage 0's held-out rows (`domain`)."
-    )
-    path: str | None = Field(None, description="The benchmark's task file (source other than stage0).")
-    domain: str | None = Field(None, description="stage0: the stage-0 domain to sample; benchmarks: their own.")
-    size: int = Field(gt=0, description="Rows to test (fewer when fewer are held out).")
-    optional: bool = Field(True, description="Skip with a warning when the benchmark file is absent.")
-
-    @model_validator(mode="after")
-    def _where(self) -> Sample:
-        if self.source == "stage0":
-            if not self.domain or self.path:
-                raise ValueError(f"sample {self.name!r}: a stage0 sample names a `domain` and no `path`")
-        elif not self.path:
-            raise ValueError(f"sample {self.name!r}: benchmark {self.source} needs its `path`")
-        return self
-
-    @property
-    def sample_domain(self) -> str:
-        return self.domain or BENCHMARKS[self.source]["domain"]
-
-
-class Config(StageConfig):
+class Config(HeldOutTasks):
     tier: str = Field("target", description="Tier directory of the `student` input (stage 1A's output).")
-    samples: list[Sample] = Field(min_length=1, description="What the student is tested on.")
-    judges: dict[str, dict] = Field(
-        description="Per domain, the judge: {kind: math|code|reference|llm, ...its settings} "
-        "(methods/judges). llm: base_url, model and api_key_env (the variable's name, never the key)."
-    )
-    held_out_splits: list[str] = Field(["validation", "test"], description="Stage-0 splits stage0 samples draw from.")
-    max_new_tokens: int = Field(128, gt=0, description="Tokens the student may write per answer.")
-    seed: int = Field(0, description="Which rows a sample of a given size takes.")
     max_judge_error_rate: float = Field(
         0.5, ge=0, le=1, description="Fail the stage (rows kept for the rerun) when more answers got no verdict."
     )
-
-    @model_validator(mode="after")
-    def _judged(self) -> Config:
-        for s in self.samples:
-            judge = self.judges.get(s.sample_domain)
-            if judge is None:
-                raise ValueError(f"sample {s.name!r}: no judge for its domain {s.sample_domain!r} in `judges`")
-            if s.source == "stage0" and judge.get("kind") == "code":
-                raise ValueError(f"sample {s.name!r}: stage-0 rows carry no tests; the code judge needs a benchmark")
-        for domain, judge in self.judges.items():
-            if judge.get("kind") not in KINDS:
-                raise ValueError(f"judges.{domain}: kind must be one of {', '.join(KINDS)}")
-            try:
-                check_settings(judge["kind"], {k: v for k, v in judge.items() if k != "kind"})
-            except ValueError as e:
-                raise ValueError(f"judges.{domain}: {e}") from None
-        return self
 
 
 def external_inputs(cfg: Config) -> dict[str, str]:
@@ -117,52 +67,36 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     rows, excluded = select_tasks(cfg, data, seen)
     if not rows:
         raise KibidangoError("no held-out rows to test: every sample is absent or empty")
-    judges = make_judges(cfg.judges)
     student_dir = inputs["student"] / cfg.tier
     if not (student_dir / "config.json").is_file():
         raise KibidangoError(f"the student input has no transformers checkpoint at {student_dir}")
 
-    done = RowLog(work_dir / "rows.jsonl")
-    if done.resumed:
-        log.info(f"resuming: {done.resumed:,} of {len(rows):,} rows were judged by an earlier attempt")
     answerer = None
-    generated = rejudged = 0
-    gen_seconds = 0.0
-    progress = Progress("1B answers", len(rows), log)
-    try:
-        for i, row in enumerate(rows, 1):
-            prior = done.get(row["id"])
-            if prior is not None and not prior.get("retryable"):
-                continue
-            judge = judges[row["domain"]]
-            if prior is not None:  # answered before; its judge was unreachable: judge it again
-                answer = {k: prior[k] for k in ("answer", "tokens", "finish_reason", "mean_logprob", "confidence")}
-                answer["gen_seconds"] = prior["gen_seconds"]
-                rejudged += 1
-            else:
-                if answerer is None:
-                    answerer = Answerer(student_dir, cfg.max_new_tokens)
-                a = answerer(row["instruction"], row["input"])
-                answer = {
-                    "answer": a.text,
-                    "tokens": a.tokens,
-                    "finish_reason": a.finish_reason,
-                    "mean_logprob": a.mean_logprob,
-                    "confidence": a.confidence,
-                    "gen_seconds": a.seconds,
-                }
-                generated += 1
-                gen_seconds += a.seconds
-            verdict = judge(row["task"], answer["answer"])
-            done.add({**task_record(row), **answer, **verdict_record(verdict, judge.kind)})
-            progress.update(i)
-            if generated and generated % 25 == 0:
-                report_metrics({"answers_done": len(done), "failure_rate_so_far": _failure_rate(done)[0]}, len(done))
-        progress.finish(len(rows))
-    finally:
-        done.close()
+    counts = {"generated": 0, "rejudged": 0, "gen_seconds": 0.0}
+    outcomes: list[str] = []
 
-    table = [done.get(r["id"]) for r in rows]
+    def answer(row: dict, prior: dict | None, judge) -> dict:
+        nonlocal answerer
+        if prior is not None:  # answered before; its judge was unreachable: judge it again
+            reply = {k: prior[k] for k in ("answer", "tokens", "finish_reason", "mean_logprob", "confidence")}
+            reply["gen_seconds"] = prior["gen_seconds"]
+            counts["rejudged"] += 1
+        else:
+            if answerer is None:
+                answerer = Answerer(student_dir, cfg.max_new_tokens)
+            a = answerer(row["instruction"], row["input"])
+            reply = {"answer": a.text, "tokens": a.tokens, "finish_reason": a.finish_reason,
+                     "mean_logprob": a.mean_logprob, "confidence": a.confidence, "gen_seconds": a.seconds}
+            counts["generated"] += 1
+            counts["gen_seconds"] += a.seconds
+        record = {**task_record(row), **reply, **verdict_record(judge(row["task"], reply["answer"]), judge.kind)}
+        outcomes.append(record["outcome"])
+        if counts["generated"] and len(outcomes) % 25 == 0:
+            report_metrics({"answers_done": len(outcomes), "failure_rate_so_far": failure_rate(outcomes)[0]}, len(outcomes))
+        return record
+
+    table, resumed = answer_and_judge(cfg, rows, work_dir, "1B answers", answer)
+    generated, rejudged, gen_seconds = counts["generated"], counts["rejudged"], counts["gen_seconds"]
     errors = sum(1 for r in table if r["outcome"] == "judge_error")
     if errors > cfg.max_judge_error_rate * len(table):
         first = next(r["reason"] for r in table if r["outcome"] == "judge_error")
@@ -170,7 +104,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             f"{errors:,} of {len(table):,} answers got no verdict (max_judge_error_rate {cfg.max_judge_error_rate}); "
             f"first: {first}. The answers are kept: a rerun judges only these again."
         )
-    metrics, stats = _figures(cfg, table, excluded, generated, rejudged, done.resumed, gen_seconds)
+    metrics, stats = _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds)
     _write_table(table, out_dir)
     (out_dir / "mining.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
     (out_dir / "MINING_CARD.md").write_text(_card(stats))
@@ -178,7 +112,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         f"{stats['tested']:,} answers judged, {stats['failed']:,} failures "
         f"({stats['failure_rate']:.1%} of {stats['judged']:,} with a verdict), {errors:,} judge errors; "
         + ", ".join(f"{d} {v['failure_rate']:.0%}" for d, v in stats["domains"].items())
-        + f"; {generated:,} generated now, {done.resumed:,} resumed"
+        + f"; {generated:,} generated now, {resumed:,} resumed"
     )
     return StageResult(metrics, ["MINING_CARD.md", "mining.json"], summary, tables={"answers.json": "answers.jsonl"})
 
@@ -222,7 +156,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "mean_tokens": sum(r["tokens"] for r in table) / len(table),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in table)),
         "judge_usd": sum(r["judge_usd"] for r in table),
-        "judges": {d: j["kind"] for d, j in cfg.judges.items()},
+        "judges": {d: j.kind for d, j in cfg.judges.items()},
     }
     metrics = {
         "tested": len(table),

@@ -66,7 +66,7 @@ def test_evaluation_tasks_are_never_mined_taught_or_trained_on(stage0):
 
     from methods.benchmarks import load_tasks
     from methods.evaluation import EvalSample, evaluation_tasks
-    from methods.failures import select_tasks
+    from methods.heldout import select_tasks
     from stages.mine_failures import Config as MiningConfig
 
     _needs(*BENCH.values())

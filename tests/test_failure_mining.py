@@ -113,7 +113,7 @@ def _config_1b(base_url: str | None = None) -> dict:
 
 
 def test_held_out_rows_are_never_training_rows(stage0):
-    from methods.failures import select_tasks
+    from methods.heldout import select_tasks
     from methods.training.chat import load_split
     from stages.mine_failures import Config
 

@@ -390,3 +390,38 @@ def test_llm_judge_errors_name_the_variable_never_the_key(openai_server, monkeyp
     gone = LLMJudge("http://127.0.0.1:9/v1", "m", OPENAI_KEY_ENV, max_retries=0, timeout_s=2)
     verdict = gone(Task("t", "?"), "a")
     assert verdict.outcome == "judge_error" and verdict.details["retryable"] and not verdict.passed
+
+
+def test_judge_settings_are_typed_per_kind_and_match_the_judges():
+    """A recipe's judges are a tagged union per kind: an unknown setting, a missing one or a value
+    out of range is refused naming the domain and the field; every kind's settings are exactly its
+    judge's constructor arguments, with the same defaults."""
+    import dataclasses
+
+    from pydantic import ValidationError
+
+    from methods.heldout import HeldOutTasks
+    from methods.judges import _class
+    from methods.judges.settings import CodeJudgeSettings, LLMJudgeSettings, MathJudgeSettings, ReferenceJudgeSettings
+
+    for settings in (MathJudgeSettings, CodeJudgeSettings, ReferenceJudgeSettings, LLMJudgeSettings):
+        kind = settings.model_fields["kind"].default
+        judge_fields = {f.name: f for f in dataclasses.fields(_class(kind)) if f.init}
+        assert set(settings.model_fields) == set(judge_fields), kind
+        for name, f in judge_fields.items():
+            if f.default is not dataclasses.MISSING:
+                assert settings.model_fields[name].default == f.default, (kind, name)
+
+    sample = {"name": "g", "source": "stage0", "domain": "general", "size": 3}
+    ok = HeldOutTasks.model_validate({"samples": [sample], "judges": {"general": {"kind": "reference"}}})
+    assert ok.judges["general"].threshold == 0.4
+    for judges, message in (
+        ({"general": {"kind": "reference", "treshold": 0.5}}, r"judges\.general\.reference\.treshold"),
+        ({"general": {"kind": "referee"}}, r"(?s)judges\.general.*'math', 'code', 'reference', 'llm'"),
+        ({"general": {"kind": "reference", "threshold": 2}}, r"judges\.general\.reference\.threshold"),
+        ({"general": {"kind": "llm", "model": "m"}}, r"judges\.general\.llm\.base_url"),
+        ({"math": {"kind": "math"}}, r"sample 'g': no judge for its domain 'general'"),
+        ({"general": {"kind": "code"}}, r"stage-0 rows carry no tests"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            HeldOutTasks.model_validate({"samples": [sample], "judges": judges})

@@ -8,14 +8,15 @@ one kind per way of knowing:
   parsed as JSON against a schema.
 
 Judges are pure library code: stages (failure mining, critique filtering, gates) and evaluation
-scripts build one with :func:`make_judge` from a recipe's settings.
+scripts build one with :func:`make_judge` from a recipe's settings
+(:mod:`methods.judges.settings`: one typed model per kind).
 """
 
 from __future__ import annotations
 
 from methods.judges.base import Judge, Task, Verdict
 
-__all__ = ["KINDS", "Judge", "Task", "Verdict", "check_settings", "make_judge", "make_judges", "sandbox_note"]
+__all__ = ["KINDS", "Judge", "Task", "Verdict", "make_judge", "make_judges", "sandbox_note"]
 
 KINDS = ("math", "code", "reference", "llm")
 
@@ -40,38 +41,24 @@ def _class(kind: str) -> type:
     raise ValueError(f"unknown judge kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-def check_settings(kind: str, settings: dict) -> None:
-    """Raise ValueError naming an unknown kind, an unknown setting or a missing one, without
-    building the judge (so a recipe is checked before a stage starts, and no key is read)."""
-    import dataclasses
+def make_judge(kind_or_settings, **settings) -> Judge:
+    """A judge from typed settings (:data:`methods.judges.settings.JudgeSettings`), or from a kind
+    (one of :data:`KINDS`) and its settings, which are checked the same way."""
+    from methods.judges.settings import judge_settings
 
-    fields = {f.name: f for f in dataclasses.fields(_class(kind)) if f.init and f.name != "kind"}
-    unknown = sorted(set(settings) - set(fields))
-    if unknown:
-        raise ValueError(f"{kind} judge: unknown setting(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in settings and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ValueError(f"{kind} judge: missing setting(s) {', '.join(missing)}")
+    spec = judge_settings(kind_or_settings if not isinstance(kind_or_settings, str) else {"kind": kind_or_settings, **settings})
+    return _class(spec.kind)(**spec.model_dump(exclude={"kind"}))
 
 
-def make_judge(kind: str, **settings) -> Judge:
-    """A judge of ``kind`` (one of :data:`KINDS`) with the recipe's ``settings``."""
-    return _class(kind)(**settings)
+def make_judges(specs: dict) -> dict[str, Judge]:
+    """One judge per domain from a recipe's ``judges`` table (domain -> settings)."""
+    return {domain: make_judge(spec) for domain, spec in specs.items()}
 
 
-def make_judges(specs: dict[str, dict]) -> dict[str, Judge]:
-    """One judge per domain from a recipe's ``judges`` table (``{domain: {kind: ..., **settings}}``)."""
-    return {domain: make_judge(j["kind"], **{k: v for k, v in j.items() if k != "kind"}) for domain, j in specs.items()}
-
-
-def sandbox_note(specs: dict[str, dict]) -> str:
+def sandbox_note(specs: dict) -> str:
     """One sentence for a stage's card: where the code judge of a recipe's ``judges`` table ran
     answers (bubblewrap, or the weaker fallback the recipe opted into), or "" when none runs code."""
-    if not any(j.get("kind") == "code" for j in specs.values()):
+    if not any(j.kind == "code" for j in specs.values()):
         return ""
     from methods.judges.code import isolation
 

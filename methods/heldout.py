@@ -1,0 +1,165 @@
+"""Held-out tasks and the judges that grade answers to them, as one typed recipe section, and the
+one resumable answer-and-judge loop of the stages that use it (1B failure mining, 2G
+calibration, 9 evaluation).
+
+- :class:`HeldOutSample` and :class:`HeldOutTasks`: what the student or target answers — the
+  **mining** half of the verifiable benchmarks or stage 0's held-out rows
+  (:func:`select_tasks`) — and, per domain, the judge (:data:`methods.judges.settings.JudgeSettings`,
+  a tagged union per judge kind); :class:`Judged` is the judges part alone (stage 9 takes the
+  benchmarks' evaluation halves: :class:`methods.evaluation.EvalSample`);
+- :func:`answer_and_judge`: every task answered and judged once, appended to the work directory's
+  ``rows.jsonl`` as it finishes (:class:`methods.failures.RowLog`): a killed attempt's rerun answers
+  only the tasks not there, and again only those whose judge was unreachable (``retryable``), so a
+  paid judge call is never repeated for an answer it graded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from core.contract import StageConfig
+from core.progress import Progress
+from methods.benchmarks import load_tasks
+from methods.curation.split import BENCHMARKS
+from methods.failures import RowLog, row_key, sample
+from methods.judges import Task, make_judges
+from methods.judges.settings import JudgeSettings
+from methods.training.chat import load_split, prompt_text
+
+__all__ = ["HeldOutSample", "HeldOutTasks", "Judged", "answer_and_judge", "select_tasks"]
+
+log = logging.getLogger("kibidango.heldout")
+
+
+class HeldOutSample(StageConfig):
+    name: str = Field(description="Label of this sample in the table and the metrics.")
+    source: Literal["gsm8k", "mbpp", "humaneval", "stage0"] = Field(
+        description="A benchmark's mining half, or stage 0's held-out rows (`domain`)."
+    )
+    path: str | None = Field(None, description="The benchmark's task file (source other than stage0).")
+    domain: str | None = Field(None, description="stage0: the stage-0 domain to sample; benchmarks: their own.")
+    size: int = Field(gt=0, description="Rows to test (fewer when fewer are held out).")
+    optional: bool = Field(True, description="Skip with a warning when the benchmark file is absent.")
+
+    @model_validator(mode="after")
+    def _where(self) -> HeldOutSample:
+        if self.source == "stage0":
+            if not self.domain or self.path:
+                raise ValueError(f"sample {self.name!r}: a stage0 sample names a `domain` and no `path`")
+        elif not self.path:
+            raise ValueError(f"sample {self.name!r}: benchmark {self.source} needs its `path`")
+        return self
+
+    @property
+    def sample_domain(self) -> str:
+        return self.domain or BENCHMARKS[self.source]["domain"]
+
+
+class Judged(StageConfig):
+    """A recipe's ``judges``: per domain, the judge of its answers (``{kind: math|code|reference|llm,
+    ...its settings}``; llm: base_url, model and api_key_env — the variable's name, never the key).
+    Subclasses name their samples' domains (:meth:`domains`); each must have a judge."""
+
+    judges: dict[str, JudgeSettings] = Field(
+        description="Per domain, the judge: {kind: math|code|reference|llm, ...its settings} (methods/judges)."
+    )
+
+    def domains(self) -> dict[str, str]:
+        """Sample name -> its domain."""
+        return {}
+
+    @model_validator(mode="after")
+    def _every_domain_judged(self) -> Judged:
+        for name, domain in self.domains().items():
+            if domain not in self.judges:
+                raise ValueError(f"sample {name!r}: no judge for its domain {domain!r} in `judges`")
+        return self
+
+
+class HeldOutTasks(Judged):
+    samples: list[HeldOutSample] = Field(min_length=1, description="What is answered and judged.")
+    held_out_splits: list[str] = Field(["validation", "test"], description="Stage-0 splits stage0 samples draw from.")
+    max_new_tokens: int = Field(128, gt=0, description="Tokens per answer.")
+    seed: int = Field(0, description="Which rows a sample of a given size takes.")
+
+    def domains(self) -> dict[str, str]:
+        return {s.name: s.sample_domain for s in self.samples}
+
+    @model_validator(mode="after")
+    def _code_needs_tests(self) -> HeldOutTasks:
+        for s in self.samples:
+            if s.source == "stage0" and self.judges[s.sample_domain].kind == "code":
+                raise ValueError(f"sample {s.name!r}: stage-0 rows carry no tests; the code judge needs a benchmark")
+        return self
+
+
+def select_tasks(cfg: HeldOutTasks, data: Path, seen: set[str]) -> tuple[list[dict], dict[str, int]]:
+    """The held-out tasks of ``cfg.samples`` (stage-0 held-out splits ``cfg.held_out_splits`` or
+    benchmark files), ``cfg.seed`` choosing which, in a fixed order; and per sample how many were
+    left out as seen in training (``seen``: :func:`methods.failures.training_texts`)."""
+    rows: list[dict] = []
+    excluded: dict[str, int] = {}
+    taken: set[str] = set()
+    for s in cfg.samples:
+        if s.source == "stage0":
+            pool = []
+            for split in cfg.held_out_splits:
+                for r in load_split(data, split, s.sample_domain):
+                    if not r["instruction"]:  # a plain text (a story) is no task to answer
+                        continue
+                    task = Task(r["id"], prompt_text(r["instruction"], r["input"]), r["output"])
+                    pool.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": task})
+            excluded[s.name] = 0
+        else:
+            if not Path(s.path).is_file():
+                log.warning(f"sample {s.name!r}: {s.path} is absent; skipped (optional)")
+                continue
+            pool, excluded[s.name] = [], 0
+            for bt in load_tasks(s.source, s.path, "mining"):
+                instruction, input_ = bt.instruction()
+                if row_key(instruction, input_) in seen:
+                    excluded[s.name] += 1  # curated into training by stage 0: not held out
+                    continue
+                pool.append({"id": bt.id, "instruction": instruction, "input": input_, "task": bt.task})
+        chosen = [r for r in sample(pool, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in taken][: s.size]
+        if len(chosen) < s.size:
+            log.warning(f"sample {s.name!r}: {len(chosen)} held-out rows, fewer than its size {s.size}")
+        for r in chosen:
+            taken.add(r["id"])
+            rows.append({**r, "sample": s.name, "source": s.source, "domain": s.sample_domain})
+    return rows, excluded
+
+
+Answer = Callable[[dict, dict | None, Callable], dict]
+"""``answer(row, prior, judge) -> record``: answers one task and judges it with ``judge`` (its
+domain's judge); ``prior`` is the record an earlier attempt left when its judge was unreachable
+(None otherwise), so its answer can be judged again rather than generated again. The record holds
+``id`` and ``retryable``."""
+
+
+def answer_and_judge(
+    cfg: Judged, rows: list[dict], work_dir: Path, label: str, answer: Answer
+) -> tuple[list[dict], int]:
+    """Every row answered and judged (see the module), in ``rows``' order; and how many rows an
+    earlier attempt had finished. ``label`` names the progress lines (``"9 answers"``)."""
+    judges = make_judges(cfg.judges)
+    done = RowLog(work_dir / "rows.jsonl")
+    if done.resumed:
+        log.info(f"{label}: resuming, {done.resumed:,} of {len(rows):,} tasks were finished by an earlier attempt")
+    progress = Progress(label, len(rows), log)
+    try:
+        for i, row in enumerate(rows, 1):
+            prior = done.get(row["id"])
+            if prior is not None and not prior.get("retryable"):
+                continue
+            done.add(answer(row, prior, judges[row["domain"]]))
+            progress.update(i)
+        progress.finish(len(rows))
+    finally:
+        done.close()
+    return [done.get(r["id"]) for r in rows], done.resumed

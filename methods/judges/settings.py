@@ -1,0 +1,74 @@
+"""A recipe's judge settings as types: one model per judge kind, told apart by ``kind`` (a tagged
+union, :data:`JudgeSettings`), checked when the recipe is read — an unknown setting, a missing one
+or a value out of range is refused naming the domain and the field, before a stage starts and
+without reading any key. :func:`methods.judges.make_judge` builds the judge from them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from methods.judges.llm import DEFAULT_RUBRIC
+
+__all__ = [
+    "CodeJudgeSettings",
+    "JudgeSettings",
+    "LLMJudgeSettings",
+    "MathJudgeSettings",
+    "ReferenceJudgeSettings",
+    "judge_settings",
+]
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MathJudgeSettings(_Settings):
+    kind: Literal["math"] = "math"
+
+
+class CodeJudgeSettings(_Settings):
+    kind: Literal["code"] = "code"
+    wall_seconds: float = Field(10.0, gt=0, description="Wall-clock limit of one answer's run.")
+    cpu_seconds: int = Field(5, gt=0, description="CPU-time limit (RLIMIT_CPU).")
+    memory_mb: int = Field(1024, gt=0, description="Address-space limit (RLIMIT_AS).")
+    weak_sandbox_ok: bool = Field(
+        False, description="Judge code without bubblewrap (unshare + audit hook): weaker isolation, opted into."
+    )
+
+
+class ReferenceJudgeSettings(_Settings):
+    kind: Literal["reference"] = "reference"
+    threshold: float = Field(0.4, ge=0, le=1, description="chrF++ at or above which the answer passes.")
+    word_order: int = Field(2, ge=0, description="chrF's word n-gram order (2: chrF++).")
+
+
+class LLMJudgeSettings(_Settings):
+    kind: Literal["llm"] = "llm"
+    base_url: str = Field(description="OpenAI-compatible endpoint (…/v1).")
+    model: str = Field(description="The model name sent to it.")
+    api_key_env: str | None = Field(None, description="Name of the environment variable holding the key.")
+    rubric: str = Field(DEFAULT_RUBRIC, description="The system prompt the verdict follows.")
+    response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
+    max_tokens: int = Field(256, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    timeout_s: float = Field(60.0, gt=0)
+    max_retries: int = Field(2, ge=0, le=20)
+    usd_per_1k_prompt: float = Field(0.0, ge=0)
+    usd_per_1k_completion: float = Field(0.0, ge=0)
+    max_chars: int = Field(6000, gt=0, description="Task, reference and answer are each cut to this many characters.")
+
+
+JudgeSettings = Annotated[
+    MathJudgeSettings | CodeJudgeSettings | ReferenceJudgeSettings | LLMJudgeSettings, Field(discriminator="kind")
+]
+"""One judge's settings: ``{kind: math|code|reference|llm, ...}``."""
+
+_ADAPTER: TypeAdapter = TypeAdapter(JudgeSettings)
+
+
+def judge_settings(value) -> MathJudgeSettings | CodeJudgeSettings | ReferenceJudgeSettings | LLMJudgeSettings:
+    """``value`` (settings, or their dict as a recipe or a manifest holds them) as settings."""
+    return value if isinstance(value, _Settings) else _ADAPTER.validate_python(value)
