@@ -2,8 +2,8 @@
 
 A stage is a module that defines
 
-- ``NAME`` (what it does, e.g. ``"curate"``); its id (``"0"``, ``"2B"``) comes from the registry in
-  :mod:`stages` and the preset alone, and the runner prefixes the stage's errors with it;
+- its name, the module's own (``curate``), and its id (``"0"``, ``"2B"``) from the registry in
+  :mod:`stages` (:func:`stages.stage_name`); the runner prefixes the stage's errors with both;
 - ``Config``: a :class:`StageConfig` (pydantic, ``extra="forbid"``, every field documented);
 - ``run(cfg, inputs, out_dir) -> StageResult``: a pure function of its config and input
   artifacts. It reads only ``inputs`` (and files its config names), writes only under
@@ -75,7 +75,6 @@ TABLE_ROWS = 1000
 
 
 class Stage(Protocol):
-    NAME: str
     Config: type[StageConfig]
 
     def run(self, cfg: StageConfig, inputs: dict[str, Path], out_dir: Path) -> StageResult: ...

@@ -20,11 +20,12 @@ from core.redaction import install_log_redaction, redact_text  # noqa: E402
 def _run(args: argparse.Namespace) -> None:
     from flows.plan import describe_plan
     from flows.preset import load_preset
+    from stages import stage_ids
 
     plan = load_preset(args.preset, args.set)
     if args.resend_unconfirmed:  # read by the stage at run time; not part of any cache key
         os.environ["KIBIDANGO_RESEND_UNCONFIRMED"] = "1"
-    args.force = [_stage_id(plan.order(), sid) for sid in args.force]
+    args.force = [sid for given in args.force for sid in stage_ids(given, plan.order())]
     if args.dry_run:
         print(describe_plan(plan, args.force))
         return
@@ -103,14 +104,6 @@ def _worker(args: argparse.Namespace) -> None:
     start_worker(args.pool)
 
 
-def _stage_id(known: list[str], given: str) -> str:
-    """`make stage-2b` passes "2b": stage ids match case-insensitively."""
-    for sid in known:
-        if sid.lower() == given.lower():
-            return sid
-    raise KibidangoError(f"stage {given!r} is not in this preset; its stages: {', '.join(known)}")
-
-
 def _compare(args: argparse.Namespace) -> None:
     from flows.compare import compare_table
 
@@ -171,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a preset's flow")
     run.add_argument("--preset", default="tiny", help="preset name (recipes/presets/NAME.yaml) or a .yaml path")
     run.add_argument(
-        "--force", action="append", default=[], metavar="STAGE", help="recompute this stage id even if cached"
+        "--force", action="append", default=[], metavar="STAGE", help="recompute this stage (an id, 2G, or a name, calibrate) even if cached"
     )
     run.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override one config value")
     run.add_argument("--dry-run", action="store_true", help="resolve and print the stage plan; run nothing")

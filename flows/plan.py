@@ -11,7 +11,7 @@ from flows.runner import stage_key
 from flows.workspace import store
 from methods.training.axolotl import launch_command
 from methods.training.recipe import TrainRecipe
-from stages import load_stage
+from stages import load_stage, stage_name
 
 __all__ = ["describe_plan"]
 
@@ -54,12 +54,12 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
             hit = store().get(sid, key)
             known[sid] = hit
             status = "forced" if sid in (force or []) else ("cache hit" if hit else "would run")
-            lines.append(f"stage {sid} ({module.NAME}): key {key}  [{status}]")
+            lines.append(f"stage {sid} ({stage_name(sid)}): key {key}  [{status}]")
             for name, digest in digests.items():
                 lines.append(f"  input {name}: {digest}")
         else:
             known[sid] = None
-            lines.append(f"stage {sid} ({module.NAME}): key known once {', '.join(needs.values())} ran  [would run]")
+            lines.append(f"stage {sid} ({stage_name(sid)}): key known once {', '.join(needs.values())} ran  [would run]")
         for name, up in needs.items():
             lines.append(f"  needs {name} <- stage {up}")
         pool = plan.pool(sid)

@@ -3,11 +3,16 @@ each stage's config (inline, or a recipe file merged under the inline keys).
 
     name: tiny
     experiment: kibidango-tiny
-    stages:
+    graph: recipes/graph.yaml          # the plan's stages and their inputs (optional)
+    without: [P]                       # stages of the graph this preset leaves out
+    stages:                            # per stage, only what differs from the graph
       "0":
         needs: {}                      # input name -> upstream stage id
-        recipe: recipes/stage0/x.yaml  # optional, relative to the repository root
+        recipe: recipes/stage0/x.yaml  # relative to the repository root; with a graph,
+                                       # recipes/stage<id>/<name>.yaml by default
         config: {...}                  # validated against the stage's Config
+
+Without ``graph`` the preset lists every stage it runs with its ``needs``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ PRESETS_DIR = REPO_ROOT / "recipes" / "presets"
 class StagePlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    needs: dict[str, str] = Field(default_factory=dict, description="Input name -> id of the stage that produces it.")
+    needs: dict[str, str] = Field(
+        default_factory=dict, description="Input name -> id of the stage that produces it (with a graph: the graph's)."
+    )
     recipe: str | None = Field(None, description="YAML file with the stage's config, relative to the repository root.")
     config: dict[str, Any] = Field(
         default_factory=dict, description="The stage's config (overrides the recipe's keys)."
@@ -48,7 +55,11 @@ class PresetFile(BaseModel):
         "auto",
         description="Hardware the preset is meant for; dry runs render training configs for it (auto: this machine's).",
     )
-    stages: dict[str, StagePlan]
+    graph: str | None = Field(
+        None, description="The base stage graph (recipes/graph.yaml): stage id -> its inputs; `stages` then overrides."
+    )
+    without: list[str] = Field(default_factory=list, description="Stages of the graph this preset does not run.")
+    stages: dict[str, StagePlan] = Field(default_factory=dict)
     pools: dict[str, str] = Field(
         default_factory=dict,
         description="Stage id or stage tag (stages.TAGS, e.g. gpu) -> Prefect work pool whose workers run it "
@@ -137,6 +148,37 @@ def _explain(e: ValidationError, where: str) -> KibidangoError:
     return KibidangoError("\n".join(lines))
 
 
+def _on_graph(path: Path, spec: PresetFile) -> dict[str, StagePlan]:
+    """The preset's stages: the graph's, less ``without``, each with its default recipe
+    (``recipes/stage<id>/<preset>.yaml``), with the preset's own entries over them."""
+    graph_file = REPO_ROOT / spec.graph
+    if not graph_file.is_file():
+        raise KibidangoError(f"{path}: graph file not found: {graph_file}")
+    graph = _read_yaml(graph_file)
+    if not isinstance(graph, dict) or not isinstance(graph.get("stages"), dict):
+        raise KibidangoError(f"{graph_file}: expected a mapping `stages: {{id: {{input: upstream id}}}}`")
+    for sid in [*spec.without, *spec.stages]:
+        if sid in spec.without and sid not in graph["stages"]:
+            raise KibidangoError(f"{path}: without: {sid!r} is not a stage of {spec.graph}")
+    stages: dict[str, StagePlan] = {}
+    for sid, needs in graph["stages"].items():
+        sid = str(sid)
+        if sid in spec.without:
+            continue
+        own = spec.stages.get(sid)
+        recipe = f"recipes/stage{sid}/{spec.name}.yaml"
+        plan = StagePlan(needs={str(k): str(v) for k, v in (needs or {}).items()}, recipe=recipe)
+        if own is not None:
+            plan = plan.model_copy(update={k: getattr(own, k) for k in own.model_fields_set})
+        stages[sid] = plan
+    for sid, own in spec.stages.items():
+        if sid not in stages:
+            if sid in spec.without:
+                raise KibidangoError(f"{path}: stage {sid} is both in `without` and in `stages`")
+            stages[sid] = own  # a stage the graph does not have: the preset states it whole
+    return stages
+
+
 def set_override(config: dict, dotted: str, value: Any) -> None:
     """``set_override(cfg, "dedup.threshold", 0.6)``; integer parts index lists."""
     *parents, last = dotted.split(".")
@@ -173,6 +215,8 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
         spec = PresetFile.model_validate(raw)
     except ValidationError as e:
         raise _explain(e, str(path)) from e
+    if spec.graph is not None:
+        spec = spec.model_copy(update={"stages": _on_graph(path, spec)})
     configs: dict[str, StageConfig] = {}
     for sid, plan in spec.stages.items():
         config: dict[str, Any] = {}

@@ -19,7 +19,7 @@ from core.redaction import redact
 from core.remote import RemoteStore
 from core.store import Artifact, ArtifactStore, cache_key
 from flows.tracking import TAG, Tracker
-from stages import load_stage
+from stages import load_stage, stage_name
 
 __all__ = ["RunContext", "execute_stage", "stage_task"]
 
@@ -67,7 +67,7 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
     tracker = Tracker(ctx.experiment)
     tags = {
         f"{TAG}stage_id": stage_id,
-        f"{TAG}stage_name": module.NAME,
+        f"{TAG}stage_name": stage_name(stage_id),
         f"{TAG}cache_key": key,
         f"{TAG}input_keys": json.dumps({name: a.key for name, a in inputs.items()}, sort_keys=True),
         f"{TAG}input_digests": json.dumps(digests, sort_keys=True),
@@ -75,20 +75,20 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
         f"{TAG}prefect_flow_run_id": ctx.prefect_flow_run_id,
         f"{TAG}preset": ctx.preset,
     }
-    run_name = f"{stage_id}-{module.NAME}"
+    run_name = f"{stage_id}-{stage_name(stage_id)}"
 
     cached = store.get(stage_id, key)
     if cached is not None and stage_id not in ctx.force:
-        return _record_hit(stage_id, module.NAME, cached, tracker, run_name, tags, params, ctx)
+        return _record_hit(stage_id, stage_name(stage_id), cached, tracker, run_name, tags, params, ctx)
     with store.computing(
         stage_id,
         key,
-        lambda who: log.info(f"stage {stage_id} ({module.NAME}): key {key} is being computed by {who}; waiting"),
+        lambda who: log.info(f"stage {stage_id} ({stage_name(stage_id)}): key {key} is being computed by {who}; waiting"),
     ) as waited:
         if waited and stage_id not in ctx.force:  # the other run may have published it
             cached = store.get(stage_id, key)
             if cached is not None:
-                return _record_hit(stage_id, module.NAME, cached, tracker, run_name, tags, params, ctx)
+                return _record_hit(stage_id, stage_name(stage_id), cached, tracker, run_name, tags, params, ctx)
         return _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, tags, cached)
 
 
@@ -118,7 +118,7 @@ def _record_hit(stage_id, name, cached, tracker, run_name, tags, params, ctx) ->
 def _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, tags, cached) -> Artifact:
     key, digests, params = sk.key, sk.digests, sk.config
     reason = "forced" if cached is not None else "no cached artifact"
-    log.info(f"stage {stage_id} ({module.NAME}): running ({reason}), key {key}")
+    log.info(f"stage {stage_id} ({stage_name(stage_id)}): running ({reason}), key {key}")
     run_id = tracker.start_run(run_name, {**tags, f"{TAG}cached": "no"}, params, ctx.parent_run_id)
     if getattr(module, "SHIPS_INPUTS", False):  # nothing damaged is shipped: hash every input file
         for name, a in inputs.items():
@@ -143,7 +143,7 @@ def _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, t
             staging,
             redact(
                 {
-                    "stage_name": module.NAME,
+                    "stage_name": stage_name(stage_id),
                     "code_version": sk.code_version,
                     "config": params,
                     "inputs": {name: {"key": a.key, "digest": a.digest} for name, a in inputs.items()},
@@ -159,7 +159,7 @@ def _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, t
     except KibidangoError as e:
         store.discard(staging)
         tracker.end_run(run_id, ok=False)
-        raise KibidangoError(f"stage {stage_id} ({module.NAME}): {e}") from e
+        raise KibidangoError(f"stage {stage_id} ({stage_name(stage_id)}): {e}") from e
     except BaseException:
         store.discard(staging)
         tracker.end_run(run_id, ok=False)
@@ -173,9 +173,9 @@ def _compute(module, stage_id, cfg, inputs, ctx, sk, store, tracker, run_name, t
         tracker.log_table(run_id, Path(artifact.path) / rel, name, TABLE_ROWS)
     tracker.end_run(run_id, ok=result.failure is None)
     if result.summary:
-        log.info(f"stage {stage_id} ({module.NAME}): {result.summary}")
+        log.info(f"stage {stage_id} ({stage_name(stage_id)}): {result.summary}")
     if result.failure:
-        raise KibidangoError(f"stage {stage_id} ({module.NAME}): {result.failure}")
+        raise KibidangoError(f"stage {stage_id} ({stage_name(stage_id)}): {result.failure}")
     return artifact
 
 

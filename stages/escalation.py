@@ -28,7 +28,6 @@ from kibidango.confidence import Calibrator, EscalationDetector, Logistic
 from methods.calibration import auroc, fit_logistic, precision_at_recall
 from methods.failures import read_jsonl
 
-NAME = "escalation-detector"
 LIBRARIES = ("torch", "numpy")
 
 log = logging.getLogger("kibidango.stage.6B")

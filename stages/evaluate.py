@@ -43,7 +43,6 @@ from methods.heldout import Judged, answer_and_judge
 from methods.judges import sandbox_note
 from methods.training.chat import TEMPLATE, load_split
 
-NAME = "evaluation"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft")
 

@@ -36,8 +36,6 @@ from kibidango.bundle import TIER_ORDER
 from methods.compression.card import bundle_card, lineage
 from methods.training.chat import TEMPLATE
 
-NAME = "bundle-export"
-
 
 class Config(StageConfig):
     preset: str = Field(description="Preset name recorded in bundle.json.")

@@ -25,7 +25,6 @@ from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 
-NAME = "quality-gates"
 LIBRARIES = ()
 
 log = logging.getLogger("kibidango.stage.9A")

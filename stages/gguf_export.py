@@ -29,7 +29,6 @@ from methods.measure.weights import weight_bytes
 from methods.training.chat import load_split
 from methods.training.models import resolve_base
 
-NAME = "gguf-export"
 LIBRARIES = ("llama_cpp_python", "transformers", "torch")
 
 

@@ -35,7 +35,6 @@ from methods.judges import sandbox_note
 from methods.measure.generate import Answerer
 from methods.training.chat import load_split
 
-NAME = "failure-mining"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "datasets", "sacrebleu")
 

@@ -28,7 +28,6 @@ from methods.training.chat import axolotl_dataset, load_split, messages, write_j
 from methods.training.models import TOKENIZER_FILES, copy_tokenizer, init_llama, tokenizer_files, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
-NAME = "pretrain"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch")
 

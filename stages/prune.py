@@ -24,7 +24,6 @@ from methods.measure.lm import validation_loss
 from methods.measure.weights import weight_bytes, weight_sparsity
 from methods.training.models import resolve_base
 
-NAME = "prune"
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
 
 

@@ -27,7 +27,6 @@ from methods.measure.lm import validation_loss
 from methods.measure.weights import weight_bytes
 from methods.training.models import resolve_base
 
-NAME = "awq"
 LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
 
 

@@ -44,7 +44,6 @@ from methods.training.chat import axolotl_dataset, load_split, messages, write_j
 from methods.training.models import copy_tokenizer, resolve_base, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
-NAME = "recovery-lora"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft", "compressed-tensors")
 

@@ -27,7 +27,6 @@ from methods.training.chat import axolotl_dataset, load_split, messages, write_j
 from methods.training.finetune import fine_tune
 from methods.training.recipe import TrainRecipe
 
-NAME = "retrain"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft", "sacrebleu")
 

@@ -26,7 +26,6 @@ from methods.training.finetune import fine_tune
 from methods.training.models import resolve_base
 from methods.training.recipe import TrainRecipe
 
-NAME = "student-sft"
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft")
 

@@ -48,7 +48,6 @@ from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.teachers import Budget, TeacherClient, TierConfig, TierDead, worst_case_usd
 
-NAME = "cascaded-teachers"
 RESUMABLE = True
 LIBRARIES = ("openai", "datasets", "sacrebleu", "llama-cpp-python")
 

@@ -38,7 +38,6 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.confidence import Calibrator, EscalationDetector
 from methods.failures import read_jsonl
 
-NAME = "threshold-optimisation"
 LIBRARIES = ("numpy", "matplotlib")
 
 log = logging.getLogger("kibidango.stage.6C")

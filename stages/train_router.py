@@ -23,7 +23,6 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from methods.routing import confusion, train_router
 from methods.training.chat import load_split, prompt_text
 
-NAME = "domain-router"
 LIBRARIES = ("torch", "numpy", "datasets")
 
 log = logging.getLogger("kibidango.stage.6A")

@@ -37,7 +37,6 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.training.chat import load_split
 
-NAME = "sd-tuning"
 LIBRARIES = ("matplotlib",)
 
 log = logging.getLogger("kibidango.stage.1F")

@@ -22,7 +22,6 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 
-NAME = "zstd-pack"
 LIBRARIES = ("zstandard",)
 
 _WEIGHTS = (".safetensors", ".gguf")

@@ -154,7 +154,7 @@ def test_failed_gates_publish_the_stamped_bundle_and_fail_the_flow_on_every_run(
     ctx = RunContext("test", "exp-test", str(workspace / "store"), None, "prefect-run-1", ())
     inputs = {"bundle": bundle, "evaluation": evaluation}
     for _ in range(2):  # computed, then a cache hit: both stop the flow
-        with pytest.raises(KibidangoError, match=r"stage 9A \(quality-gates\): quality gates failed: gold-answer"):
+        with pytest.raises(KibidangoError, match=r"stage 9A \(gates\): quality gates failed: gold-answer"):
             execute_stage("9A", cfg, inputs, ctx)
     (published,) = [p for p in (workspace / "store" / "9A").iterdir() if not p.name.startswith(".")]
     assert load_bundle(published / "bundle").manifest.release["failed"] == ["gold-answer-perplexity"]

@@ -84,9 +84,9 @@ def test_gpu_preset_dry_run_prints_the_plan(monkeypatch):
     assert "hf: Open-Orca/OpenOrca" in text
     # The plan's failure mining: 50K answers, K = 4,000, general rows judged by an LLM whose key
     # is named, not given (the dry run needs no key).
-    assert "stage 1B (failure-mining)" in text and "api_key_env: OPENROUTER_API_KEY" in text
+    assert "stage 1B (mine_failures)" in text and "api_key_env: OPENROUTER_API_KEY" in text
     assert "kind: llm" in text and "size: 48827" in text
-    assert "stage 1C (critique-filter)" in text and "general: 3200" in text
+    assert "stage 1C (critique_filter)" in text and "general: 3200" in text
     # multi-GPU training (issue "Beyond one machine"): the full fine-tune under ZeRO-3 on 8 GPUs,
     # launched by accelerate, with the shipped DeepSpeed config resolved to a file that exists
     assert (
@@ -96,7 +96,7 @@ def test_gpu_preset_dry_run_prints_the_plan(monkeypatch):
     shipped = [line.split("deepspeed: ", 1)[1] for line in text.splitlines() if line.startswith("    deepspeed: /")]
     assert shipped and all(Path(p).is_file() for p in shipped) and any(p.endswith("zero3_bf16.json") for p in shipped)
     assert "axolotl run 'draft' (GPU; 1 process(es): <axolotl python> -m axolotl.cli.train" in text
-    assert "stage 1F (sd-tuning)" in text
+    assert "stage 1F (tune_decoding)" in text
 
 
 def test_pools_route_by_stage_id_then_tag_and_unknown_keys_are_errors(tmp_path):
@@ -112,3 +112,45 @@ def test_pools_route_by_stage_id_then_tag_and_unknown_keys_are_errors(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(KibidangoError, match="pools: 'gpus' is neither a stage of this preset nor a stage tag"):
         load_preset(str(path))
+
+
+def test_a_preset_on_the_graph_states_only_where_it_differs(tmp_path):
+    """Both shipped presets run recipes/graph.yaml: a preset leaves stages out and overrides a
+    stage's inputs or config; each stage's recipe is recipes/stage<id>/<preset>.yaml."""
+    graph = yaml.safe_load((REPO_ROOT / "recipes/graph.yaml").read_text())["stages"]
+    for name in ("tiny", "llama31-8b"):
+        spec = yaml.safe_load((PRESETS_DIR / f"{name}.yaml").read_text())
+        assert spec["graph"] == "recipes/graph.yaml" and len(spec.get("stages", {})) <= 3
+        plan = load_preset(name)
+        assert set(plan.spec.stages) == set(graph) - set(spec.get("without", []))
+        assert all(p.recipe == f"recipes/stage{s}/{name}.yaml" for s, p in plan.spec.stages.items())
+    gpu = load_preset("llama31-8b")
+    assert "P" not in gpu.spec.stages and gpu.needs("1A") == {"data": "0"} and gpu.needs("1B") == graph["1B"]
+
+    def preset(**spec) -> str:
+        path = tmp_path / "g.yaml"
+        path.write_text(yaml.safe_dump({"name": "tiny", "experiment": "e", "graph": "recipes/graph.yaml", **spec}))
+        return str(path)
+
+    with pytest.raises(KibidangoError, match=r"without: 'Q' is not a stage of recipes/graph\.yaml"):
+        load_preset(preset(without=["Q"]))
+    with pytest.raises(KibidangoError, match=r"stage 1A needs stage 'P', which the preset does not run"):
+        load_preset(preset(without=["P"]))
+    one = load_preset(preset(stages={"9": {"config": {"max_new_tokens": 7}}}))
+    assert one.configs["9"].max_new_tokens == 7 and one.needs("9") == graph["9"]
+
+
+def test_a_stage_has_one_name_everywhere():
+    """The module is the name: stages.stage_name, the plan, the MLflow run name, and --force (so
+    ``make stage-2g`` and ``make stage-calibrate`` rerun the same stage)."""
+    from stages import STAGES, stage_ids, stage_name
+
+    for sid, module in STAGES.items():
+        assert stage_name(sid) == module.rsplit(".", 1)[1]
+        assert not hasattr(load_stage(sid), "NAME"), f"{module} still has a NAME of its own"
+    order = load_preset("tiny").order()
+    assert stage_ids("2g", order) == stage_ids("calibrate", order) == ["2G"]
+    assert stage_ids("domain_lora", order) == ["3", "4", "5"] and stage_ids("domain-lora", order) == ["3", "4", "5"]
+    with pytest.raises(KibidangoError, match=r"stage 'calibration' is not in this preset; its stages: 0 \(curate\)"):
+        stage_ids("calibration", order)
+    assert "stage 2G (calibrate): key" in describe_plan(load_preset("tiny"))
