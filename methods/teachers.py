@@ -1,20 +1,17 @@
-"""Teacher tiers for the cascade (stage 1D): OpenAI-compatible endpoints called robustly, a hard
-dollar budget, and a journal of every paid request.
+"""Teacher tiers for the cascade (stage 1D): OpenAI-compatible endpoints called through the one
+paid client (:class:`kibidango.cascade.client.PaidClient`: retries by cause with Retry-After and
+jitter, the worst case reserved in the budget ledger and settled with the reported usage, the key
+from an environment variable), and a journal of every paid request.
 
 - :class:`TierConfig`: one tier of the recipe's ordered list: an OpenAI-compatible endpoint
   (``base_url``, ``model``, ``api_key_env`` — the variable's *name* —, prices per 1K prompt and
   completion tokens, ``max_tokens``, ``concurrency``), or ``kind: reference``, which answers with
   the dataset's gold answer at a flat ``usd_per_answer`` (the stand-in for the costliest,
   human-written tier).
-- :class:`Budget`: a request is sent only when its **worst-case** cost fits what is left: the cost
-  is reserved first and settled with the usage the endpoint reports, so the spend never passes
-  the limit. The worst case bounds prompt tokens by the prompt's UTF-8 bytes plus a template
-  allowance (no tokenizer makes more tokens than bytes, bar special tokens) and completion tokens
-  by ``max_tokens``.
-- :class:`TeacherClient`: one call = up to ``max_attempts`` HTTP requests: timeouts, 429 (honouring
-  ``Retry-After``), 5xx and malformed replies (truncated JSON, no choices, empty text) are retried
-  with exponential backoff and full jitter and counted by cause; 401/403/404 and a connection that
-  never opens make the tier **dead** (reported by name; its rows escalate).
+- :class:`TeacherClient`: one tier's calls under the run's :class:`~kibidango.cascade.ledger.Ledger`
+  (a request is sent only when its **worst-case** cost fits what is left, so the spend never
+  passes the limit); 401/403/404 and a connection that never opens make the tier **dead**
+  (:class:`TierDead`, reported by name; its rows escalate).
 The stage journals every paid request (:class:`methods.journal.Journal`): ``sent`` is written
 *before* it leaves, ``reply``/``error`` after, so a run killed in between knows the request may
 have been paid: it charges the reservation and never sends that prompt to that tier again.
@@ -23,34 +20,25 @@ have been paid: it charges the reservation and never sends that prompt to that t
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
-from kibidango.cascade.cloud import backoff_seconds, credible_usage, retry_after_seconds
-from methods.judges.llm import api_error_text
+from kibidango.cascade.client import Endpoint, PaidClient, PaidReply
+from kibidango.cascade.ledger import Ledger
 
 __all__ = [
-    "Budget",
     "TeacherClient",
-    "TeacherReply",
     "TierConfig",
     "TierDead",
     "worst_case_usd",
 ]
 
 log = logging.getLogger("kibidango.teachers")
-
-TEMPLATE_TOKENS = 64
-"""Allowance for the chat template's tokens around the prompt in the worst-case cost."""
-
 
 class TierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -96,146 +84,55 @@ class TierConfig(BaseModel):
 
 
 def worst_case_usd(tier: TierConfig, prompt: str) -> float:
-    """The most a call of ``tier`` on ``prompt`` can cost (see the module docstring)."""
+    """The most a call of ``tier`` on ``prompt`` can cost (the paid client's bound: prompt tokens
+    at most its UTF-8 bytes plus a template allowance, completion tokens at most ``max_tokens``)."""
     if tier.kind == "reference":
         return tier.usd_per_answer
-    prompt_bound = len((tier.system + prompt).encode("utf-8")) + TEMPLATE_TOKENS
-    return tier.usd(prompt_bound, tier.max_tokens)
-
-
-class Budget:
-    """A hard limit in dollars, shared by every thread of a run."""
-
-    def __init__(self, limit_usd: float, spent_usd: float = 0.0):
-        self.limit = limit_usd
-        self.spent = spent_usd
-        self.reserved = 0.0
-        self._lock = threading.Lock()
-
-    def reserve(self, usd: float) -> bool:
-        """Hold ``usd`` if it fits what is left (spent + held + usd <= limit)."""
-        with self._lock:
-            if self.spent + self.reserved + usd > self.limit + 1e-12:
-                return False
-            self.reserved += usd
-            return True
-
-    def settle(self, reserved: float, actual: float) -> None:
-        """Release a reservation and charge what the request really cost."""
-        with self._lock:
-            self.reserved -= reserved
-            self.spent += actual
+    messages = [{"role": "system", "content": tier.system}, {"role": "user", "content": prompt}]
+    return _endpoint(tier, tier.base_url or "").worst_case_usd(messages, tier.max_tokens)
 
 
 class TierDead(KibidangoError):
     """The tier cannot answer at all (bad key, unknown model, nothing listening)."""
 
 
-@dataclass
-class TeacherReply:
-    text: str | None
-    """None when every attempt failed (``error`` says why)."""
-    prompt_tokens: int | None = 0
-    """None (both counts) when the reply's usage is absent or not credible: charged its worst case."""
-    completion_tokens: int | None = 0
-    attempts: int = 0
-    retries: Counter = field(default_factory=Counter)
-    seconds: float = 0.0
-    error: str = ""
-    maybe_paid: bool = False
-    """True when an attempt may have been served and billed without a usable reply."""
-
-    @property
-    def unread(self) -> int:
-        """Attempts that may have been served and billed but gave no usable reply (timeouts,
-        malformed replies): charged their worst case."""
-        return self.retries["timeout"] + self.retries["malformed"]
-
-
 class TeacherClient:
-    """Calls one OpenAI-compatible tier (``base_url`` given, or the local server's for ``serve``)."""
+    """Calls one OpenAI-compatible tier (``base_url`` given, or the local server's for ``serve``)
+    under ``ledger``."""
 
-    def __init__(self, tier: TierConfig, base_url: str | None = None, sleep=time.sleep):
-        from openai import OpenAI
-
+    def __init__(self, tier: TierConfig, ledger: Ledger, base_url: str | None = None, sleep=time.sleep):
         self.tier = tier
         self.base_url = base_url or tier.base_url
-        key = secret_from_env(tier.api_key_env, f"teacher tier {tier.name}") if tier.api_key_env else "none"
-        self._client = OpenAI(base_url=self.base_url, api_key=key, timeout=tier.timeout_s, max_retries=0)
-        self._sleep = sleep
+        if tier.api_key_env:
+            secret_from_env(tier.api_key_env, f"teacher tier {tier.name}")  # set, or a clear error now
+        self.paid = PaidClient(_endpoint(tier, self.base_url), ledger, sleep)
 
-    def ask(self, prompt: str, may_resend: Callable[[], bool] | None = None) -> TeacherReply:
-        """The tier's answer to ``prompt``. After an attempt that may have been served and billed
-        without a usable reply (a timeout, a malformed reply), ``may_resend`` is asked before the
-        prompt is sent again (the stage reserves another worst case there); False ends the call."""
-        import openai
-
+    def ask(self, prompt: str, on_send: Callable[[float], None] | None = None) -> PaidReply:
+        """The tier's answer to ``prompt`` (``status`` ``budget_exhausted``: nothing was sent).
+        ``on_send(reserved_usd)`` runs once the worst case is reserved, before the request leaves."""
         t = self.tier
-        started = time.monotonic()
-        reply = TeacherReply(None)
-        for attempt in range(1, t.max_attempts + 1):
-            reply.attempts = attempt
-            wait = None
-            unread = False  # served, perhaps billed, but no usable reply
-            try:
-                done = self._client.chat.completions.create(
-                    model=t.model or t.serve,
-                    messages=[{"role": "system", "content": t.system}, {"role": "user", "content": prompt}],
-                    max_tokens=t.max_tokens,
-                    temperature=t.temperature,
-                )
-                text = done.choices[0].message.content if done.choices else None
-                if not text or not text.strip():
-                    raise ValueError("the reply has no text")
-                reply.text = text
-                reply.prompt_tokens, reply.completion_tokens = credible_usage(done.usage)
-                reply.seconds = time.monotonic() - started
-                return reply
-            except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as e:
-                raise TierDead(
-                    f"teacher tier {t.name} ({self.base_url}, model {t.model or t.serve}) refused the request "
-                    f"(HTTP {e.status_code}): {_why(e)}; check its base_url, model and {t.api_key_env or 'key'}"
-                ) from None
-            except openai.RateLimitError as e:
-                reply.retries["rate_limited"] += 1
-                wait = retry_after_seconds(e.response.headers)
-                reply.error = f"HTTP 429: {_why(e)}"
-            except openai.APITimeoutError:
-                reply.retries["timeout"] += 1
-                unread = True
-                reply.error = f"timed out after {t.timeout_s:g}s"
-            except openai.APIConnectionError as e:
-                reply.retries["connection"] += 1
-                reply.error = f"connection failed: {_why(e)}"
-            except openai.InternalServerError as e:
-                reply.retries["server_error"] += 1
-                reply.error = f"HTTP {e.status_code}: {_why(e)}"
-            except openai.APIStatusError as e:  # other 4xx: this request will not get better
-                reply.error = f"HTTP {e.status_code}: {_why(e)}"
-                break
-            except (
-                ValueError,
-                KeyError,
-                AttributeError,
-                IndexError,
-                TypeError,
-                openai.APIResponseValidationError,
-            ) as e:
-                reply.retries["malformed"] += 1  # truncated JSON, no choices, no text
-                unread = True
-                reply.error = f"malformed reply: {type(e).__name__}: {redact_text(str(e))[:160]}"
-            if unread:
-                reply.maybe_paid = True
-                if attempt < t.max_attempts and may_resend is not None and not may_resend():
-                    reply.error += "; the budget leaves no room to send it again"
-                    break
-            if attempt < t.max_attempts:
-                self._sleep(wait if wait is not None else backoff_seconds(t.backoff_s, attempt))
-        reply.seconds = time.monotonic() - started
-        if reply.retries["connection"] == reply.attempts:
+        messages = [{"role": "system", "content": t.system}, {"role": "user", "content": prompt}]
+        reply = self.paid.chat(messages, t.max_tokens, t.temperature, note=f"teacher {t.name}", on_send=on_send)
+        reply.error = redact_text(reply.error)
+        if reply.status == "refused":
+            raise TierDead(
+                f"teacher tier {t.name} ({self.base_url}, model {t.model or t.serve}) refused the request "
+                f"({reply.error}); check its base_url, model and {t.api_key_env or 'key'}"
+            )
+        if reply.attempts and reply.retries["connection"] == reply.attempts:
             raise TierDead(f"teacher tier {t.name} ({self.base_url}) is unreachable: {reply.error}")
         return reply
 
 
-def _why(e: Exception) -> str:
-    return api_error_text(e, limit=200)
+def _endpoint(tier: TierConfig, base_url: str) -> Endpoint:
+    return Endpoint(
+        base_url,
+        tier.model or tier.serve,
+        tier.api_key_env,
+        tier.usd_per_1k_prompt,
+        tier.usd_per_1k_completion,
+        tier.timeout_s,
+        tier.max_attempts,
+        tier.backoff_s,
+        name=f"teacher {tier.name}",
+    )

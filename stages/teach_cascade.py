@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -43,10 +44,10 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256, tree_sha256
 from core.progress import Progress
-from kibidango.cascade.ledger import trusted_cost
+from kibidango.cascade.ledger import BudgetExceeded, Ledger
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
-from methods.teachers import Budget, TeacherClient, TierConfig, TierDead, worst_case_usd
+from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
 
 RESUMABLE = True
 LIBRARIES = ("openai", "datasets", "sacrebleu", "llama-cpp-python")
@@ -111,28 +112,32 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         event["reason"] = "in flight when an earlier attempt was killed: charged its worst case, not resent"
         journal.write(event)
         state.done[(row, tier)] = event
-    budget = Budget(cfg.budget_usd, state.spent)
+    budget_dir = work_dir / "budget"  # the run's ledger, seeded with what the journal says was spent
+    shutil.rmtree(budget_dir, ignore_errors=True)
+    ledger = Ledger(budget_dir, cfg.budget_usd, "total")
+    ledger.charge(state.spent, note="spent by earlier attempts (journal)")
     if journal.resumed:
         log.info(
             f"resuming: {len(state.done):,} (row, tier) pairs settled, {len(state.lost)} in flight at the kill "
             f"(charged, {'sent again: --resend-unconfirmed' if resend else 'not resent'}), ${state.spent:.4f} spent"
         )
-    cascade = _Cascade(cfg, rows, judges, journal, state, budget)
+    cascade = _Cascade(cfg, rows, judges, journal, state, ledger)
     try:
         with ExitStack() as stack:
             urls = _serve(cfg, work_dir, stack)
             # every client (and so every key) before the first request: a missing key fails the run
             # before anything is paid
-            clients = {t.name: TeacherClient(t, urls.get(t.name)) for t in cfg.tiers if t.kind == "openai"}
+            clients = {t.name: TeacherClient(t, ledger, urls.get(t.name)) for t in cfg.tiers if t.kind == "openai"}
             for tier in cfg.tiers:
                 cascade.run_tier(tier, clients.get(tier.name))
     finally:
         journal.close()
 
-    ledger = _ledger(journal.events)
-    pairs, status = _outcomes(cfg, rows, ledger, state)
-    report = _report(cfg, rows, ledger, pairs, status, budget, cascade.dead)
-    _write(out_dir, pairs, ledger, report)
+    spent = ledger.state().settled_usd
+    requests = _requests(journal.events)
+    pairs, status = _outcomes(cfg, rows, requests, state)
+    report = _report(cfg, rows, requests, pairs, status, spent, cascade.dead)
+    _write(out_dir, pairs, requests, report)
     metrics = {
         "rows": len(rows),
         "held_out": len(held),
@@ -144,7 +149,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "top_tier_only_usd": report["top_tier_only_usd"],
         "cost_cut": report["cost_cut"],
         "pairs_per_usd": report["pairs_per_usd"],
-        "requests": len(ledger),
+        "requests": len(requests),
         "journal_resumed_events": journal.resumed,
         **{f"spend_usd/{n}": v["usd"] for n, v in report["tiers"].items()},
         **{f"answered_by/{n}": v["passed"] for n, v in report["tiers"].items()},
@@ -236,13 +241,13 @@ def _replay(events: list[dict], path: Path, resend: bool = False) -> _State:
 
 
 class _Cascade:
-    def __init__(self, cfg, rows, judges, journal, state, budget):
+    def __init__(self, cfg, rows, judges, journal, state, ledger: Ledger):
         self.cfg = cfg
         self.rows = rows
         self.judges = judges
         self.journal = journal
         self.state = state
-        self.budget = budget
+        self.ledger = ledger
         self.dead: list[str] = []
         self._dead_lock = threading.Lock()
 
@@ -300,53 +305,41 @@ class _Cascade:
         self.state.done[key] = event
 
     def _request(self, tier: TierConfig, client: TeacherClient | None, row: dict) -> dict | None:
-        """Send the row to the tier under the budget; the reply event, or None (journaled why)."""
+        """Send the row to the tier under the budget; the reply event, or None (journaled why).
+        The ``sent`` record is written once the worst case is reserved, before the request leaves."""
         key = (row["id"], tier.name)
-        prompt = row["prompt"]
-        worst = worst_case_usd(tier, prompt)
-        if not self.budget.reserve(worst):
-            event = {"event": "skipped", "row": row["id"], "tier": tier.name, "reason": "budget", "usd": 0.0}
-            self.journal.write(event)
-            self.state.done[key] = event
-            return None
-        self.journal.write({"event": "sent", "row": row["id"], "tier": tier.name, "reserved": worst})
+
+        def sent(reserved: float) -> None:
+            self.journal.write({"event": "sent", "row": row["id"], "tier": tier.name, "reserved": reserved})
+
         if tier.kind == "reference":
-            event = {"event": "reply", "row": row["id"], "tier": tier.name, "text": row["reference"], "usd": worst}
-            event.update(prompt_tokens=0, completion_tokens=0, attempts=1, retries={}, seconds=0.0)
-            self.budget.settle(worst, worst)
+            worst = worst_case_usd(tier, row["prompt"])
+            try:
+                rid = self.ledger.reserve(worst, note=f"teacher {tier.name}")
+            except BudgetExceeded:
+                return self._skipped(key)
+            sent(worst)
+            event = {"event": "reply", "row": row["id"], "tier": tier.name, "text": row["reference"]}
+            event.update(usd=self.ledger.settle(rid, worst), prompt_tokens=0, completion_tokens=0, attempts=1)
+            event.update(retries={}, seconds=0.0)
             self.journal.write(event)
             return event
-        held = [worst]
-
-        def may_resend() -> bool:  # a timed-out attempt may have been billed: hold another worst case
-            if self.budget.reserve(worst):
-                held.append(worst)
-                return True
-            return False
-
         try:
-            r = client.ask(prompt, may_resend)
+            r = client.ask(row["prompt"], on_send=sent)
         except TierDead as e:
             with self._dead_lock:
                 if tier.name not in self.dead:
                     self.dead.append(tier.name)
                     log.error(f"{e}; its rows escalate to the next tier")
-            self.budget.settle(sum(held), 0.0)
             event = {"event": "dead", "row": row["id"], "tier": tier.name, "usd": 0.0, "reason": str(e)}
             self.journal.write(event)
             self.state.done[key] = event
             return None
-        # Unread attempts (timeouts, malformed replies) are charged their worst case; the answer what the
-        # endpoint reported, when that is credible (kibidango.cascade.ledger.trusted_cost: never a credit, never
-        # above what was held; else the worst case).
-        answer_usd = 0.0
-        if r.text is not None:
-            answer_usd = None if r.prompt_tokens is None else tier.usd(r.prompt_tokens, r.completion_tokens)
-        usd, trusted = trusted_cost(None if answer_usd is None else worst * r.unread + answer_usd, sum(held))
-        if not trusted:
-            log.warning(f"tier {tier.name}: the reply's usage is not credible; charged the worst case ${usd:.6f}")
-        self.budget.settle(sum(held), usd)
-        common = {"row": row["id"], "tier": tier.name, "usd": usd, "attempts": r.attempts}
+        if r.status == "budget_exhausted":  # nothing was sent
+            return self._skipped(key)
+        # r.usd: unread attempts (timeouts, malformed replies) at their worst case, the answer at what
+        # the endpoint reported when that is credible (the ledger's rule), else its worst case
+        common = {"row": row["id"], "tier": tier.name, "usd": r.usd, "attempts": r.attempts}
         common.update(retries=dict(r.retries), seconds=round(r.seconds, 3))
         if r.text is None:
             event = {"event": "error", **common, "reason": r.error}
@@ -357,6 +350,11 @@ class _Cascade:
         event.update(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens)
         self.journal.write(event)
         return event
+
+    def _skipped(self, key: tuple[str, str]) -> None:
+        event = {"event": "skipped", "row": key[0], "tier": key[1], "reason": "budget", "usd": 0.0}
+        self.journal.write(event)
+        self.state.done[key] = event
 
 
 def _serve(cfg: Config, work_dir: Path, stack: ExitStack) -> dict[str, str]:
@@ -383,7 +381,7 @@ def _serve(cfg: Config, work_dir: Path, stack: ExitStack) -> dict[str, str]:
     return {t.name: base for t in local}
 
 
-def _ledger(events: list[dict]) -> list[dict]:
+def _requests(events: list[dict]) -> list[dict]:
     """One line per request (row, tier): its reply or error, verdict, dollars and seconds."""
     by_key: dict[tuple[str, str], dict] = {}
     unconfirmed: Counter = Counter()  # worst cases charged for requests sent again (--resend-unconfirmed)
@@ -442,7 +440,7 @@ def _outcomes(cfg: Config, rows: list[dict], ledger: list[dict], state: _State) 
     return pairs, status
 
 
-def _report(cfg, rows, ledger, pairs, status, budget, dead) -> dict:
+def _report(cfg, rows, ledger, pairs, status, spent: float, dead) -> dict:
     tiers = {}
     for t in cfg.tiers:
         mine = [e for e in ledger if e["tier"] == t.name]
@@ -473,13 +471,13 @@ def _report(cfg, rows, ledger, pairs, status, budget, dead) -> dict:
         "status": dict(status),
         "tiers": tiers,
         "retries": dict(retries),
-        "spend_usd": budget.spent,
+        "spend_usd": spent,
         "ledger_usd": sum(e["usd"] for e in ledger),
         "budget_usd": cfg.budget_usd,
         "top_tier": top.name,
         "top_tier_only_usd": top_only,
-        "cost_cut": 1 - budget.spent / top_only if top_only else 0.0,
-        "pairs_per_usd": len(pairs) / budget.spent if budget.spent else 0.0,
+        "cost_cut": 1 - spent / top_only if top_only else 0.0,
+        "pairs_per_usd": len(pairs) / spent if spent else 0.0,
         "dead_tiers": list(dead),
         "domains": dict(Counter(p["domain"] for p in pairs)),
     }

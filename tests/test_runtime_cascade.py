@@ -81,7 +81,7 @@ def test_each_fault_is_retried_to_a_cloud_answer(pipe, proxy, tmp_path):
         assert r.tier == "cloud" and r.text and r.flags == ["uncalibrated"], (fault, r.flags)  # no calibrator here
         assert r.cloud.retries[cause] == 1 and r.cloud.attempts == 2, fault
         spent += r.usd
-        worst = casc.client.worst_case_usd("Once upon a time", 16)
+        worst = casc.client.paid.endpoint.worst_case_usd([{"role": "user", "content": "Once upon a time"}], 16)
         # a timeout or a cut reply may have been billed: charged its worst case on top of the reply
         assert (r.usd > worst) == (fault in ("timeout", "truncate")), fault
     state = casc.ledger.state()
@@ -199,7 +199,7 @@ def test_a_cloud_that_refuses_connections_is_retried_then_answered_locally(pipe,
 
     casc = _cascade(pipe, proxy, tmp_path, max_retries=2)
     nobody = f"http://127.0.0.1:{free_port()}/v1"
-    casc.client.cfg = dataclasses.replace(casc.client.cfg, base_url=nobody)
+    casc.client.paid.endpoint = dataclasses.replace(casc.client.paid.endpoint, base_url=nobody)
     r = casc.answer("Once upon a time", max_new_tokens=4)
     assert (r.tier, r.flags[-1], r.usd) == ("local", "degraded", 0.0)
     assert r.cloud.retries["connection"] == 3 and r.cloud.attempts == 3  # nothing was sent: nothing charged

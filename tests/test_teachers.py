@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from methods.teachers import Budget, TeacherClient, TierConfig, TierDead, worst_case_usd
+from kibidango.cascade.ledger import Ledger
+from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
 from tests.conftest import OPENAI_KEY_ENV
 from tests.fault_proxy import FaultProxy
 
@@ -18,6 +19,10 @@ def proxy(openai_server):
     p = FaultProxy(base.removesuffix("/v1"), hold_s=2.5)
     yield p
     p.close()
+
+
+def _ledger(tmp_path, limit: float = 100.0) -> Ledger:
+    return Ledger(tmp_path / "budget", limit, "total")
 
 
 def _tier(base_url: str, **kw) -> TierConfig:
@@ -36,11 +41,12 @@ def _tier(base_url: str, **kw) -> TierConfig:
     return TierConfig(**settings)
 
 
-def test_every_fault_is_retried_and_counted(openai_server, proxy, monkeypatch):
+def test_every_fault_is_retried_and_counted(openai_server, proxy, monkeypatch, tmp_path):
     _, key = openai_server
     monkeypatch.setenv(OPENAI_KEY_ENV, key)
     slept: list[float] = []
-    client = TeacherClient(_tier(proxy.base_url, max_attempts=6), sleep=slept.append)
+    ledger = _ledger(tmp_path)
+    client = TeacherClient(_tier(proxy.base_url, max_attempts=6), ledger, sleep=slept.append)
     proxy.script("429", "500", "truncate", "timeout")
     reply = client.ask("Once upon a time")
     assert reply.text and reply.attempts == 5
@@ -48,49 +54,61 @@ def test_every_fault_is_retried_and_counted(openai_server, proxy, monkeypatch):
     assert slept[0] == 1.0  # the 429's Retry-After, honoured
     assert reply.maybe_paid  # the timed-out request was served upstream
     assert reply.prompt_tokens > 0 and reply.completion_tokens > 0
+    # charged: the two unread attempts (cut, timed out) at their worst case, the answer at its usage
+    answer = (reply.prompt_tokens * 0.5 + reply.completion_tokens * 1.5) / 1000
+    assert reply.unread == 2 and reply.usd == pytest.approx(2 * reply.reserved + answer)
+    assert ledger.state().settled_usd == pytest.approx(reply.usd) and ledger.state().reserved_usd == 0
     # upstream saw the truncated, the timed-out and the final request; the 429 and 500 never left the proxy
     assert len(proxy.prompts()) == 3
 
 
-def test_a_call_that_exhausts_its_attempts_says_why(openai_server, proxy, monkeypatch):
+def test_a_call_that_exhausts_its_attempts_says_why(openai_server, proxy, monkeypatch, tmp_path):
     _, key = openai_server
     monkeypatch.setenv(OPENAI_KEY_ENV, key)
-    client = TeacherClient(_tier(proxy.base_url, max_attempts=2), sleep=lambda s: None)
+    client = TeacherClient(_tier(proxy.base_url, max_attempts=2), _ledger(tmp_path), sleep=lambda s: None)
     proxy.script("500", "500")
     reply = client.ask("Once upon a time")
     assert reply.text is None and reply.attempts == 2 and "HTTP 500" in reply.error
+    assert reply.usd == 0 and client.paid.ledger.state().settled_usd == 0  # a 500 bills nothing: released
 
 
-def test_dead_tiers_are_reported_by_name(openai_server, monkeypatch):
+def test_dead_tiers_are_reported_by_name(openai_server, monkeypatch, tmp_path):
     base, key = openai_server
     monkeypatch.setenv(OPENAI_KEY_ENV, "sk-" + "y" * 40)
     with pytest.raises(TierDead, match="teacher tier open .*HTTP 401") as err:
-        TeacherClient(_tier(base)).ask("hello")
+        TeacherClient(_tier(base), _ledger(tmp_path)).ask("hello")
     assert "y" * 40 not in str(err.value)
     monkeypatch.setenv(OPENAI_KEY_ENV, key)
     with pytest.raises(TierDead, match="teacher tier open .*unreachable"):
-        TeacherClient(_tier("http://127.0.0.1:9/v1", max_attempts=2), sleep=lambda s: None).ask("hello")
+        TeacherClient(_tier("http://127.0.0.1:9/v1", max_attempts=2), _ledger(tmp_path), sleep=lambda s: None).ask("hello")
 
 
-def test_the_budget_holds_the_worst_case_and_never_overspends():
+def test_the_budget_holds_the_worst_case_and_never_overspends(tmp_path):
+    from kibidango.cascade.ledger import BudgetExceeded
+
     tier = TierConfig(name="t", base_url="http://x/v1", model="m", usd_per_1k_prompt=1.0, usd_per_1k_completion=2.0)
     worst = worst_case_usd(tier, "abc")
     assert worst == pytest.approx(((len(tier.system) + 3 + 64) * 1.0 + 256 * 2.0) / 1000)
-    budget = Budget(limit_usd=worst * 10.5)
+    budget = _ledger(tmp_path, limit=worst * 10.5)
     granted = []
 
     def take():
-        while budget.reserve(worst):
+        while True:
+            try:
+                rid = budget.reserve(worst)
+            except BudgetExceeded:
+                return
             granted.append(worst)
-            budget.settle(worst, worst * 0.5)  # the endpoint reports less than the worst case
+            budget.settle(rid, worst * 0.5)  # the endpoint reports less than the worst case
 
     threads = [threading.Thread(target=take) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert budget.spent <= budget.limit and budget.reserved == pytest.approx(0)
-    assert budget.limit - budget.spent < worst  # it stopped only when the worst case no longer fit
+    state = budget.state()
+    assert state.settled_usd <= budget.limit_usd and state.reserved_usd == pytest.approx(0)
+    assert budget.limit_usd - state.settled_usd < worst  # it stopped only when the worst case no longer fit
     reference = TierConfig(name="gold", kind="reference", usd_per_answer=0.25)
     assert worst_case_usd(reference, "anything") == 0.25 and reference.paid
 
@@ -100,7 +118,7 @@ def test_usage_a_reply_reports_is_believed_only_when_credible():
     stage then charges the request's worst case, as kibidango.cascade.ledger.trusted_cost does)."""
     from types import SimpleNamespace
 
-    from kibidango.cascade.cloud import credible_usage
+    from kibidango.cascade.client import credible_usage
     from kibidango.cascade.ledger import trusted_cost
 
     assert credible_usage(SimpleNamespace(prompt_tokens=12, completion_tokens=3)) == (12, 3)

@@ -1,6 +1,7 @@
 """The LLM judge: a rubric prompt to any OpenAI-compatible endpoint (OpenAI, OpenRouter, vLLM,
-llama.cpp's server, ...) through the ``openai`` client, and the answer parsed as JSON against a
-schema.
+llama.cpp's server, ...) through the one paid client (:class:`kibidango.cascade.client.PaidClient`:
+retries by cause, Retry-After, the key from the environment), and the answer parsed as JSON
+against a schema.
 
 The recipe gives the endpoint (``base_url``), the ``model`` and the *name* of the environment
 variable holding the key (``api_key_env``), never the key: it is read when the judge is built,
@@ -17,7 +18,7 @@ Structured output, by ``response_format``:
 Whatever the endpoint promised, the reply is parsed and validated here: text that is not a JSON
 object of the schema, a refusal, or a reply cut at ``max_tokens`` is a ``judge_error`` verdict,
 never a pass. So is an endpoint that stays unreachable (timeouts, 5xx, rate limits) after the
-client's retries: ``details["retryable"]`` says a later run may judge that answer again; so is a
+client's ``max_retries`` retries: ``details["retryable"]`` says a later run may judge that answer again; so is a
 request the endpoint rejects (HTTP 400: too long for its context, filtered), not retryable. A
 wrong key or an unknown model (401, 403, 404) are configuration errors and raise
 :class:`JudgeConfigError`: every verdict after them would fail the same way.
@@ -29,14 +30,14 @@ gives prices, the dollars.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
+from kibidango.cascade.client import Endpoint, PaidClient
 from methods.judges.base import Task, Verdict
 
-__all__ = ["DEFAULT_RUBRIC", "VERDICT_SCHEMA", "JudgeConfigError", "LLMJudge", "api_error_text", "parse_verdict"]
+__all__ = ["DEFAULT_RUBRIC", "VERDICT_SCHEMA", "JudgeConfigError", "LLMJudge", "parse_verdict"]
 
 VERDICT_SCHEMA = {
     "type": "object",
@@ -110,14 +111,23 @@ class LLMJudge:
     _client: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        from openai import OpenAI
-
         if self.response_format not in ("json_schema", "json_object", "none"):
             raise KibidangoError(
                 f"llm judge: response_format {self.response_format!r}: use json_schema, json_object or none"
             )
-        key = secret_from_env(self.api_key_env, f"llm judge {self.model}") if self.api_key_env else "none"
-        self._client = OpenAI(base_url=self.base_url, api_key=key, timeout=self.timeout_s, max_retries=self.max_retries)
+        if self.api_key_env:
+            secret_from_env(self.api_key_env, f"llm judge {self.model}")  # set, or a clear error now
+        endpoint = Endpoint(
+            self.base_url,
+            self.model,
+            self.api_key_env,
+            self.usd_per_1k_prompt,
+            self.usd_per_1k_completion,
+            self.timeout_s,
+            max_attempts=self.max_retries + 1,
+            name=f"llm judge {self.model}",
+        )
+        self._client = PaidClient(endpoint)
 
     def _request(self, task: Task, answer: str) -> dict:
         cut = self.max_chars
@@ -138,69 +148,24 @@ class LLMJudge:
         return kw
 
     def __call__(self, task: Task, answer: str) -> Verdict:
-        import openai
-
-        started = time.monotonic()
-        try:
-            reply = self._client.chat.completions.create(**self._request(task, answer))
-        except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as e:
+        request = self._request(task, answer)
+        extra = {"response_format": request["response_format"]} if "response_format" in request else {}
+        r = self._client.chat(request["messages"], self.max_tokens, self.temperature, **extra)
+        details = {"prompt_tokens": r.prompt_tokens or 0, "completion_tokens": r.completion_tokens or 0, "usd": r.usd}
+        error = redact_text(r.error)
+        if r.status in ("refused", "no_key"):
             raise JudgeConfigError(
-                f"llm judge {self.model} at {self.base_url}: the endpoint refused the request "
-                f"(HTTP {e.status_code}): {api_error_text(e)}; check base_url, model and {self.api_key_env or 'the key'}"
-            ) from None
-        except openai.BadRequestError as e:  # this request (too long for the context, filtered, ...)
-            return Verdict(
-                False,
-                0.0,
-                f"the judge rejected the request (HTTP 400): {api_error_text(e)}",
-                "judge_error",
-                time.monotonic() - started,
+                f"llm judge {self.model} at {self.base_url}: the endpoint refused the request ({error}); "
+                f"check base_url, model and {self.api_key_env or 'the key'}"
             )
-        except (
-            openai.APIConnectionError,
-            openai.APITimeoutError,
-            openai.RateLimitError,
-            openai.InternalServerError,
-        ) as e:
-            return Verdict(
-                False,
-                0.0,
-                f"judge unreachable after {self.max_retries} retries: {type(e).__name__}: {api_error_text(e)}",
-                "judge_error",
-                time.monotonic() - started,
-                {"retryable": True},
-            )
-        except openai.APIStatusError as e:
-            return Verdict(
-                False,
-                0.0,
-                f"judge error HTTP {e.status_code}: {api_error_text(e)}",
-                "judge_error",
-                time.monotonic() - started,
-            )
-        elapsed = time.monotonic() - started
-        usage = reply.usage
-        details = {"prompt_tokens": usage.prompt_tokens if usage else 0}
-        details["completion_tokens"] = usage.completion_tokens if usage else 0
-        details["usd"] = (
-            details["prompt_tokens"] * self.usd_per_1k_prompt
-            + details["completion_tokens"] * self.usd_per_1k_completion
-        ) / 1000
-        if not reply.choices:
-            return Verdict(False, 0.0, "the judge's reply has no choices", "judge_error", elapsed, details)
-        choice = reply.choices[0]
-        parsed = parse_verdict(choice.message.content, getattr(choice.message, "refusal", None), choice.finish_reason)
+        if r.status == "rejected":  # this request (too long for the context, filtered, ...)
+            return Verdict(False, 0.0, f"the judge rejected the request ({error})", "judge_error", r.seconds, details)
+        if r.status != "ok":  # unreachable, rate limited, 5xx, malformed: a later run may judge it again
+            reason = f"judge unreachable: {error}"
+            return Verdict(False, 0.0, reason, "judge_error", r.seconds, {**details, "retryable": True})
+        parsed = parse_verdict(r.text, r.refusal, r.finish_reason)
         if "error" in parsed:
-            return Verdict(False, 0.0, redact_text(parsed["error"]), "judge_error", elapsed, details)
+            return Verdict(False, 0.0, redact_text(parsed["error"]), "judge_error", r.seconds, details)
         passed, score = parsed["passed"], parsed["score"]
-        return Verdict(
-            passed, score, redact_text(parsed["reason"][:500]), "passed" if passed else "failed", elapsed, details
-        )
-
-
-def api_error_text(e: Exception, limit: int = 300) -> str:
-    """An OpenAI-compatible API error's message (the body's ``message`` where there is one), cut
-    to ``limit`` characters, with anything key-shaped masked."""
-    body = getattr(e, "body", None)
-    message = body.get("message") if isinstance(body, dict) and isinstance(body.get("message"), str) else str(e)
-    return redact_text(message[:limit])
+        reason = redact_text(parsed["reason"][:500])
+        return Verdict(passed, score, reason, "passed" if passed else "failed", r.seconds, details)

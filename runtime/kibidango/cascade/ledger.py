@@ -157,6 +157,20 @@ class Ledger:
             )
         return amount
 
+    def charge(self, usd: float, note: str = "") -> None:
+        """Record ``usd`` as spent at once, without a reservation: what earlier runs of the caller
+        paid, replayed from its own journal (stage 1D)."""
+        if not _dollars(usd):
+            raise ValueError(f"a charge is a finite, non-negative number of dollars, not {usd!r}")
+        now, period = time.time(), period_of(self.period)
+        row = (uuid.uuid4().hex, period, float(usd), float(usd), os.getpid(), self._host, note[:200], now, now)
+        with self._db.transaction() as db:
+            db.execute(
+                "INSERT INTO entries (id, period, state, reserved_usd, settled_usd, pid, host, note, created, updated,"
+                " token) VALUES (?, ?, 'settled', ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*row, self._token),
+            )
+
     def release(self, rid: str) -> None:
         """The call failed before anything could be billed (refused connection, 4xx before the
         model ran): its reservation is freed."""
