@@ -3,7 +3,7 @@
 #   make test            lint (ruff) and the test suite (what CI runs); make test-slow: the full tiny preset as a test
 #   make stage-<id>      rerun one stage (forced), reusing cached upstream stages, e.g. make stage-0, make stage-2b
 #   make dry-run         resolve and print the stage plan of PRESET without running it
-#   make worker POOL=gpu deploy the stage flow to that Prefect work pool and run a worker (README "Scaling out")
+#   make worker POOL=gpu deploy the stage flow to that Prefect work pool and run a worker (docs/scaling.md)
 #   make schedule        serve the flow on a cron schedule (CRON="0 3 * * *")
 #   make mlflow-ui       MLflow UI on http://127.0.0.1:5000
 #   make compare         the evaluations (stage 9) across PRESET's runs; STAGE=0 METRICS=rows_out,duplicate_rate for others
@@ -69,7 +69,7 @@ $(VENV)/.installed: pyproject.toml runtime/pyproject.toml
 	touch $@
 
 # axolotl, the training engine, in its own venv: its wheel pins datasets 4.8.4, zstandard 0.22,
-# transformers 5.16.1 and peft 0.20, which the pipeline cannot share (README "Training").
+# transformers 5.16.1 and peft 0.20, which the pipeline cannot share (docs/stages.md, "Training").
 # protobuf 7 after it: with the protobuf 6 it resolves, the sentencepiece tokenizer fails to load
 # ("incompatible Protobuf Gencode/Runtime versions"); pip then warns that modal (unused) wants <7.
 $(AXO_VENV)/.installed:

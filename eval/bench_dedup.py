@@ -51,8 +51,13 @@ def main() -> None:
     near = f"exact + MinHash LSH ({default.shingle_size}-{default.shingle}, {default.num_perm} perm)"
     _timed("exact only", texts, default.model_copy(update={"near": False}), find_duplicates, args.repeat)
     local = _timed(f"{near}, this process", texts, default, find_duplicates, args.repeat)
-    _timed("exact + MinHash LSH (256 perm), this process", texts, default.model_copy(update={"num_perm": 256}),
-           find_duplicates, args.repeat)  # fmt: skip
+    _timed(
+        "exact + MinHash LSH (256 perm), this process",
+        texts,
+        default.model_copy(update={"num_perm": 256}),
+        find_duplicates,
+        args.repeat,
+    )
     _timed("  peer: rensa (Rust MinHash + LSH) in the same loop", texts, default, rensa_duplicates, args.repeat)
     workers = [int(w) for w in args.workers.split(",") if w]
     if not workers:

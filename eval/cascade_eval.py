@@ -230,19 +230,31 @@ def _report(records: list[dict], config, bundle_dir: Path, cloud_model: Path) ->
         "command": "make eval-cascade",
         "bundle": str(bundle_dir),
         "cloud_stand_in": str(cloud_model),
-        "prices": {"usd_per_1k_prompt": config.cloud.usd_per_1k_prompt, "usd_per_1k_completion": config.cloud.usd_per_1k_completion},
-        "thresholds": {"qualifier": config.qualifier_threshold, "fallback": config.cloud.fallback_threshold,
-                       "router": config.router_threshold, "use_detector": config.use_detector},
+        "prices": {
+            "usd_per_1k_prompt": config.cloud.usd_per_1k_prompt,
+            "usd_per_1k_completion": config.cloud.usd_per_1k_completion,
+        },
+        "thresholds": {
+            "qualifier": config.qualifier_threshold,
+            "fallback": config.cloud.fallback_threshold,
+            "router": config.router_threshold,
+            "use_detector": config.use_detector,
+        },
         "queries": n,
         "by_sample": {s: sum(r["sample"] == s for r in records) for s in dict.fromkeys(r["sample"] for r in records)},
-        "cascade": {"tiers": tiers, "quality": sum(r["passed"]["cascade"] for r in records) / n,
-                    "usd_per_1k_queries": 1000 * sum(r["cascade_usd"] for r in records) / n,
-                    "degraded": sum("degraded" in r["flags"] for r in records)},
+        "cascade": {
+            "tiers": tiers,
+            "quality": sum(r["passed"]["cascade"] for r in records) / n,
+            "usd_per_1k_queries": 1000 * sum(r["cascade_usd"] for r in records) / n,
+            "degraded": sum("degraded" in r["flags"] for r in records),
+        },
         "local_only": {"quality": sum(r["passed"]["local"] for r in records) / n, "usd_per_1k_queries": 0.0},
-        "cloud_only": {"quality": sum(r["passed"]["cloud"] for r in records) / n,
-                       "usd_per_1k_queries": 1000 * sum(r["cloud_usd"] for r in records) / n,
-                       "failed_calls": sum(r["cloud_status"] != "ok" for r in records)},
-    }  # fmt: skip
+        "cloud_only": {
+            "quality": sum(r["passed"]["cloud"] for r in records) / n,
+            "usd_per_1k_queries": 1000 * sum(r["cloud_usd"] for r in records) / n,
+            "failed_calls": sum(r["cloud_status"] != "ok" for r in records),
+        },
+    }
 
 
 def _table(r: dict) -> str:

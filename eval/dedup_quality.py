@@ -232,8 +232,10 @@ def main() -> None:
             )
         for label, finder in finders.items():
             r = evaluate_planted(texts, cfg, args.copies, args.seed, finder=finder)
-            print(f"{label}: base rows {r.base_rows:,}, planted {r.planted:,}, removed {r.removed:,}, "
-                  f"correct removals {r.correct:,}")  # fmt: skip
+            print(
+                f"{label}: base rows {r.base_rows:,}, planted {r.planted:,}, removed {r.removed:,}, "
+                f"correct removals {r.correct:,}"
+            )
             print(f"  recall {r.recall:.4f}  precision {r.precision:.4f}")
             print("  recall by edit: " + ", ".join(f"{k} {v:.4f}" for k, v in r.recall_by_edit.items()))
 

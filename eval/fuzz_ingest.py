@@ -189,8 +189,10 @@ def main() -> None:
         print(crash)
     c = result["counts"]
     print(
-        f"fuzz_ingest: {c.get('rows_tried', 0):,} rows tried in {c.get('files', 0):,} files ({result['seconds']} s, seed {args.seed}): "
-        f"{c.get('examples', 0):,} examples, {c.get('quarantined', 0):,} quarantined, {c.get('sources_refused', 0):,} sources refused "
+        f"fuzz_ingest: {c.get('rows_tried', 0):,} rows tried in {c.get('files', 0):,} files ({result['seconds']} s, "
+        f"seed {args.seed}): "
+        f"{c.get('examples', 0):,} examples, {c.get('quarantined', 0):,} quarantined, {c.get('sources_refused', 0):,} "
+        "sources refused "
         f"whole, whole-stage runs {c.get('whole_stage_runs', 0)}; {c['crashes']} crashes"
     )
     if result["crashes"]:

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         f"bench family target ({tier.gguf.name}), {len(prompts)} held-out prompts of {args.prompt_tokens} tokens "
         f"+ {args.new_tokens} new (greedy, target only), llama.cpp K/V cache types side by side",
         "",
-        "| K/V cache | bytes per token | tokens/s vs f16 | prompts whose greedy output equals f16's | tokens before the first difference |",
+        "| K/V cache | bytes per token | tokens/s vs f16 | prompts whose greedy output equals f16's | tokens before "
+        "the first difference |",
         "|---|---:|---:|---:|---:|",
     ]
     for t in TYPES:

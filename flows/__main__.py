@@ -164,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a preset's flow")
     run.add_argument("--preset", default="tiny", help="preset name (recipes/presets/NAME.yaml) or a .yaml path")
     run.add_argument(
-        "--force", action="append", default=[], metavar="STAGE", help="recompute this stage (an id, 2G, or a name, calibrate) even if cached"
+        "--force",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="recompute this stage (an id, 2G, or a name, calibrate) even if cached",
     )
     run.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override one config value")
     run.add_argument("--dry-run", action="store_true", help="resolve and print the stage plan; run nothing")

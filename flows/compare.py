@@ -41,7 +41,10 @@ def compare_table(experiment: str, metrics: list[str] | None = None, stage: str 
         output_format="list",
     )
     if not runs:
-        return f"no {'stage ' + stage if stage else 'stage'} runs in experiment {experiment!r} (tracking URI {tracking_uri()})"
+        return (
+            f"no {'stage ' + stage if stage else 'stage'} runs in experiment {experiment!r} (tracking URI "
+            f"{tracking_uri()})"
+        )
     if not metrics:
         names = sorted(runs[0].data.metrics)
         metrics = [m for m in names if "/ci_" not in m and not m.endswith("/loss")][:8]

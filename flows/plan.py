@@ -59,7 +59,9 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
                 lines.append(f"  input {name}: {digest}")
         else:
             known[sid] = None
-            lines.append(f"stage {sid} ({stage_name(sid)}): key known once {', '.join(needs.values())} ran  [would run]")
+            lines.append(
+                f"stage {sid} ({stage_name(sid)}): key known once {', '.join(needs.values())} ran  [would run]"
+            )
         for name, up in needs.items():
             lines.append(f"  needs {name} <- stage {up}")
         pool = plan.pool(sid)

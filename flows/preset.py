@@ -236,10 +236,10 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
         secrets = find_secrets(config)
         if secrets:
             raise KibidangoError(
-                f"{path}: stage {sid}: {', '.join(secrets)} look(s) like a secret (by key or by value). Secrets are never "
-                "config values: they would reach MLflow params, manifests, logged YAMLs and Prefect. Put the value in an "
-                "environment variable and name that variable with the stage's `*_env` key where it has one (axolotl "
-                "reads WANDB_API_KEY and HF_TOKEN from the environment itself)."
+                f"{path}: stage {sid}: {', '.join(secrets)} look(s) like a secret (by key or by value). Secrets are "
+                "never config values: they would reach MLflow params, manifests, logged YAMLs and Prefect. Put the "
+                "value in an environment variable and name that variable with the stage's `*_env` key where it has "
+                "one (axolotl reads WANDB_API_KEY and HF_TOKEN from the environment itself)."
             )
         try:
             configs[sid] = load_stage(sid).Config.model_validate(config)

@@ -71,8 +71,19 @@ _SECTIONS = [
 ]
 _SHOWN = {"humaneval": "HumanEval pass@1", "mbpp": "MBPP pass@1", "gsm8k": "GSM8K accuracy"}
 # measurements in reading order (data, routing, runtime, cascade, server); others follow by name
-_MEASUREMENTS = ["eval-dedup", "bench-dedup", "fuzz-ingest", "bench-router", "backend-agreement",
-                 "bench-runtime-torch", "bench-runtime-llamacpp", "tune-runtime-llamacpp", "bench-kv-cache", "eval-cascade", "loadtest"]  # fmt: skip
+_MEASUREMENTS = [
+    "eval-dedup",
+    "bench-dedup",
+    "fuzz-ingest",
+    "bench-router",
+    "backend-agreement",
+    "bench-runtime-torch",
+    "bench-runtime-llamacpp",
+    "tune-runtime-llamacpp",
+    "bench-kv-cache",
+    "eval-cascade",
+    "loadtest",
+]
 
 
 def _client():
@@ -412,8 +423,14 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
             if name is None:  # no card: the stage's metrics
                 metrics = json.loads((Path(art) / "manifest.json").read_text()).get("metrics", {})
                 if metrics:
-                    body += ["", f"### Stage {sid} ({runs[sid].data.tags.get(f'{TAG}stage_name', '')})", "",
-                             "| metric | value |", "|---|---:|", *[f"| {k} | {v:.4g} |" for k, v in metrics.items()]]  # fmt: skip
+                    body += [
+                        "",
+                        f"### Stage {sid} ({runs[sid].data.tags.get(f'{TAG}stage_name', '')})",
+                        "",
+                        "| metric | value |",
+                        "|---|---:|",
+                        *[f"| {k} | {v:.4g} |" for k, v in metrics.items()],
+                    ]
                     body += ["", _cite(sid, runs[sid], art)]
                 continue
             if not (Path(art) / name).is_file():
@@ -428,18 +445,36 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
             if sid == "X":
                 points = _size_quality_points(Path(art))
                 if _size_quality_plot(points, out_dir / "size_quality.png"):
-                    body += ["", "Size on disk against validation perplexity, every form of every tier:", "",
-                             "![size and quality](size_quality.png)", "", _cite(sid, runs[sid], art)]  # fmt: skip
+                    body += [
+                        "",
+                        "Size on disk against validation perplexity, every form of every tier:",
+                        "",
+                        "![size and quality](size_quality.png)",
+                        "",
+                        _cite(sid, runs[sid], art),
+                    ]
             if sid == "9":
                 evaluation = json.loads((Path(art) / "evaluation.json").read_text())
                 if _acceptance_plot(evaluation, out_dir / "acceptance.png"):
-                    body += ["", "Acceptance per decoding mode and tier (stage 9's speed benchmark):", "",
-                             "![acceptance](acceptance.png)", "", _cite(sid, runs[sid], art)]  # fmt: skip
+                    body += [
+                        "",
+                        "Acceptance per decoding mode and tier (stage 9's speed benchmark):",
+                        "",
+                        "![acceptance](acceptance.png)",
+                        "",
+                        _cite(sid, runs[sid], art),
+                    ]
         if title.startswith("Training"):
             used = _loss_plot(client, runs, out_dir / "loss_curves.png")
             if used:
-                body += ["", "### Training loss curves", "", "![loss curves](loss_curves.png)", "",
-                         "*(" + "; ".join(used) + ")*"]  # fmt: skip
+                body += [
+                    "",
+                    "### Training loss curves",
+                    "",
+                    "![loss curves](loss_curves.png)",
+                    "",
+                    "*(" + "; ".join(used) + ")*",
+                ]
         if body:
             lines += ["", f"## {title}", *([intro] if intro else []), *body]
 

@@ -83,7 +83,9 @@ def execute_stage(stage_id: str, cfg: StageConfig, inputs: dict[str, Artifact], 
     with store.computing(
         stage_id,
         key,
-        lambda who: log.info(f"stage {stage_id} ({stage_name(stage_id)}): key {key} is being computed by {who}; waiting"),
+        lambda who: log.info(
+            f"stage {stage_id} ({stage_name(stage_id)}): key {key} is being computed by {who}; waiting"
+        ),
     ) as waited:
         if waited and stage_id not in ctx.force:  # the other run may have published it
             cached = store.get(stage_id, key)

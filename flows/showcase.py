@@ -64,7 +64,8 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
     print(
         f"\n(the bundle's defaults: mode {d.mode} ({'lossless' if lossless else 'lossy: ' + d.variant}), {sampling}; "
         f"{len(result.token_ids)} tokens, acceptance {rates or '-'}, "
-        f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f}, target forwards per token {m['target_forwards_per_token'] or 0:.2f})"
+        f"mean acceptance length {m['mean_acceptance_length'] or 0:.2f}, target forwards per token "
+        f"{m['target_forwards_per_token'] or 0:.2f})"
     )
     if m["domain"] is not None:  # the bundle's router (6A) and calibrator (2G) at work
         confidence = "-" if m["confidence"] is None else f"{m['confidence']:.3f}"

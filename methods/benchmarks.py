@@ -35,6 +35,7 @@ __all__ = [
     "unit_hash",
 ]
 
+
 @dataclass(frozen=True)
 class BenchmarkTask:
     benchmark: str

@@ -71,8 +71,14 @@ def seed_tasks(path: Path, seen: set[str]) -> list[dict]:
             ) from None
         if row_key(instruction, input_) in seen:
             continue
-        rows.append({"id": tid, "instruction": instruction, "input": input_,
-                     "task": Task(tid, prompt_text(instruction, input_), output)})  # fmt: skip
+        rows.append(
+            {
+                "id": tid,
+                "instruction": instruction,
+                "input": input_,
+                "task": Task(tid, prompt_text(instruction, input_), output),
+            }
+        )
     return rows
 
 

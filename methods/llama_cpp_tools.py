@@ -58,7 +58,8 @@ def converter_dir() -> Path:
         if done.returncode != 0 or not sdists:
             raise KibidangoError(
                 f"cannot fetch llama.cpp's converter (pip download llama-cpp-python=={LLAMA_CPP_PYTHON} failed: "
-                f"{done.stderr.strip()[-300:]}); remedy: give PyPI access, or set KIBIDANGO_LLAMA_CPP_DIR to a llama.cpp checkout"
+                f"{done.stderr.strip()[-300:]}); remedy: give PyPI access, or set KIBIDANGO_LLAMA_CPP_DIR to a "
+                "llama.cpp checkout"
             )
         prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
         staging = Path(tmp) / "out"

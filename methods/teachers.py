@@ -40,6 +40,7 @@ __all__ = [
 
 log = logging.getLogger("kibidango.teachers")
 
+
 class TierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

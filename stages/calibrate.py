@@ -20,7 +20,8 @@ Resumable like 1B: every judged task is appended to the work directory's ``rows.
 
 Outputs: ``calibration.json`` (the runtime's :class:`kibidango.confidence.Calibrator`),
 ``answers.jsonl`` (every judged answer with its features, split, route: stages 6B and 6C read
-it; with the gold answer's verdict and token counts, the cloud stand-in of 6C), ``calibration_eval.json``, ``reliability_tokens.png``, ``reliability_answers.png``,
+it; with the gold answer's verdict and token counts, the cloud stand-in of 6C), ``calibration_eval.json``,
+``reliability_tokens.png``, ``reliability_answers.png``,
 ``CALIBRATION_CARD.md``.
 """
 
@@ -170,7 +171,8 @@ def _token_level(cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict
         curves[f"{backend} T=1"] = (before["confidence"], before["correct"])
         curves[f"{backend} T={t:.2f}"] = (after["confidence"], after["correct"])
         log.info(
-            f"token level ({backend}): T={t:.3f}, ECE {out[backend]['ece_before']:.4f} -> {out[backend]['ece_after']:.4f}"
+            f"token level ({backend}): T={t:.3f}, ECE {out[backend]['ece_before']:.4f} -> "
+            f"{out[backend]['ece_after']:.4f}"
         )
     reliability_plot(curves, out_dir / "reliability_tokens.png", "next tokens: top-1", BINS)
     return out
@@ -301,7 +303,8 @@ def _card(r: dict) -> str:
         "",
         "| confidence | ECE | Brier | AUROC |",
         "|---|---:|---:|---:|",
-        f"| exp(mean log-prob), raw | {_fmt(a['ece_before'])} | {_fmt(a['brier_before'])} | {_fmt(a['auroc_before'])} |",
+        f"| exp(mean log-prob), raw | {_fmt(a['ece_before'])} | {_fmt(a['brier_before'])} | "
+        f"{_fmt(a['auroc_before'])} |",
         f"| constant: the fitting half's pass rate | {_fmt(a['ece_constant'])} | {_fmt(a['brier_constant'])} | 0.5 |",
         f"| Platt ({', '.join(a['features'])}) | {_fmt(a['ece_after'])} | {_fmt(a['brier_after'])} | "
         f"{_fmt(a['auroc_after'])} |",

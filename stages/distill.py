@@ -46,7 +46,8 @@ KD_DATASET_TYPE = "axolotl.integrations.kd.chat_template"
 class Student(StageConfig):
     init: str | None = Field(
         None,
-        description="Hub id or directory of the student's initial weights; None: the `family` input's tier of this name.",
+        description="Hub id or directory of the student's initial weights; None: the `family` input's tier of this "
+        "name.",
     )
     train: TrainRecipe
 
@@ -60,7 +61,8 @@ class Config(StageConfig):
     kd_temperature: float = Field(1.0, gt=0)
     kd_normalize_topk: bool = Field(
         True,
-        description="Compare the student's distribution renormalised over the teacher's top-k (axolotl kd_normalize_topk). "
+        description="Compare the student's distribution renormalised over the teacher's top-k (axolotl "
+        "kd_normalize_topk). "
         "Without it the student is pushed to put all its mass on the top-k (the teacher's top-k is renormalised), "
         "sharper than the teacher: agreement rises while expected acceptance falls.",
     )
@@ -247,7 +249,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     (out_dir / "family.json").write_text(json.dumps({"parameters": params, "metrics": metrics}, indent=2))
     (out_dir / "family.md").write_text(
         f"# Stage 1E — the family before and after distillation\n\n{len(prompts)} held-out prompts (stage 0 validation "
-        f"split), {cfg.eval_new_tokens} tokens of the target's greedy path each; perplexity on {len(val)} validation rows.\n\n"
+        f"split), {cfg.eval_new_tokens} tokens of the target's greedy path each; perplexity on {len(val)} validation "
+        "rows.\n\n"
         f"{table}\n"
     )
     return StageResult(
@@ -270,7 +273,8 @@ def family_table(params: dict[str, int], m: dict[str, float], cfg: Config) -> st
         ppl_b, ppl_a = m[f"{name}_val_perplexity_before"], m.get(f"{name}_val_perplexity_after")
         ppl = f"{ppl_b:.2f} -> {ppl_a:.2f}" if name in cfg.students else f"{ppl_b:.2f}"
         lines.append(
-            f"| {name} | {params[name]:,} | {ppl} | {pair(f'{name}_agreement')} | {pair(f'{name}_expected_acceptance')} |"
+            f"| {name} | {params[name]:,} | {ppl} | {pair(f'{name}_agreement')} | "
+            f"{pair(f'{name}_expected_acceptance')} |"
         )
     if "sd_acceptance_rate_before" in m:
         lines += ["", "| runtime (greedy) | before KD | after KD |", "|---|---:|---:|"]

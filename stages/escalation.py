@@ -68,8 +68,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     if not fit or not held:
         raise KibidangoError(f"stage 2G's answers have {len(fit)} fitting and {len(held)} evaluation rows; need both")
     names = EscalationDetector.feature_names(cfg.dim)
-    probe = EscalationDetector(Logistic(names, [0.0] * len(names), 0.0, [0.0] * len(names), [1.0] * len(names)),
-                               cfg.dim, cfg.salt, 0.5)  # fmt: skip
+    probe = EscalationDetector(
+        Logistic(names, [0.0] * len(names), 0.0, [0.0] * len(names), [1.0] * len(names)), cfg.dim, cfg.salt, 0.5
+    )
 
     def matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         x = np.stack([probe.vector(e["query"], e["confidence"]) for e in rows])
@@ -145,8 +146,8 @@ def _card(r: dict) -> str:
         f"| 1 - calibrated confidence | {_f(r['auroc_confidence_only'])} | "
         f"{_f(r['eval_precision_at_recall_confidence_only'])} |",
         "",
-        f"Shipped threshold {r['threshold']:.4f} (chosen on the fitting half for recall {r['recall_asked']:.0%}): on the "
-        f"evaluation half it flags {r['eval_flagged_share']:.1%} of answers, precision "
+        f"Shipped threshold {r['threshold']:.4f} (chosen on the fitting half for recall {r['recall_asked']:.0%}): "
+        f"on the evaluation half it flags {r['eval_flagged_share']:.1%} of answers, precision "
         f"{_f(r['eval_precision_at_threshold'])}, recall {_f(r['eval_recall_at_threshold'])}.",
         "",
     ]

@@ -265,8 +265,13 @@ def _speed(bundle_dir: Path, cfg: Config, prompts: list[str]) -> dict:
     if "ar" not in modes:
         modes = ["ar", *modes]
     result = run_bench(bundle_dir, prompts, modes, cfg.speed_new_tokens, 1, (), cfg.backend, temperature=0.0)
-    return {"prompts": len(prompts), "new_tokens": cfg.speed_new_tokens, "rows": result.rows,
-            "cost_ratio": result.cost_ratio, "notes": result.notes}  # fmt: skip
+    return {
+        "prompts": len(prompts),
+        "new_tokens": cfg.speed_new_tokens,
+        "rows": result.rows,
+        "cost_ratio": result.cost_ratio,
+        "notes": result.notes,
+    }
 
 
 def _card(r: dict) -> str:
@@ -288,15 +293,24 @@ def _card(r: dict) -> str:
         metric = q["metric"].replace("_at_", "@")
         lines.append(f"| {key} | {metric} | {q['n']} | " + " | ".join(cells) + f" | {ppl} |")
     size = r["size"]
-    lines += ["", f"Bundle on disk: {size['bytes'] / 1e6:.2f} MB ("
-              + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in size["tiers"].items()) + ")."]  # fmt: skip
+    lines += [
+        "",
+        f"Bundle on disk: {size['bytes'] / 1e6:.2f} MB ("
+        + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in size["tiers"].items())
+        + ").",
+    ]
     if r["peak_rss_mb"] is not None:
         lines.append(f"Peak RSS of a process that loads the bundle and generates: {r['peak_rss_mb']:.0f} MB.")
     speed = r["speed"]
     if speed:
-        lines += ["", f"Speed on {speed['prompts']} evaluation queries, {speed['new_tokens']} tokens each, "
-                  "measured side by side (ratios, not absolute timings):", "",
-                  "| mode | tokens/s vs ar | acceptance | target forwards per token |", "|---|---:|---|---:|"]  # fmt: skip
+        lines += [
+            "",
+            f"Speed on {speed['prompts']} evaluation queries, {speed['new_tokens']} tokens each, "
+            "measured side by side (ratios, not absolute timings):",
+            "",
+            "| mode | tokens/s vs ar | acceptance | target forwards per token |",
+            "|---|---:|---|---:|",
+        ]
         for row in speed["rows"]:
             acc = ", ".join(f"{t} {a:.1%}" for t, a in (row.get("acceptance") or {}).items() if a is not None) or "-"
             ratio = "-" if row.get("speed_vs_ar") is None else f"{row['speed_vs_ar']:.2f}x"

@@ -132,8 +132,14 @@ def gate_table(rows: list[dict]) -> str:
         "|---|---|---|---:|---|---|",
     ]
     for r in rows:
-        bound = " and ".join(b for b in (
-            f">= {r['min']:g}" if r["min"] is not None else "", f"<= {r['max']:g}" if r["max"] is not None else "") if b)  # fmt: skip
+        bound = " and ".join(
+            b
+            for b in (
+                f">= {r['min']:g}" if r["min"] is not None else "",
+                f"<= {r['max']:g}" if r["max"] is not None else "",
+            )
+            if b
+        )
         outcome = "pass" if r["passed"] else ("FAIL (waived)" if r["waived"] else "**FAIL**")
         lines.append(f"| {r['name']} | {r['stage']} | {r['metric']} | {r['value']:.4g} | {bound} | {outcome} |")
     return "\n".join(lines)

@@ -11,7 +11,8 @@ The sources are the full-precision tiers (the pruned target, the distilled draft
 qualifier): llama.cpp quantizes from F16 with its own k-quants. The AWQ checkpoints of 2B/2C are
 the transformers/vLLM form of the same tiers.
 
-Outputs: ``<tier>/<tier>-<QUANT>.gguf`` per tier (and llama.cpp's quantization log beside it), ``gguf.json`` (metrics), ``gguf_report.md``.
+Outputs: ``<tier>/<tier>-<QUANT>.gguf`` per tier (and llama.cpp's quantization log beside it), ``gguf.json`` (metrics),
+``gguf_report.md``.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         gate = cfg.min_agreement if spec.min_agreement is None else spec.min_agreement
         verdict = "PASS" if agreement.agreement >= gate else "FAIL"
         report += [
-            f"## {tier}: {spec.quant}, {m['gguf_bytes'] / 1e6:.2f} MB ({m['bits_per_weight']:.2f} bits/weight)  {verdict}",
+            f"## {tier}: {spec.quant}, {m['gguf_bytes'] / 1e6:.2f} MB ({m['bits_per_weight']:.2f} bits/weight)  "
+            f"{verdict}",
             "",
             f"{fallbacks} tensors in llama.cpp's fallback type (rows not a multiple of the quant block; "
             f"see {tier}/{gguf.with_suffix('.log').name})",

@@ -84,14 +84,22 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             if answerer is None:
                 answerer = Answerer(student_dir, cfg.max_new_tokens)
             a = answerer(row["instruction"], row["input"])
-            reply = {"answer": a.text, "tokens": a.tokens, "finish_reason": a.finish_reason,
-                     "mean_logprob": a.mean_logprob, "confidence": a.confidence, "gen_seconds": a.seconds}
+            reply = {
+                "answer": a.text,
+                "tokens": a.tokens,
+                "finish_reason": a.finish_reason,
+                "mean_logprob": a.mean_logprob,
+                "confidence": a.confidence,
+                "gen_seconds": a.seconds,
+            }
             counts["generated"] += 1
             counts["gen_seconds"] += a.seconds
         record = {**task_record(row), **reply, **verdict_record(judge(row["task"], reply["answer"]), judge.kind)}
         outcomes.append(record["outcome"])
         if counts["generated"] and len(outcomes) % 25 == 0:
-            report_metrics({"answers_done": len(outcomes), "failure_rate_so_far": failure_rate(outcomes)[0]}, len(outcomes))
+            report_metrics(
+                {"answers_done": len(outcomes), "failure_rate_so_far": failure_rate(outcomes)[0]}, len(outcomes)
+            )
         return record
 
     table, resumed = answer_and_judge(cfg, rows, work_dir, "1B answers", answer)
@@ -209,7 +217,8 @@ def _card(stats: dict) -> str:
             f"| {v['failure_rate']:.1%} |"
         )
     lines += [
-        f"| **all** | | {stats['tested']:,} | {stats['judged']:,} | {stats['failed']:,} | **{stats['failure_rate']:.1%}** |",
+        f"| **all** | | {stats['tested']:,} | {stats['judged']:,} | {stats['failed']:,} | "
+        f"**{stats['failure_rate']:.1%}** |",
         "",
         f"Judge errors (no verdict): {stats['judge_errors']:,}. Mean answer length {stats['mean_tokens']:.1f} tokens; "
         f"{stats['answers_per_second']:.2f} answers/s generated in this run ({stats['generated_now']:,} generated, "

@@ -8,7 +8,7 @@ compressed-tensors checkpoint (int4 weights packed, scales beside them) that tra
 (``compressed-tensors`` installed) and vLLM serves. Measured per tier: bytes of the weights
 before and after, and validation perplexity before and after on the same rows.
 
-Why llm-compressor and not AutoAWQ: README "Compression".
+Why llm-compressor and not AutoAWQ: docs/stages.md, "Compression and export".
 
 Outputs: ``<tier>/`` per tier (compressed-tensors checkpoint + tokenizer),
 ``llmcompressor_recipe.yaml``, ``awq.json``.
@@ -77,7 +77,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         qconfig = json.loads((quantized / "config.json").read_text()).get("quantization_config", {})
         if qconfig.get("quant_method") != "compressed-tensors":
             raise KibidangoError(
-                f"AWQ ({tier}): {quantized}/config.json has no compressed-tensors quantization_config; is {recipe} a quantization recipe?"
+                f"AWQ ({tier}): {quantized}/config.json has no compressed-tensors quantization_config; is {recipe} a "
+                "quantization recipe?"
             )
         before = validation_loss(source, data, cfg.eval_rows, cfg.eval_max_len)
         after = validation_loss(quantized, data, cfg.eval_rows, cfg.eval_max_len)

@@ -150,7 +150,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     data_file = work_dir / "data" / "hardest.jsonl"
     write_jsonl(data_file, ({"messages": messages(rows[i])} for i in hardest))
     log.info(
-        f"2F: {len(hardest):,} hardest of {len(rows):,} rows (loss {losses[hardest[-1]]:.3f} .. {losses[hardest[0]]:.3f})"
+        f"2F: {len(hardest):,} hardest of {len(rows):,} rows (loss {losses[hardest[-1]]:.3f} .. "
+        f"{losses[hardest[0]]:.3f})"
     )
 
     spec = axolotl.render(

@@ -39,7 +39,8 @@ class Config(StageConfig):
     tier: str = Field("target", description="Tier of the `family` input to fine-tune (when base_model is None).")
     tokenizer_type: str | None = Field(
         None,
-        description="axolotl tokenizer_type; None: LlamaTokenizer where the base has a sentencepiece tokenizer.model, else axolotl's AutoTokenizer.",
+        description="axolotl tokenizer_type; None: LlamaTokenizer where the base has a sentencepiece tokenizer.model, "
+        "else axolotl's AutoTokenizer.",
     )
     domains: list[str] | None = Field(None, description="Train only on these stage-0 domains (None: all).")
     max_train_rows: int | None = Field(None, gt=0, description="Cap on training rows (None: the whole train split).")

@@ -517,7 +517,8 @@ def _card(r: dict) -> str:
         "",
         f"- critical failures in: {r['rows']:,}; corrected pairs: **{r['pairs']:,}**; unresolved (every tier "
         f"failed): {s.get('unresolved', 0):,}; skipped at the budget: {s.get('skipped_budget', 0):,}",
-        f"- spend: **${r['spend_usd']:.4f}** of a ${r['budget_usd']:g} budget; pairs per dollar: {r['pairs_per_usd']:.1f}",
+        f"- spend: **${r['spend_usd']:.4f}** of a ${r['budget_usd']:g} budget; pairs per dollar: "
+        f"{r['pairs_per_usd']:.1f}",
         f"- every row sent to the top tier ({r['top_tier']}) instead, from the same token counts: "
         f"${r['top_tier_only_usd']:.4f}; the cascade's cost cut: **{r['cost_cut']:.1%}**",
         f"- retries by cause: {', '.join(f'{k} {v}' for k, v in sorted(r['retries'].items())) or 'none'}",

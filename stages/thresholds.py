@@ -224,9 +224,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     metrics["random_escalation/quality"] = random_quality
     summary = (
         f"chosen (<= {cfg.max_escalated:.0%} escalated): router {chosen['router']:.2f}, qualifier "
-        f"{chosen['qualifier']:.2f}, fallback {chosen['fallback']:.2f}, detector {'on' if chosen['detector'] else 'off'} "
-        f"-> quality {chosen['quality']:.1%}, escalated {chosen['escalated']:.1%}, ${chosen['usd_per_1k_queries']:.3f}/1K "
-        f"queries (random escalation {random_quality:.1%}; local only {local_only['quality']:.1%}; cloud only {cloud_only['quality']:.1%} at "
+        f"{chosen['qualifier']:.2f}, fallback {chosen['fallback']:.2f}, detector "
+        f"{'on' if chosen['detector'] else 'off'} "
+        f"-> quality {chosen['quality']:.1%}, escalated {chosen['escalated']:.1%}, "
+        f"${chosen['usd_per_1k_queries']:.3f}/1K "
+        f"queries (random escalation {random_quality:.1%}; local only {local_only['quality']:.1%}; cloud only "
+        f"{cloud_only['quality']:.1%} at "
         f"${cloud_only['usd_per_1k_queries']:.3f}/1K) on {len(queries)} held-out queries"
     )
     return StageResult(metrics, ["THRESHOLDS_CARD.md", "frontier.png", "cascade.json"], summary)
@@ -263,7 +266,8 @@ def _plot(results: list[dict], front: list[dict], chosen: dict, path: Path) -> N
 
 def _row(name: str, x: dict) -> str:
     return (
-        f"| {name} | {x['router']:.2f} | {x['qualifier']:.4f} | {x['fallback']:.4f} | {'on' if x['detector'] else 'off'} "
+        f"| {name} | {x['router']:.2f} | {x['qualifier']:.4f} | {x['fallback']:.4f} | "
+        f"{'on' if x['detector'] else 'off'} "
         f"| {x['quality']:.1%} | {x['escalated']:.1%} | {x['local']:.0%} / {x['validated']:.0%} / {x['cloud']:.0%} "
         f"| ${x['usd_per_1k_queries']:.4f} |"
     )
@@ -274,7 +278,8 @@ def _card(r: dict) -> str:
     step = max(1, -(-len(front) // 20))
     shown = front[::step] + ([front[-1]] if (len(front) - 1) % step else [])
     head = [
-        "| | router | qualifier | fallback | detector | quality | escalated | local / validated / cloud | $ / 1K queries |",
+        "| | router | qualifier | fallback | detector | quality | escalated | local / validated / cloud | $ / 1K "
+        "queries |",
         "|---|---:|---:|---:|---|---:|---:|---|---:|",
     ]
     lines = [

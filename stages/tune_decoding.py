@@ -93,8 +93,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
 
     results, candidates, prompts = {}, [], []
     for backend in cfg.backends:
-        pipe = Pipeline.from_bundle(src, backend=backend, mode="pyramid", adapter="none", threads=cfg.threads,
-                                    verify=False)  # fmt: skip
+        pipe = Pipeline.from_bundle(
+            src, backend=backend, mode="pyramid", adapter="none", threads=cfg.threads, verify=False
+        )
         if not prompts:  # room for the generated tokens in every tier's context
             lookahead = max([*cfg.grid.k, *(q for _, q in cfg.grid.lengths)]) + 1
             room = min(m.context_length for m in pipe.models.values()) - cfg.max_new_tokens - lookahead
@@ -102,8 +103,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             if not prompts:
                 raise KibidangoError(f"{inputs[cfg.data_input]}: no validation row gives a prompt under {room} tokens")
         progress = Progress(f"1F {backend} candidates", None, log)
-        result = tune(pipe, prompts, cfg.max_new_tokens, cfg.max_ppl_increase, grid,
-                      progress=lambda n, total, row, p=progress: p.update(n))  # fmt: skip
+        result = tune(
+            pipe,
+            prompts,
+            cfg.max_new_tokens,
+            cfg.max_ppl_increase,
+            grid,
+            progress=lambda n, total, row, p=progress: p.update(n),
+        )
         progress.finish(len(result.rows))
         bad = [r for r in result.rows if r.get("note")]
         if bad:

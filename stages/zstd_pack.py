@@ -67,10 +67,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         "",
         "| | bytes | packed | ratio |",
         "|---|---:|---:|---:|",
-        f"| whole bundle, with the dictionary | {meta['bytes']:,} | {meta['packed_bytes']:,} | {metrics['ratio']:.3f} |",
-        f"| whole bundle, no dictionary | {meta['bytes']:,} | {meta['bytes_without_dictionary']:,} | {metrics['ratio_without_dictionary']:.3f} |",
-        f"| weights (.safetensors, .gguf) | {sum(e['size'] for e in weights):,} | {sum(e['packed_size'] for e in weights):,} | {metrics['weights_ratio']:.3f} |",
-        f"| everything else | {sum(e['size'] for e in other):,} | {sum(e['packed_size'] for e in other):,} | {metrics['other_ratio']:.3f} |",
+        f"| whole bundle, with the dictionary | {meta['bytes']:,} | {meta['packed_bytes']:,} | "
+        f"{metrics['ratio']:.3f} |",
+        f"| whole bundle, no dictionary | {meta['bytes']:,} | {meta['bytes_without_dictionary']:,} | "
+        f"{metrics['ratio_without_dictionary']:.3f} |",
+        f"| weights (.safetensors, .gguf) | {sum(e['size'] for e in weights):,} | "
+        f"{sum(e['packed_size'] for e in weights):,} | {metrics['weights_ratio']:.3f} |",
+        f"| everything else | {sum(e['size'] for e in other):,} | {sum(e['packed_size'] for e in other):,} | "
+        f"{metrics['other_ratio']:.3f} |",
         "",
         f"Round trip: all {len(meta['files'])} files restored byte for byte and match their SHA-256.",
     ]
@@ -78,7 +82,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     (out_dir / "pack.json").write_text(json.dumps(metrics, indent=2))
     summary = (
         f"{meta['bytes'] / 1e6:.2f} MB -> {meta['packed_bytes'] / 1e6:.2f} MB with the dictionary "
-        f"(x{metrics['ratio']:.3f}; without it x{metrics['ratio_without_dictionary']:.3f}; weights x{metrics['weights_ratio']:.3f}); "
+        f"(x{metrics['ratio']:.3f}; without it x{metrics['ratio_without_dictionary']:.3f}; weights "
+        f"x{metrics['weights_ratio']:.3f}); "
         f"round trip verified"
     )
     return StageResult(metrics, ["pack_report.md", "pack.json"], summary)

@@ -140,9 +140,13 @@ def s3(tmp_path_factory):
         server = S3Server(
             "kibidango-test",
             {"endpoint_url": endpoint, "key": "test", "secret": "test-secret"},
-            {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1",
-             "KIBIDANGO_STORE_OPTIONS": json.dumps({"endpoint_url": endpoint})},
-        )  # fmt: skip
+            {
+                "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test-secret",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "KIBIDANGO_STORE_OPTIONS": json.dumps({"endpoint_url": endpoint}),
+            },
+        )
         from core.remote import RemoteStore
 
         RemoteStore(f"s3://{server.bucket}", server.options).fs.mkdir(server.bucket)
@@ -157,8 +161,20 @@ def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
     exe = Path(sys.executable).with_name("mlflow")
-    cmd = [str(exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", (root / "art").as_uri()]  # fmt: skip
+    cmd = [
+        str(exe),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        (root / "art").as_uri(),
+    ]
     with served(cmd, f"http://127.0.0.1:{port}/health", root / "server.log", "mlflow server", 180):
         yield f"http://127.0.0.1:{port}"
 

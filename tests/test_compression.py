@@ -68,7 +68,9 @@ def family(tmp_path_factory) -> Path:
 def _listing(root: Path) -> list[dict]:
     """Every file under ``root`` with its sha256, as the artifact store digests an artifact."""
     return [
-        {"path": p.relative_to(root).as_posix(), "sha256": file_sha256(p)} for p in sorted(root.rglob("*")) if p.is_file()
+        {"path": p.relative_to(root).as_posix(), "sha256": file_sha256(p)}
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
     ]
 
 

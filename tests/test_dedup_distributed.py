@@ -82,10 +82,22 @@ def test_stage_0_dedups_on_the_cluster_named_by_the_environment(redis_url, tmp_p
     texts, _, _ = plant(_generated(300, 2), 120, seed=3)
     rows.write_text("\n".join(texts) + "\n")
     cfg = module.Config.model_validate(
-        {"title": "t", "sources": [{"name": "g", "path": str(rows), "format": "text", "text_split": "single_newline",
-                                    "domain": "general", "license": "test"}],
-         "synthetic_rows": 0, "language": {"enabled": False}}
-    )  # fmt: skip
+        {
+            "title": "t",
+            "sources": [
+                {
+                    "name": "g",
+                    "path": str(rows),
+                    "format": "text",
+                    "text_split": "single_newline",
+                    "domain": "general",
+                    "license": "test",
+                }
+            ],
+            "synthetic_rows": 0,
+            "language": {"enabled": False},
+        }
+    )
     outputs = {}
     for mode in ("local", "cluster"):
         if mode == "cluster":

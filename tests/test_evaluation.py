@@ -36,11 +36,21 @@ def stage0(tmp_path_factory) -> Path:
     _needs(SEEDS)
     first = json.loads(SEEDS.read_text().splitlines()[0])
     rows = [
-        {"id": "s0/1", "instruction": first["instruction"], "input": first["instances"][0]["input"], "output": "x",
-         "domain": "general"},
-        {"id": "s0/2", "instruction": "", "input": "", "output": "Once upon a time there was a cat.",
-         "domain": "general"},
-    ]  # fmt: skip
+        {
+            "id": "s0/1",
+            "instruction": first["instruction"],
+            "input": first["instances"][0]["input"],
+            "output": "x",
+            "domain": "general",
+        },
+        {
+            "id": "s0/2",
+            "instruction": "",
+            "input": "",
+            "output": "Once upon a time there was a cat.",
+            "domain": "general",
+        },
+    ]
     cols = {k: [r[k] for r in rows] for k in rows[0]}
     root = tmp_path_factory.mktemp("stage0")
     DatasetDict({"train": Dataset.from_dict(cols), "validation": Dataset.from_dict(cols)}).save_to_disk(

@@ -73,10 +73,26 @@ def test_second_run_is_all_cache_hits(tmp_path):
     # make report: the latest flow run, its stage a cache hit citing the run that computed it, its
     # card, and a measurement recorded in the workspace with its command.
     recorded = subprocess.run(
-        [sys.executable, "-m", "eval.record", "rows", "--title", "Rows counted", "--as", "make rows", "--",
-         sys.executable, "-c", "print('counted 50 rows')"],
-        cwd=REPO, env=cli_env(home), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "eval.record",
+            "rows",
+            "--title",
+            "Rows counted",
+            "--as",
+            "make rows",
+            "--",
+            sys.executable,
+            "-c",
+            "print('counted 50 rows')",
+        ],
+        cwd=REPO,
+        env=cli_env(home),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert recorded.returncode == 0, recorded.stderr
     report = _cli(home, "report", "--preset", str(preset))
     assert report.returncode == 0, report.stderr[-3000:]

@@ -50,9 +50,13 @@ def _evaluate(hf: Path, root: Path, stage0: Path) -> Path:
     write_bundle(x / "bundle", {"target": {"hf": hf, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [1, 2]})
     module = load_stage("9")
     cfg = module.Config.model_validate(
-        {"samples": SAMPLES, "judges": {"math": {"kind": "math"}, "general": {"kind": "reference"}},
-         "max_new_tokens": 16, "speed_prompts": 0}
-    )  # fmt: skip
+        {
+            "samples": SAMPLES,
+            "judges": {"math": {"kind": "math"}, "general": {"kind": "reference"}},
+            "max_new_tokens": 16,
+            "speed_prompts": 0,
+        }
+    )
     out = root / "9" / "k"
     out.mkdir(parents=True)
     (root / "work").mkdir(exist_ok=True)
@@ -148,9 +152,17 @@ def test_failed_gates_publish_the_stamped_bundle_and_fail_the_flow_on_every_run(
     (staging / "evaluation.json").write_text("{}")
     evaluation = store.publish("9", "k9", staging, {"metrics": {"all/reference_perplexity": 1.9e6}})
     cfg = load_stage("9A").Config.model_validate(
-        {"gates": [{"name": "gold-answer-perplexity", "input": "evaluation", "metric": "all/reference_perplexity",
-                    "max": 512}]}
-    )  # fmt: skip
+        {
+            "gates": [
+                {
+                    "name": "gold-answer-perplexity",
+                    "input": "evaluation",
+                    "metric": "all/reference_perplexity",
+                    "max": 512,
+                }
+            ]
+        }
+    )
     ctx = RunContext("test", "exp-test", str(workspace / "store"), None, "prefect-run-1", ())
     inputs = {"bundle": bundle, "evaluation": evaluation}
     for _ in range(2):  # computed, then a cache hit: both stop the flow

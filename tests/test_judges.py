@@ -183,7 +183,10 @@ def test_a_forged_verdict_is_never_a_pass(code):
     assert not verdict.passed and verdict.outcome == "error", verdict
     # the reply pipe gets '{}' and then junk: an unreadable reply is an error, never an exception
     for junk in ("{}", "[]", "not json", '{"ok": {"x": 1}}'):
-        program = f"import os, sys\ndef add(a, b):\n    os.write(int(sys.argv[2]), {junk!r}.encode() + b'\\n')\n    return a + b\n"
+        program = (
+            f"import os, sys\ndef add(a, b):\n    os.write(int(sys.argv[2]), {junk!r}.encode() + b'\\n')\n    "
+            "return a + b\n"
+        )
         verdict = code(MBPP, program)
         assert not verdict.passed and verdict.outcome in ("error", "failed"), (junk, verdict)
 
@@ -204,7 +207,8 @@ def test_nothing_outside_the_sandbox_can_be_read_or_written(code, tmp_path):
     program = (
         "import os\n"
         "leaked = []\n"
-        f"for p in ['/etc/passwd', {str(repo / 'README.md')!r}, {str(SHARED / 'docs' / 'PLAN.md')!r}, '/root', {str(tmp_path)!r}]:\n"
+        f"for p in ['/etc/passwd', {str(repo / 'README.md')!r}, {str(SHARED / 'docs' / 'PLAN.md')!r}, '/root', "
+        f"{str(tmp_path)!r}]:\n"
         "    try:\n"
         "        open(p).read(1) if not os.path.isdir(p) else os.listdir(p)\n"
         "        leaked.append(p)\n"
@@ -256,7 +260,8 @@ def test_a_survivor_dies_with_the_sandbox_and_cannot_poison_later_verdicts(code)
         f"# {marker}\n"
         "deadline = time.time() + 60\n"
         "while time.time() < deadline:\n"
-        "    for path in glob.glob('/tmp/**/*.json', recursive=True) + glob.glob('/tmp/kibidango-*/**', recursive=True):\n"
+        "    for path in glob.glob('/tmp/**/*.json', recursive=True) + glob.glob('/tmp/kibidango-*/**', "
+        "recursive=True):\n"
         "        try:\n"
         '            open(path, \'w\').write(\'{"program": "", "tests": ["pass"], "setup": ""}\')\n'
         "        except OSError:\n"

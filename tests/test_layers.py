@@ -86,7 +86,8 @@ def test_every_import_goes_down_a_floor_or_stays():
                 top = target.split(".")[0]
                 if top in FLOOR and (FLOOR[top] > floor or (top != package and FLOOR[top] == floor)):
                     wrong.append(
-                        f"{path.relative_to(REPO)}:{line}: {package} (floor {floor}) imports {target} (floor {FLOOR[top]})"
+                        f"{path.relative_to(REPO)}:{line}: {package} (floor {floor}) imports {target} (floor "
+                        f"{FLOOR[top]})"
                     )
     assert not wrong, "\n".join(wrong)
 
@@ -114,7 +115,9 @@ def test_the_runtime_floors_import_only_downward():
             continue
         for target, line in edges.items():
             if target.startswith("kibidango.") and _runtime_floor(target) > _runtime_floor(module):
-                wrong.append(f"{module}:{line}: floor {_runtime_floor(module)} imports {target} (floor {_runtime_floor(target)})")
+                wrong.append(
+                    f"{module}:{line}: floor {_runtime_floor(module)} imports {target} (floor {_runtime_floor(target)})"
+                )
     assert not wrong, "\n".join(wrong)
 
 
@@ -169,3 +172,16 @@ def test_no_import_circle_anywhere():
         for c in circles
     ]
     assert not circles, "\n".join(described)
+
+
+def test_the_formatter_has_no_escapes():
+    """ruff format owns the layout (line length 120, E501 enforced): no formatter escape comments."""
+    marker = "fmt: " + "skip"
+    escaped = [
+        f"{path.relative_to(REPO)}:{n}"
+        for package in [*FLOOR, "kibidango", "tests"]
+        for path in (_modules(package) if package != "tests" else sorted((REPO / "tests").rglob("*.py")))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if marker in line or "fmt: " + "off" in line
+    ]
+    assert not escaped, "\n".join(escaped)

@@ -243,10 +243,26 @@ def test_the_server_sends_a_prompt_past_the_local_context_to_the_cloud(pipe, pro
 def _serve(bundle, port: int, config, state, env, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port),
-             "--cascade", str(config), "--state-dir", str(state), "--shutdown-grace", "30"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kibidango",
+                "serve",
+                "--bundle",
+                str(bundle),
+                "--port",
+                str(port),
+                "--cascade",
+                str(config),
+                "--state-dir",
+                str(state),
+                "--shutdown-grace",
+                "30",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _ready(base: str, proc: subprocess.Popen, seconds: float = 120) -> None:
@@ -292,13 +308,26 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
 
     limit = 0.1  # about 160 of the 200 answers: the budget runs out near the end
     config = tmp_path / "cascade.json"
-    config.write_text(json.dumps({
-        "qualifier": {"threshold": 1.0 + 1e-6},  # every answer goes to the cloud until the budget is spent
-        "cloud": {"base_url": proxy.base_url, "model": "stories260K", "api_key_env": OPENAI_KEY_ENV,
-                  "usd_per_1k_prompt": 0.01, "usd_per_1k_completion": 0.02, "fallback_threshold": 1.0 + 1e-6,
-                  "budget_limit": limit, "budget_period": "total", "timeout_s": 20, "max_retries": 3,
-                  "max_tokens": 16},
-    }))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "qualifier": {"threshold": 1.0 + 1e-6},  # every answer goes to the cloud until the budget is spent
+                "cloud": {
+                    "base_url": proxy.base_url,
+                    "model": "stories260K",
+                    "api_key_env": OPENAI_KEY_ENV,
+                    "usd_per_1k_prompt": 0.01,
+                    "usd_per_1k_completion": 0.02,
+                    "fallback_threshold": 1.0 + 1e-6,
+                    "budget_limit": limit,
+                    "budget_period": "total",
+                    "timeout_s": 20,
+                    "max_retries": 3,
+                    "max_tokens": 16,
+                },
+            }
+        )
+    )
     state = tmp_path / "state"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     key = os.environ[OPENAI_KEY_ENV]
@@ -328,8 +357,18 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
             {"model": model, "messages": [{"role": "user", "content": f"Once upon a time {i}"}], "max_tokens": 4}
             for i in range(200)
         ]
-        r = run_load(bases, bodies, requests=200, concurrency=16, timeout_s=120, retry_refused=True,
-                     max_retries=200, keep_bodies=True, progress=restart_second, failover=False)  # fmt: skip
+        r = run_load(
+            bases,
+            bodies,
+            requests=200,
+            concurrency=16,
+            timeout_s=120,
+            retry_refused=True,
+            max_retries=200,
+            keep_bodies=True,
+            progress=restart_second,
+            failover=False,
+        )
         assert r.outcomes == {"200": 200} and r.lost == 0, r.outcomes
         assert restarted.is_set() and 0 < at_restart[0] < limit
         cascades = [b["kibidango"]["cascade"] for b in r.bodies]

@@ -166,9 +166,16 @@ def head32_bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("head32")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     hf = root / "hf"
     LlamaForCausalLM(config).save_pretrained(hf)
     for name in ("tokenizer.model", "tokenizer_config.json"):

@@ -116,8 +116,14 @@ def test_a_second_machine_runs_the_flow_from_the_shared_store(s3, mlflow_server,
 
     def run(home: Path) -> subprocess.CompletedProcess:
         env = {**cli_env(home), **s3.env, "KIBIDANGO_STORE_URL": url, "MLFLOW_TRACKING_URI": mlflow_server}
-        return subprocess.run([sys.executable, "-m", "flows", "run", "--preset", str(preset)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "flows", "run", "--preset", str(preset)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     first = run(tmp_path / "machine-a")
     assert first.returncode == 0, first.stderr[-3000:]

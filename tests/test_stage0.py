@@ -145,7 +145,8 @@ def test_a_present_source_with_no_valid_rows_is_an_error_not_a_synthetic_fallbac
     out.mkdir()
     with pytest.raises(
         KibidangoError,
-        match=r"source 'mine': .*broken.jsonl yielded no valid rows \(27 quarantined; first: .*:1: field 'instruction' missing",
+        match=r"source 'mine': .*broken.jsonl yielded no valid rows \(27 quarantined; first: .*:1: field "
+        r"'instruction' missing",
     ):
         s0.run(s0.Config(sources=sources, synthetic_rows=2000), {}, out)
 

@@ -80,7 +80,9 @@ def test_dead_tiers_are_reported_by_name(openai_server, monkeypatch, tmp_path):
     assert "y" * 40 not in str(err.value)
     monkeypatch.setenv(OPENAI_KEY_ENV, key)
     with pytest.raises(TierDead, match="teacher tier open .*unreachable"):
-        TeacherClient(_tier("http://127.0.0.1:9/v1", max_attempts=2), _ledger(tmp_path), sleep=lambda s: None).ask("hello")
+        TeacherClient(_tier("http://127.0.0.1:9/v1", max_attempts=2), _ledger(tmp_path), sleep=lambda s: None).ask(
+            "hello"
+        )
 
 
 def test_the_budget_holds_the_worst_case_and_never_overspends(tmp_path):

@@ -25,10 +25,19 @@ STORIES_TEXT = [
 def stage0(tmp_path_factory) -> Path:
     from datasets import Dataset, DatasetDict
 
-    rows = [{"id": f"v/{i}", "instruction": "", "input": "", "output": t, "domain": "general"}
-            for i, t in enumerate(STORIES_TEXT)]  # fmt: skip
-    rows.append({"id": "v/i", "instruction": "Tell me a story about a dog.", "input": "", "output": "A dog ran.",
-                 "domain": "general"})  # fmt: skip
+    rows = [
+        {"id": f"v/{i}", "instruction": "", "input": "", "output": t, "domain": "general"}
+        for i, t in enumerate(STORIES_TEXT)
+    ]
+    rows.append(
+        {
+            "id": "v/i",
+            "instruction": "Tell me a story about a dog.",
+            "input": "",
+            "output": "A dog ran.",
+            "domain": "general",
+        }
+    )
     cols = {k: [r[k] for r in rows] for k in rows[0]}
     root = tmp_path_factory.mktemp("stage0")
     DatasetDict({"train": Dataset.from_dict(cols), "validation": Dataset.from_dict(cols)}).save_to_disk(
@@ -48,8 +57,12 @@ def _bundle(root: Path, tiers=("draft", "qualifier", "target")) -> Path:
 
 
 def _config(**kw):
-    base = {"backends": ["torch"], "prompts": 3, "max_new_tokens": 10,
-            "grid": {"k": [2, 4], "lengths": [[2, 4]], "taus": [[0.3, 0.2]]}}  # fmt: skip
+    base = {
+        "backends": ["torch"],
+        "prompts": 3,
+        "max_new_tokens": 10,
+        "grid": {"k": [2, 4], "lengths": [[2, 4]], "taus": [[0.3, 0.2]]},
+    }
     return load_stage("1F").Config.model_validate({**base, **kw})
 
 

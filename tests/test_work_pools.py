@@ -27,14 +27,26 @@ POOL = "kibidango-test-pool"
 
 
 def _env(home: Path, s3, mlflow_server: str, prefect_server: str, url: str) -> dict[str, str]:
-    return {**cli_env(home), **s3.env, "KIBIDANGO_STORE_URL": url, "MLFLOW_TRACKING_URI": mlflow_server,
-            "PREFECT_API_URL": prefect_server, "PREFECT_WORKER_QUERY_SECONDS": "2"}  # fmt: skip
+    return {
+        **cli_env(home),
+        **s3.env,
+        "KIBIDANGO_STORE_URL": url,
+        "MLFLOW_TRACKING_URI": mlflow_server,
+        "PREFECT_API_URL": prefect_server,
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+    }
 
 
 def _worker(home: Path, env: dict, log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flows", "worker", "--pool", POOL], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows", "worker", "--pool", POOL],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 180
     while "starting a worker" not in log.read_text(errors="replace"):  # deployed; the worker polls next
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
@@ -53,8 +65,14 @@ def test_a_stage_runs_on_a_work_pool_through_the_shared_store(s3, mlflow_server,
 
     def flow(home: Path) -> subprocess.CompletedProcess:
         env = _env(home, s3, mlflow_server, prefect_server, url)
-        return subprocess.run([sys.executable, "-m", "flows", "run", "--preset", str(preset)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "flows", "run", "--preset", str(preset)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
 
     worker_home = tmp_path / "worker"
     log = tmp_path / "worker.log"

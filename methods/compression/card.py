@@ -84,7 +84,8 @@ def size_table(stages: dict[str, dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     ppl = [
-        "| tier | full precision | pruned (2A) | AWQ (2B/2C) | AWQ + recovery LoRA (2F) | GGUF | GGUF token agreement |",
+        "| tier | full precision | pruned (2A) | AWQ (2B/2C) | AWQ + recovery LoRA (2F) | GGUF "
+        "| GGUF token agreement |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for tier, f in tier_figures(stages).items():
@@ -146,8 +147,8 @@ def bundle_card(
         lines += [
             f"Recovery LoRA (2F): trained on {int(f['hardest_rows'])} of {int(f['candidate_rows'])} training rows, the "
             f"hardest for the compressed target; {verdict} ({f['val_perplexity_reference']:.2f} before compression, "
-            f"{f['val_perplexity_compressed']:.2f} after, {f['val_perplexity_recovered']:.2f} with the LoRA). The adapter "
-            "ships under adapters/recovery and is applied only on request.",
+            f"{f['val_perplexity_compressed']:.2f} after, {f['val_perplexity_recovered']:.2f} with the LoRA). The "
+            "adapter ships under adapters/recovery and is applied only on request.",
             "",
         ]
     if adapters:
@@ -163,7 +164,10 @@ def bundle_card(
             if "domain_val_loss_base" in am:
                 fig = f"{am['domain_val_loss_base']:.3f} -> {am['domain_val_loss_adapter']:.3f} (its domain)"
             elif "val_perplexity_recovered" in am:
-                fig = f"perplexity {am['val_perplexity_compressed']:.2f} -> {am['val_perplexity_recovered']:.2f} (all domains)"
+                fig = (
+                    f"perplexity {am['val_perplexity_compressed']:.2f} -> {am['val_perplexity_recovered']:.2f} (all "
+                    "domains)"
+                )
             else:
                 fig = "-"
             lines.append(f"| {a['domain']} | {a['path']} | {a['base_tier']} | {', '.join(a['formats'])} | {fig} |")

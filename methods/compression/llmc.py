@@ -134,7 +134,8 @@ def compress(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(seed)
     log.info(
-        f"{stage}: llm-compressor oneshot {recipe.name} on {model_dir} ({len(dataset)} calibration rows, <= {max_len} tokens)"
+        f"{stage}: llm-compressor oneshot {recipe.name} on {model_dir} ({len(dataset)} calibration rows, <= {max_len} "
+        "tokens)"
     )
     started = time.monotonic()
     try:

@@ -53,7 +53,8 @@ def _math(rng: random.Random) -> tuple[str, str, str]:
     a, b, c = rng.randint(2, 30), rng.randint(2, 30), rng.randint(1, 9)
     total = a + b - c
     return (
-        f"{name} has {a} {thing}s and buys {b} more. Then {name} gives away {c}. How many {thing}s does {name} have now?",
+        f"{name} has {a} {thing}s and buys {b} more. Then {name} gives away {c}. How many {thing}s does {name} have "
+        "now?",
         "",
         f"{name} starts with {a} and buys {b}, so {a} + {b} = {a + b}. "
         f"After giving away {c}, {a + b} - {c} = {total}.\n#### {total}",

@@ -46,7 +46,9 @@ def make_judge(kind_or_settings, **settings) -> Judge:
     (one of :data:`KINDS`) and its settings, which are checked the same way."""
     from methods.judges.settings import judge_settings
 
-    spec = judge_settings(kind_or_settings if not isinstance(kind_or_settings, str) else {"kind": kind_or_settings, **settings})
+    spec = judge_settings(
+        kind_or_settings if not isinstance(kind_or_settings, str) else {"kind": kind_or_settings, **settings}
+    )
     return _class(spec.kind)(**spec.model_dump(exclude={"kind"}))
 
 
@@ -66,7 +68,7 @@ def sandbox_note(specs: dict) -> str:
     if iso["kind"] == "bubblewrap":
         return (
             "Code answers ran in bubblewrap (own PID, network and mount namespaces, a private size-capped tmpfs, "
-            'uid 65534, rlimits; the tests in a second sandbox; README "Security").'
+            "uid 65534, rlimits; the tests in a second sandbox; docs/security.md)."
         )
     return (
         "Code answers ran in the WEAKER FALLBACK sandbox (bubblewrap could not run; the recipe set weak_sandbox_ok): "

@@ -133,7 +133,8 @@ def _dec(x):
 def _send(fd, obj):
     data = (json.dumps(obj) + "\n").encode()
     if len(data) > _MAX:
-        data = (json.dumps({"raise": "ValueError", "message": "a value too large to leave the sandbox"}) + "\n").encode()
+        too_large = {"raise": "ValueError", "message": "a value too large to leave the sandbox"}
+        data = (json.dumps(too_large) + "\n").encode()
     while data:
         data = data[os.write(fd, data):]
 _buf = bytearray()

@@ -323,7 +323,8 @@ def format_table(result: BenchResult) -> str:
     if b:
         lines.append(
             f"ar: {b['ar_tokens_per_s']:.1f} tokens/s = {b['share']:.0%} of the memory-bandwidth bound "
-            f"({b['target_weight_bytes'] / 1e6:.1f} MB of target weights per token at {b['read_bytes_per_s'] / 1e9:.1f} GB/s "
+            f"({b['target_weight_bytes'] / 1e6:.1f} MB of target weights per token at "
+            f"{b['read_bytes_per_s'] / 1e9:.1f} GB/s "
             f"measured read bandwidth: {b['bound_tokens_per_s']:.0f} tokens/s)"
             + ("; the weights fit in the CPU's caches, so the bound does not hold" if b["share"] > 1 else "")
         )

@@ -194,7 +194,8 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
                 raise BundleError(f"{root}: file {rel} is missing")
             if p.stat().st_size != entry.size:
                 raise BundleError(
-                    f"{root}: file {rel} has {p.stat().st_size} bytes, bundle.json says {entry.size} (truncated or replaced)"
+                    f"{root}: file {rel} has {p.stat().st_size} bytes, bundle.json says {entry.size} (truncated or "
+                    "replaced)"
                 )
             if sha256_file(p) != entry.sha256:
                 raise BundleError(
@@ -269,7 +270,8 @@ def _check_manifest_digest(root: Path, digest: str) -> None:
     side = root / MANIFEST_DIGEST
     if not side.is_file():
         raise BundleError(
-            f"{root}: no {MANIFEST_DIGEST} beside bundle.json (a bundle from an older pipeline, or damaged): rebuild it (stage X)"
+            f"{root}: no {MANIFEST_DIGEST} beside bundle.json (a bundle from an older pipeline, or damaged): rebuild "
+            "it (stage X)"
         )
     recorded = side.read_text(encoding="utf-8", errors="replace").split()
     if not recorded or recorded[0].lower() != digest:
@@ -307,7 +309,8 @@ def _tier_dir(root: Path, rel: Any, listed: dict[str, FileEntry], what: str) -> 
         for p in sorted(path.rglob("*")):
             if (p.is_file() or p.is_symlink()) and p.relative_to(root).as_posix() not in listed:
                 raise BundleError(
-                    f"{what}: {p.relative_to(root).as_posix()} is not listed in bundle.json and would be loaded unchecked: refused"
+                    f"{what}: {p.relative_to(root).as_posix()} is not listed in bundle.json and would be loaded "
+                    "unchecked: refused"
                 )
     return path
 
@@ -325,7 +328,8 @@ def _check_shared_tokenizer(bundle: Bundle) -> None:
     if len(set(digests.values())) > 1:
         detail = ", ".join(f"{n}: {d[:12]}" for n, d in digests.items())
         raise BundleError(
-            f"{bundle.root}: tiers do not share one tokenizer ({detail}); speculative decoding needs identical vocabularies"
+            f"{bundle.root}: tiers do not share one tokenizer ({detail}); speculative decoding needs identical "
+            "vocabularies"
         )
     vocab = {n: t.info.get("vocab_size") for n, t in bundle.tiers.items() if t.info.get("vocab_size")}
     if len(set(vocab.values())) > 1:

@@ -48,7 +48,8 @@ def _pin_arg(p: argparse.ArgumentParser) -> None:
         "--expect-sha256",
         metavar="HEX",
         default=None,
-        help="refuse the bundle unless bundle.json has this sha256 (stage X prints it; default $KIBIDANGO_BUNDLE_SHA256)",
+        help="refuse the bundle unless bundle.json has this sha256 (stage X prints it; default "
+        "$KIBIDANGO_BUNDLE_SHA256)",
     )
 
 
@@ -175,9 +176,14 @@ def _tune(args: argparse.Namespace) -> None:
     from kibidango.tune import format_tune, tune, write_tuned
 
     pipe = Pipeline.from_bundle(
-        args.bundle, backend=args.backend, mode="pyramid", adapter="none", threads=args.threads,
-        kv_cache=args.kv_cache, compile=args.compile,
-    )  # fmt: skip
+        args.bundle,
+        backend=args.backend,
+        mode="pyramid",
+        adapter="none",
+        threads=args.threads,
+        kv_cache=args.kv_cache,
+        compile=args.compile,
+    )
 
     def progress(n: int, total: int, row: dict) -> None:
         print(f"  {n}/{total} candidates", file=sys.stderr, flush=True)
@@ -185,8 +191,12 @@ def _tune(args: argparse.Namespace) -> None:
     result = tune(pipe, read_prompts(args.prompts), args.max_new_tokens, args.max_ppl_increase, progress=progress)
     print(format_tune(result))
     if args.write and result.chosen:
-        report = {"best": result.best, "chosen_speed_vs_ar": result.chosen_speed,
-                  "max_ppl_increase": args.max_ppl_increase, "prompts": args.prompts}  # fmt: skip
+        report = {
+            "best": result.best,
+            "chosen_speed_vs_ar": result.chosen_speed,
+            "max_ppl_increase": args.max_ppl_increase,
+            "prompts": args.prompts,
+        }
         print(f"written: {write_tuned(args.bundle, args.write, args.backend, result.chosen, report)}")
 
 

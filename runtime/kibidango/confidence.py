@@ -84,8 +84,13 @@ class Logistic:
     @classmethod
     def from_dict(cls, d: dict, where: str) -> Logistic:
         try:
-            m = cls(list(d["features"]), [float(x) for x in d["weights"]], float(d["bias"]),
-                    [float(x) for x in d["mean"]], [float(x) for x in d["std"]])  # fmt: skip
+            m = cls(
+                list(d["features"]),
+                [float(x) for x in d["weights"]],
+                float(d["bias"]),
+                [float(x) for x in d["mean"]],
+                [float(x) for x in d["std"]],
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"{where}: not a logistic model: {e}") from None
         n = len(m.features)

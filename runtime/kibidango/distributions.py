@@ -1,5 +1,6 @@
 """Next-token distributions, divergences between them, and the acceptance rule of speculative
-decoding (Leviathan et al. 2023, arXiv 2211.17192; Pyramid SD, arXiv 2510.12966). Float64 numpy throughout: the vocabularies involved are small
+decoding (Leviathan et al. 2023, arXiv 2211.17192; Pyramid SD, arXiv 2510.12966). Float64 numpy throughout: the
+vocabularies involved are small
 enough, and exactness tests compare probabilities."""
 
 from __future__ import annotations

@@ -114,10 +114,15 @@ class Pipeline:
             kv_cache = str(bundle.defaults.get("kv_cache", "f16")) if backend == "llamacpp" else "f16"
         steps = compile and backend == "torch"
         models = {
-            name: load_model(backend, bundle.tier(name, backend), threads=threads, kv_cache=kv_cache,
-                             compile_steps=steps and name != "target")
+            name: load_model(
+                backend,
+                bundle.tier(name, backend),
+                threads=threads,
+                kv_cache=kv_cache,
+                compile_steps=steps and name != "target",
+            )
             for name in TIERS[cfg.mode]
-        }  # fmt: skip
+        }
         router = bundle.router()
         domains = [d for d in bundle.adapters.domains if router is None or d in router.labels]
         loaded = LoadedAdapters(models["target"], bundle.adapters, adapter_cache) if domains else None

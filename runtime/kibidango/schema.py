@@ -96,7 +96,11 @@ class BundleManifest:
         if doc.get("schema_version") != SCHEMA_VERSION:
             raise BundleError(
                 f"{where}: schema_version {doc.get('schema_version')!r}, this runtime reads {SCHEMA_VERSION}"
-                + (" (a bundle of an older pipeline: rebuild it with stage X)" if doc.get("schema_version") == 1 else "")
+                + (
+                    " (a bundle of an older pipeline: rebuild it with stage X)"
+                    if doc.get("schema_version") == 1
+                    else ""
+                )
             )
         return _value(cls, doc, where, "")
 
@@ -136,7 +140,9 @@ def _value(kind: Any, value: Any, where: str, path: str) -> Any:
         fields = {f.name: f for f in dataclasses.fields(kind)}
         unknown = sorted(set(value) - set(fields))
         if unknown:
-            raise BundleError(f"{where}: {path + '.' if path else ''}{unknown[0]}: not a field of this runtime's schema")
+            raise BundleError(
+                f"{where}: {path + '.' if path else ''}{unknown[0]}: not a field of this runtime's schema"
+            )
         args = {}
         for name, f in fields.items():
             sub = f"{path}.{name}" if path else name
@@ -164,7 +170,11 @@ def _value(kind: Any, value: Any, where: str, path: str) -> Any:
 
 def _json(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _json(getattr(value, f.name)) for f in dataclasses.fields(value) if getattr(value, f.name) is not None}
+        return {
+            f.name: _json(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if getattr(value, f.name) is not None
+        }
     if isinstance(value, dict):
         return {k: _json(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -164,9 +164,11 @@ def format_tune(result: TuneResult, top: int = 12) -> str:
         acc = " / ".join(
             f"{r['acceptance'][s]:.2f}" for s in ("draft", "qualifier") if r["acceptance"].get(s) is not None
         )
-        ppl = "identical" if r["lossless"] and r["ppl_increase"] == 0 else (
-            "DIFFERS" if r["ppl_increase"] is None else f"{r['ppl_increase']:+.1%}"
-        )  # fmt: skip
+        ppl = (
+            "identical"
+            if r["lossless"] and r["ppl_increase"] == 0
+            else ("DIFFERS" if r["ppl_increase"] is None else f"{r['ppl_increase']:+.1%}")
+        )
         lines.append(
             f"| {name} | {r['speed_vs_ar']:.2f}x | {acc or '-'} | {r['target_forwards_per_token']:.3f} | "
             f"{r['agreement_with_ar']:.1%} | {ppl} | {'yes' if r['admissible'] else 'no'} |"

@@ -85,7 +85,8 @@ def raw_request(port: int, path: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
     s.sendall(
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
     return s

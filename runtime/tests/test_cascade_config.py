@@ -24,9 +24,14 @@ def test_the_plans_example_by_name():
 
 def test_bundle_thresholds_under_a_user_file(tmp_path):
     needs_stories()
-    chosen = {"schema": 1, "router": {"threshold": 0.5}, "qualifier": {"threshold": 0.3},
-              "cloud": {"fallback_threshold": 0.1, "model": "m", "usd_per_1k_prompt": 0.003, "usd_per_1k_completion": 0.015},
-              "escalation": {"use_detector": True}, "expected": {"quality": 0.4}}  # fmt: skip
+    chosen = {
+        "schema": 1,
+        "router": {"threshold": 0.5},
+        "qualifier": {"threshold": 0.3},
+        "cloud": {"fallback_threshold": 0.1, "model": "m", "usd_per_1k_prompt": 0.003, "usd_per_1k_completion": 0.015},
+        "escalation": {"use_detector": True},
+        "expected": {"quality": 0.4},
+    }
 
     def finalize(tmp):
         (tmp / "cascade").mkdir()
@@ -76,12 +81,12 @@ _CLOUD = {
                 }
             },
             r"cloud\.base_url: an http\(s\) URL",
-        ),  # fmt: skip
+        ),
         ({"cloud": {"base_url": "http://x"}}, r"cloud: missing model, api_key_env"),
         (
             {"qualifier": {"threshold": 0.5}, "cloud": {**load_cascade("plan-example").cloud.__dict__}},
             r"fallback_threshold is above qualifier\.threshold",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_bad_configs_name_the_file_and_field(tmp_path, doc, message):

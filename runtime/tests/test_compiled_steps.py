@@ -29,8 +29,17 @@ def test_compiled_steps_match_eager_through_steps_and_crops(compiled_family):
     compiled = compiled_family["draft"]
     eager = TorchModel.from_hf(_perturbed(0.15, 1), "draft")
     a, b = compiled.new_session(), eager.new_session()
-    script = [("feed", [1, 5, 9, 12]), ("feed", [3]), ("feed", [7]), ("crop", 5), ("feed", [8]), ("feed", [2, 4, 6]),
-              ("crop", 4), ("feed", [11]), ("feed", [13])]  # fmt: skip
+    script = [
+        ("feed", [1, 5, 9, 12]),
+        ("feed", [3]),
+        ("feed", [7]),
+        ("crop", 5),
+        ("feed", [8]),
+        ("feed", [2, 4, 6]),
+        ("crop", 4),
+        ("feed", [11]),
+        ("feed", [13]),
+    ]
     for op, arg in script:
         if op == "crop":
             a.crop(arg)

@@ -85,7 +85,10 @@ def test_reservations_released_reaped_and_periods(tmp_path):
     with pytest.raises(KeyError):
         ledger.settle(b, 0.01)  # settled once only
     # a process killed mid-call: its reservation is charged in full by reap()
-    code = f"from kibidango.cascade.ledger import Ledger; import os; Ledger({str(tmp_path)!r}, 0.10, 'day').reserve(0.03); os._exit(9)"
+    code = (
+        f"from kibidango.cascade.ledger import Ledger; import os; Ledger({str(tmp_path)!r}, 0.10, "
+        "'day').reserve(0.03); os._exit(9)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 9
     assert ledger.state().reserved_usd == pytest.approx(0.03)
     assert ledger.reap() == 1
@@ -124,7 +127,8 @@ def test_a_killed_servers_reservation_is_reaped_when_its_successor_has_the_same_
     first = f"import os; from kibidango.cascade.ledger import Ledger; Ledger({state!r}, 1.0).reserve(0.25); os._exit(9)"
     assert subprocess.run([*probe[:4], sys.executable, "-c", first]).returncode == 9
     second = (
-        f"import json, os; from kibidango.cascade.ledger import Ledger; l = Ledger({state!r}, 1.0); assert os.getpid() == 1;"
+        f"import json, os; from kibidango.cascade.ledger import Ledger; l = Ledger({state!r}, 1.0); assert "
+        "os.getpid() == 1;"
         " print(json.dumps([l.reap(), l.state().settled_usd, l.state().reserved_usd]))"
     )
     done = subprocess.run([*probe[:4], sys.executable, "-c", second], capture_output=True, text=True)

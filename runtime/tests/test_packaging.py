@@ -10,7 +10,8 @@ import sys
 def test_runtime_imports_no_pipeline_library():
     code = (
         "import sys, kibidango, kibidango.cli, kibidango.server.launch, kibidango.bench; "
-        "bad = [m for m in ('prefect', 'mlflow', 'llmcompressor', 'axolotl', 'datasketch', 'stages', 'flows') if m in sys.modules]; "
+        "bad = [m for m in ('prefect', 'mlflow', 'llmcompressor', 'axolotl', 'datasketch', 'stages', 'flows') if m in "
+        "sys.modules]; "
         "print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

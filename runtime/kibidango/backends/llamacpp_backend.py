@@ -138,7 +138,8 @@ class LlamaCppSession:
             raise RuntimeError(f"{self._model.name}: another session has used this llama.cpp context since")
         if len(self.tokens) + len(tokens) > self._model.context_length:
             raise ContextLengthError(
-                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of {self._model.context_length}"
+                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of "
+                f"{self._model.context_length}"
             )
         n0 = self._llm.n_tokens
         self._llm.eval(tokens)  # one decode while len(tokens) <= n_batch (the context size here)

@@ -40,7 +40,8 @@ class TorchSession:
             raise ValueError("feed() needs at least one token")
         if len(self.tokens) + len(tokens) > self._model.context_length:
             raise ContextLengthError(
-                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of {self._model.context_length}"
+                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of "
+                f"{self._model.context_length}"
             )
         ids = torch.tensor([tokens], dtype=torch.long, device=self._model.device)
         with torch.inference_mode():

@@ -260,7 +260,14 @@ class PaidClient:
                 reply.status, reply.http_status = "rejected", err.status_code
                 reply.error = f"HTTP {err.status_code}: {self._why(err)}"
                 return None
-            except (ValueError, KeyError, AttributeError, IndexError, TypeError, openai.APIResponseValidationError) as err:
+            except (
+                ValueError,
+                KeyError,
+                AttributeError,
+                IndexError,
+                TypeError,
+                openai.APIResponseValidationError,
+            ) as err:
                 reply.retries["malformed"] += 1  # truncated JSON, no choices, no text
                 unread = True
                 reply.error = f"malformed reply: {type(err).__name__}: {self.clean(str(err))[:160]}"

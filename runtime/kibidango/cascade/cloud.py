@@ -26,6 +26,7 @@ __all__ = ["CloudClient", "CloudReply"]
 
 log = logging.getLogger("kibidango.cascade.cloud")
 
+
 @dataclass
 class CloudReply:
     text: str | None

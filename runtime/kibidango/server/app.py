@@ -165,8 +165,14 @@ def create_app(
                 headers={"Retry-After": str(wait)},
                 count=False,
             )
-        return error(503, "the server is shutting down; retry on another replica", kind="server_unavailable",
-                     code="shutting_down", headers={"Retry-After": str(wait)}, count=False)  # fmt: skip
+        return error(
+            503,
+            "the server is shutting down; retry on another replica",
+            kind="server_unavailable",
+            code="shutting_down",
+            headers={"Retry-After": str(wait)},
+            count=False,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -207,7 +213,8 @@ def create_app(
         if size > bytes_limit:
             return error(
                 400,
-                f"prompt: {size} bytes, more than {token_limit} tokens can spell; this server accepts at most {token_limit} tokens",
+                f"prompt: {size} bytes, more than {token_limit} tokens can spell; this server accepts at most "
+                f"{token_limit} tokens",
                 "prompt",
             )
         ids = ids if ids is not None else pipe.encode(prompt)
@@ -279,8 +286,12 @@ def create_app(
         if kind == "error":
             return error(400, str(exc))
         if kind == "timeout":
-            return error(504, f"the request did not finish within this server's {scheduler.request_timeout_s:g} s",
-                         kind="timeout", code="request_timeout")  # fmt: skip
+            return error(
+                504,
+                f"the request did not finish within this server's {scheduler.request_timeout_s:g} s",
+                kind="timeout",
+                code="request_timeout",
+            )
         if kind in ("shutting_down", "queue_full"):
             return refuse(kind)
         if kind == "cancelled":

@@ -64,7 +64,8 @@ class Stats:
             f'kibidango_requests_total{{model="{model}"}} {self.requests}',
             "# TYPE kibidango_request_errors_total counter",
             f'kibidango_request_errors_total{{model="{model}"}} {self.errors}',
-            "# HELP kibidango_requests_cancelled_total Generations stopped because the client went away (or at shutdown).",
+            "# HELP kibidango_requests_cancelled_total Generations stopped because the client went away (or at "
+            "shutdown).",
             "# TYPE kibidango_requests_cancelled_total counter",
             f'kibidango_requests_cancelled_total{{model="{model}"}} {cancelled}',
             "# TYPE kibidango_prompt_tokens_total counter",
@@ -116,7 +117,8 @@ class Stats:
                 "# HELP kibidango_cascade_requests_total Cascade answers by the tier that gave them.",
                 "# TYPE kibidango_cascade_requests_total counter",
                 *(f'kibidango_cascade_requests_total{{{m},tier="{t}"}} {n}' for t, n in self.tiers.items()),
-                "# HELP kibidango_cascade_flags_total Cascade answers by flag (degraded, budget_exhausted, no_key, ...).",
+                "# HELP kibidango_cascade_flags_total Cascade answers by flag (degraded, budget_exhausted, no_key, "
+                "...).",
                 "# TYPE kibidango_cascade_flags_total counter",
                 *(f'kibidango_cascade_flags_total{{{m},flag="{f}"}} {n}' for f, n in self.flags.items()),
                 "# HELP kibidango_cloud_spend_usd_total Dollars this process charged to the budget.",
@@ -125,7 +127,7 @@ class Stats:
                 "# HELP kibidango_cloud_request_seconds Cloud calls, retries and backoff included.",
                 "# TYPE kibidango_cloud_request_seconds histogram",
                 *(
-                    f'kibidango_cloud_request_seconds_bucket{{{m},le="{"+Inf" if edge == float("inf") else f"{edge:g}"}"}} {self.cloud_seconds[i]}'
+                    f'kibidango_cloud_request_seconds_bucket{{{m},le="{_le(edge)}"}} {self.cloud_seconds[i]}'
                     for i, edge in enumerate(_CLOUD_BUCKETS)
                 ),
                 f"kibidango_cloud_request_seconds_sum{{{m}}} {self.cloud_seconds_sum:.6f}",
@@ -135,7 +137,8 @@ class Stats:
         if client is not None:
             counts = dict(client.counts)
             lines += [
-                "# HELP kibidango_cloud_calls_total Cloud calls by outcome (ok, degraded, budget_exhausted, no_key, breaker_open).",
+                "# HELP kibidango_cloud_calls_total Cloud calls by outcome (ok, degraded, budget_exhausted, no_key, "
+                "breaker_open).",
                 "# TYPE kibidango_cloud_calls_total counter",
                 *(
                     f'kibidango_cloud_calls_total{{{m},outcome="{k}"}} {n}'
@@ -158,7 +161,8 @@ class Stats:
                 "# HELP kibidango_cloud_budget_limit_usd The cloud budget of the period.",
                 "# TYPE kibidango_cloud_budget_limit_usd gauge",
                 f'kibidango_cloud_budget_limit_usd{{{m},period="{state.period}"}} {state.limit_usd:.6f}',
-                "# HELP kibidango_cloud_budget_spent_usd Settled spend of the period, every process sharing the ledger.",
+                "# HELP kibidango_cloud_budget_spent_usd Settled spend of the period, every process sharing the "
+                "ledger.",
                 "# TYPE kibidango_cloud_budget_spent_usd gauge",
                 f'kibidango_cloud_budget_spent_usd{{{m},period="{state.period}"}} {state.settled_usd:.6f}',
                 "# TYPE kibidango_cloud_budget_reserved_usd gauge",
@@ -167,6 +171,11 @@ class Stats:
                 f'kibidango_cloud_budget_left_usd{{{m},period="{state.period}"}} {state.left_usd:.6f}',
             ]
         return "\n".join(lines) + "\n"
+
+
+def _le(edge: float) -> str:
+    """A histogram bucket's ``le`` label."""
+    return "+Inf" if edge == float("inf") else f"{edge:g}"
 
 
 _CLOUD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
