@@ -103,6 +103,7 @@ def _record_hit(stage_id, name, cached, tracker, run_name, tags, params, ctx) ->
             f"{TAG}cached": "yes",
             f"{TAG}source_run_id": manifest.get("mlflow_run_id") or "",
             f"{TAG}artifact": cached.path,
+            f"{TAG}digest": cached.digest,
         },
         params,
         ctx.parent_run_id,

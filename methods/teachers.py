@@ -94,7 +94,12 @@ def worst_case_usd(tier: TierConfig, prompt: str) -> float:
 
 
 class TierDead(KibidangoError):
-    """The tier cannot answer at all (bad key, unknown model, nothing listening)."""
+    """The tier cannot answer at all (bad key, unknown model, nothing listening). ``usd``: what the
+    call was charged before the tier refused (attempts that timed out first may have been billed)."""
+
+    def __init__(self, message: str, usd: float = 0.0):
+        super().__init__(message)
+        self.usd = usd
 
 
 class TeacherClient:
@@ -118,10 +123,11 @@ class TeacherClient:
         if reply.status == "refused":
             raise TierDead(
                 f"teacher tier {t.name} ({self.base_url}, model {t.model or t.serve}) refused the request "
-                f"({reply.error}); check its base_url, model and {t.api_key_env or 'key'}"
+                f"({reply.error}); check its base_url, model and {t.api_key_env or 'key'}",
+                reply.usd,
             )
         if reply.attempts and reply.retries["connection"] == reply.attempts:
-            raise TierDead(f"teacher tier {t.name} ({self.base_url}) is unreachable: {reply.error}")
+            raise TierDead(f"teacher tier {t.name} ({self.base_url}) is unreachable: {reply.error}", reply.usd)
         return reply
 
 

@@ -331,7 +331,7 @@ class _Cascade:
                 if tier.name not in self.dead:
                     self.dead.append(tier.name)
                     log.error(f"{e}; its rows escalate to the next tier")
-            event = {"event": "dead", "row": row["id"], "tier": tier.name, "usd": 0.0, "reason": str(e)}
+            event = {"event": "dead", "row": row["id"], "tier": tier.name, "usd": e.usd, "reason": str(e)}
             self.journal.write(event)
             self.state.done[key] = event
             return None

@@ -1,6 +1,6 @@
 """`make stage-2b` through the real CLI on a compression-only preset (stage 0 -> 2A on
 stories260K -> 2B, 2D -> X -> 2E): forcing 2B recomputes 2B, MLflow records every upstream stage
-as a cache hit, and downstream stages recompute only if 2B's outputs changed. (The slow test
+as a cache hit, and downstream stages recompute only if their inputs' bytes changed. (The slow test
 asserts the same after the full tiny preset.)"""
 
 from __future__ import annotations
@@ -93,5 +93,8 @@ def test_forcing_2b_reuses_upstream_and_recomputes_downstream_only_on_change(tmp
     for stage in ("0", "2A", "2D"):
         assert [r.data.tags[f"{TAG}cached"] for r in _runs(home, stage)] == ["no", "yes"], stage
     b1, b2 = (r.data.tags[f"{TAG}digest"] for r in _runs(home, "2B"))
-    for stage in ("X", "2E"):
-        assert _runs(home, stage)[-1].data.tags[f"{TAG}cached"] == ("yes" if b1 == b2 else "no"), stage
+    assert _runs(home, "X")[-1].data.tags[f"{TAG}cached"] == ("yes" if b1 == b2 else "no")
+    # X holds nothing that depends on when it was built: when 2B's new bytes leave the shipped weights
+    # as they were (its report's timings differ, say), X publishes the same bytes and 2E stays a hit
+    x1, x2 = (r.data.tags[f"{TAG}digest"] for r in _runs(home, "X")[:2])
+    assert _runs(home, "2E")[-1].data.tags[f"{TAG}cached"] == ("yes" if x1 == x2 else "no")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kibidango.backends.base import ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
+from kibidango.schema import describe
 
 STATE_HELP = (
     "the cascade's budget ledger and the session memory "
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("bundle")
     _pin_arg(ins)
     ins.set_defaults(func=_inspect)
+
+    sch = sub.add_parser("schema", help="every field of bundle.json, with its type and description (Markdown)")
+    sch.set_defaults(func=lambda args: print(describe()))
 
     bench = sub.add_parser("bench", help="compare decoding modes (and peers) on the same prompts")
     bench.add_argument("--bundle", required=True)

@@ -1,7 +1,7 @@
 """``bundle.json``, field by field: what the pipeline writes (:func:`kibidango.write_bundle`, stage
 X; 1F's tuned defaults; 9A's release verdict) and what the runtime, the CLI and the report read,
-all through :class:`BundleManifest`. Every field has a description (``python -m kibidango.schema``
-prints them). Parsing is strict: a key this runtime does not know, or a value of the wrong type, is
+all through :class:`BundleManifest`. Every field has a description (``kibidango schema`` prints
+them). Parsing is strict: a key this runtime does not know, or a value of the wrong type, is
 refused naming the file and the field.
 
 Nothing in a bundle depends on when, where or by which run it was built (no build time, MLflow run
@@ -12,6 +12,7 @@ a bundle rebuilt from the same inputs is byte-identical and its digest does not 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -189,11 +190,8 @@ def describe() -> str:
         lines += [f"### {cls.__name__}", "", "| field | type | description |", "|---|---|---|"]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            shown = str(hints[f.name]).replace("typing.", "").replace("kibidango.schema.", "")
+            shown = re.sub(r"<class '(\w+)'>", r"\1", str(hints[f.name]))
+            shown = re.sub(r"\b[\w.]+\.(\w+)", r"\1", shown)  # typing.Any, kibidango.schema.TierEntry
             lines.append(f"| `{f.name}` | `{shown}` | {f.metadata['doc']} |")
         lines.append("")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(describe())
