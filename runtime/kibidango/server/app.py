@@ -13,7 +13,7 @@ the server stops accepting, refuses what is still queued (503), lets running req
 the grace period, then cancels them.
 
 With a cascade (``serve --cascade CONFIG``) the model ``<model>-cascade`` answers through
-:mod:`kibidango.cascade.config`: the local phase holds the models, the cloud call does not, so
+:mod:`kibidango.cascade.pipeline`: the local phase holds the models, the cloud call does not, so
 other requests decode while one waits for the cloud. Chat requests with a session id (field
 ``session_id`` or header ``X-Session-Id``) get that session's last exchanges as context (6D).
 
@@ -96,7 +96,7 @@ def create_app(
     session memory is then kept per key. ``stall_seconds``: a generation that makes no progress for this long turns
     ``/health`` to 503 ("wedged"), so a supervisor can restart the server. ``cascade``: requests
     for the model ``<model_name>-cascade`` go through it (tier, confidence, cost and budget left in
-    the response's ``kibidango.cascade.config``). ``memory``: chat requests with a session id (the
+    the response's ``kibidango.cascade``). ``memory``: chat requests with a session id (the
     ``session_id`` field or the ``X-Session-Id`` header) get the session's last exchanges as
     context. ``max_queue``: requests waiting for the models beyond it are refused (429 +
     Retry-After); ``request_timeout_s``: a request not done this long after it came is cancelled
