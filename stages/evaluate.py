@@ -10,7 +10,7 @@ reproducible run to run), on tasks no stage trained or mined on
    per domain and over all; the perplexity of the gold answers under the base target, a graded
    measure where pass rates sit at zero. Resumable: answers are logged as they are judged.
 2. **Size**: the bundle's bytes on disk, per tier and weight form.
-3. **Memory**: peak RSS of a fresh process that loads the bundle and generates (``ru_maxrss``).
+3. **Memory**: peak RSS of a fresh process that loads the bundle and generates (``VmHWM``, its own high-water mark).
 4. **Speed**: ``kibidango bench`` on the first evaluation queries: tokens/s of ``ar``, ``sd`` and
    ``pyramid`` measured side by side (ratios to ``ar``: absolute timings on a shared machine are
    noise), acceptance per tier, target forwards per token.
@@ -222,12 +222,19 @@ def _size(bundle) -> dict:
     return {"bytes": sum(f.size for f in files), "tiers": tiers}
 
 
+# VmHWM is this process's own high-water mark. ru_maxrss is not: Linux carries the parent's peak
+# into a child across fork (or vfork) and exec, so a probe started by a large flow would report the
+# flow's memory, not the bundle's.
 _RSS_PROBE = """
 import resource, sys
 from kibidango import Pipeline
 pipe = Pipeline.from_bundle(sys.argv[1], backend=sys.argv[2])
 pipe.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+try:
+    with open("/proc/self/status") as status:
+        print(next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")))
+except (OSError, StopIteration):
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
@@ -243,7 +250,7 @@ def _peak_rss_mb(bundle_dir: Path, backend: str, prompt: str, new_tokens: int = 
     if probe.returncode != 0:
         log.warning(f"peak RSS probe failed (exit {probe.returncode}): {probe.stderr.strip()[-300:]}")
         return None
-    return int(probe.stdout.strip().splitlines()[-1]) / 1024  # Linux reports KiB
+    return int(probe.stdout.strip().splitlines()[-1]) / 1024  # both in KiB on Linux
 
 
 def _speed_prompts(pipe, rows: list[dict], cfg: Config) -> list[str]:
