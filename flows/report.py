@@ -69,7 +69,13 @@ _SECTIONS = [
     ("Evaluation on held-out tasks (stage 9)", "", [("9", "EVALUATION_CARD.md", [])]),
     ("Quality gates (stage 9A)", "", [("9A", "GATES_CARD.md", [])]),
 ]
-_SHOWN = {"humaneval": "HumanEval pass@1", "mbpp": "MBPP pass@1", "gsm8k": "GSM8K accuracy"}
+_SHOWN = {
+    "humaneval": "HumanEval pass@1",
+    "mbpp": "MBPP pass@1",
+    "gsm8k": "GSM8K accuracy",
+    "ladder_math": "ladder math, all levels",
+    "ladder_code": "ladder code, all levels",
+}
 # measurements in reading order (data, routing, runtime, cascade, server); others follow by name
 _MEASUREMENTS = [
     "eval-dedup",

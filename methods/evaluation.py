@@ -2,7 +2,8 @@
 verifiable benchmarks (:func:`methods.benchmarks.part`; failure mining, the teachers and the
 retraining round read only the mining parts, and stage 0 never reads an evaluation row) and, for
 general instructions, self-instruct's human-written seed tasks (``shared/data/alpaca_seed``), which
-no stage reads, less any whose text stage 0 holds.
+no stage reads, less any whose text stage 0 holds; and the evaluation part of the task ladder
+(:mod:`methods.ladder`), per level.
 
 - :class:`EvalSample` and :func:`evaluation_tasks`: which tasks a recipe's samples take
   (deterministic by seed; a bigger sample contains the smaller one);
@@ -17,12 +18,13 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig
 from methods.benchmarks import BENCHMARKS, load_tasks
 from methods.failures import row_key, sample
 from methods.judges import Task
+from methods.ladder import check_levels, ladder_rows
 from methods.training.chat import prompt_text
 
 __all__ = ["EvalSample", "evaluation_tasks", "seed_tasks", "wilson"]
@@ -32,14 +34,29 @@ SEED_TASKS_DOMAIN = "general"
 
 class EvalSample(StageConfig):
     name: str
-    source: Literal["gsm8k", "mbpp", "humaneval", "alpaca_seed"] = Field(
-        description="A benchmark (its evaluation part) or self-instruct's seed tasks (general, reference judge)."
+    source: Literal["gsm8k", "mbpp", "humaneval", "alpaca_seed", "ladder"] = Field(
+        description="A benchmark (its evaluation part), self-instruct's seed tasks (general, reference judge), "
+        "or the task ladder's evaluation part (methods/ladder)."
     )
-    path: str = Field(description="The file (../shared/data/...).")
+    path: str | None = Field(None, description="The file (../shared/data/...); not for the ladder.")
+    domain: Literal["math", "code"] | None = Field(None, description="ladder: which rungs (the others: their own).")
+    levels: list[int] | None = Field(None, description="ladder: the levels, `size` spread evenly over them.")
     size: int = Field(gt=0, description="Tasks to evaluate (fewer when the file has fewer).")
 
+    @model_validator(mode="after")
+    def _where(self) -> EvalSample:
+        if self.source == "ladder":
+            if self.path is not None:
+                raise ValueError(f"evaluation sample {self.name!r}: the ladder is generated; it has no `path`")
+            check_levels(self.name, self.domain, self.levels)
+        elif self.path is None or self.domain is not None or self.levels is not None:
+            raise ValueError(f"evaluation sample {self.name!r}: {self.source} takes a `path` (and no ladder fields)")
+        return self
+
     @property
-    def domain(self) -> str:
+    def sample_domain(self) -> str:
+        if self.source == "ladder":
+            return self.domain
         return BENCHMARKS[self.source]["domain"] if self.source in BENCHMARKS else SEED_TASKS_DOMAIN
 
 
@@ -88,6 +105,10 @@ def evaluation_tasks(samples: list[EvalSample], seed: int, seen: set[str]) -> li
     seed task whose text stage 0 holds is left out). A missing file is an error naming it."""
     rows: list[dict] = []
     for s in samples:
+        if s.source == "ladder":  # generated; its evaluation part is read by no other stage
+            pool = ladder_rows(s.domain, s.levels, "evaluation", s.size, seed)
+            rows += [{**r, "sample": s.name, "source": s.source, "domain": s.sample_domain} for r in pool]
+            continue
         path = Path(s.path)
         if not path.is_file():
             raise KibidangoError(f"evaluation sample {s.name!r}: {path} not found")
@@ -99,5 +120,5 @@ def evaluation_tasks(samples: list[EvalSample], seed: int, seen: set[str]) -> li
                 instruction, input_ = bt.instruction()
                 pool.append({"id": bt.id, "instruction": instruction, "input": input_, "task": bt.task})
         for r in sample(pool, s.size, seed, key=lambda r: r["id"]):
-            rows.append({**r, "sample": s.name, "source": s.source, "domain": s.domain})
+            rows.append({**r, "sample": s.name, "source": s.source, "domain": s.sample_domain})
     return rows

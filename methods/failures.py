@@ -158,6 +158,7 @@ def task_record(row: dict) -> dict:
         "sample": row["sample"],
         "source": row["source"],
         "domain": row["domain"],
+        "level": row.get("level", 0),  # a ladder task's level; 0 for tasks without one
         "prompt": t.prompt,
         "instruction": row["instruction"],
         "input": row["input"],

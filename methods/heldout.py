@@ -29,6 +29,7 @@ from methods.curation.split import BENCHMARKS
 from methods.failures import RowLog, row_key, sample
 from methods.judges import Task, make_judges
 from methods.judges.settings import JudgeSettings
+from methods.ladder import check_levels, ladder_rows
 from methods.training.chat import load_split, prompt_text
 
 __all__ = ["HeldOutSample", "HeldOutTasks", "Judged", "answer_and_judge", "select_tasks"]
@@ -38,21 +39,29 @@ log = logging.getLogger("kibidango.heldout")
 
 class HeldOutSample(StageConfig):
     name: str = Field(description="Label of this sample in the table and the metrics.")
-    source: Literal["gsm8k", "mbpp", "humaneval", "stage0"] = Field(
-        description="A benchmark's mining half, or stage 0's held-out rows (`domain`)."
+    source: Literal["gsm8k", "mbpp", "humaneval", "stage0", "ladder"] = Field(
+        description="A benchmark's mining half, stage 0's held-out rows (`domain`), or the task ladder's mining "
+        "part (`domain` math or code, `levels`; methods/ladder)."
     )
-    path: str | None = Field(None, description="The benchmark's task file (source other than stage0).")
-    domain: str | None = Field(None, description="stage0: the stage-0 domain to sample; benchmarks: their own.")
+    path: str | None = Field(None, description="The benchmark's task file (a benchmark source only).")
+    domain: str | None = Field(
+        None, description="stage0: the stage-0 domain to sample; ladder: math or code; benchmarks: their own."
+    )
+    levels: list[int] | None = Field(None, description="ladder: the levels to draw from, `size` spread evenly.")
     size: int = Field(gt=0, description="Rows to test (fewer when fewer are held out).")
     optional: bool = Field(True, description="Skip with a warning when the benchmark file is absent.")
 
     @model_validator(mode="after")
     def _where(self) -> HeldOutSample:
-        if self.source == "stage0":
+        if self.source in ("stage0", "ladder"):
             if not self.domain or self.path:
-                raise ValueError(f"sample {self.name!r}: a stage0 sample names a `domain` and no `path`")
+                raise ValueError(f"sample {self.name!r}: a {self.source} sample names a `domain` and no `path`")
+            if self.source == "ladder":
+                check_levels(self.name, self.domain, self.levels)
         elif not self.path:
             raise ValueError(f"sample {self.name!r}: benchmark {self.source} needs its `path`")
+        if self.levels is not None and self.source != "ladder":
+            raise ValueError(f"sample {self.name!r}: only a ladder sample has `levels`")
         return self
 
     @property
@@ -115,6 +124,13 @@ def select_tasks(cfg: HeldOutTasks, data: Path, seen: set[str]) -> tuple[list[di
                     task = Task(r["id"], prompt_text(r["instruction"], r["input"]), r["output"])
                     pool.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": task})
             excluded[s.name] = 0
+        elif s.source == "ladder":  # the mining part: no stage-0 source reads it (methods/ladder)
+            pool = ladder_rows(s.domain, s.levels, "mining", s.size, cfg.seed)
+            excluded[s.name] = 0
+            rows += [{**r, "sample": s.name, "source": s.source, "domain": s.sample_domain} for r in pool]
+            if len(pool) < s.size:
+                log.warning(f"sample {s.name!r}: {len(pool)} ladder tasks, fewer than its size {s.size}")
+            continue
         else:
             if not Path(s.path).is_file():
                 log.warning(f"sample {s.name!r}: {s.path} is absent; skipped (optional)")

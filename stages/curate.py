@@ -78,12 +78,15 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
 
     drops: Counter[str] = Counter()
     languages: Counter[str] = Counter()
-    kept: list[Example] = []
     with open(out_dir / "dropped.jsonl", "w", encoding="utf-8") as dropped:
-        for ex in _filter(cfg, examples, drops, languages, dropped):
-            kept.append(ex)
+        kept = list(_filter(cfg, examples, drops, languages, dropped))
         after_filters = len(kept)
-        kept, exact, near = _deduplicate(cfg.dedup, kept, drops, dropped)
+        # A ladder source holds one row per distinct problem by construction, worded from shared
+        # templates: near-dedup would take most of them for copies of each other.
+        ladder = {s.name for s in cfg.sources if s.ladder is not None}
+        generated = [ex for ex in kept if ex.source in ladder]
+        kept, exact, near = _deduplicate(cfg.dedup, [ex for ex in kept if ex.source not in ladder], drops, dropped)
+        kept += generated
 
     for s in source_stats:
         s["kept"] = sum(1 for ex in kept if ex.source == s["name"])

@@ -63,7 +63,7 @@ class Config(Judged):
     speed_modes: list[str] = Field(["ar", "sd", "pyramid"], min_length=1)
 
     def domains(self) -> dict[str, str]:
-        return {s.name: s.domain for s in self.samples}
+        return {s.name: s.sample_domain for s in self.samples}
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
@@ -178,12 +178,18 @@ def _reference_nll(pipe, prompt_ids: list[int], reference: str) -> dict | None:
 
 
 def _quality(table: list[dict], policies: list[str]) -> dict:
-    """Per sample and per domain (``domain:<name>``): n, passes and the Wilson interval per policy."""
+    """Per sample, per ladder level (``<sample>/L<level>``) and per domain (``domain:<name>``): n,
+    passes and the Wilson interval per policy."""
     groups: dict[str, list[dict]] = {}
-    for r in table:
-        groups.setdefault(r["sample"], []).append(r)
-        groups.setdefault(f"domain:{r['domain']}", []).append(r)
-        groups.setdefault("all", []).append(r)
+    for key in (
+        lambda r: r["sample"],
+        lambda r: f"{r['sample']}/L{r['level']}" if r.get("level") else None,
+        lambda r: f"domain:{r['domain']}",
+        lambda r: "all",
+    ):
+        for r in table:
+            if key(r) is not None:
+                groups.setdefault(key(r), []).append(r)
     out = {}
     for key, rs in groups.items():
         source = rs[0]["source"]

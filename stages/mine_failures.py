@@ -29,6 +29,7 @@ from pydantic import Field
 from core.contract import KibidangoError, StageResult
 from core.hashing import file_sha256
 from core.progress import report_metrics
+from methods.evaluation import wilson
 from methods.failures import failure_rate, task_record, training_texts, verdict_record
 from methods.heldout import HeldOutTasks, answer_and_judge, select_tasks
 from methods.judges import sandbox_note
@@ -145,6 +146,13 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
             "seen_in_training_excluded": excluded.get(s.name, 0),
             "outcomes": dict(Counter(r["outcome"] for r in mine)),
         }
+    levels = {}  # ladder samples: the failure rate per level, where the loop's frontier shows
+    for r in table:
+        if r.get("level"):
+            levels.setdefault(f"{r['sample']}/L{r['level']}", []).append(r)
+    levels = {
+        k: dict(zip(("failure_rate", "failed", "judged"), _failure_rate(rs), strict=True)) for k, rs in levels.items()
+    }
     stats = {
         "command": "make stage-1b",
         "code_sandbox": sandbox_note(cfg.judges),
@@ -156,6 +164,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "outcomes": dict(Counter(r["outcome"] for r in table)),
         "domains": domains,
         "samples": samples,
+        "levels": levels,
         "generated_now": generated,
         "resumed": resumed,
         "rejudged": rejudged,
@@ -178,6 +187,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "judge_usd": stats["judge_usd"],
         **{f"failure_rate/{d}": v["failure_rate"] for d, v in domains.items()},
         **{f"tested/{d}": v["tested"] for d, v in domains.items()},
+        **{f"failure_rate/{k}": v["failure_rate"] for k, v in levels.items()},
     }
     return metrics, stats
 
@@ -189,6 +199,16 @@ def _write_table(table: list[dict], out_dir: Path) -> None:
         for r in table:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     Dataset.from_list(table).save_to_disk(str(out_dir / "answers"))
+
+
+def _levels_table(levels: dict) -> list[str]:
+    if not levels:
+        return []
+    lines = ["| ladder sample / level | with a verdict | failed | failure rate (95% Wilson) |", "|---|---:|---:|---:|"]
+    for key, v in sorted(levels.items(), key=lambda kv: (kv[0].split("/L")[0], int(kv[0].split("/L")[1]))):
+        lo, hi = wilson(v["failed"], v["judged"])
+        lines.append(f"| {key} | {v['judged']:,} | {v['failed']:,} | {v['failure_rate']:.1%} [{lo:.1%}, {hi:.1%}] |")
+    return [*lines, ""]
 
 
 def _card(stats: dict) -> str:
@@ -220,6 +240,7 @@ def _card(stats: dict) -> str:
         f"| **all** | | {stats['tested']:,} | {stats['judged']:,} | {stats['failed']:,} | "
         f"**{stats['failure_rate']:.1%}** |",
         "",
+        *_levels_table(stats.get("levels", {})),
         f"Judge errors (no verdict): {stats['judge_errors']:,}. Mean answer length {stats['mean_tokens']:.1f} tokens; "
         f"{stats['answers_per_second']:.2f} answers/s generated in this run ({stats['generated_now']:,} generated, "
         f"{stats['resumed']:,} resumed from an interrupted attempt). Judge spend ${stats['judge_usd']:.4f}.",

@@ -87,6 +87,9 @@ def test_evaluation_tasks_are_never_mined_taught_or_trained_on(stage0):
 
     samples = [EvalSample(name=n, source=n, path=str(p), size=10_000) for n, p in BENCH.items()]
     samples.append(EvalSample(name="general", source="alpaca_seed", path=str(SEEDS), size=10_000))
+    for domain, top in (("math", 7), ("code", 6)):  # the ladder: 100 evaluation tasks per level
+        levels = list(range(1, top + 1))
+        samples.append(EvalSample(name=f"l_{domain}", source="ladder", domain=domain, levels=levels, size=100 * top))
     evaluated = {r["id"] for r in evaluation_tasks(samples, seed=0, seen=set())}
     first_seed = f"alpaca_seed/{json.loads(SEEDS.read_text().splitlines()[0])['id']}"
     assert first_seed in evaluated
@@ -96,11 +99,14 @@ def test_evaluation_tasks_are_never_mined_taught_or_trained_on(stage0):
     seen = training_texts(load_split(stage0 / "dataset", "train"))
     assert first_seed not in {r["id"] for r in evaluation_tasks(samples, seed=0, seen=seen)}  # stage 0 holds it
 
+    mined_ids: set[str] = set()
     for preset in ("tiny", "llama31-8b"):  # what 1B would mine, at every size its recipe could ask
         recipe = yaml.safe_load(Path(f"recipes/stage1B/{preset}.yaml").read_text())
-        recipe["samples"] = [
-            {**s, "size": 10_000} for s in recipe["samples"] if s["source"] != "stage0"
-        ]  # the benchmark samples
+        recipe["samples"] = [  # the benchmark and ladder samples (the ladder's: 100 per level)
+            {**s, "size": 100 * len(s["levels"]) if s["source"] == "ladder" else 10_000}
+            for s in recipe["samples"]
+            if s["source"] != "stage0"
+        ]
         recipe["judges"] = {k: v for k, v in recipe["judges"].items() if v["kind"] != "llm"} or {
             "math": {"kind": "math"}
         }
@@ -108,6 +114,18 @@ def test_evaluation_tasks_are_never_mined_taught_or_trained_on(stage0):
         recipe["judges"].setdefault("math", {"kind": "math"})
         mined, _ = select_tasks(MiningConfig.model_validate(recipe), stage0 / "dataset", set())
         assert mined and not {r["id"] for r in mined} & evaluated, preset
+        mined_ids |= {r["id"] for r in mined}
+        if preset == "tiny":
+            assert {r["source"] for r in mined} >= {"ladder"} and any(i.startswith("ladder-") for i in evaluated)
+
+    # and stage 0's ladder sources read the train part only: no mined or evaluated id among them
+    from methods.curation.ingest import SourceSpec, read_source
+
+    stage0_recipe = yaml.safe_load(Path("recipes/stage0/tiny.yaml").read_text())
+    ladder_sources = [SourceSpec.model_validate(s) for s in stage0_recipe["sources"] if s["format"] == "ladder"]
+    assert ladder_sources
+    trained = {ex.id for spec in ladder_sources for ex in read_source(spec)}
+    assert trained and not trained & evaluated and not trained & mined_ids
 
 
 def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):

@@ -163,7 +163,7 @@ def test_hf_dataset_path_reads_a_local_dataset_dir(tmp_path):
 
 
 def test_a_source_needs_exactly_one_location():
-    with pytest.raises(ValueError, match="give exactly one of `path` or `hf`"):
+    with pytest.raises(ValueError, match="give exactly one of `path`, `hf` or `ladder`"):
         SourceSpec(name="x", format="alpaca", license="MIT")
 
 

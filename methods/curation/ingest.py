@@ -32,10 +32,11 @@ from core.contract import KibidangoError
 from core.hashing import file_sha256, tree_sha256
 from methods.curation.records import Example, Reject, normalize_text
 from methods.curation.split import part, task_id
+from methods.ladder import LadderSource
 
 __all__ = ["FieldError", "SourceError", "SourceSpec", "parse_record", "read_source", "records", "source_digest"]
 
-Format = Literal["alpaca", "sharegpt", "gsm8k", "mbpp", "humaneval", "text"]
+Format = Literal["alpaca", "sharegpt", "gsm8k", "mbpp", "humaneval", "text", "ladder"]
 _RAW_CHARS = 300  # how much of a rejected row the rejects file keeps
 
 
@@ -66,6 +67,11 @@ class SourceSpec(BaseModel):
     hf_config: str | None = Field(None, description="Dataset configuration name (load_dataset's `name`).")
     hf_split: str = Field("train", description="Split to read from the HF dataset.")
     hf_revision: str | None = Field(None, description="Hub revision; pin it, or the cache cannot see upstream changes.")
+    ladder: LadderSource | None = Field(
+        None,
+        description="Generated rows of the task ladder (format `ladder`): the train part of one domain's levels up "
+        "to a cut-off (methods/ladder).",
+    )
     format: Format = Field(description="Record layout; see the module docstring for the fields each reads.")
     fields: dict[str, str] = Field(
         default_factory=dict, description="Renames: our field name -> the source's field name."
@@ -89,15 +95,23 @@ class SourceSpec(BaseModel):
 
     @model_validator(mode="after")
     def _one_location(self) -> SourceSpec:
-        if (self.path is None) == (self.hf is None):
-            raise ValueError(f"source '{self.name}': give exactly one of `path` or `hf`")
+        if sum(x is not None for x in (self.path, self.hf, self.ladder)) != 1:
+            raise ValueError(f"source '{self.name}': give exactly one of `path`, `hf` or `ladder`")
+        if (self.ladder is not None) != (self.format == "ladder"):
+            raise ValueError(f"source '{self.name}': format `ladder` and a `ladder` section go together")
+        if self.ladder is not None and self.domain != self.ladder.domain:
+            raise ValueError(f"source '{self.name}': `domain` must be the ladder's, {self.ladder.domain}")
         return self
 
     @property
     def location(self) -> str:
+        if self.ladder is not None:
+            return f"ladder:{self.ladder.domain}"
         return self.path if self.path is not None else f"hf:{self.hf}[{self.hf_split}]"
 
     def is_present(self) -> bool:
+        if self.ladder is not None:
+            return True
         if self.path is not None:
             return Path(self.path).is_file()
         return not _looks_local(self.hf) or Path(self.hf).is_dir()
@@ -108,8 +122,11 @@ def _looks_local(hf: str) -> bool:
 
 
 def source_digest(spec: SourceSpec) -> str:
-    """What the cache key sees of a source: its bytes (local files and directories) or its hub
-    id and revision. Raises SourceError for a required source that is missing or empty."""
+    """What the cache key sees of a source: its bytes (local files and directories), its hub
+    id and revision, or a ladder's settings (the generator is code: the stage's code version sees
+    it). Raises SourceError for a required source that is missing or empty."""
+    if spec.ladder is not None:
+        return "ladder:" + spec.ladder.model_dump_json()
     if not spec.is_present():
         if spec.optional:
             return "absent"
@@ -126,7 +143,14 @@ def source_digest(spec: SourceSpec) -> str:
 
 def read_source(spec: SourceSpec, held_out: list[str] | None = None) -> Iterator[Example | Reject]:
     """Every row of the source as an Example (domain may still be `auto`) or a Reject. A benchmark
-    source's evaluation rows are skipped; their task ids are appended to ``held_out``."""
+    source's evaluation rows are skipped; their task ids are appended to ``held_out``. A ladder
+    source yields its train part only (its mining and evaluation parts are never generated here)."""
+    if spec.ladder is not None:
+        for n, t in enumerate(spec.ladder.rows(), start=1):
+            yield Example(t.id, spec.name, spec.domain, *map(normalize_text, (t.instruction, t.input, t.output)))
+            if spec.limit is not None and n >= spec.limit:
+                return
+        return
     n_valid = n_seen = 0
     for line, record in records(spec):
         n_seen += 1

@@ -1,0 +1,165 @@
+"""The math rungs: arithmetic word problems with a worked solution ending in GSM8K's ``#### n``.
+
+A problem is a starting amount — a number, or ``a`` packs of ``b`` (a multiplication) — followed
+by events that add or take away. The level fixes the shape and the operands' digits:
+
+====  =================================  =============
+level shape                              example
+====  =================================  =============
+1     one digit + one digit              3 + 4
+2     two digits +/- one digit           37 + 5
+3     two digits +/- two digits          37 - 18
+4     one digit x two digits             6 * 23
+5     two digits, two +/- steps          37 + 45 - 18
+6     one digit x two digits, one step   6 * 23 - 17
+7     one digit x two digits, two steps  6 * 23 - 17 + 45
+====  =================================  =============
+
+The measured difficulty is :func:`digit_steps`: the single-digit operations of the schoolbook
+algorithm (one per column added or subtracted, one per digit multiplied, one per carry or
+borrow). Its mean rises with every level (``tests/test_ladder.py``).
+
+The problem's **key** is its arithmetic alone (``"5:37+45-18"``): the same sums told with other
+names or in another template are the same task, so a split by key never puts one problem's numbers
+on both sides. Subtractions never go below zero (the step adds instead).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+__all__ = ["LEVELS", "Problem", "digit_steps", "problem"]
+
+LEVELS = 7
+
+_NAMES = ["Lily", "Tom", "Mia", "Ben", "Sue", "Max", "Anna", "Sam", "Lucy", "Jack", "Zoe", "Leo", "Ivy", "Noah"]
+_THINGS = ["apples", "stickers", "marbles", "books", "cookies", "shells", "pencils", "stones", "cards", "flowers"]
+_CONTAINERS = ["boxes", "bags", "jars", "baskets", "packs"]
+_PRONOUN = {name: "she" if name in {"Lily", "Mia", "Sue", "Anna", "Lucy", "Zoe", "Ivy"} else "he" for name in _NAMES}
+
+# Surface templates. {n}: name, {p}: pronoun, {t}: things, {c}: containers, {a} {b}: numbers.
+_START = [
+    "{n} has {a} {t}.",
+    "There are {a} {t} in {n}'s room.",
+    "{n} collected {a} {t} last week.",
+    "At the start of the day, {n} had {a} {t}.",
+]
+_START_PACKS = [
+    "{n} has {a} {c} with {b} {t} in each.",
+    "{n} buys {a} {c} of {t}. Each one holds {b} {t}.",
+    "{n} puts {a} {c} on the table, and every one has {b} {t} in it.",
+]
+_ADD = [
+    "Then {p} gets {b} more.",
+    "A friend gives {n} {b} more {t}.",
+    "{n} finds {b} more {t}.",
+    "Later, {p} buys {b} more {t}.",
+]
+_TAKE = [
+    "Then {p} gives away {b} of them.",
+    "{n} loses {b} {t}.",
+    "{n} gives {b} {t} to a friend.",
+    "Later, {p} uses {b} {t}.",
+]
+_QUESTION = [
+    "How many {t} does {n} have now?",
+    "How many {t} are there now?",
+    "How many {t} does {n} end up with?",
+]
+_QUESTION_PACKS = [
+    "How many {t} does {n} have in all?",
+    "How many {t} are there altogether?",
+]
+
+# level -> (start digits, or (multiplier digits, multiplicand digits) for packs; event digits, events)
+_SHAPES: dict[int, tuple[int | tuple[int, int], int, int]] = {
+    1: (1, 1, 1),
+    2: (2, 1, 1),
+    3: (2, 2, 1),
+    4: ((1, 2), 0, 0),
+    5: (2, 2, 2),
+    6: ((1, 2), 2, 1),
+    7: ((1, 2), 2, 2),
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    """The arithmetic alone, with the level: ``"5:37+45-18"``."""
+    question: str
+    solution: str
+    """One line per step (``37 + 45 = 82``), then ``#### n``."""
+    answer: int
+    steps: tuple[tuple[str, int, int, int], ...]
+    """(operator, left, right, result) per step."""
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    """A number of exactly ``digits`` digits (one digit: 1..9)."""
+    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+
+def problem(level: int, rng: random.Random) -> Problem:
+    """One problem of ``level`` (1..:data:`LEVELS`), its numbers and words drawn from ``rng``."""
+    if level not in _SHAPES:
+        raise ValueError(f"math level {level}: the ladder has levels 1..{LEVELS}")
+    start, event_digits, events = _SHAPES[level]
+    who = rng.choice(_NAMES)
+    words = {"n": who, "p": _PRONOUN[who], "t": rng.choice(_THINGS), "c": rng.choice(_CONTAINERS)}
+    steps: list[tuple[str, int, int, int]] = []
+    sentences: list[str] = []
+    if isinstance(start, tuple):
+        a, b = max(2, _number(rng, start[0])), _number(rng, start[1])  # one pack makes no product
+        value = a * b
+        steps.append(("*", a, b, value))
+        sentences.append(rng.choice(_START_PACKS).format(a=a, b=b, **words))
+    else:
+        value = _number(rng, start)
+        sentences.append(rng.choice(_START).format(a=value, **words))
+    for _ in range(events):
+        b = _number(rng, event_digits)
+        op = rng.choice("+-") if level > 1 else "+"
+        if op == "-" and b > value:
+            op = "+"
+        result = value + b if op == "+" else value - b
+        steps.append((op, value, b, result))
+        sentences.append(rng.choice(_ADD if op == "+" else _TAKE).format(b=b, **words))
+        value = result
+    sentences.append(
+        rng.choice(_QUESTION_PACKS if isinstance(start, tuple) and not events else _QUESTION).format(**words)
+    )
+    head = f"{steps[0][1]}*{steps[0][2]}" if steps[0][0] == "*" else str(steps[0][1])
+    key = f"{level}:{head}" + "".join(f"{op}{b}" for op, _, b, _ in steps if op != "*")
+    solution = "\n".join(f"{a} {op} {b} = {r}" for op, a, b, r in steps) + f"\n#### {value}"
+    return Problem(key, " ".join(sentences), solution, value, tuple(steps))
+
+
+def digit_steps(steps: tuple[tuple[str, int, int, int], ...]) -> int:
+    """Single-digit operations the schoolbook algorithm takes for ``steps``: a column added or
+    subtracted, a digit multiplied, a carry or a borrow each count one."""
+    total = 0
+    for op, a, b, _ in steps:
+        if op == "*":
+            small, large = sorted((a, b))
+            for m in map(int, str(small)):
+                carry = 0
+                for d in map(int, reversed(str(large))):
+                    total += 1
+                    carry, _ = divmod(m * d + carry, 10)
+                    total += carry > 0
+            total += (len(str(small)) - 1) * len(str(a * b))  # adding the partial products
+            continue
+        da, db = str(a)[::-1], str(b)[::-1]
+        carry = 0
+        for i in range(max(len(da), len(db))):
+            x = int(da[i]) if i < len(da) else 0
+            y = int(db[i]) if i < len(db) else 0
+            total += 1
+            if op == "+":
+                carry = (x + y + carry) >= 10
+            else:
+                carry = (x - y - carry) < 0
+            total += carry
+    return total
