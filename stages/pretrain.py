@@ -1,9 +1,11 @@
 """Stage P — pretrain the tiers a preset has no checkpoint for (the CPU ``tiny`` preset).
 
-Each trained tier starts from a fresh ``LlamaConfig`` (random weights, the family's tokenizer)
-and is trained by axolotl on stage 0's train split in the family's chat format (every token
-trained). A pretrained model can join the family as-is (``draft``: stories260K, whose 512-token
-tokenizer the family shares), so one tokenizer serves every tier — speculative decoding needs it.
+Each trained tier starts either from a fresh ``LlamaConfig`` (``arch``: random weights, the
+family's tokenizer) or from a pretrained model's embeddings, some of its decoder layers, norm and
+head (``init_from`` + ``keep_layers``: layer dropping), and is trained by axolotl on stage 0's
+train split in the family's chat format (every token trained). A pretrained model can join the
+family as-is (``pretrained``: e.g. ../shared's bench family, whose tokenizer is stories260K's),
+saved again in float32; one tokenizer serves every tier — speculative decoding needs it.
 
 Outputs: ``<tier>/`` (transformers checkpoints with the tokenizer), ``axolotl/<tier>.yaml`` (the
 configs that ran), ``logs/<tier>.log``, ``family.json`` (parameters and validation perplexity of
@@ -18,14 +20,22 @@ import shutil
 from pathlib import Path
 
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256
 from methods.measure import lm
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
-from methods.training.models import TOKENIZER_FILES, copy_tokenizer, init_llama, tokenizer_files, tokenizer_type
+from methods.training.models import (
+    TOKENIZER_FILES,
+    copy_tokenizer,
+    init_llama,
+    resave_float32,
+    tokenizer_files,
+    tokenizer_type,
+    truncate_llama,
+)
 from methods.training.recipe import TrainRecipe
 
 RESUMABLE = True
@@ -45,14 +55,36 @@ class Architecture(StageConfig):
 
 
 class TierPlan(StageConfig):
-    arch: Architecture
+    arch: Architecture | None = Field(None, description="Random initial weights of this shape.")
+    init_from: str | None = Field(
+        None, description="A pretrained model directory whose embeddings, `keep_layers`, norm and head start the tier."
+    )
+    keep_layers: list[int] | None = Field(None, description="init_from: its decoder layers to keep, in order.")
     train: TrainRecipe
+
+    @model_validator(mode="after")
+    def _one_start(self) -> TierPlan:
+        if (self.arch is None) == (self.init_from is None) or (self.init_from is None) != (self.keep_layers is None):
+            raise ValueError("a trained tier starts from `arch` (random) or from `init_from` with `keep_layers`")
+        return self
 
 
 class Config(StageConfig):
     tokenizer: str = Field(description="Directory of the family's tokenizer (HF files).")
-    draft: str | None = Field(None, description="A pretrained HF model that joins the family as the draft, unchanged.")
-    tiers: dict[str, TierPlan] = Field(description="Tiers trained here from random weights, e.g. qualifier, target.")
+    pretrained: dict[str, str] = Field(
+        default_factory=dict, description="Tier name -> a pretrained HF model directory that joins the family as-is."
+    )
+    tiers: dict[str, TierPlan] = Field(default_factory=dict, description="Tiers trained here, e.g. the qualifier.")
+
+    @model_validator(mode="after")
+    def _tiers(self) -> Config:
+        both = set(self.pretrained) & set(self.tiers)
+        if both:
+            raise ValueError(f"tier {sorted(both)[0]!r} is both `pretrained` and trained in `tiers`")
+        if not self.pretrained and not self.tiers:
+            raise ValueError("the family needs at least one tier (`pretrained` or `tiers`)")
+        return self
+
     eval_rows: int = Field(300, gt=0, description="Validation rows the perplexity is measured on.")
     eval_max_len: int = Field(256, gt=8, description="Tokens per validation row (truncated).")
 
@@ -64,13 +96,15 @@ def external_inputs(cfg: Config) -> dict[str, str]:
         raise KibidangoError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tok} (config key 'tokenizer')")
     for f in tokenizer_files(tok):
         digests[f"tokenizer/{f.name}"] = file_sha256(f)
-    if cfg.draft:
-        draft = Path(cfg.draft)
-        if not (draft / "config.json").is_file():
-            raise KibidangoError(f"'draft' {draft} is not a transformers model directory (no config.json)")
-        for f in sorted(draft.iterdir()):
+    models = {f"pretrained.{n}": p for n, p in cfg.pretrained.items()}
+    models |= {f"tiers.{n}.init_from": t.init_from for n, t in cfg.tiers.items() if t.init_from}
+    for key, where in models.items():
+        model = Path(where)
+        if not (model / "config.json").is_file():
+            raise KibidangoError(f"{key}: {model} is not a transformers model directory (no config.json)")
+        for f in sorted(model.iterdir()):
             if f.is_file():
-                digests[f"draft/{f.name}"] = file_sha256(f)
+                digests[f"{key}/{f.name}"] = file_sha256(f)
     return digests
 
 
@@ -105,8 +139,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     dataset = _dataset(str(data_file))
 
     family: dict[str, Path] = {}
-    if cfg.draft:
-        family["draft"] = Path(cfg.draft)
+    for name, where in cfg.pretrained.items():
+        family[name] = resave_float32(Path(where), tok_dir, out_dir / name)
+        log.info(f"tier {name}: {where} joins the family as-is (float32)")
     metrics: dict[str, float] = {}
     (out_dir / "axolotl").mkdir(parents=True)
     (out_dir / "logs").mkdir()
@@ -114,8 +149,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         run_dir = work_dir / name
         init = run_dir / "init"
         if not (init / "config.json").is_file():
-            arch = plan.arch.model_dump(exclude={"init_seed"})
-            init_llama(arch, tokenizer, tok_dir, init, plan.arch.init_seed)
+            if plan.arch is not None:
+                arch = plan.arch.model_dump(exclude={"init_seed"})
+                init_llama(arch, tokenizer, tok_dir, init, plan.arch.init_seed)
+            else:
+                truncate_llama(Path(plan.init_from), plan.keep_layers, tok_dir, init)
+                log.info(f"tier {name}: starts from layers {plan.keep_layers} of {plan.init_from}")
         spec = axolotl.render(plan.train, str(init), [dataset], str(run_dir), tokenizer_type=tokenizer_type(init))
         (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         last = axolotl.train(spec, run_dir, f"P/{name}", gpus=plan.train.gpus)
@@ -123,27 +162,40 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         family[name] = axolotl.trained_files(run_dir, out_dir / name)
         copy_tokenizer(tok_dir, family[name])
         metrics[f"{name}_train_loss"] = last.get("loss", float("nan"))
-    if "draft" in family:
-        shutil.copytree(family["draft"], out_dir / "draft")
-        family["draft"] = out_dir / "draft"
 
     val = load_split(data, "validation", limit=cfg.eval_rows)
     table = {}
     for name, path in family.items():
         model = lm.load_causal_lm(path)
         res = lm.response_loss(model, tokenizer, val, cfg.eval_max_len)
-        table[name] = {"parameters": lm.parameters(model), "val_loss": res["loss"], "val_perplexity": res["perplexity"]}
+        table[name] = {
+            "parameters": lm.parameters(model),
+            "val_loss": res["loss"],
+            "val_perplexity": res["perplexity"],
+            "source": _source(cfg, name),
+        }
         metrics[f"{name}_parameters"] = float(table[name]["parameters"])
         metrics[f"{name}_val_perplexity"] = res["perplexity"]
     (out_dir / "family.json").write_text(json.dumps(table, indent=2))
-    lines = ["| tier | parameters | validation perplexity |", "|---|---:|---:|"]
-    lines += [f"| {name} | {t['parameters']:,} | {t['val_perplexity']:.2f} |" for name, t in table.items()]
+    lines = ["| tier | parameters | validation perplexity | source |", "|---|---:|---:|---|"]
+    lines += [
+        f"| {name} | {t['parameters']:,} | {t['val_perplexity']:.2f} | {t['source']} |" for name, t in table.items()
+    ]
     report = "\n".join(lines)
     (out_dir / "family.md").write_text(
-        f"# Stage P — the tiny family\n\nValidation: {len(val)} rows of stage 0's validation split.\n\n{report}\n"
+        f"# Stage P — the family\n\nValidation: {len(val)} rows of stage 0's validation split.\n\n{report}\n"
     )
     return StageResult(
         metrics,
         ["family.md", "family.json", *[f"axolotl/{n}.yaml" for n in cfg.tiers]],
         summary="family:\n" + report,
     )
+
+
+def _source(cfg: Config, tier: str) -> str:
+    """Where a tier's weights came from, for the family table."""
+    if tier in cfg.pretrained:
+        return f"`{cfg.pretrained[tier]}` as-is"
+    plan = cfg.tiers[tier]
+    start = "random weights" if plan.arch is not None else f"layers {plan.keep_layers} of `{plan.init_from}`"
+    return f"{start}, then {plan.train.max_steps} steps here"

@@ -98,7 +98,7 @@ def test_tiny_preset_end_to_end_rerun_and_stage_2b(tmp_path):
     assert calibration["answer/answers"] > 0 and calibration["token/torch/temperature"] > 0
     assert 0 <= detector["eval_flagged_share"] <= 1 and 0 <= cascade["chosen/escalated"] <= 0.2
     assert {"router", "calibration", "escalation", "cascade"} <= set(meta)  # shipped, hashed
-    history = mlflow.MlflowClient().get_metric_history(_runs("P")[0].info.run_id, "P/target/loss")
+    history = mlflow.MlflowClient().get_metric_history(_runs("P")[0].info.run_id, "P/qualifier/loss")
     assert len(history) >= 5  # the loss curve reached MLflow while training
     tuning = _runs("1F")[0].data.metrics  # 1F's tuned copy of the bundle: what 9, 9A and 2E ship
     assert tuning["torch/candidates"] > 0 and tuning["llamacpp/lossless_mismatches"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -159,3 +160,54 @@ def test_chat_messages_and_response_loss():
     assert res["tokens"] > 5 and math.isclose(res["perplexity"], math.exp(res["loss"]))
     assert json.dumps(res)
     assert yaml.safe_load(yaml.safe_dump({"t": TEMPLATE}))["t"] == TEMPLATE
+
+
+BENCH = Path(__file__).resolve().parents[2] / "shared" / "models" / "bench-family"
+
+
+def test_a_tier_starts_from_random_weights_or_from_a_pretrained_models_layers():
+    from stages.pretrain import Config, TierPlan
+
+    train = {"max_steps": 1}
+    with pytest.raises(ValueError, match="starts from `arch`"):
+        TierPlan(init_from="m", train=train)  # init_from without keep_layers
+    with pytest.raises(ValueError, match="starts from `arch`"):
+        TierPlan(
+            arch={
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+                "intermediate_size": 8,
+            },
+            init_from="m",
+            keep_layers=[0],
+            train=train,
+        )
+    with pytest.raises(ValueError, match="both `pretrained` and trained"):
+        Config(
+            tokenizer="t", pretrained={"q": "m"}, tiers={"q": {"init_from": "m", "keep_layers": [0], "train": train}}
+        )
+    with pytest.raises(ValueError, match="at least one tier"):
+        Config(tokenizer="t")
+
+
+@pytest.mark.skipif(not (BENCH / "qualifier" / "config.json").is_file(), reason=f"{BENCH} (../shared) is absent")
+def test_layer_dropping_keeps_the_chosen_layers_and_a_working_kv_cache(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from methods.training.models import truncate_llama
+
+    tok = BENCH.parent / "stories260K" / "hf"
+    with pytest.raises(KibidangoError, match="distinct layer indices"):
+        truncate_llama(BENCH / "qualifier", [0, 9], tok, tmp_path / "bad")
+    out = truncate_llama(BENCH / "qualifier", [0, 1, 5], tok, tmp_path / "q")
+    small = AutoModelForCausalLM.from_pretrained(str(out))
+    big = AutoModelForCausalLM.from_pretrained(str(BENCH / "qualifier"), dtype=torch.float32)
+    assert small.config.num_hidden_layers == 3 and small.dtype == torch.float32
+    assert torch.equal(small.model.layers[2].mlp.up_proj.weight, big.model.layers[5].mlp.up_proj.weight)
+    assert torch.equal(small.lm_head.weight, big.lm_head.weight) and (out / "tokenizer.model").is_file()
+    ids = torch.tensor([[1, 403, 261, 70, 45]])
+    cached = small.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True)
+    uncached = small.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)  # the cache is indexed by the renumbered layers

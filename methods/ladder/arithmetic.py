@@ -19,9 +19,12 @@ The measured difficulty is :func:`digit_steps`: the single-digit operations of t
 algorithm (one per column added or subtracted, one per digit multiplied, one per carry or
 borrow). Its mean rises with every level (``tests/test_ladder.py``).
 
-The problem's **key** is its arithmetic alone (``"5:37+45-18"``): the same sums told with other
-names or in another template are the same task, so a split by key never puts one problem's numbers
-on both sides. Subtractions never go below zero (the step adds instead).
+The problem's **key** is its arithmetic with its protagonist and objects (``"5:Tom:shells:37+45-18"``),
+as a GSM8K problem is its story and numbers: the same problem told in another template is the same
+task, so a split by key never puts one problem on both sides in two wordings. Arithmetic *facts*
+are skills, not problems: ``3 + 4`` is asked of Tom's shells in training and of Mia's cards in
+evaluation (level 1 has only 81 sums; above it, a repeated sum is rare). Subtractions never go
+below zero (the step adds instead).
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ _SHAPES: dict[int, tuple[int | tuple[int, int], int, int]] = {
 @dataclass(frozen=True)
 class Problem:
     key: str
-    """The arithmetic alone, with the level: ``"5:37+45-18"``."""
+    """The level, protagonist, objects and arithmetic: ``"5:Tom:shells:37+45-18"``."""
     question: str
     solution: str
     """One line per step (``37 + 45 = 82``), then ``#### n``."""
@@ -131,7 +134,7 @@ def problem(level: int, rng: random.Random) -> Problem:
         rng.choice(_QUESTION_PACKS if isinstance(start, tuple) and not events else _QUESTION).format(**words)
     )
     head = f"{steps[0][1]}*{steps[0][2]}" if steps[0][0] == "*" else str(steps[0][1])
-    key = f"{level}:{head}" + "".join(f"{op}{b}" for op, _, b, _ in steps if op != "*")
+    key = f"{level}:{who}:{words['t']}:{head}" + "".join(f"{op}{b}" for op, _, b, _ in steps if op != "*")
     solution = "\n".join(f"{a} {op} {b} = {r}" for op, a, b, r in steps) + f"\n#### {value}"
     return Problem(key, " ".join(sentences), solution, value, tuple(steps))
 

@@ -15,6 +15,8 @@ __all__ = [
     "tokenizer_type",
     "init_llama",
     "merge_lora",
+    "resave_float32",
+    "truncate_llama",
     "resolve_base",
     "right_padded_tokenizer",
 ]
@@ -110,6 +112,40 @@ def init_llama(arch: dict, tokenizer, tokenizer_dir: Path, out: Path, seed: int)
         **arch,
     )
     LlamaForCausalLM(config).save_pretrained(str(out))
+    copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def resave_float32(src: Path, tokenizer_dir: Path, out: Path) -> Path:
+    """A pretrained model saved again in float32 with the family's tokenizer files (a checkpoint
+    stored in float16 trains and measures in float32 everywhere downstream)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).save_pretrained(str(out))
+    copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def truncate_llama(src: Path, layers: list[int], tokenizer_dir: Path, out: Path) -> Path:
+    """A smaller model made of ``src``'s embeddings, the decoder layers ``layers`` (in that order),
+    its final norm and head, saved in float32: a tier initialised from a bigger one's weights
+    (layer dropping), which starts far closer to its teacher than random weights do."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    have = len(model.model.layers)
+    if not layers or any(not 0 <= i < have for i in layers) or len(set(layers)) < len(layers):
+        raise KibidangoError(f"keep_layers {layers}: distinct layer indices of {src} (0..{have - 1}) are needed")
+    kept = torch.nn.ModuleList(model.model.layers[i] for i in layers)
+    for new, layer in enumerate(kept):
+        layer.self_attn.layer_idx = new  # the KV cache is indexed by it
+    model.model.layers = kept
+    model.config.num_hidden_layers = len(layers)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in layers]
+    model.save_pretrained(str(out))
     copy_tokenizer(tokenizer_dir, out)
     return out
 
