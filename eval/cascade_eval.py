@@ -8,11 +8,17 @@ queries, against the local-only and cloud-only baselines.
   When stage 0's held-out general rows are used up (the tiny preset has 82), the general sample is
   filled from self-instruct's human-written seed tasks (``shared/data/alpaca_seed``), which no
   stage reads, less any whose text stage 0 holds.
-- **Cloud stand-in**: llama-cpp-python's OpenAI-compatible server on 127.0.0.1 serving the bench
-  family's target (26M parameters, converted to GGUF once, into the workspace's cache) at the
-  prices 6C used (the bundle's ``cascade.json``). It is not a frontier model: it writes simple
-  stories, and its answers to math and code are weak. The *mechanism* — tiers, ledger, cost per
-  query — is the runtime's own; the quality of the cloud tier is the stand-in's.
+- **Cloud stand-in**: llama-cpp-python's OpenAI-compatible server on 127.0.0.1 serving the
+  strongest model the workspace has — stage 1T's ``mid`` teacher (the student trained further on
+  every ladder level), in the family's own chat format — or, without one, the bench family's
+  target (26M parameters, a story model, weak at math and code), converted to GGUF once into the
+  workspace's cache, at the prices 6C used (the bundle's ``cascade.json``). It is not a frontier
+  model: the *mechanism* — tiers, ledger, cost per query — is the runtime's own; the quality of the
+  cloud tier is the stand-in's.
+- **Against 6C's prediction**: the share escalated on these fresh queries against the share 6C
+  expected (``cascade.json``), and the cascade's quality against escalating the same share at
+  random (per query: the local verdict, or with that probability the cloud's), with bootstrap 95%
+  intervals over queries and of the paired difference.
 - **Policies**, per query: *cascade* (``CascadePipeline`` with the bundle's thresholds: local
   answer, cloud validation or cloud answer, under a budget ledger), *local-only* (the same local
   answer the cascade's local phase produced: same pipeline, same greedy decoding), *cloud-only*
@@ -102,18 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.cascade_eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", help="a bundle directory (default: the newest stage-X bundle with a cascade)")
     parser.add_argument("--per-sample", type=int, help="queries per sample (default: 2G's sample sizes)")
-    parser.add_argument("--cloud-model", default=str(STAND_IN), help="the stand-in: a transformers dir or a GGUF")
+    parser.add_argument(
+        "--cloud-model",
+        help="the stand-in: a transformers dir or a GGUF (default: 1T's mid teacher, else the bench target)",
+    )
+    parser.add_argument("--cloud-chat-format", help="llama-cpp-python chat format (default: family for 1T's teacher)")
     parser.add_argument("--cloud-max-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from kibidango.cascade.cloud import CloudClient
-    from kibidango.cascade.ledger import Ledger
-    from kibidango.cascade.pipeline import CascadePipeline
-    from methods.failures import task_of, task_record
     from methods.judges import make_judges
-    from methods.serving import llama_cpp_server
-    from methods.training.chat import TEMPLATE
+    from methods.serving import family_chat_format
     from stages.calibrate import Config as CalibrationConfig
 
     store = ArtifactStore(home() / "store")
@@ -137,11 +142,35 @@ def main(argv: list[str] | None = None) -> int:
     judges = make_judges(cfg.judges)
     print(f"{len(rows)} held-out queries ({len(used)} used by 2G/6C or mined by 1B left out); bundle {bundle_dir}")
 
-    cloud_model = Path(args.cloud_model)
+    teacher = _newest(store, "1T")
+    if args.cloud_model is None and teacher is not None and (teacher / "mid" / "config.json").is_file():
+        cloud_model, chat_format = teacher / "mid", args.cloud_chat_format or "family"
+    else:
+        cloud_model, chat_format = Path(args.cloud_model or STAND_IN), args.cloud_chat_format or "alpaca"
+    print(f"cloud stand-in: {shown_path(cloud_model)} ({chat_format} chat format)")
+    with tempfile.TemporaryDirectory(prefix="kbd-eval-chat-") as chat_dir:
+        chat = (
+            family_chat_format(cloud_model, Path(chat_dir) / "chat.json")
+            if chat_format == "family"
+            else {"chat_format": chat_format}
+        )
+        return _run(args, cfg, rows, judges, bundle_dir, cloud_model, chat, argv)
+
+
+def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_model: Path, chat: dict, argv) -> int:
+    from kibidango.cascade.cloud import CloudClient
+    from kibidango.cascade.ledger import Ledger
+    from kibidango.cascade.pipeline import CascadePipeline
+    from methods.failures import task_of, task_record
+    from methods.serving import llama_cpp_server
+    from methods.training.chat import TEMPLATE
+
     if cloud_model.is_dir():
+        from core.hashing import tree_sha256
         from methods.llama_cpp_tools import convert_hf_to_gguf
 
-        gguf = home() / "cache" / "eval-cascade" / f"{cloud_model.name}.f16.gguf"
+        # keyed by the weights' digest: another 1T run's teacher is another file
+        gguf = home() / "cache" / "eval-cascade" / f"{cloud_model.name}-{tree_sha256(cloud_model)[:12]}.f16.gguf"
         if not gguf.is_file():
             gguf.parent.mkdir(parents=True, exist_ok=True)
             print(f"converting {cloud_model} to GGUF (once): {gguf}")
@@ -150,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     key = "kbd-eval-" + os.urandom(8).hex()
     os.environ[KEY_ENV] = key
-    served = {"stand-in": {"model": cloud_model, "chat_format": "alpaca"}}
+    served = {"stand-in": {"model": cloud_model, **chat}}
     with tempfile.TemporaryDirectory(prefix="kbd-eval-cascade-") as tmp, llama_cpp_server(served, api_key=key) as base:
         connection = Path(tmp) / "cloud.json"
         connection.write_text(
@@ -223,8 +252,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def against_prediction(records: list[dict], expected: float | None, rounds: int = 2000, seed: int = 0) -> dict:
+    """The share escalated on these queries against 6C's ``expected`` share; the cascade's quality
+    against escalating the same share at random (per query: the local verdict, or with that
+    probability the cloud's); bootstrap 95% intervals over queries, and of the paired difference."""
+    import numpy as np
+
+    escalated = np.array([r["tier"] != "local" for r in records], dtype=float)
+    cascade = np.array([r["passed"]["cascade"] for r in records], dtype=float)
+    local = np.array([r["passed"]["local"] for r in records], dtype=float)
+    cloud = np.array([r["passed"]["cloud"] for r in records], dtype=float)
+    share = float(escalated.mean())
+    random = (1 - share) * local + share * cloud
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(records), size=(rounds, len(records)))
+
+    def ci(values: np.ndarray) -> list[float]:
+        means = values[idx].mean(axis=1)
+        return [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
+
+    return {
+        "expected_escalated": expected,
+        "escalated": share,
+        "escalated_ci": ci(escalated),
+        "within_5_points": None if expected is None else abs(share - expected) <= 0.05,
+        "cascade_quality": float(cascade.mean()),
+        "cascade_ci": ci(cascade),
+        "random_quality": float(random.mean()),
+        "random_ci": ci(random),
+        "difference": float((cascade - random).mean()),
+        "difference_ci": ci(cascade - random),
+    }
+
+
 def _report(records: list[dict], config, bundle_dir: Path, cloud_model: Path) -> dict:
     n = len(records)
+    cascade_json = bundle_dir / "cascade" / "cascade.json"
+    expected = json.loads(cascade_json.read_text()).get("expected", {}) if cascade_json.is_file() else {}
     tiers = {t: sum(r["tier"] == t for r in records) / n for t in ("local", "validated", "corrected", "cloud")}
     return {
         "command": "make eval-cascade",
@@ -254,6 +318,7 @@ def _report(records: list[dict], config, bundle_dir: Path, cloud_model: Path) ->
             "usd_per_1k_queries": 1000 * sum(r["cloud_usd"] for r in records) / n,
             "failed_calls": sum(r["cloud_status"] != "ok" for r in records),
         },
+        "against_6c": against_prediction(records, expected.get("escalated")),
     }
 
 
@@ -273,7 +338,28 @@ def _table(r: dict) -> str:
             f"| local only | local 100% | {r['local_only']['quality']:.1%} | 0.00 | - |",
             f"| cloud only (stand-in) | cloud 100% | {r['cloud_only']['quality']:.1%} | "
             f"{r['cloud_only']['usd_per_1k_queries']:.2f} | {r['cloud_only']['failed_calls']} |",
+            "",
+            _against(r["against_6c"]),
         ]
+    )
+
+
+def _against(a: dict) -> str:
+    def ci(lo_hi: list[float]) -> str:
+        return f"[{lo_hi[0]:.1%}, {lo_hi[1]:.1%}]"
+
+    expected = (
+        "no prediction in the bundle"
+        if a["expected_escalated"] is None
+        else (
+            f"6C predicted {a['expected_escalated']:.1%} ({'within' if a['within_5_points'] else 'outside'} 5 points)"
+        )
+    )
+    return (
+        f"Escalated on these fresh queries: {a['escalated']:.1%} {ci(a['escalated_ci'])}; {expected}. Cascade "
+        f"quality {a['cascade_quality']:.1%} {ci(a['cascade_ci'])} against {a['random_quality']:.1%} "
+        f"{ci(a['random_ci'])} escalating the same share at random; paired difference {a['difference']:+.1%} "
+        f"{ci(a['difference_ci'])} (bootstrap 95% intervals over queries)."
     )
 
 

@@ -42,9 +42,14 @@ _SECTIONS = [
         [("P", "family.md", []), ("1A", None, []), ("1R", "RETRAIN_CARD.md", []), ("1E", "family.md", [])],
     ),
     (
-        "Failure mining and the cascaded teachers (stages 1B, 1C, 1D)",
+        "Failure mining and the cascaded teachers (stages 1B, 1C, 1T, 1D)",
         "",
-        [("1B", "MINING_CARD.md", []), ("1C", "FAILURE_CARD.md", []), ("1D", "COST_CARD.md", ["cost_per_tier.png"])],
+        [
+            ("1B", "MINING_CARD.md", []),
+            ("1C", "FAILURE_CARD.md", []),
+            ("1T", None, []),
+            ("1D", "COST_CARD.md", ["cost_per_tier.png"]),
+        ],
     ),
     (
         "Compression, decoding tuning and the bundle (stages 2A-2F, X, 1F, 2E)",
@@ -350,6 +355,146 @@ def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: lis
     return ["| figure | value | from |", "|---|---|---|", *rows]
 
 
+def _metrics(artifacts: dict, sid: str) -> dict:
+    manifest = _json(Path(artifacts[sid]) / "manifest.json") if sid in artifacts else None
+    return (manifest or {}).get("metrics", {})
+
+
+def _ci(r: dict) -> str:
+    return f"{r['rate']:.0%} [{r['ci'][0]:.0%}, {r['ci'][1]:.0%}]"
+
+
+def _routing_lines(runs: dict, artifacts: dict) -> list[str]:
+    """Stage 9's ladder answers: the share the bundle's router sent to the matching domain's adapter,
+    and the routed answers (policy auto) against the base target's (policy none) on the same tasks."""
+    from methods.evaluation import mcnemar, wilson
+
+    path = Path(artifacts["9"]) / "answers.jsonl" if "9" in artifacts else None
+    if path is None or not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("source") == "ladder" and {"auto", "none"} <= set(r.get("answers", {}))]
+    if not rows:
+        return []
+    out = [
+        "",
+        "### Routing: the domain adapters on the ladder",
+        "",
+        "| domain | tasks | routed to its adapter | base target (none) | routed (auto) | auto only / none only, "
+        "McNemar p |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for domain in sorted({r["domain"] for r in rows}):
+        rs = [r for r in rows if r["domain"] == domain]
+        routed = sum(r["answers"]["auto"].get("domain") == domain for r in rs)
+        auto = {r["id"]: bool(r["answers"]["auto"]["passed"]) for r in rs}
+        none = {r["id"]: bool(r["answers"]["none"]["passed"]) for r in rs}
+        test = mcnemar(auto, none)
+
+        def cell(p: dict) -> str:
+            k = sum(p.values())
+            lo, hi = wilson(k, len(p))
+            return f"{k / len(p):.0%} [{lo:.0%}, {hi:.0%}]"
+
+        out.append(
+            f"| {domain} | {len(rs)} | {routed / len(rs):.0%} | {cell(none)} | {cell(auto)} | "
+            f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f} |"
+        )
+    return [*out, "", _cite("9", runs["9"], artifacts["9"])]
+
+
+def _loop_section(runs: dict, artifacts: dict) -> list[str]:
+    """Does the quality loop work? Per ladder level: 1A, 1R's controls and 1R on the same held-out
+    evaluation tasks (1R's card), and the shipped bundle (stage 9); the teachers' tier split and
+    cost cut (1D); answer calibration before and after (2G); the cascade against random escalation
+    (6C). Each figure cites its stage and run."""
+    out: list[str] = []
+    retrain = _json(Path(artifacts["1R"]) / "retrain.json") if "1R" in artifacts else None
+    comparison = (retrain or {}).get("comparison") or {}
+    evaluation = _json(Path(artifacts["9"]) / "evaluation.json") if "9" in artifacts else None
+    quality = (evaluation or {}).get("quality", {})
+    if comparison:
+        models = list(comparison["models"])
+        groups = sorted({g for m in comparison["models"].values() for g in m["groups"]})
+        shipped = "shipped bundle (9, policy auto)" if quality else None
+        out += [
+            "",
+            "### Pass rate per ladder level: 1A, the controls, 1R and the shipped bundle",
+            "",
+            "Held-out evaluation tasks of the task ladder (no stage trains or mines on them); Wilson 95% intervals. "
+            "`random`: the same retraining budget on gold answers to randomly drawn mined tasks; `replay`: on "
+            "replay rows alone. Levels above the training cut-off (stage 0's recipe) are reachable only through "
+            "the loop.",
+            "",
+            "| tasks | n | " + " | ".join(models) + (f" | {shipped} | n |" if shipped else " |"),
+            "|---|---:|" + "---:|" * len(models) + ("---:|---:|" if shipped else ""),
+        ]
+        for g in [*groups, "all"]:
+            rows = [comparison["models"][m] if g == "all" else comparison["models"][m]["groups"][g] for m in models]
+            cells = " | ".join(_ci(r) for r in rows)
+            extra = ""
+            if shipped:
+                key = g if g != "all" else None
+                q = quality.get(key) if key else None
+                extra = f" | {_ci(q['policies']['auto'])} | {q['n']} |" if q and "auto" in q["policies"] else " | - | |"
+            out.append(f"| {g} | {rows[0]['n']} | {cells}{extra if shipped else ' |'}")
+        out += [
+            "",
+            "Exact McNemar tests (1R passed and the other failed / the reverse): "
+            + "; ".join(
+                f"1R vs {name}: {t['a_only']} / {t['b_only']}, p = {t['p']:.3f}"
+                for name, t in comparison["mcnemar"].items()
+            )
+            + ".",
+            "",
+            _cite("1R", runs["1R"], artifacts["1R"]) + (" " + _cite("9", runs["9"], artifacts["9"]) if shipped else ""),
+        ]
+    out += _routing_lines(runs, artifacts)
+    teach = _metrics(artifacts, "1D")
+    if teach:
+        tiers = {k.split("/", 1)[1]: int(v) for k, v in teach.items() if k.startswith("answered_by/")}
+        out += [
+            "",
+            "### The teachers' tier split and cost cut",
+            "",
+            f"{int(teach.get('pairs', 0))} corrected pairs from {int(teach.get('rows', 0))} critical failures; first "
+            "passing tier: " + ", ".join(f"{t} {n}" for t, n in tiers.items()) + f"; spent ${teach['spend_usd']:.4f} "
+            f"against ${teach['top_tier_only_usd']:.4f} for the top tier alone (cut {teach['cost_cut']:.0%}).",
+            "",
+            _cite("1D", runs["1D"], artifacts["1D"]),
+        ]
+    cal = _metrics(artifacts, "2G")
+    if cal.get("answer/fitted"):
+        out += [
+            "",
+            "### Answer-level calibration",
+            "",
+            f"{int(cal['answer/fit_answers'])} judged answers fitted, {int(cal['answer/eval_answers'])} evaluated "
+            f"({int(cal['answer/eval_passes'])} passing): ECE {cal['answer/ece_before']:.3f} -> "
+            f"{cal['answer/ece_after']:.3f} (a constant at the pass rate: {cal['answer/ece_constant']:.3f}), Brier "
+            f"{cal['answer/brier_before']:.3f} -> {cal['answer/brier_after']:.3f}, AUROC "
+            f"{cal['answer/auroc_before']:.3f} -> {cal['answer/auroc_after']:.3f}.",
+            "",
+            _cite("2G", runs["2G"], artifacts["2G"]),
+        ]
+    th = _metrics(artifacts, "6C")
+    if th:
+        out += [
+            "",
+            "### The cascade against random escalation",
+            "",
+            f"At the chosen thresholds {th['chosen/escalated']:.0%} of held-out queries are escalated for a judged "
+            f"quality of {th['chosen/quality']:.1%}; escalating the same share at random reaches "
+            f"{th['random_escalation/quality']:.1%} (local only {th['local_only/quality']:.1%}, cloud only "
+            f"{th['cloud_only/quality']:.1%}).",
+            "",
+            _cite("6C", runs["6C"], artifacts["6C"]),
+        ]
+    if out:
+        out = ["", "## Does the loop work?", *out]
+    return out
+
+
 def _measurements(records: list[dict], bundle: str | None) -> list[str]:
     lines = []
     for r in records:
@@ -419,6 +564,8 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
             f"| {sid} | {tags.get(f'{TAG}stage_name', '')} | {status} | `{_source(run)}` | "
             f"{'-' if minutes[sid] is None else f'{minutes[sid]:.1f} min'} | {summary_line[:300]} |"
         )
+
+    lines += _loop_section(runs, artifacts)
 
     for title, intro, parts in _SECTIONS:
         body: list[str] = []

@@ -1,7 +1,9 @@
 """What `make demo` shows at the end of a run that exported a bundle: the bundle's size and
 perplexity table (from its BUNDLE_CARD.md, i.e. from the stage metrics), the evaluation (stage 9)
-and the quality gates' verdict (9A), and a story generated from the shipped bundle with the
-runtime package and the bundle's own sampling defaults, as a user would run it."""
+and the quality gates' verdict (9A), held-out ladder tasks (one math, one code: the first of the
+evaluation part at :data:`LADDER_LEVEL`, fixed, never picked for passing) answered greedily by the
+shipped bundle in its chat template with the judge's verdict beside each, and a story generated
+with the runtime package and the bundle's own sampling defaults, as a user would run it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ __all__ = ["show_bundle"]
 
 PROMPT = "Once upon a time"
 SEED = 0
+LADDER_LEVEL = 2
 
 
 def _section(card: str, title: str) -> str:
@@ -50,6 +53,7 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
     except ImportError:
         backend = "torch"
     pipe = Pipeline.from_bundle(source, backend=backend)
+    _show_ladder_tasks(pipe, source, backend)
     d = pipe.defaults
     result = pipe.generate(PROMPT, max_new_tokens=d.max_new_tokens, seed=SEED)
     m = result.metrics.to_dict()
@@ -72,4 +76,26 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
         print(
             f"(routed to {m['domain']} at {m['router_confidence']:.2f}, adapter {m['adapter'] or 'none'}; "
             f"calibrated confidence {confidence})"
+        )
+
+
+def _show_ladder_tasks(pipe, source: Path, backend: str) -> None:
+    """One held-out math and one code task of the ladder, answered by the bundle and judged."""
+    from methods.judges import make_judge
+    from methods.ladder import ladder_tasks
+
+    for domain in ("math", "code"):
+        (task,) = ladder_tasks(domain, LADDER_LEVEL, "evaluation", 1)
+        turns = [{"role": "user", "content": task.task.prompt}]
+        ids = list(pipe.tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False))
+        result = pipe.generate(ids, query=task.task.prompt, max_new_tokens=128, temperature=0.0)
+        try:
+            v = make_judge(domain)(task.task, result.text)
+            verdict = f"{'PASS' if v.passed else 'FAIL'} ({v.reason})"
+        except Exception as e:  # no sandbox on this machine: say so, the answer still shows
+            verdict = f"not judged: {e}"
+        print(
+            f"\n== a held-out ladder task ({task.id}, {domain} level {LADDER_LEVEL}, evaluation part), answered "
+            f"greedily by {source} ({backend}) ==\n\n{task.task.prompt}\n\n-- answer --\n{result.text.strip()}"
+            f"\n\n-- the {domain} judge: {verdict}"
         )

@@ -8,7 +8,8 @@ no stage reads, less any whose text stage 0 holds; and the evaluation part of th
 - :class:`EvalSample` and :func:`evaluation_tasks`: which tasks a recipe's samples take
   (deterministic by seed; a bigger sample contains the smaller one);
 - :func:`wilson`: the Wilson score interval of a pass rate (sound at 0 and 1 and for small n,
-  where the normal approximation is not).
+  where the normal approximation is not);
+- :func:`mcnemar`: the exact McNemar test of two models' pass/fail on the same tasks.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from methods.judges import Task
 from methods.ladder import check_levels, ladder_rows
 from methods.training.chat import prompt_text
 
-__all__ = ["EvalSample", "evaluation_tasks", "seed_tasks", "wilson"]
+__all__ = ["EvalSample", "evaluation_tasks", "mcnemar", "seed_tasks", "wilson"]
 
 SEED_TASKS_DOMAIN = "general"
 
@@ -68,6 +69,20 @@ def wilson(passes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar(a: dict[str, bool], b: dict[str, bool]) -> dict:
+    """The exact McNemar test of ``a`` vs ``b`` (task id -> passed) on the tasks both have: the
+    discordant counts (``a_only``: a passed and b failed; ``b_only``: the reverse) and the two-sided
+    p-value of the binomial test that they are equally likely (scipy's ``binomtest``; 1.0 when no
+    task is discordant)."""
+    from scipy.stats import binomtest
+
+    both = sorted(set(a) & set(b))
+    a_only = sum(1 for t in both if a[t] and not b[t])
+    b_only = sum(1 for t in both if b[t] and not a[t])
+    p = binomtest(a_only, a_only + b_only, 0.5).pvalue if a_only + b_only else 1.0
+    return {"n": len(both), "a_only": a_only, "b_only": b_only, "p": float(p)}
 
 
 def seed_tasks(path: Path, seen: set[str]) -> list[dict]:

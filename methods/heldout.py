@@ -159,11 +159,13 @@ domain's judge); ``prior`` is the record an earlier attempt left when its judge 
 
 
 def answer_and_judge(
-    cfg: Judged, rows: list[dict], work_dir: Path, label: str, answer: Answer
+    judges: Judged | dict, rows: list[dict], work_dir: Path, label: str, answer: Answer
 ) -> tuple[list[dict], int]:
     """Every row answered and judged (see the module), in ``rows``' order; and how many rows an
-    earlier attempt had finished. ``label`` names the progress lines (``"9 answers"``)."""
-    judges = make_judges(cfg.judges)
+    earlier attempt had finished. ``judges``: a recipe's judges section, or judges already built
+    (:func:`methods.failures.mined_judges`); ``label`` names the progress lines (``"9 answers"``)."""
+    if isinstance(judges, Judged):
+        judges = make_judges(judges.judges)
     done = RowLog(work_dir / "rows.jsonl")
     if done.resumed:
         log.info(f"{label}: resuming, {done.resumed:,} of {len(rows):,} tasks were finished by an earlier attempt")

@@ -29,7 +29,26 @@ from pathlib import Path
 
 from core.contract import KibidangoError
 
-__all__ = ["free_port", "llama_cpp_server", "redis_server", "stop_process", "wait_ready"]
+__all__ = ["family_chat_format", "free_port", "llama_cpp_server", "redis_server", "stop_process", "wait_ready"]
+
+
+def family_chat_format(model: Path, config: Path) -> dict:
+    """llama-cpp-python's model settings that serve ``model`` (an HF directory of the family) in
+    the family's own training format (:data:`methods.training.chat.SERVING_TEMPLATE`, through
+    llama-cpp-python's ``hf-tokenizer-config`` handler, with the model's BOS and EOS); the
+    handler's config is written to ``config``."""
+    from transformers import AutoTokenizer
+
+    from methods.training.chat import SERVING_TEMPLATE
+
+    if not Path(model).is_dir():
+        raise KibidangoError(f"the family chat format needs the model's HF directory, not {model}")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        json.dumps({"chat_template": SERVING_TEMPLATE, "bos_token": tok.bos_token, "eos_token": tok.eos_token})
+    )
+    return {"chat_format": "hf-tokenizer-config", "hf_tokenizer_config_path": str(config)}
 
 
 def free_port() -> int:

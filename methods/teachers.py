@@ -51,8 +51,13 @@ class TierConfig(BaseModel):
     api_key_env: str | None = Field(None, description="Name of the environment variable holding the key.")
     serve: str | None = Field(
         None,
-        description="Serve this tier of the stage's `family` input locally (converted to GGUF, "
-        "llama-cpp-python's server on 127.0.0.1, started and stopped by the stage).",
+        description="Serve this checkpoint (an HF directory or a GGUF file) locally: converted to GGUF, "
+        "llama-cpp-python's server on 127.0.0.1, started and stopped by the stage.",
+    )
+    serve_input: str | None = Field(
+        None,
+        description="Serve a model of an upstream stage instead: `<input>/<directory>` of the stage's inputs "
+        "(e.g. `teachers/mid`: stage 1T's tier mid).",
     )
     usd_per_1k_prompt: float = Field(0.0, ge=0)
     usd_per_1k_completion: float = Field(0.0, ge=0)
@@ -68,9 +73,11 @@ class TierConfig(BaseModel):
     @model_validator(mode="after")
     def _where(self) -> TierConfig:
         if self.kind == "openai":
-            if (self.base_url is None) == (self.serve is None):
-                raise ValueError(f"tier {self.name!r}: give exactly one of `base_url` or `serve`")
-            if self.model is None and self.serve is None:
+            if sum(x is not None for x in (self.base_url, self.serve, self.serve_input)) != 1:
+                raise ValueError(f"tier {self.name!r}: give exactly one of `base_url`, `serve` or `serve_input`")
+            if self.serve_input is not None and "/" not in self.serve_input.strip("/"):
+                raise ValueError(f"tier {self.name!r}: `serve_input` is `<input>/<directory>`")
+            if self.model is None and self.base_url is not None:
                 raise ValueError(f"tier {self.name!r}: `model` is required with `base_url`")
         return self
 
@@ -122,7 +129,7 @@ class TeacherClient:
         reply.error = redact_text(reply.error)
         if reply.status == "refused":
             raise TierDead(
-                f"teacher tier {t.name} ({self.base_url}, model {t.model or t.serve}) refused the request "
+                f"teacher tier {t.name} ({self.base_url}, model {t.model or t.name}) refused the request "
                 f"({reply.error}); check its base_url, model and {t.api_key_env or 'key'}",
                 reply.usd,
             )
@@ -134,7 +141,7 @@ class TeacherClient:
 def _endpoint(tier: TierConfig, base_url: str) -> Endpoint:
     return Endpoint(
         base_url,
-        tier.model or tier.serve,
+        tier.model or tier.name,
         tier.api_key_env,
         tier.usd_per_1k_prompt,
         tier.usd_per_1k_completion,

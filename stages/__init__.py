@@ -14,6 +14,7 @@ STAGES: dict[str, str] = {
     "1A": "stages.sft",
     "1B": "stages.mine_failures",
     "1C": "stages.critique_filter",
+    "1T": "stages.stand_in_teachers",
     "1D": "stages.teach_cascade",
     "1R": "stages.retrain",
     "1E": "stages.distill",
@@ -38,7 +39,7 @@ STAGES: dict[str, str] = {
 
 
 TAGS: dict[str, tuple[str, ...]] = {
-    sid: ("gpu",) for sid in ("P", "1A", "1R", "1E", "3", "4", "5", "2A", "2B", "2C", "2F")
+    sid: ("gpu",) for sid in ("P", "1A", "1T", "1R", "1E", "3", "4", "5", "2A", "2B", "2C", "2F")
 }
 """Placement tags of the stages (training and compression want a GPU); a preset's ``pools`` route a
 tag, or a stage id, to a Prefect work pool (:mod:`flows.pools`). Where a stage runs never changes

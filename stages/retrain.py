@@ -3,24 +3,38 @@ replay share of stage 0's training rows (axolotl, 1A's engine and recipe format)
 rate is measured with 1B's judges on the critical failures 1D held out (never sent to a teacher,
 never trained on), before and after.
 
+Does targeting failures help? The same fine-tune (recipe, steps, replay rows) runs again for each
+**control** (``controls``): ``random`` trains on gold answers to as many tasks, per domain, drawn
+at random from everything 1B answered (failed or not; the gold tier's answer, judged like a
+teacher's) — the plan's claim is that mining failures beats picking tasks blindly; ``replay``
+trains on replay rows alone, as many as the whole mix. 1A, every control and 1R then answer the
+same held-out **evaluation** tasks (``evaluation``: e.g. the ladder's evaluation part, which no
+stage trains or mines on), and 1R is compared with each by an exact McNemar test. The controls'
+models stay in the work directory; only their figures are published.
+
 The output is a student of the same shape as 1A's (``<tier>/``), which the presets wire into
 distillation (1E), the domain modifiers (3-5) and compression (2A, 2F).
 
-Outputs: ``<tier>/``, ``axolotl.yaml``, ``logs/train.log``, ``retrain.json``, ``RETRAIN_CARD.md``.
+Outputs: ``<tier>/``, ``axolotl.yaml``, ``logs/train.log`` (and ``logs/<control>.log``),
+``retrain.json``, ``evaluation.jsonl`` (every model's verdict per task), ``RETRAIN_CARD.md``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
-from methods.failures import failure_rate, mined_judges, read_jsonl, sample, task_of
+from methods.evaluation import EvalSample, evaluation_tasks, mcnemar, wilson
+from methods.failures import failure_rate, mined_judges, read_jsonl, sample, task_of, training_texts, verdict_record
+from methods.heldout import answer_and_judge
 from methods.measure import lm
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
@@ -45,6 +59,15 @@ class Config(StageConfig):
     max_new_tokens: int = Field(96, gt=0, description="Tokens the student may write per held-out answer.")
     eval_rows: int = Field(300, gt=0, description="Stage-0 validation rows the loss is measured on (forgetting).")
     eval_max_len: int = Field(256, gt=8)
+    controls: list[Literal["random", "replay"]] = Field(
+        ["random", "replay"],
+        description="Control retrains with the same budget: `random` (gold answers to randomly drawn mined tasks, "
+        "per domain as many as the pairs) and `replay` (replay rows only).",
+    )
+    evaluation: list[EvalSample] = Field(
+        default_factory=list,
+        description="Held-out evaluation tasks 1A, the controls and 1R all answer (none: no comparison).",
+    )
 
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
@@ -76,10 +99,17 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
 
     train_rows = [r for r in pairs for _ in range(cfg.pair_repeats)]
     n_replay = round(len(train_rows) * cfg.replay_share / (1 - cfg.replay_share))
-    replay = sample(load_split(inputs["data"] / "dataset", "train"), n_replay, cfg.seed, key=lambda r: r["id"])
+    stage0_train = load_split(inputs["data"] / "dataset", "train")
+    replay = sample(stage0_train, n_replay, cfg.seed, key=lambda r: r["id"])
     data_file = work_dir / "data" / "train.jsonl"
     write_jsonl(data_file, ({"messages": messages(r)} for r in [*train_rows, *replay]))
     log.info(f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows")
+    mixes = {}  # control -> its training rows: the same count and the same replay rows as 1R's mix
+    if "random" in cfg.controls:
+        drawn = _random_tasks(inputs["mined"], pairs, held, judges, cfg.seed)
+        mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
+    if "replay" in cfg.controls:
+        mixes["replay"] = sample(stage0_train, len(train_rows) + n_replay, cfg.seed, key=lambda r: r["id"])
 
     from transformers import AutoTokenizer
 
@@ -92,6 +122,29 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     )
     after = _failure_rate(model_dir, held, judges, cfg.max_new_tokens, "after")
     loss_after = lm.response_loss(lm.load_causal_lm(model_dir), tokenizer, val, cfg.eval_max_len)
+
+    models = {"1A": student}  # in the order the card reads: before, the controls, the retrained student
+    for name, rows in mixes.items():
+        models[name] = _control(cfg, student, name, rows, work_dir, out_dir)
+    models["1R"] = model_dir
+    comparison = {}
+    if cfg.evaluation:
+        from datasets import load_from_disk
+
+        data = inputs["data"] / "dataset"
+        splits = list(load_from_disk(str(data)).keys())
+        seen = set().union(*(training_texts(load_split(data, split)) for split in splits))
+        tasks = evaluation_tasks(cfg.evaluation, cfg.seed, seen)
+        verdicts = {name: _evaluate(path, name, tasks, judges, cfg, work_dir) for name, path in models.items()}
+        comparison = _compare(tasks, verdicts)
+        with open(out_dir / "evaluation.jsonl", "w", encoding="utf-8") as f:
+            for t in tasks:
+                verdict = {
+                    name: v[t["id"]]["passed"] if v[t["id"]]["outcome"] != "judge_error" else None
+                    for name, v in verdicts.items()
+                }
+                record = {"id": t["id"], "sample": t["sample"], "level": t.get("level", 0), "passed": verdict}
+                f.write(json.dumps(record) + "\n")
 
     stats = {
         "command": "make stage-1r",
@@ -106,6 +159,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "val_rows": len(val),
         "val_perplexity_before": loss_before["perplexity"],
         "val_perplexity_after": loss_after["perplexity"],
+        "controls": {name: len(rows) for name, rows in mixes.items()},
+        "comparison": comparison,
     }
     (out_dir / "retrain.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
     (out_dir / "RETRAIN_CARD.md").write_text(_card(stats))
@@ -123,12 +178,123 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "val_perplexity_before": loss_before["perplexity"],
         "val_perplexity_after": loss_after["perplexity"],
     }
+    for name, c in comparison.get("models", {}).items():
+        metrics[f"eval/{name}/pass_rate"] = c["rate"]
+        for group, g in c["groups"].items():
+            metrics[f"eval/{name}/{group}"] = g["rate"]
+    for name, test in comparison.get("mcnemar", {}).items():
+        metrics[f"mcnemar/1R_vs_{name}/p"] = test["p"]
     summary = (
         f"failure rate on {len(held)} held-out critical failures: {before['rate']:.1%} -> {after['rate']:.1%} "
         f"({len(pairs):,} corrected pairs + {len(replay):,} replay rows); validation perplexity "
         f"{loss_before['perplexity']:.2f} -> {loss_after['perplexity']:.2f} ({len(val)} rows: what it forgot)"
     )
-    return StageResult(metrics, ["RETRAIN_CARD.md", "retrain.json", "axolotl.yaml"], summary)
+    if comparison:
+        summary += (
+            "; held-out evaluation pass rate "
+            + ", ".join(f"{name} {c['rate']:.1%}" for name, c in comparison["models"].items())
+            + " ("
+            + ", ".join(f"1R vs {n} p={t['p']:.3f}" for n, t in comparison["mcnemar"].items())
+            + ")"
+        )
+    return StageResult(
+        metrics,
+        ["RETRAIN_CARD.md", "retrain.json", "axolotl.yaml"],
+        summary,
+        tables={"evaluation.json": "evaluation.jsonl"} if comparison else {},
+    )
+
+
+def _random_tasks(mined: Path, pairs: list[dict], held: list[dict], judges: dict, seed: int) -> list[dict]:
+    """The ``random`` control's rows: per domain, as many tasks as the pairs have, drawn in a seeded
+    order from every task 1B answered (failed or not; 1D's held-out failures excepted), each with its
+    gold answer, kept when the domain's judge passes it (as the gold tier's answers are)."""
+    answered = read_jsonl(mined / "answers.jsonl", "the mined input (stage 1B)")
+    held_ids = {h["id"] for h in held}
+    want = Counter(p["domain"] for p in pairs)
+    rows = []
+    for domain, n in sorted(want.items()):
+        pool = [r for r in answered if r["domain"] == domain and r["id"] not in held_ids and r["reference"]]
+        kept = 0
+        for r in sample(pool, None, seed, key=lambda r: r["id"]):
+            if kept == n:
+                break
+            if judges[domain](task_of(r), r["reference"]).passed:
+                rows.append({"instruction": r["instruction"], "input": r["input"], "output": r["reference"]})
+                kept += 1
+        if kept < n:
+            log.warning(
+                f"control random: {kept} of {n} {domain} tasks (1B answered no more with a passing gold answer)"
+            )
+    return rows
+
+
+def _control(cfg: Config, student: Path, name: str, rows: list[dict], work_dir: Path, out_dir: Path) -> Path:
+    """The student fine-tuned on a control's rows with 1R's recipe, in the work directory (a
+    finished control is not trained again on resume); its log goes to ``logs/<name>.log``."""
+    where = work_dir / "controls" / name
+    model_dir = where / "out" / cfg.tier
+    if not (model_dir / "config.json").is_file():
+        data_file = where / "train.jsonl"
+        write_jsonl(data_file, ({"messages": messages(r)} for r in rows))
+        log.info(f"control {name}: the same fine-tune on {len(rows):,} rows")
+        shutil.rmtree(where / "out", ignore_errors=True)
+        (where / "out").mkdir(parents=True)
+        model_dir, _ = fine_tune(
+            cfg.train, student, data_file, where / "work", where / "out", cfg.tier, f"1R/{name}", cfg.tokenizer_type
+        )
+    shutil.copy2(where / "out" / "logs" / "train.log", out_dir / "logs" / f"{name}.log")
+    return model_dir
+
+
+def _evaluate(model_dir: Path, name: str, tasks: list[dict], judges: dict, cfg: Config, work_dir: Path) -> dict:
+    """One model's verdict records on the evaluation tasks, by task id (resumable per model)."""
+    from methods.measure.generate import Answerer
+
+    answerer = None
+
+    def answer(row: dict, prior: dict | None, judge) -> dict:
+        nonlocal answerer
+        if prior is not None:
+            text = prior["answer"]
+        else:
+            answerer = answerer or Answerer(model_dir, cfg.max_new_tokens)
+            text = answerer(row["instruction"], row["input"]).text
+        return {"id": row["id"], "answer": text, **verdict_record(judge(row["task"], text), judge.kind)}
+
+    table, _ = answer_and_judge(judges, tasks, work_dir / "evaluation" / name, f"1R evaluation ({name})", answer)
+    return {r["id"]: r for r in table}
+
+
+def _compare(tasks: list[dict], verdicts: dict[str, dict]) -> dict:
+    """Pass rate (Wilson interval) per model, overall and per sample and ladder level; the exact
+    McNemar test of 1R against 1A and each control on the tasks judged for both."""
+
+    def passed(name: str) -> dict[str, bool]:
+        return {t: r["passed"] for t, r in verdicts[name].items() if r["outcome"] != "judge_error"}
+
+    groups: dict[str, list[str]] = {}
+    for t in tasks:
+        groups.setdefault(t["sample"], []).append(t["id"])
+        if t.get("level"):
+            groups.setdefault(f"{t['sample']}/L{t['level']}", []).append(t["id"])
+    models = {}
+    for name in verdicts:
+        p = passed(name)
+
+        def rate(ids: list[str], p: dict = p) -> dict:
+            judged = [i for i in ids if i in p]
+            k = sum(p[i] for i in judged)
+            return {
+                "n": len(judged),
+                "passes": k,
+                "rate": k / len(judged) if judged else 0.0,
+                "ci": wilson(k, len(judged)),
+            }
+
+        models[name] = {**rate([t["id"] for t in tasks]), "groups": {g: rate(ids) for g, ids in groups.items()}}
+    tests = {name: mcnemar(passed("1R"), passed(name)) for name in verdicts if name != "1R"}
+    return {"models": models, "mcnemar": tests}
 
 
 def _failure_rate(model_dir: Path, rows: list[dict], judges: dict, max_new_tokens: int, label: str) -> dict:
@@ -183,4 +349,54 @@ def _card(s: dict) -> str:
         f"{s['val_perplexity_before']:.2f} before, {s['val_perplexity_after']:.2f} after.",
         "",
     ]
+    if s["comparison"]:
+        lines += _comparison_lines(s["comparison"], s["controls"])
     return "\n".join(lines)
+
+
+_CONTROL_TEXT = {
+    "random": "gold answers to tasks drawn at random from what 1B answered, failed or not (per domain as many as "
+    "the pairs), with the same replay rows",
+    "replay": "replay rows of stage 0 alone, as many as 1R's whole mix",
+}
+
+
+def _comparison_lines(c: dict, controls: dict) -> list[str]:
+    """Does targeting failures help? The held-out evaluation table and the McNemar tests."""
+    models = list(c["models"])
+    groups = sorted({g for m in c["models"].values() for g in m["groups"]})
+    lines = [
+        "## Does targeting failures help?",
+        "",
+        "The same fine-tune (recipe, steps, replay rows) from the same 1A student, on other rows — the controls:",
+        "",
+        *[f"- **{name}** ({n:,} rows): {_CONTROL_TEXT[name]};" for name, n in controls.items()],
+        "",
+        "Pass rate on held-out evaluation tasks no stage trains or mines on (judged by 1B's judges; Wilson 95% "
+        "intervals):",
+        "",
+        "| tasks | n | " + " | ".join(models) + " |",
+        "|---|---:|" + "---:|" * len(models),
+    ]
+
+    def cell(r: dict) -> str:
+        return f"{r['rate']:.1%} [{r['ci'][0]:.0%}, {r['ci'][1]:.0%}]"
+
+    for g in groups:
+        first = c["models"][models[0]]["groups"][g]
+        lines.append(f"| {g} | {first['n']} | " + " | ".join(cell(c["models"][m]["groups"][g]) for m in models) + " |")
+    first = c["models"][models[0]]
+    lines += [
+        f"| **all** | {first['n']} | " + " | ".join(f"**{cell(c['models'][m])}**" for m in models) + " |",
+        "",
+        "Exact McNemar tests on the same tasks (1R passed and the other failed / the reverse; two-sided p):",
+        "",
+        "| comparison | tasks | 1R only | other only | p |",
+        "|---|---:|---:|---:|---:|",
+        *[
+            f"| 1R vs {name} | {t['n']} | {t['a_only']} | {t['b_only']} | {t['p']:.3f} |"
+            for name, t in c["mcnemar"].items()
+        ],
+        "",
+    ]
+    return lines

@@ -66,7 +66,11 @@ class Config(StageConfig):
         "on: the retraining round measures its failure rate on them (held_out.jsonl).",
     )
     serve_n_ctx: int = Field(512, gt=0, description="Context of locally served tiers.")
-    serve_chat_format: str = Field("alpaca", description="llama-cpp-python chat format of locally served tiers.")
+    serve_chat_format: str = Field(
+        "family",
+        description="llama-cpp-python chat format of locally served tiers; `family`: the family's own training "
+        "format (methods/training/chat.py), as llama-cpp-python's hf-tokenizer-config format.",
+    )
 
     @model_validator(mode="after")
     def _names(self) -> Config:
@@ -124,7 +128,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     cascade = _Cascade(cfg, rows, judges, journal, state, ledger)
     try:
         with ExitStack() as stack:
-            urls = _serve(cfg, work_dir, stack)
+            urls = _serve(cfg, inputs, work_dir, stack)
             # every client (and so every key) before the first request: a missing key fails the run
             # before anything is paid
             clients = {t.name: TeacherClient(t, ledger, urls.get(t.name)) for t in cfg.tiers if t.kind == "openai"}
@@ -357,17 +361,22 @@ class _Cascade:
         self.state.done[key] = event
 
 
-def _serve(cfg: Config, work_dir: Path, stack: ExitStack) -> dict[str, str]:
-    """Start one llama-cpp-python server for the tiers with ``serve``; their base URLs by name."""
-    local = [t for t in cfg.tiers if t.serve is not None]
+def _serve(cfg: Config, inputs: dict[str, Path], work_dir: Path, stack: ExitStack) -> dict[str, str]:
+    """Start one llama-cpp-python server for the tiers with ``serve`` or ``serve_input``; their base
+    URLs by name."""
+    local = [t for t in cfg.tiers if t.serve is not None or t.serve_input is not None]
     if not local:
         return {}
     from methods.llama_cpp_tools import convert_hf_to_gguf
-    from methods.serving import llama_cpp_server
+    from methods.serving import family_chat_format, llama_cpp_server
 
     models = {}
     for t in local:
-        path = Path(t.serve)
+        path = Path(t.serve) if t.serve is not None else _upstream_model(t, inputs)
+        if cfg.serve_chat_format == "family":
+            chat = family_chat_format(path, work_dir / f"chat_template_{t.name}.json")
+        else:
+            chat = {"chat_format": cfg.serve_chat_format}
         if path.is_dir():
             gguf = work_dir / "gguf" / f"{t.name}.gguf"
             if not gguf.is_file():
@@ -375,10 +384,24 @@ def _serve(cfg: Config, work_dir: Path, stack: ExitStack) -> dict[str, str]:
                 log.info(f"tier {t.name}: converting {path} to GGUF (f16) for the local server")
                 convert_hf_to_gguf(path, gguf, "f16")
             path = gguf
-        models[t.model or t.serve] = {"model": path, "chat_format": cfg.serve_chat_format}
+        models[t.model or t.name] = {"model": path, **chat}
     base = stack.enter_context(llama_cpp_server(models, n_ctx=cfg.serve_n_ctx, log_path=work_dir / "server.log"))
     log.info(f"serving {', '.join(models)} on {base}")
     return {t.name: base for t in local}
+
+
+def _upstream_model(tier: TierConfig, inputs: dict[str, Path]) -> Path:
+    """The model directory ``serve_input`` names among the stage's inputs (an error naming it)."""
+    name, _, sub = tier.serve_input.strip("/").partition("/")
+    if name not in inputs:
+        raise KibidangoError(
+            f"tier {tier.name!r}: serve_input {tier.serve_input!r} names input {name!r}; the stage has "
+            f"{', '.join(sorted(inputs)) or 'none'} (wire it in the preset's graph)"
+        )
+    path = inputs[name] / sub
+    if not (path / "config.json").is_file():
+        raise KibidangoError(f"tier {tier.name!r}: {path} (serve_input {tier.serve_input!r}) is no transformers model")
+    return path
 
 
 def _requests(events: list[dict]) -> list[dict]:

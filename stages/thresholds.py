@@ -17,8 +17,12 @@ records its verdict and token counts): a real cloud model does no better, so clo
 an upper bound; validation is modelled as a judge that approves a passing answer (a short verdict)
 and corrects a failing one with the cloud's answer (verdict + answer tokens). The choice follows the
 recipe's objective: the best quality with at most ``max_escalated`` of queries escalated, the
-cheaper on a tie. The chosen values go into ``cascade.json`` (shape of the runtime's cascade
-config: ``router``, ``qualifier``, ``cloud``, ``escalation``), shipped in the bundle by stage X.
+cheaper on a tie — with a **margin** (``escalation_margin``): the cap must hold for the Wilson 95%
+upper bound of the escalated share, not only for the share on these queries, so a threshold that
+escalates 20% of a few hundred queries by luck of the sample is not taken at a 20% cap (a choice
+at the in-sample cap exceeds it on fresh queries about half the time). The chosen values go into
+``cascade.json`` (shape of the runtime's cascade config: ``router``, ``qualifier``, ``cloud``,
+``escalation``), shipped in the bundle by stage X.
 
 Outputs: ``cascade.json``, ``frontier.jsonl`` (every combination), ``frontier.png`` (quality vs
 share escalated, coloured by cost, the Pareto frontier and the choice marked), ``THRESHOLDS_CARD.md``.
@@ -57,6 +61,9 @@ class Config(StageConfig):
     router_thresholds: list[float] = Field([0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 1.01], min_length=1)
     confidence_grid: int = Field(
         41, ge=2, description="Qualifier and fallback thresholds: this many quantiles of the local confidences."
+    )
+    escalation_margin: bool = Field(
+        True, description="The cap holds for the Wilson 95% upper bound of the escalated share (out of sample)."
     )
 
     @model_validator(mode="after")
@@ -156,8 +163,15 @@ def pareto(results: list[dict]) -> list[dict]:
     return best
 
 
-def choose(results: list[dict], max_escalated: float) -> dict:
-    allowed = [x for x in results if x["escalated"] <= max_escalated + 1e-12]
+def choose(results: list[dict], max_escalated: float, queries: int | None = None) -> dict:
+    """The objective's choice; with ``queries`` (how many the shares were measured on), the cap
+    applies to the Wilson 95% upper bound of each combination's escalated share."""
+    from methods.evaluation import wilson
+
+    def share(x: dict) -> float:
+        return wilson(round(x["escalated"] * queries), queries)[1] if queries else x["escalated"]
+
+    allowed = [x for x in results if share(x) <= max_escalated + 1e-12]
     if not allowed:
         raise KibidangoError(f"no threshold combination escalates at most {max_escalated:.0%}")
     # Best quality; then cheaper; then fewer escalations; then the highest router threshold
@@ -177,7 +191,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         raise KibidangoError("stage 2G's evaluation half has no judged query to sweep thresholds on")
     results = sweep(queries, cfg)
     front = pareto(results)
-    chosen = choose(results, cfg.max_escalated)
+    chosen = choose(results, cfg.max_escalated, len(queries) if cfg.escalation_margin else None)
     local_only = choose(results, 0.0)
     cloud_only = max((x for x in results if x["cloud"] == 1.0), key=lambda x: (x["quality"], -x["usd_per_1k_queries"]))
     cascade = {
@@ -192,7 +206,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "usd_per_1k_completion": cfg.cloud.usd_per_1k_completion,
         },
         "escalation": {"use_detector": chosen["detector"]},
-        "objective": {"max_escalated": cfg.max_escalated},
+        "objective": {"max_escalated": cfg.max_escalated, "margin": "wilson-95" if cfg.escalation_margin else None},
         "expected": {
             k: chosen[k] for k in ("quality", "escalated", "local", "validated", "cloud", "usd_per_1k_queries")
         },
@@ -202,7 +216,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     with open(out_dir / "frontier.jsonl", "w", encoding="utf-8") as f:
         for x in results:
             f.write(json.dumps(x) + "\n")
-    _plot(results, front, chosen, out_dir / "frontier.png")
+    _plot(results, front, chosen, (local_only["quality"], cloud_only["quality"]), out_dir / "frontier.png")
     # the same share escalated at random: what a confidence that knows nothing reaches
     random_quality = local_only["quality"] + chosen["escalated"] * (cloud_only["quality"] - local_only["quality"])
     report = {
@@ -235,7 +249,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     return StageResult(metrics, ["THRESHOLDS_CARD.md", "frontier.png", "cascade.json"], summary)
 
 
-def _plot(results: list[dict], front: list[dict], chosen: dict, path: Path) -> None:
+def _plot(results: list[dict], front: list[dict], chosen: dict, ends: tuple[float, float], path: Path) -> None:
+    """Every combination, the Pareto frontier, the choice, and the random line: escalating a share
+    of the queries at random (from local-only quality at 0 to cloud-only quality at 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,6 +269,7 @@ def _plot(results: list[dict], front: list[dict], chosen: dict, path: Path) -> N
     ax.plot(
         [x["escalated"] for x in front], [x["quality"] for x in front], color="#c33", lw=1.2, label="Pareto frontier"
     )
+    ax.plot([0, 1], list(ends), color="#777", lw=1, ls="--", label="random escalation")
     ax.scatter([chosen["escalated"]], [chosen["quality"]], marker="*", s=160, color="#c33", label="chosen")
     fig.colorbar(sc, ax=ax, label="$ per 1K queries")
     ax.set_xlabel("share of queries escalated to the cloud")

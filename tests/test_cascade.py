@@ -99,6 +99,47 @@ def test_escalation_stops_at_the_first_pass_on_locally_served_tiers(tmp_path):
     assert (out / "cost_per_tier.png").stat().st_size > 0 and "cost cut" in (out / "COST_CARD.md").read_text()
 
 
+STORIES_HF = SHARED / "models" / "stories260K" / "hf"
+
+
+def test_the_served_family_format_is_the_training_format():
+    """llama-cpp-python's hf-tokenizer-config handler passes the system message and appends an empty
+    assistant turn; the serving template renders both as nothing: the served model sees exactly the
+    prompt it was trained and evaluated on."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from methods.training.chat import SERVING_TEMPLATE, TEMPLATE
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # as llama-cpp-python renders it
+    sent = [
+        {"role": "system", "content": "You are a careful expert."},
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": ""},
+    ]
+    served = env.from_string(SERVING_TEMPLATE).render(messages=sent, bos_token="<s>", eos_token="</s>")
+    trained = env.from_string(TEMPLATE).render(messages=sent[1:2], bos_token="<s>", eos_token="</s>")
+    assert served == trained == "<s>### Instruction:\nAdd 2 and 3.\n\n### Response:\n"
+
+
+def test_a_tier_serves_a_model_an_upstream_stage_trained(tmp_path):
+    """``serve_input: teachers/open`` serves the ``open`` directory of the stage's ``teachers`` input
+    (stage 1T's output in the tiny preset), converted to GGUF, in the family's own chat format."""
+    if not (STORIES_HF / "config.json").is_file():
+        pytest.skip(f"needs {STORIES_HF}")
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra")
+    inputs = _inputs(tmp_path, n_math=1, n_easy=2)
+    shutil.copytree(STORIES_HF, tmp_path / "teachers" / "open")
+    tiers = [_tier("open", serve_input="teachers/open", model="open"), {"name": "gold", "kind": "reference"}]
+    cfg = {"tiers": tiers, "budget_usd": 1.0, "serve_chat_format": "family"}
+    with pytest.raises(Exception, match="names input 'teachers'"):
+        _run(cfg, inputs, tmp_path, "no-input")
+    result, out = _run(cfg, {**inputs, "teachers": tmp_path / "teachers"}, tmp_path)
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    assert result.metrics["answered_by/open"] == 2 and all(e.get("error") is None for e in ledger)
+    config = json.loads((tmp_path / "work" / "chat_template_open.json").read_text())
+    assert (config["bos_token"], config["eos_token"]) == ("<s>", "</s>")
+
+
 def test_faults_are_retried_and_the_budget_is_never_overspent(openai_server, monkeypatch, tmp_path):
     base, key = openai_server
     monkeypatch.setenv(OPENAI_KEY_ENV, key)

@@ -195,3 +195,15 @@ def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
     measured = ("speed/", "acceptance/", "peak_rss")  # timings and the speed run: not quality
     quality = {k: v for k, v in third.metrics.items() if not k.startswith(measured)}
     assert quality == {k: v for k, v in result.metrics.items() if not k.startswith(measured)}
+
+
+def test_mcnemar_counts_the_discordant_tasks_and_tests_them_exactly():
+    from methods.evaluation import mcnemar
+
+    a = {f"t{i}": i < 10 for i in range(20)}  # passes t0..t9
+    b = {f"t{i}": i in (0, 1, 10) for i in range(20)}  # passes t0, t1, t10; t19 unknown to a below
+    del a["t19"]
+    test = mcnemar(a, b)
+    assert (test["n"], test["a_only"], test["b_only"]) == (19, 8, 1)
+    assert abs(test["p"] - 2 * (1 + 9) / 2**9) < 1e-12  # two-sided exact binomial, P(X <= 1 | 9, 1/2) x 2
+    assert mcnemar(a, a)["p"] == 1.0 and mcnemar(a, a)["a_only"] == 0

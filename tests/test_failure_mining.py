@@ -292,14 +292,16 @@ def test_1c_llm_critic_is_resumable_and_only_disputes_the_weak_judge(openai_serv
 
 def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage0, student, tmp_path):
     """The retraining round with real axolotl on stories260K (4 steps): trains on the pairs plus
-    replay rows, never on a held-out failure, and judges the held-out failures before and after."""
+    replay rows, never on a held-out failure, and judges the held-out failures before and after;
+    the two controls train with the same budget (random mined tasks with gold answers; replay
+    only), and 1A, the controls and 1R answer the same evaluation tasks, compared by McNemar."""
     from tests.test_training_resume import _needs_axolotl_and_shared
 
     _needs_axolotl_and_shared()
     from methods.benchmarks import load_tasks
     from stages.retrain import Config, run
 
-    tasks = load_tasks("gsm8k", DATA / "gsm8k/test.jsonl", "mining")[:10]
+    tasks = load_tasks("gsm8k", DATA / "gsm8k/test.jsonl", "mining")[:16]
 
     def row(bt, answer=None):
         instruction, input_ = bt.instruction()
@@ -315,9 +317,19 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     (pairs_dir / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     (pairs_dir / "held_out.jsonl").write_text("".join(json.dumps(h) + "\n" for h in held))
     (mined / "manifest.json").write_text(json.dumps({"config": {"judges": {"math": {"kind": "math"}}}}))
+    answered = [row(bt) | {"passed": False} for bt in tasks]  # 1B's answers: pairs, held out and 6 more
+    (mined / "answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answered))
     train = {"max_steps": 4, "micro_batch_size": 2, "sequence_len": 128, "learning_rate": 0.001, "warmup_steps": 1}
     train.update(logging_steps=1, save_steps=2)
-    cfg = Config(replay_share=0.5, pair_repeats=2, train=train, max_new_tokens=24, tokenizer_type="LlamaTokenizer")
+    evaluation = [{"name": "ladder_math", "source": "ladder", "domain": "math", "levels": [1, 2], "size": 4}]
+    cfg = Config(
+        replay_share=0.5,
+        pair_repeats=2,
+        train=train,
+        max_new_tokens=24,
+        tokenizer_type="LlamaTokenizer",
+        evaluation=evaluation,
+    )
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()
     work.mkdir()
@@ -329,7 +341,23 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     assert m["val_perplexity_before"] > 1 and m["val_perplexity_after"] > 1  # the forgetting guard is measured
     trained = (work / "data" / "train.jsonl").read_text()
     assert all(h["instruction"] not in trained for h in held)  # never trained on a held-out failure
-    assert (out / "target" / "config.json").is_file() and "| **all** | 4 |" in (out / "RETRAIN_CARD.md").read_text()
+    card = (out / "RETRAIN_CARD.md").read_text()
+    assert (out / "target" / "config.json").is_file() and "| **all** | 4 |" in card
+    # The controls: the same number of rows, the same replay rows; random draws from what 1B answered.
+    mix = trained.splitlines()
+    random_mix = (work / "controls" / "random" / "train.jsonl").read_text().splitlines()
+    replay_mix = (work / "controls" / "replay" / "train.jsonl").read_text().splitlines()
+    assert len(random_mix) == len(replay_mix) == len(mix) == 24 and random_mix[12:] == mix[12:]
+    taught = {m["content"] for line in random_mix for m in json.loads(line)["messages"]}
+    assert not any(h["prompt"] in taught for h in held)
+    assert any(bt.task.prompt in taught for bt in tasks[10:])  # not only the failures: drawn blindly
+    assert (out / "logs" / "random.log").is_file() and (out / "logs" / "replay.log").is_file()
+    verdicts = [json.loads(line) for line in (out / "evaluation.jsonl").read_text().splitlines()]
+    assert len(verdicts) == 4 and all(set(v["passed"]) == {"1A", "1R", "random", "replay"} for v in verdicts)
+    assert {v["level"] for v in verdicts} == {1, 2} and all(v["id"].startswith("ladder-math-") for v in verdicts)
+    for control in ("1A", "random", "replay"):
+        assert 0 <= m[f"mcnemar/1R_vs_{control}/p"] <= 1 and f"1R vs {control}" in card
+    assert 0 <= m["eval/1R/ladder_math/L2"] <= 1 and "McNemar" in card
 
 
 def test_an_answer_that_cannot_start_has_no_confidence(student):

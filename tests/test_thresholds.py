@@ -100,3 +100,45 @@ def test_the_detector_learns_what_the_query_says_about_failure(tmp_path):
     )
     # the threshold is chosen on the fitting half (recall 90% there); held out, recall is near it
     assert result.metrics["eval_recall_at_threshold"] >= 0.7
+
+
+def test_the_margin_keeps_the_escalated_share_under_the_cap_on_fresh_queries():
+    """Thresholds chosen on 200 queries, the escalated share measured on 4,000 fresh ones from the
+    same distribution: chosen at the in-sample cap, the share passes the cap on fresh queries about
+    half the time; with the Wilson margin, (almost) never."""
+
+    def draw(rng, n: int) -> list[dict]:
+        conf = rng.beta(2, 2, n)  # a smooth spread of confidences; failing more often when unsure
+        return [_query(bool(rng.random() < c), float(c)) for c in conf]
+
+    cfg = _cfg(router_thresholds=[0.0], confidence_grid=41)
+    over = {False: 0, True: 0}
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        sample, fresh = draw(rng, 200), draw(rng, 4000)
+        fresh_conf = np.array([q["base"]["confidence"] for q in fresh])
+        results = thresholds.sweep(sample, cfg)
+        for margin in (False, True):
+            x = thresholds.choose(results, 0.2, len(sample) if margin else None)
+            # the share of fresh queries below the chosen qualifier threshold (validated or sent to the cloud)
+            over[margin] += float((fresh_conf < x["qualifier"]).mean()) > 0.2
+    assert over[False] >= 3 and over[True] <= 1, over
+
+
+def test_eval_cascade_compares_its_escalations_with_6cs_prediction_and_with_random_ones():
+    from eval.cascade_eval import against_prediction
+
+    # 10 fresh queries: the local model passes 6; the cascade escalates exactly 2 of the 4 it fails,
+    # and the cloud passes every query
+    records = []
+    for i in range(10):
+        local = i < 6
+        tier = "cloud" if i in (6, 7) else "local"
+        records.append({"tier": tier, "passed": {"local": local, "cloud": True, "cascade": local or tier == "cloud"}})
+    a = against_prediction(records, expected=0.2)
+    assert a["escalated"] == pytest.approx(0.2) and a["within_5_points"] is True
+    assert a["cascade_quality"] == pytest.approx(0.8)
+    assert a["random_quality"] == pytest.approx(0.8 * 0.6 + 0.2 * 1.0)  # 0.68
+    assert a["difference"] == pytest.approx(0.12) and a["difference_ci"][0] <= 0.12 <= a["difference_ci"][1]
+    assert against_prediction(records, expected=0.3)["within_5_points"] is False
+    assert against_prediction(records, expected=None)["within_5_points"] is None

@@ -7,8 +7,8 @@
   reference solution, judged by the code judge; levels 1-6 by composition depth.
 
 Every task has a stable id (``ladder-math-3-<hash of its key>``): the key is the problem itself —
-its story and arithmetic, or the program with its function renamed — not its wording, so one
-problem told twice is one task. Each task belongs to one **part** forever, by a salted hash of its key
+its story and arithmetic, or the program — not its wording, so one problem told twice is one
+task. Each task belongs to one **part** forever, by a salted hash of its key
 (:func:`part`), as the benchmarks' tasks do (:mod:`methods.benchmarks`): **evaluation** (20%: read by
 evaluation and gates only), **mining** (20%: failure mining, teachers, retraining, calibration) and
 **train** (60%: stage 0). Stage 0 reads the train part of the levels up to its cut-off
@@ -56,7 +56,7 @@ _SALT = "kibidango/ladder-split/v1"
 for evaluation. Never change them."""
 _PATIENCE = 2000
 """Draws in a row that bring no new problem before a level counts as exhausted (every level has
-thousands of problems or more; the smallest pool, code level 1, some hundreds per part)."""
+thousands of problems or more)."""
 
 
 def part(domain: str, key: str) -> Part:

@@ -13,8 +13,10 @@ level shape                                          example reference
 ====  ==============================================  ===========================================
 
 The measured difficulty is the reference's size in AST nodes (:func:`ast_nodes`); its mean rises
-with every level (``tests/test_ladder.py``). The program's **key** is its reference code with the
-function renamed to ``f``: the same program under another name or wording is the same task.
+with every level (``tests/test_ladder.py``). The program's **key** is its reference code, the
+function's name included: the same program in another wording is the same task, while ``x + 3``
+asked as ``convert`` in training and as ``solve`` in evaluation are two tasks of one skill, as a
+sum is in the math rungs (level 1 has a few hundred programs; named, a few thousand).
 
 Tests are three asserts on inputs drawn for the task (for a conditional, on both sides of it);
 the prompt shows the first, as MBPP's prompts show theirs. Expected values come from running the
@@ -85,7 +87,7 @@ _PROMPTS = [
 @dataclass(frozen=True)
 class Program:
     key: str
-    """The reference with the function named ``f``."""
+    """The level and the reference program (its function's name included)."""
     name: str
     instruction: str
     reference: str
@@ -200,7 +202,7 @@ def program(level: int, rng: random.Random) -> Program:
                 arg, arg_text = _ARG[arg_type]
                 tests = tuple(f"assert {name}({v!r}) == {e!r}" for v, e in zip(inputs, expected, strict=True))
                 prompt = rng.choice(_PROMPTS).format(name=name, arg=arg, arg_text=arg_text, steps=steps)
-                return Program(f"{level}:def f({arg}):\n{body}\n", name, prompt, reference, tests)
+                return Program(f"{level}:{reference}", name, prompt, reference, tests)
     raise RuntimeError(f"code level {level}: no program with three distinct test results in {_DRAWS} draws")
 
 

@@ -15,7 +15,16 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["TEMPLATE", "axolotl_dataset", "messages", "prompt_text", "write_jsonl", "load_split", "encode"]
+__all__ = [
+    "SERVING_TEMPLATE",
+    "TEMPLATE",
+    "axolotl_dataset",
+    "messages",
+    "prompt_text",
+    "write_jsonl",
+    "load_split",
+    "encode",
+]
 
 TEMPLATE = (
     "{{ bos_token }}"
@@ -24,6 +33,11 @@ TEMPLATE = (
     "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
     "{% endfor %}"
 )
+
+SERVING_TEMPLATE = TEMPLATE.replace("{% else %}", "{% elif m['role'] == 'assistant' and m['content'] %}")
+"""The same format for llama-cpp-python's server (``chat_format: hf-tokenizer-config``), which
+appends an empty assistant turn to prompt a reply and passes the client's system message: both
+render as nothing, so a served model sees exactly the prompt it was trained on."""
 
 
 def prompt_text(instruction: str, input_: str = "") -> str:
