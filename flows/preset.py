@@ -12,7 +12,9 @@ each stage's config (inline, or a recipe file merged under the inline keys).
                                        # recipes/stage<id>/<name>.yaml by default
         config: {...}                  # validated against the stage's Config
 
-Without ``graph`` the preset lists every stage it runs with its ``needs``.
+Without ``graph`` the preset lists every stage it runs with its ``needs``. In the graph, an
+input whose upstream ends in ``?`` (``teachers: 1T?``) is optional: a preset that leaves that
+stage out runs the stage without the input.
 """
 
 from __future__ import annotations
@@ -167,7 +169,11 @@ def _on_graph(path: Path, spec: PresetFile) -> dict[str, StagePlan]:
             continue
         own = spec.stages.get(sid)
         recipe = f"recipes/stage{sid}/{spec.name}.yaml"
-        plan = StagePlan(needs={str(k): str(v) for k, v in (needs or {}).items()}, recipe=recipe)
+        needs = {str(k): str(v) for k, v in (needs or {}).items()}
+        needs = {
+            k: v.removesuffix("?") for k, v in needs.items() if v.removesuffix("?") not in spec.without or v[-1:] != "?"
+        }
+        plan = StagePlan(needs=needs, recipe=recipe)
         if own is not None:
             plan = plan.model_copy(update={k: getattr(own, k) for k in own.model_fields_set})
         stages[sid] = plan

@@ -67,7 +67,7 @@ class Config(StageConfig):
     )
     serve_n_ctx: int = Field(512, gt=0, description="Context of locally served tiers.")
     serve_chat_format: str = Field(
-        "family",
+        "alpaca",
         description="llama-cpp-python chat format of locally served tiers; `family`: the family's own training "
         "format (methods/training/chat.py), as llama-cpp-python's hf-tokenizer-config format.",
     )

@@ -81,7 +81,7 @@ def test_moving_a_definition_to_another_module_keeps_every_key(baseline):
     # the same move with a changed body is a change
     sources["methods.curation.text"] = moved.replace(".strip()", '.strip(" ")')
     changed = {sid for sid, v in _versions(sources).items() if v != baseline[sid]}
-    assert changed == {"0", "1B", "2G", "9"}  # 1B, 2G and 9 read benchmark tasks with it
+    assert changed == {"0", "1B", "1R", "2G", "9"}  # 1B, 1R (its evaluation), 2G and 9 read benchmark tasks with it
 
 
 def test_moving_plumbing_keeps_every_key(baseline):

@@ -313,7 +313,7 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     pairs_dir.mkdir()
     mined.mkdir()
     pairs = [row(bt, bt.task.reference) | {"tier": "gold"} for bt in tasks[:6]]
-    held = [row(bt) for bt in tasks[6:]]
+    held = [row(bt) for bt in tasks[6:10]]
     (pairs_dir / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     (pairs_dir / "held_out.jsonl").write_text("".join(json.dumps(h) + "\n" for h in held))
     (mined / "manifest.json").write_text(json.dumps({"config": {"judges": {"math": {"kind": "math"}}}}))
