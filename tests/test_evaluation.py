@@ -126,6 +126,12 @@ def test_evaluation_tasks_are_never_mined_taught_or_trained_on(stage0):
     assert ladder_sources
     trained = {ex.id for spec in ladder_sources for ex in read_source(spec)}
     assert trained and not trained & evaluated and not trained & mined_ids
+    # nor do the stand-in teachers (1T), which learn every level of the train part
+    from stages.stand_in_teachers import Config as TeachersConfig
+
+    teachers = TeachersConfig.model_validate(yaml.safe_load(Path("recipes/stage1T/tiny.yaml").read_text()))
+    taught = {t.id for source in teachers.ladder for t in source.rows()}
+    assert taught and not taught & evaluated and not taught & mined_ids
 
 
 def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
