@@ -416,7 +416,7 @@ def _loop_section(runs: dict, artifacts: dict) -> list[str]:
     if comparison:
         models = list(comparison["models"])
         groups = sorted({g for m in comparison["models"].values() for g in m["groups"]})
-        shipped = "shipped bundle (9, policy auto)" if quality else None
+        shipped = "shipped bundle (9, policy auto)" if any(g in quality for g in groups) else None
         out += [
             "",
             "### Pass rate per ladder level: 1A, the controls, 1R and the shipped bundle",
