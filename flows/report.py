@@ -300,7 +300,8 @@ def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: lis
                 shown = "; ".join(
                     f"`{p}` {_pct(v['rate'])} [{_pct(v['ci'][0])}, {_pct(v['ci'][1])}]" for p, v in pol.items()
                 )
-                rows.append(f"| {label} (n = {q[name]['n']}, 95% Wilson) | {shown} | {cite('9')} |")
+                seen = f"; **not held out**: {q[name]['seen_by_base']}" if q[name].get("seen_by_base") else ""
+                rows.append(f"| {label} (n = {q[name]['n']}, 95% Wilson{seen}) | {shown} | {cite('9')} |")
         if "all" in q:
             rows.append(
                 f"| gold answers' perplexity under the base target (all {q['all']['n']} tasks) | "

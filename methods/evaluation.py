@@ -43,6 +43,11 @@ class EvalSample(StageConfig):
     domain: Literal["math", "code"] | None = Field(None, description="ladder: which rungs (the others: their own).")
     levels: list[int] | None = Field(None, description="ladder: the levels, `size` spread evenly over them.")
     size: int = Field(gt=0, description="Tasks to evaluate (fewer when the file has fewer).")
+    seen_by_base: str | None = Field(
+        None,
+        description="Why these tasks are not held out for this preset's starting point (a base model trained "
+        "on the file before this pipeline saw it); the card and the report print it beside the figures.",
+    )
 
     @model_validator(mode="after")
     def _where(self) -> EvalSample:

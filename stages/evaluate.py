@@ -82,6 +82,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     table = _answers(cfg, rows, pipe, policies, work_dir)
 
     quality = _quality(table, policies)
+    for s in cfg.samples:
+        if s.seen_by_base and s.name in quality:
+            quality[s.name]["seen_by_base"] = s.seen_by_base
     report = {
         "command": "make stage-9",
         "code_sandbox": sandbox_note(cfg.judges),
@@ -304,7 +307,13 @@ def _card(r: dict) -> str:
         cells = [f"{v['rate']:.1%} [{v['ci'][0]:.1%}, {v['ci'][1]:.1%}]" for v in q["policies"].values()]
         ppl = "-" if q["reference_perplexity"] is None else f"{q['reference_perplexity']:.1f}"
         metric = q["metric"].replace("_at_", "@")
-        lines.append(f"| {key} | {metric} | {q['n']} | " + " | ".join(cells) + f" | {ppl} |")
+        flag = " (not held out\\*)" if q.get("seen_by_base") else ""
+        lines.append(f"| {key}{flag} | {metric} | {q['n']} | " + " | ".join(cells) + f" | {ppl} |")
+    lines += [
+        f"\n\\* {key}: not held out for this preset's base model — {q['seen_by_base']}"
+        for key, q in r["quality"].items()
+        if q.get("seen_by_base")
+    ]
     size = r["size"]
     lines += [
         "",

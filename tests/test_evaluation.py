@@ -147,7 +147,7 @@ def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
         {
             "samples": [
                 {"name": "gsm8k", "source": "gsm8k", "path": str(BENCH["gsm8k"]), "size": 2},
-                {"name": "mbpp", "source": "mbpp", "path": str(BENCH["mbpp"]), "size": 2},
+                {"name": "mbpp", "source": "mbpp", "path": str(BENCH["mbpp"]), "size": 2, "seen_by_base": "P saw it"},
                 {"name": "general", "source": "alpaca_seed", "path": str(SEEDS), "size": 2},
             ],
             "judges": {"math": {"kind": "math"}, "code": {"kind": "code"}, "general": {"kind": "reference"}},
@@ -181,6 +181,10 @@ def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
     assert result.metrics["speed/sd_vs_ar"] > 0
     card = (out / "EVALUATION_CARD.md").read_text()
     assert "| gsm8k | accuracy | 2 |" in card and "Peak RSS" in card
+    # A sample the base model trained on is flagged beside its figures, with the reason.
+    assert "| mbpp (not held out\\*) | pass@1 | 2 |" in card
+    assert "mbpp: not held out for this preset's base model — P saw it" in card
+    assert report["quality"]["mbpp"]["seen_by_base"] == "P saw it" and "seen_by_base" not in report["quality"]["gsm8k"]
     assert report["quality"]["all"]["n"] == 6 and result.metrics["all/reference_perplexity"] > 1
     # Resumable: a rerun with the work directory answers nothing again.
     shutil.rmtree(out)

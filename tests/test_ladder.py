@@ -158,3 +158,32 @@ def test_level_problems_are_distinct_and_subtractions_never_go_negative():
         for _ in range(200):
             p = problem(level, rng)
             assert p.answer >= 0 and all(r >= 0 for *_, r in p.steps)
+
+
+def test_worked_steps_are_single_digit_facts_whose_columns_spell_the_result():
+    import re
+
+    from methods.ladder.arithmetic import problem, worked_step
+
+    assert worked_step("+", 3, 4, 7) == "3 + 4 = 7"
+    assert worked_step("+", 37, 45, 82) == "37 + 45: 7 + 5 = 12, 3 + 4 + 1 = 8, so 37 + 45 = 82"
+    assert worked_step("-", 82, 18, 64) == "82 - 18: 12 - 8 = 4, 8 - 1 - 1 = 6, so 82 - 18 = 64"
+    assert worked_step("*", 6, 23, 138) == "6 * 23: 6 * 3 = 18, 6 * 2 + 1 = 13, so 6 * 23 = 138"
+    fact = re.compile(r"(\d+) ([-+*]) (\d)(?: ([-+]) (\d))? = (\d+)")
+    rng = random.Random(1)
+    for level in range(1, LEVELS["math"] + 1):
+        for _ in range(300):
+            p = problem(level, rng)
+            for op, a, b, result in p.steps:
+                line = worked_step(op, a, b, result)
+                if a < 10 and b < 10:
+                    continue
+                columns = line.split(": ", 1)[1].split(", so ")[0].split(", ")
+                digits = ""
+                for i, column in enumerate(columns):
+                    x, o, y, o2, c, value = fact.fullmatch(column).groups()
+                    assert int(x) < 20 and o == op  # one column: a digit (plus a borrowed ten)
+                    assert eval(f"{x} {o} {y}" + (f" {o2} {c}" if o2 else "")) == int(value)
+                    last = i == len(columns) - 1
+                    digits = (value if last else value[-1]) + digits
+                assert int(digits) == result and line.endswith(f"so {a} {op} {b} = {result}")

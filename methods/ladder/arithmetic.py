@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-__all__ = ["LEVELS", "Problem", "digit_steps", "problem"]
+__all__ = ["LEVELS", "Problem", "digit_steps", "problem", "worked_step"]
 
 LEVELS = 7
 
@@ -93,7 +93,7 @@ class Problem:
     """The level, protagonist, objects and arithmetic: ``"5:Tom:shells:37+45-18"``."""
     question: str
     solution: str
-    """One line per step (``37 + 45 = 82``), then ``#### n``."""
+    """One line per step, worked column by column (:func:`worked_step`), then ``#### n``."""
     answer: int
     steps: tuple[tuple[str, int, int, int], ...]
     """(operator, left, right, result) per step."""
@@ -135,8 +135,42 @@ def problem(level: int, rng: random.Random) -> Problem:
     )
     head = f"{steps[0][1]}*{steps[0][2]}" if steps[0][0] == "*" else str(steps[0][1])
     key = f"{level}:{who}:{words['t']}:{head}" + "".join(f"{op}{b}" for op, _, b, _ in steps if op != "*")
-    solution = "\n".join(f"{a} {op} {b} = {r}" for op, a, b, r in steps) + f"\n#### {value}"
+    solution = "\n".join(worked_step(*step) for step in steps) + f"\n#### {value}"
     return Problem(key, " ".join(sentences), solution, value, tuple(steps))
+
+
+def worked_step(op: str, a: int, b: int, result: int) -> str:
+    """One step written the schoolbook way, ones column first, each column a single-digit fact
+    with its carry or borrow: ``37 + 45: 7 + 5 = 12, 3 + 4 + 1 = 8, so 37 + 45 = 82``. A model
+    then never has to produce a many-digit number in one go (its digits come out most significant
+    first, but a carry travels the other way); it copies the columns' results instead. Two single
+    digits are one fact: ``3 + 4 = 7``."""
+    if a < 10 and b < 10:
+        return f"{a} {op} {b} = {result}"
+    columns: list[str] = []
+    if op == "*":
+        m, large = (a, b) if a < 10 else (b, a)
+        carry = 0
+        for d in map(int, reversed(str(large))):
+            value = m * d + carry
+            columns.append(f"{m} * {d}" + (f" + {carry}" if carry else "") + f" = {value}")
+            carry = value // 10
+    else:
+        da, db = str(a)[::-1], str(b)[::-1]
+        carry = 0
+        for i in range(max(len(da), len(db))):
+            x = int(da[i]) if i < len(da) else 0
+            y = int(db[i]) if i < len(db) else 0
+            if op == "+":
+                value = x + y + carry
+                columns.append(f"{x} + {y}" + (f" + {carry}" if carry else "") + f" = {value}")
+                carry = value // 10
+            else:
+                borrow = x - y - carry < 0
+                top = x + 10 * borrow
+                columns.append(f"{top} - {y}" + (f" - {carry}" if carry else "") + f" = {top - y - carry}")
+                carry = int(borrow)
+    return f"{a} {op} {b}: " + ", ".join(columns) + f", so {a} {op} {b} = {result}"
 
 
 def digit_steps(steps: tuple[tuple[str, int, int, int], ...]) -> int:
