@@ -136,7 +136,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     }
     summary = (
         f"funnel tested {f['tested']:,} -> judged {f['judged']:,} -> failed {f['failed']:,} -> unique {f['unique']:,} "
-        f"-> critical {f['critical']:,} (top {cfg.top_k} per domain; critique: {cfg.critique}"
+        f"-> critical {f['critical']:,} (top {_top_k(cfg.top_k)} per domain; critique: {cfg.critique}"
         + (f", {len(disputed)} disputed" if disputed else "")
         + ")"
     )
@@ -221,7 +221,8 @@ def _card(funnel: dict, critical: list[dict]) -> str:
     lines += [
         f"| **all** | {f['tested']:,} | {f['judged']:,} | {f['failed']:,} | {f['unique']:,} | **{f['critical']:,}** |",
         "",
-        f"Kept: the {funnel['top_k']:,} most severe unique failures per domain. Critique: {funnel['critique']}"
+        f"Kept: the {_top_k(funnel['top_k'])} most severe unique failures per domain. "
+        f"Critique: {funnel['critique']}"
         + (
             f"; {funnel['disputed']} reference-judged failures disputed by the critic and dropped."
             if funnel["disputed"]
@@ -236,3 +237,8 @@ def _card(funnel: dict, critical: list[dict]) -> str:
             lines.append(f"| {r['id']} | {r['domain']} | {r['judge']} | {r['severity']:.3f} | {reason} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _top_k(top_k: int | dict[str, int]) -> str:
+    """``20``, or ``math 40, code 40, general 10`` for a per-domain cut."""
+    return f"{top_k:,}" if isinstance(top_k, int) else ", ".join(f"{d} {k:,}" for d, k in top_k.items())

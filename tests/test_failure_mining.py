@@ -240,6 +240,14 @@ def test_1c_funnel_collapses_duplicates_and_keeps_the_most_severe(tmp_path):
     assert code["r6"] > code["r7"]  # a timeout (score 0) is worse than half the asserts passing
     assert result.metrics["critical"] == 4 and "FAILURE_CARD.md" in result.files_to_log
     assert "| **all** | 8 | 7 | 6 | 5 | **4** |" in (out / "FAILURE_CARD.md").read_text()
+    # A cut per domain (the tiny preset's): math keeps one, code both; the card names each cut.
+    out2, work2 = tmp_path / "out2", tmp_path / "work2"
+    out2.mkdir()
+    work2.mkdir()
+    per_domain = cfg.model_copy(update={"top_k": {"math": 1, "code": 2}})
+    again = run(per_domain, {"mined": mined}, out2, work2)
+    assert again.metrics["critical"] == 3 and "(top math 1, code 2 per domain;" in again.summary
+    assert "Kept: the math 1, code 2 most severe" in (out2 / "FAILURE_CARD.md").read_text()
 
 
 def test_1c_llm_critic_is_resumable_and_only_disputes_the_weak_judge(openai_server, monkeypatch, tmp_path):
