@@ -30,6 +30,7 @@ below zero (the step adds instead).
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["LEVELS", "Problem", "digit_steps", "problem", "worked_step"]
@@ -139,38 +140,50 @@ def problem(level: int, rng: random.Random) -> Problem:
     return Problem(key, " ".join(sentences), solution, value, tuple(steps))
 
 
+def _columns(op: str, a: int, b: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """The schoolbook columns of ``a op b``, ones first: (left, right, carry in, value, carry out).
+    For ``+`` and ``-`` a column of each operand (a missing digit is 0; a borrow adds ten to the
+    left digit); for ``*`` the one-digit ``a`` times each digit of ``b``."""
+    carry = 0
+    if op == "*":
+        for d in map(int, reversed(str(b))):
+            value = a * d + carry
+            yield a, d, carry, value, value // 10
+            carry = value // 10
+        return
+    da, db = str(a)[::-1], str(b)[::-1]
+    for i in range(max(len(da), len(db))):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if i < len(db) else 0
+        if op == "+":
+            value, out = x + y + carry, (x + y + carry) // 10
+        else:
+            out = int(x - y - carry < 0)
+            x += 10 * out
+            value = x - y - carry
+        yield x, y, carry, value, out
+        carry = out
+
+
 def worked_step(op: str, a: int, b: int, result: int) -> str:
     """One step written the schoolbook way, ones column first, each column a single-digit fact
     with its carry or borrow: ``37 + 45: 7 + 5 = 12, 3 + 4 + 1 = 8, so 37 + 45 = 82``. A model
     then never has to produce a many-digit number in one go (its digits come out most significant
     first, but a carry travels the other way); it copies the columns' results instead. Two single
-    digits are one fact: ``3 + 4 = 7``."""
+    digits are one fact: ``3 + 4 = 7``. A product needs a one-digit factor (the ladder's are)."""
     if a < 10 and b < 10:
         return f"{a} {op} {b} = {result}"
-    columns: list[str] = []
     if op == "*":
-        m, large = (a, b) if a < 10 else (b, a)
-        carry = 0
-        for d in map(int, reversed(str(large))):
-            value = m * d + carry
-            columns.append(f"{m} * {d}" + (f" + {carry}" if carry else "") + f" = {value}")
-            carry = value // 10
+        if min(a, b) >= 10:
+            raise ValueError(f"{a} * {b}: a worked product needs a one-digit factor")
+        columns = _columns(op, *sorted((a, b)))
     else:
-        da, db = str(a)[::-1], str(b)[::-1]
-        carry = 0
-        for i in range(max(len(da), len(db))):
-            x = int(da[i]) if i < len(da) else 0
-            y = int(db[i]) if i < len(db) else 0
-            if op == "+":
-                value = x + y + carry
-                columns.append(f"{x} + {y}" + (f" + {carry}" if carry else "") + f" = {value}")
-                carry = value // 10
-            else:
-                borrow = x - y - carry < 0
-                top = x + 10 * borrow
-                columns.append(f"{top} - {y}" + (f" - {carry}" if carry else "") + f" = {top - y - carry}")
-                carry = int(borrow)
-    return f"{a} {op} {b}: " + ", ".join(columns) + f", so {a} {op} {b} = {result}"
+        columns = _columns(op, a, b)
+    carry_op = "-" if op == "-" else "+"
+    worked = ", ".join(
+        f"{x} {op} {y}" + (f" {carry_op} {c}" if c else "") + f" = {value}" for x, y, c, value, _ in columns
+    )
+    return f"{a} {op} {b}: {worked}, so {a} {op} {b} = {result}"
 
 
 def digit_steps(steps: tuple[tuple[str, int, int, int], ...]) -> int:
@@ -181,22 +194,8 @@ def digit_steps(steps: tuple[tuple[str, int, int, int], ...]) -> int:
         if op == "*":
             small, large = sorted((a, b))
             for m in map(int, str(small)):
-                carry = 0
-                for d in map(int, reversed(str(large))):
-                    total += 1
-                    carry, _ = divmod(m * d + carry, 10)
-                    total += carry > 0
+                total += sum(1 + (out > 0) for *_, out in _columns("*", m, large))
             total += (len(str(small)) - 1) * len(str(a * b))  # adding the partial products
-            continue
-        da, db = str(a)[::-1], str(b)[::-1]
-        carry = 0
-        for i in range(max(len(da), len(db))):
-            x = int(da[i]) if i < len(da) else 0
-            y = int(db[i]) if i < len(db) else 0
-            total += 1
-            if op == "+":
-                carry = (x + y + carry) >= 10
-            else:
-                carry = (x - y - carry) < 0
-            total += carry
+        else:
+            total += sum(1 + out for *_, out in _columns(op, a, b))
     return total
