@@ -114,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cloud-chat-format", help="llama-cpp-python chat format (default: family for 1T's teacher)")
     parser.add_argument("--cloud-max-tokens", type=int, default=96)
+    parser.add_argument(
+        "--local-temperature",
+        type=float,
+        help="decode the local answers at this temperature (default: the calibrator's, greedy; the cascade "
+        "then flags each answer uncalibrated_decoding)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -209,7 +215,7 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
             ids = list(
                 pipe.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False)
             )
-            r = cascade.answer(ids, query=query, max_new_tokens=cfg.max_new_tokens)
+            r = cascade.answer(ids, query=query, max_new_tokens=cfg.max_new_tokens, temperature=args.local_temperature)
             c = cloud_only.chat(turns)
             judge = judges[row["domain"]]
             task = task_of(task_record(row))
@@ -235,7 +241,7 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
             if i % 10 == 0 or i == len(rows):
                 print(f"  {i}/{len(rows)} queries, {time.monotonic() - started:.0f} s", flush=True)
 
-    report = _report(records, config, bundle_dir, cloud_model)
+    report = _report(records, config, bundle_dir, cloud_model, args.local_temperature)
     out = args.out or home() / "reports" / "eval-cascade.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**report, "queries": records}, indent=2))
@@ -285,7 +291,7 @@ def against_prediction(records: list[dict], expected: float | None, rounds: int 
     }
 
 
-def _report(records: list[dict], config, bundle_dir: Path, cloud_model: Path) -> dict:
+def _report(records: list[dict], config, bundle_dir: Path, cloud_model: Path, local_temperature: float | None) -> dict:
     n = len(records)
     cascade_json = bundle_dir / "cascade" / "cascade.json"
     expected = json.loads(cascade_json.read_text()).get("expected", {}) if cascade_json.is_file() else {}
@@ -294,6 +300,7 @@ def _report(records: list[dict], config, bundle_dir: Path, cloud_model: Path) ->
         "command": "make eval-cascade",
         "bundle": str(bundle_dir),
         "cloud_stand_in": str(cloud_model),
+        "local_temperature": local_temperature,  # None: the calibrator's decoding (greedy)
         "prices": {
             "usd_per_1k_prompt": config.cloud.usd_per_1k_prompt,
             "usd_per_1k_completion": config.cloud.usd_per_1k_completion,
@@ -329,7 +336,12 @@ def _table(r: dict) -> str:
         [
             f"{r['queries']} held-out queries ({', '.join(f'{k} {v}' for k, v in r['by_sample'].items())}); "
             f"cloud stand-in {Path(r['cloud_stand_in']).name} at ${r['prices']['usd_per_1k_prompt']}/"
-            f"${r['prices']['usd_per_1k_completion']} per 1K prompt/completion tokens",
+            f"${r['prices']['usd_per_1k_completion']} per 1K prompt/completion tokens; local answers "
+            + (
+                "decoded as the calibrator's were (greedy)"
+                if r.get("local_temperature") is None
+                else f"sampled at temperature {r['local_temperature']:g} (not the calibrated decoding)"
+            ),
             "",
             "| policy | tier split | judged quality | $ per 1K queries | cloud failed (degraded) |",
             "| --- | --- | ---: | ---: | ---: |",

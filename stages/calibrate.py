@@ -14,7 +14,10 @@ checkpoint for torch, the 2D GGUF for llama.cpp).
    logistic regression to P(judge passes), fitted on one half of the tasks, measured on the other:
    ECE, Brier and AUROC of the raw confidence (exp mean log-probability) and of the calibrated one.
    With one label class in the fitting half there is nothing to fit: no answer model is written
-   and the runtime falls back to exp(calibrated mean log-probability); the card says so.
+   and the runtime falls back to exp(calibrated mean log-probability); the card says so. The
+   answers are greedy; ``calibration.json`` says so (``decoding``), and the runtime's cascade
+   decodes its local answers that way (the bundle's sampling defaults would be another
+   distribution of answers, scored lower and failing more: 6C's thresholds would not hold).
 
 Resumable like 1B: every judged task is appended to the work directory's ``rows.jsonl``.
 
@@ -92,6 +95,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         {backend: v["temperature"] for backend, v in tokens.items()},
         answers.pop("model"),
         {"token": tokens, "answer": {k: v for k, v in answers.items() if k != "curves"}},
+        # what the answers were decoded with: the runtime's cascade decodes its local answer the same way
+        {"temperature": answerer.config.temperature, "max_new_tokens": answerer.config.max_new_tokens},
     )
     (out_dir / "calibration.json").write_text(json.dumps(calibrator.to_dict(), indent=2, sort_keys=True))
     with open(out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
@@ -103,6 +108,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "bins": f"{BINS} equal-mass",
         "token": tokens,
         "answer": answers,
+        "decoding": calibrator.decoding,
     }
     reliability_plot(answers.pop("curves"), out_dir / "reliability_answers.png", "answers: P(judge passes)", BINS)
     (out_dir / "calibration_eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
@@ -295,7 +301,9 @@ def _card(r: dict) -> str:
         "",
         "## Answer level: Platt scaling to P(the judge passes)",
         "",
-        f"{a['answers']:,} judged answers (base weights and the routed adapter), pass rate **{a['pass_rate']:.1%}**; "
+        f"{a['answers']:,} judged answers (base weights and the routed adapter; greedy at temperature "
+        f"{r['decoding']['temperature']:g}, at most {r['decoding']['max_new_tokens']} new tokens: the runtime's "
+        f"cascade decodes its local answers the same way), pass rate **{a['pass_rate']:.1%}**; "
         f"fitting half {a['fit_answers']:,} answers ({a['fit_passes']:,} pass), evaluation half "
         f"{a['eval_answers']:,} ({a['eval_passes']:,} pass). By domain: "
         + ", ".join(f"{d} {v['passes']}/{v['answers']}" for d, v in a["by_domain"].items())

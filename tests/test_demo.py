@@ -102,5 +102,8 @@ def test_tiny_preset_end_to_end_rerun_and_stage_2b(tmp_path):
     assert len(history) >= 5  # the loss curve reached MLflow while training
     tuning = _runs("1F")[0].data.metrics  # 1F's tuned copy of the bundle: what 9, 9A and 2E ship
     assert tuning["torch/candidates"] > 0 and tuning["llamacpp/lossless_mismatches"] == 0
-    tuned = json.loads((Path(_runs("1F")[-1].data.tags[f"{TAG}artifact"]) / "bundle" / "bundle.json").read_text())
+    tuned_dir = Path(_runs("1F")[-1].data.tags[f"{TAG}artifact"]) / "bundle"
+    tuned = json.loads((tuned_dir / "bundle.json").read_text())
+    shipped_calibration = json.loads((tuned_dir / "calibration" / "calibration.json").read_text())
+    assert shipped_calibration["decoding"]["temperature"] == 0.0  # the cascade decodes as 2G's answers were
     assert set(tuned["tuned_defaults"]) == {"torch", "llamacpp"}

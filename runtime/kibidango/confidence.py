@@ -6,8 +6,10 @@ is to fail (stage 6B's escalation detector) — numpy only, from small JSON file
   length, and the mean log-probability under the calibrated temperature;
 - :class:`Logistic`: ``sigmoid(w . (x - mean) / std + b)``, the form of both 2G's Platt scaling
   and 6B's detector;
-- :class:`Calibrator` (``calibration/calibration.json``): per-backend token temperature and the
-  answer-level Platt model; ``confidence(features)`` is P(the judge passes the answer);
+- :class:`Calibrator` (``calibration/calibration.json``): per-backend token temperature, the
+  answer-level Platt model, and the decoding of the answers it was fitted on (``decoding``:
+  greedy); ``confidence(features)`` is P(the judge passes the answer) — for an answer decoded
+  that way: a sampled answer is another distribution (the cascade decodes with ``decoding``);
 - :class:`EscalationDetector` (``escalation/escalation.json``): P(the local answer fails) from the
   query's hashed n-grams (:func:`kibidango.router.features`) and the calibrated confidence.
 
@@ -114,15 +116,28 @@ class Logistic:
             return 1.0 / (1.0 + np.exp(-np.clip(z, -500, 500)))
 
 
+def _valid_decoding(d: Any) -> bool:
+    """``{"temperature": t in [0, 2], "max_new_tokens": n >= 1 (optional)}``."""
+    if not isinstance(d, dict):
+        return False
+    t, n = d.get("temperature"), d.get("max_new_tokens", 1)
+    number = isinstance(t, int | float) and not isinstance(t, bool) and 0 <= t <= 2
+    return number and isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
 @dataclass
 class Calibrator:
     """Stage 2G's ``calibration.json``: ``{"schema": 1, "temperature": {"torch": T, "llamacpp": T},
-    "answer": <Logistic over ANSWER_FEATURES> | null, "metrics": {...}}``. Without an answer model
-    (one label class in the fitting data) the confidence is exp(calibrated mean log-probability)."""
+    "answer": <Logistic over ANSWER_FEATURES> | null, "decoding": {"temperature": 0.0,
+    "max_new_tokens": n}, "metrics": {...}}``. Without an answer model (one label class in the
+    fitting data) the confidence is exp(calibrated mean log-probability). ``decoding``: how the
+    answers it was fitted on were decoded (absent in files written before the field: every 2G
+    decoded greedily, so absent means greedy)."""
 
     temperature: dict[str, float]
     answer: Logistic | None
     metrics: dict[str, Any] = field(default_factory=dict)
+    decoding: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0})
 
     @classmethod
     def load(cls, path: str | Path) -> Calibrator:
@@ -139,7 +154,12 @@ class Calibrator:
         answer = Logistic.from_dict(spec["answer"], f"{path}: answer") if spec.get("answer") else None
         if answer is not None and not set(answer.features) <= set(ANSWER_FEATURES):
             raise BundleError(f"{path}: unknown answer features {sorted(set(answer.features) - set(ANSWER_FEATURES))}")
-        calibrator = cls({k: float(v) for k, v in temps.items()}, answer, spec.get("metrics", {}))
+        decoding = spec.get("decoding", {"temperature": 0.0})
+        if not _valid_decoding(decoding):
+            raise BundleError(
+                f"{path}: decoding: a temperature in [0, 2] and an optional max_new_tokens >= 1, got {decoding!r}"
+            )
+        calibrator = cls({k: float(v) for k, v in temps.items()}, answer, spec.get("metrics", {}), dict(decoding))
         calibrator.probe(path)
         return calibrator
 
@@ -163,6 +183,7 @@ class Calibrator:
             "schema": 1,
             "temperature": self.temperature,
             "answer": self.answer.to_dict() if self.answer else None,
+            "decoding": self.decoding,
             "metrics": self.metrics,
         }
 

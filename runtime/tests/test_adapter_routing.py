@@ -218,3 +218,46 @@ def test_a_non_finite_confidence_at_run_time_is_null_with_its_reason_never_a_500
         with client.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 3, "stream": True}) as s:
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
         assert strict(events[-1])["kibidango"]["confidence"] is None
+
+
+def test_the_cascade_decodes_its_local_answer_as_the_calibrator_was_fitted(bundle, tmp_path):
+    """The bundle samples by default (here temperature 1.0, as the tiny preset's 0.8), but the
+    calibrator's answers were greedy: the cascade's local answer is greedy, unless the caller asks
+    for sampling, and then the result says its confidence is off the calibrated distribution."""
+    from kibidango import Pipeline
+    from kibidango.cascade.pipeline import CascadePipeline
+
+    cascade = CascadePipeline.from_bundle(bundle, state_dir=tmp_path / "state", adapter="none", temperature=1.0)
+    assert cascade.pipe.defaults.temperature == 1.0 and cascade.pipe.calibrator.decoding == {"temperature": 0.0}
+    greedy = Pipeline.from_bundle(bundle, adapter="none").generate("Once upon a time", max_new_tokens=24)
+    sampled = [cascade.pipe.generate("Once upon a time", max_new_tokens=24, seed=s).text for s in range(4)]
+    assert any(text != greedy.text for text in sampled)  # the default really samples
+
+    local = cascade.local("Once upon a time", max_new_tokens=24).result
+    assert local.text == greedy.text and local.confidence == pytest.approx(greedy.metrics.confidence)
+    assert "uncalibrated_decoding" not in local.flags
+    chosen = cascade.local("Once upon a time", max_new_tokens=24, temperature=1.0, seed=3).result
+    assert "uncalibrated_decoding" in chosen.flags
+
+
+def test_a_calibrator_names_the_decoding_it_was_fitted_on(bundle, tmp_path):
+    from kibidango.confidence import Calibrator
+
+    spec = json.loads((bundle / "calibration" / "calibration.json").read_text())
+    assert Calibrator.load(bundle / "calibration" / "calibration.json").decoding == {"temperature": 0.0}
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({**spec, "decoding": {"temperature": 0.0, "max_new_tokens": 128}}))
+    assert Calibrator.load(path).decoding["max_new_tokens"] == 128
+    for bad in (
+        {"temperature": -1},
+        {"temperature": True},
+        {"max_new_tokens": 5},
+        {"temperature": 0, "max_new_tokens": 0},
+        [],
+    ):
+        path.write_text(json.dumps({**spec, "decoding": bad}))
+        with pytest.raises(BundleError, match="decoding: a temperature"):
+            Calibrator.load(path)
+    del spec["decoding"]  # a file written before the field: its answers were greedy
+    path.write_text(json.dumps(spec))
+    assert Calibrator.load(path).decoding == {"temperature": 0.0}

@@ -1,6 +1,7 @@
 """The local/cloud cascade per request: route (6A) -> answer locally (the configured decoding mode,
-at most ``draft.max_tokens``) -> calibrated confidence (2G) and, when the config asks, the
-escalation detector's flag (6B) -> one of
+at most ``draft.max_tokens``, at the temperature the calibrator was fitted on — greedy — unless the
+caller sets one: flag ``uncalibrated_decoding`` when it differs) -> calibrated confidence (2G)
+and, when the config asks, the escalation detector's flag (6B) -> one of
 
 - ``local``: confidence at or above ``qualifier.threshold`` (and not flagged): the local answer;
 - ``validated`` / ``corrected``: between ``cloud.fallback_threshold`` and the qualifier threshold:
@@ -133,8 +134,14 @@ class CascadePipeline:
         **kw,
     ) -> Draft:
         """Route, decode locally (at most ``draft.max_tokens``), score, and decide the tier.
-        ``kw``: decoding settings and ``stop`` strings for :meth:`Pipeline.generate`."""
+        ``kw``: decoding settings and ``stop`` strings for :meth:`Pipeline.generate`. The
+        temperature defaults to the calibrator's (``decoding``: 2G's answers were greedy), not the
+        bundle's sampling default: the confidence and 6C's thresholds hold for answers decoded the
+        way they were measured, and a sampled answer scores lower and fails more often."""
         cfg = self.config
+        calibrated = self.pipe.calibrator.decoding["temperature"] if self.pipe.calibrator is not None else None
+        if calibrated is not None and kw.get("temperature") is None:
+            kw["temperature"] = calibrated
         if query is None:
             query = prompt if isinstance(prompt, str) else self.pipe.tokenizer.decode(prompt)
         budget = min(max_new_tokens or self.pipe.defaults.max_new_tokens, cfg.draft_max_tokens)
@@ -154,6 +161,8 @@ class CascadePipeline:
         result = CascadeResult(local.text, "local", confidence, p_fail, 0.0, self._left(), local=local)
         if confidence is None:  # no calibrator, or one that gave no finite value on this answer
             result.flags.append("confidence_invalid" if local.metrics.confidence_error else "uncalibrated")
+        elif kw.get("temperature") != calibrated:  # the caller's own sampling: the thresholds were not chosen on it
+            result.flags.append("uncalibrated_decoding")
         action = None
         if local.metrics.finish_reason == "cancelled":
             result.flags.append("cancelled")
