@@ -117,7 +117,7 @@ mlflow-ui: setup
 	  --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(KIBIDANGO_HOME)/mlflow.db}"
 
 compare: setup
-	$(PY) -m flows compare --experiment kibidango-$(PRESET) $(if $(METRICS),--metrics $(METRICS)) $(if $(STAGE),--stage $(STAGE))
+	$(PY) -m flows compare --experiment kibidango-$(PRESET) --preset $(PRESET) $(if $(METRICS),--metrics $(METRICS)) $(if $(STAGE),--stage $(STAGE))
 
 clean-cache: setup
 	$(PY) -m flows clean-cache $(if $(DRY_RUN),--dry-run) $(if $(STAGE),--stage $(STAGE))

@@ -105,9 +105,17 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _compare(args: argparse.Namespace) -> None:
-    from flows.compare import compare_table
+    from flows.compare import EVALUATION, compare_table
 
     print(compare_table(args.experiment, args.metrics.split(",") if args.metrics else None, args.stage, args.limit))
+    if args.preset and not args.stage and not args.metrics:  # the evaluation view: and the registered bundles
+        from mlflow.tracking import MlflowClient
+
+        from flows.registry import versions_table
+        from flows.workspace import tracking_uri
+
+        print()
+        print(versions_table(MlflowClient(tracking_uri()), args.preset, EVALUATION, args.limit))
 
 
 def _clean(args: argparse.Namespace) -> None:
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list (default: the evaluation's headline metrics for stage 9, else the stage's first 8)",
     )
     cmp_.add_argument("--limit", type=int, default=20)
+    cmp_.add_argument("--preset", default=None, help="also list the registered bundles of kibidango-PRESET")
     cmp_.set_defaults(func=_compare)
 
     clean = sub.add_parser("clean-cache", help="delete cached artifacts (list them with --dry-run)")

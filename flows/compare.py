@@ -14,7 +14,7 @@ import mlflow
 from flows.tracking import TAG
 from flows.workspace import tracking_uri
 
-__all__ = ["EVALUATION", "compare_table"]
+__all__ = ["EVALUATION", "compare_table", "fmt_metric"]
 
 EVALUATION = [
     "humaneval/auto/pass_at_1",
@@ -53,7 +53,7 @@ def compare_table(experiment: str, metrics: list[str] | None = None, stage: str 
     for r in runs:
         started = dt.datetime.fromtimestamp(r.info.start_time / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
         tags = r.data.tags
-        values = [_fmt(r.data.metrics.get(m)) for m in metrics]
+        values = [fmt_metric(r.data.metrics.get(m)) for m in metrics]
         rows.append(
             [
                 started,
@@ -70,7 +70,7 @@ def compare_table(experiment: str, metrics: list[str] | None = None, stage: str 
     return "\n".join(out)
 
 
-def _fmt(value: float | None) -> str:
+def fmt_metric(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:,.0f}" if value == int(value) and abs(value) >= 1 else f"{value:.4f}"

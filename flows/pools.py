@@ -31,7 +31,7 @@ from core.contract import KibidangoError, StageConfig
 from core.paths import REPO_ROOT
 from core.store import Artifact
 from flows.preset import load_preset
-from flows.runner import RunContext, execute_stage, stage_key
+from flows.runner import RunContext, execute_and_show, stage_key
 from flows.workspace import store
 
 __all__ = ["STAGE_FLOW", "deploy", "pool_stage_task", "stage_flow", "start_worker"]
@@ -64,7 +64,7 @@ def stage_flow(stage_id: str, preset: str, overrides: list[str], inputs: dict[st
             )
         resolved[name] = artifact
     context = RunContext(**{**ctx, "store_root": str(here.root), "force": tuple(ctx.get("force", ()))})
-    artifact = execute_stage(stage_id, plan.configs[stage_id], resolved, context)
+    artifact = execute_and_show(stage_id, plan.configs[stage_id], resolved, context)
     return {"stage_id": artifact.stage_id, "key": artifact.key, "digest": artifact.digest}
 
 

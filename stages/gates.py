@@ -13,6 +13,8 @@ Outputs: ``bundle/`` — the input bundle (files hard-linked) whose ``bundle.jso
 runtime warns when it loads a bundle that is not releasable); ``gates.json``; ``GATES_CARD.md``.
 When a gate fails (not waived) the outputs are published and then **the flow fails** with the
 table — metric, value, threshold, the stage it came from — so nothing downstream (packing) runs.
+Either way the runner registers the stamped bundle as a version of ``kibidango-<preset>`` in the
+MLflow Model Registry, and moves the alias ``champion`` to it only when it is releasable.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 
 LIBRARIES = ()
+REGISTERS = "bundle"  # the runner registers the judged bundle in the MLflow Model Registry (flows/registry.py)
 
 log = logging.getLogger("kibidango.stage.9A")
 

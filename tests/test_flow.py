@@ -4,8 +4,10 @@ subprocess as a user runs it: cache hits on a rerun, kill -9 recovery, schedules
 from __future__ import annotations
 
 import os
+import json
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -69,6 +71,16 @@ def test_second_run_is_all_cache_hits(tmp_path):
     assert all(prefect_ids) and prefect_ids[0] != prefect_ids[1]
     parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
     assert len(parents) == 2  # one parent run per flow run
+    # Prefect's UI: each flow run carries the stage's card (markdown) and its figures (table), one
+    # version per run under the same key, computed and cache hit alike
+    with sqlite3.connect(home / "prefect" / "prefect.db") as db:
+        shown = db.execute("select key, type, data, flow_run_id from artifact order by created").fetchall()
+    cards = [(json.loads(data), run) for key, kind, data, run in shown if key == "flowtest-stage-0-card"]
+    tables = [json.loads(data) for key, kind, data, _ in shown if key == "flowtest-stage-0-figures" and kind == "table"]
+    assert [run for _, run in cards] == prefect_ids and len(tables) == 2
+    assert "# Stage 0 (curate)" in cards[1][0] and "50 valid rows in" in cards[1][0] and "## Sources" in cards[1][0]
+    figures = {row["metric"]: row["value"] for row in json.loads(tables[1])}  # Prefect keeps the table as JSON text
+    assert figures["rows_in"] == 50 and figures["rows_out"] == 1
 
     # make report: the latest flow run, its stage a cache hit citing the run that computed it, its
     # card, and a measurement recorded in the workspace with its command.

@@ -33,6 +33,8 @@ from typing import Any
 
 from kibidango.integrity import BundleError, contained, parse_json, sha256_bytes, sha256_file
 from kibidango.pack import is_packed, unpack_bundle, unpacked_cache
+from kibidango.registry import fetch as fetch_registered
+from kibidango.registry import is_registry_uri
 from kibidango.schema import SCHEMA_VERSION, BundleManifest, FileEntry, TierEntry
 
 __all__ = [
@@ -167,7 +169,10 @@ class Bundle:
 def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None = None) -> Bundle:
     """Read ``bundle.json`` and (by default) check every listed file's size and sha256. A packed
     bundle (stage 2E: ``pack.json``, zstd files) is unpacked into a cache directory first.
-    ``expect_sha256`` (default ``$KIBIDANGO_BUNDLE_SHA256``) pins the manifest's digest."""
+    ``expect_sha256`` (default ``$KIBIDANGO_BUNDLE_SHA256``) pins the manifest's digest. ``path``
+    may be a registered bundle, ``models:/<name>@<alias>`` (:mod:`kibidango.registry`)."""
+    if is_registry_uri(path):
+        path = fetch_registered(path)
     root = Path(path)
     if is_packed(root):
         cache = unpacked_cache(root)
