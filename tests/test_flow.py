@@ -3,8 +3,8 @@ subprocess as a user runs it: cache hits on a rerun, kill -9 recovery, schedules
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import random
 import signal
 import sqlite3
