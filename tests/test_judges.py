@@ -376,6 +376,26 @@ def test_llm_judge_against_a_real_openai_compatible_server(openai_server, monkey
     assert strict(task, "Blue.").outcome == "judge_error"
 
 
+def test_llm_judge_with_a_real_instruct_model_gives_real_json_verdicts(instruct_server, monkeypatch):
+    """SmolLM2-135M-Instruct behind llama-cpp-python's server: the judge's request yields a JSON
+    verdict it parses (not the judge_error a story model gives), with the reply's usage and cost."""
+    base, key = instruct_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    judge = make_judge(
+        "llm", base_url=base, model="smollm2", api_key_env=OPENAI_KEY_ENV, response_format="json_object"
+    )
+    tasks = [
+        (Task("g-1", "What colour is the sky on a clear day?", reference="Blue."), "The sky is blue."),
+        (Task("g-2", "What is 2 + 3?", reference="5"), "2 + 3 = 5"),
+        (Task("g-3", "Name the capital of France.", reference="Paris."), "The capital of France is Paris."),
+    ]
+    verdicts = [judge(task, answer) for task, answer in tasks]
+    for v in verdicts:
+        assert v.outcome in ("passed", "failed"), v.reason  # a verdict, not a judge error
+        assert 0.0 <= v.score <= 1.0 and v.reason and v.details["prompt_tokens"] > 0 and v.cost > 0
+        assert key not in repr(v)
+
+
 def test_llm_judge_errors_name_the_variable_never_the_key(openai_server, monkeypatch):
     from core.contract import KibidangoError
     from methods.judges.llm import JudgeConfigError, LLMJudge

@@ -12,7 +12,9 @@ Structured output, by ``response_format``:
 - ``json_schema``: OpenAI's structured outputs (``{"type": "json_schema", ...}``), also served by
   vLLM and OpenRouter;
 - ``json_object``: ``{"type": "json_object", "schema": ...}``, the form llama.cpp's and
-  llama-cpp-python's servers constrain with a grammar;
+  llama-cpp-python's servers constrain with a grammar. Their grammar ignores a number's
+  ``minimum``/``maximum`` (SmolLM2-135M-Instruct scored an answer 5 under it), so this schema gives
+  the score as one of 0, 0.1, ..., 1, which a grammar does enforce (:data:`GRAMMAR_VERDICT_SCHEMA`);
 - ``none``: the schema is only described in the prompt.
 
 Whatever the endpoint promised, the reply is parsed and validated here: text that is not a JSON
@@ -37,7 +39,14 @@ from core.redaction import redact_text, secret_from_env
 from kibidango.cascade.client import Endpoint, PaidClient
 from methods.judges.base import Task, Verdict
 
-__all__ = ["DEFAULT_RUBRIC", "VERDICT_SCHEMA", "JudgeConfigError", "LLMJudge", "parse_verdict"]
+__all__ = [
+    "DEFAULT_RUBRIC",
+    "GRAMMAR_VERDICT_SCHEMA",
+    "VERDICT_SCHEMA",
+    "JudgeConfigError",
+    "LLMJudge",
+    "parse_verdict",
+]
 
 VERDICT_SCHEMA = {
     "type": "object",
@@ -48,6 +57,11 @@ VERDICT_SCHEMA = {
     },
     "required": ["passed", "score", "reason"],
     "additionalProperties": False,
+}
+
+GRAMMAR_VERDICT_SCHEMA = {
+    **VERDICT_SCHEMA,
+    "properties": {**VERDICT_SCHEMA["properties"], "score": {"enum": [i / 10 for i in range(11)]}},
 }
 
 DEFAULT_RUBRIC = (
@@ -144,7 +158,7 @@ class LLMJudge:
                 "json_schema": {"name": "verdict", "schema": VERDICT_SCHEMA, "strict": True},
             }
         elif self.response_format == "json_object":
-            kw["response_format"] = {"type": "json_object", "schema": VERDICT_SCHEMA}
+            kw["response_format"] = {"type": "json_object", "schema": GRAMMAR_VERDICT_SCHEMA}
         return kw
 
     def __call__(self, task: Task, answer: str) -> Verdict:

@@ -71,6 +71,14 @@ def _model_params(extra_bufts: bool) -> Iterator[None]:
             llama_cpp.llama_model_default_params = original
 
 
+def model_params(extra_bufts: bool | None = None) -> contextlib.AbstractContextManager[None]:
+    """While inside: every ``llama_cpp.Llama`` loaded in this process gets llama.cpp's CPU extra
+    buffer types on or off as :func:`_extra_bufts_default` decides (``extra_bufts`` overrides).
+    For a process that loads models through llama-cpp-python itself (its OpenAI-compatible server:
+    ``methods/llama_server_main.py``)."""
+    return _model_params(_extra_bufts_default() if extra_bufts is None else extra_bufts)
+
+
 def _extra_bufts_default() -> bool:
     """llama.cpp's CPU "extra buffer types" repack quantized weights for special kernels. On CPUs
     with AMX, llama-cpp-python 0.3.36 (built natively) crashes with SIGSEGV in
