@@ -59,6 +59,11 @@ class TierConfig(BaseModel):
         description="Serve a model of an upstream stage instead: `<input>/<directory>` of the stage's inputs "
         "(e.g. `teachers/mid`: stage 1T's tier mid).",
     )
+    chat_format: str | None = Field(
+        None,
+        description="A served tier's llama-cpp-python chat format; None: the stage's `serve_chat_format`; `gguf`: "
+        "the chat template inside the GGUF (an instruct model's own, e.g. SmolLM2's ChatML).",
+    )
     usd_per_1k_prompt: float = Field(0.0, ge=0)
     usd_per_1k_completion: float = Field(0.0, ge=0)
     usd_per_answer: float = Field(0.0, ge=0, description="Flat price per answer (the reference tier's).")

@@ -69,7 +69,8 @@ class Config(StageConfig):
     serve_chat_format: str = Field(
         "alpaca",
         description="llama-cpp-python chat format of locally served tiers; `family`: the family's own training "
-        "format (methods/training/chat.py), as llama-cpp-python's hf-tokenizer-config format.",
+        "format (methods/training/chat.py), as llama-cpp-python's hf-tokenizer-config format; `gguf`: the GGUF's "
+        "own template. A tier's `chat_format` overrides it.",
     )
 
     @model_validator(mode="after")
@@ -373,10 +374,15 @@ def _serve(cfg: Config, inputs: dict[str, Path], work_dir: Path, stack: ExitStac
     models = {}
     for t in local:
         path = Path(t.serve) if t.serve is not None else _upstream_model(t, inputs)
-        if cfg.serve_chat_format == "family":
+        form = t.chat_format or cfg.serve_chat_format
+        if form == "family":
             chat = family_chat_format(path, work_dir / f"chat_template_{t.name}.json")
+        elif form == "gguf":  # llama-cpp-python reads the GGUF's own chat template when given no format
+            if path.is_dir():
+                raise KibidangoError(f"tier {t.name!r}: chat_format gguf needs a GGUF file, not the directory {path}")
+            chat = {}
         else:
-            chat = {"chat_format": cfg.serve_chat_format}
+            chat = {"chat_format": form}
         if path.is_dir():
             gguf = work_dir / "gguf" / f"{t.name}.gguf"
             if not gguf.is_file():

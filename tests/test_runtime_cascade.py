@@ -1,5 +1,6 @@
 """The runtime's local/cloud cascade against a real OpenAI-compatible server on loopback standing in
-for the cloud (llama-cpp-python's, serving stories260K) behind a fault-injecting proxy: every
+for the cloud (llama-cpp-python's, serving stories260K for the fault mechanics, and
+SmolLM2-135M-Instruct for real answers and corrections) behind a fault-injecting proxy: every
 fault ends in a correct cloud or local/degraded answer with its retries counted, the budget is
 never overspent, the circuit breaker stops calling a failing cloud, and the key never shows."""
 
@@ -65,6 +66,35 @@ def proxy(openai_server, monkeypatch):
     p = FaultProxy(base.removesuffix("/v1"), hold_s=2.5)
     yield p
     p.close()
+
+
+@pytest.fixture
+def instruct_proxy(instruct_server, monkeypatch):
+    """The fault proxy in front of a real instruct model (SmolLM2-135M-Instruct)."""
+    base, key = instruct_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    p = FaultProxy(base.removesuffix("/v1"), hold_s=35.0)
+    yield p
+    p.close()
+
+
+def test_a_real_instruct_model_as_the_cloud_answers_and_validates_through_faults(pipe, instruct_proxy, tmp_path):
+    """The cloud tier is a real instruct model behind the fault proxy: through a 5xx and a cut
+    reply it answers the question itself (greedy: repeatable); in the validation band it reads the
+    story model's local answer and corrects it (or approves it, and then the answer is the local one)."""
+    question = "What is 2 + 3?"  # a 135M model: it answered the capital of France with a poem
+    generous = {"model": "smollm2", "timeout_s": 30.0, "max_tokens": 32, "validation_max_tokens": 48}
+    casc = _cascade(pipe, instruct_proxy, tmp_path, **generous)
+    instruct_proxy.script("500", "truncate")
+    r = casc.answer(question, max_new_tokens=4)
+    assert r.tier == "cloud" and "5" in r.text, r.text
+    assert r.cloud.retries["server_error"] == 1 and r.cloud.retries["malformed"] == 1 and r.cloud.attempts == 3
+    assert r.usd > 0 and casc.ledger.state().settled_usd == pytest.approx(r.usd)
+
+    casc = _cascade(pipe, instruct_proxy, tmp_path / "v", fallback=0.5, **generous)  # confidence 1.0: validate
+    r = casc.answer(question, max_new_tokens=8)
+    assert r.tier in ("validated", "corrected") and r.text.strip()
+    assert (r.text == r.local.text) == (r.tier == "validated")
 
 
 def test_each_fault_is_retried_to_a_cloud_answer(pipe, proxy, tmp_path):
