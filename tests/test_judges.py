@@ -381,9 +381,7 @@ def test_llm_judge_with_a_real_instruct_model_gives_real_json_verdicts(instruct_
     verdict it parses (not the judge_error a story model gives), with the reply's usage and cost."""
     base, key = instruct_server
     monkeypatch.setenv(OPENAI_KEY_ENV, key)
-    judge = make_judge(
-        "llm", base_url=base, model="smollm2", api_key_env=OPENAI_KEY_ENV, response_format="json_object"
-    )
+    judge = make_judge("llm", base_url=base, model="smollm2", api_key_env=OPENAI_KEY_ENV, response_format="json_object")
     tasks = [
         (Task("g-1", "What colour is the sky on a clear day?", reference="Blue."), "The sky is blue."),
         (Task("g-2", "What is 2 + 3?", reference="5"), "2 + 3 = 5"),
