@@ -16,6 +16,7 @@
 #   make bench-dedup     dedup throughput on ../shared;  make eval-dedup: precision/recall on planted duplicates
 #   make bench-router    the domain router's (6A) latency per query, p50/p99 (after make stage-6a or make demo)
 #   make eval-cascade    the runtime cascade on held-out queries vs local-only and cloud-only (after make demo)
+#   make eval-harness    lm-evaluation-harness (local-chat-completions -> kibidango serve) on stage 9's GSM8K tasks
 #   make loadtest        kibidango serve on the demo's bundle under 200 requests from 16 clients (after make demo)
 #   make fuzz-ingest     stage 0's reader on generated hostile rows for SECONDS_FUZZ seconds (default 60); prints rows tried and crashes
 #   make bench-runtime   ar / sd / pyramid and the peers on ../shared's bench family, torch and llama.cpp
@@ -33,7 +34,7 @@ METRICS     ?=
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup redis-server bubblewrap worker demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade report fuzz-ingest bench-runtime \
+.PHONY: setup redis-server bubblewrap worker demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade eval-harness report fuzz-ingest bench-runtime \
   loadtest backend-agreement bench-kv-cache tune-runtime
 
 AXO_VENV    ?= .venv-axolotl
@@ -171,6 +172,9 @@ bench-router: setup
 
 eval-cascade: setup
 	$(PY) -m eval.cascade_eval $(ARGS)
+
+eval-harness: setup
+	$(PY) -m eval.harness $(ARGS)
 
 loadtest: setup
 	$(PY) -m eval.server_load $(ARGS)
