@@ -496,14 +496,16 @@ def _loop_section(runs: dict, artifacts: dict) -> list[str]:
     return out
 
 
-def _measurements(records: list[dict], bundle: str | None) -> list[str]:
+def _measurements(records: list[dict], bundles: list[str]) -> list[str]:
     lines = []
+    ours = {Path(b).resolve() for b in bundles}
     for r in records:
         lines += ["", f"### {r['title']}", ""]
         used = (r.get("data") or {}).get("bundle")
-        if used and bundle and Path(used).resolve() != Path(bundle).resolve():
+        if used and ours and Path(used).resolve() not in ours:
             lines += [
-                f"**Measured on another bundle** (`{shown_path(used)}`) than this flow run's (`{shown_path(bundle)}`): "
+                f"**Measured on another bundle** (`{shown_path(used)}`) than this flow run's "
+                f"(`{shown_path(bundles[0])}`): "
                 f"run `{r['command']}` again to measure this one.",
                 "",
             ]
@@ -632,7 +634,8 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
         if body:
             lines += ["", f"## {title}", *([intro] if intro else []), *body]
 
-    bundle = str(Path(artifacts["X"]) / "bundle") if artifacts.get("X") else None
+    # the flow run's bundles: stage X's, and the copies that 1F tuned and 9A stamped (stage 9 evaluates 1F's)
+    bundles = [str(Path(a) / "bundle") for s, a in artifacts.items() if s in ("X", "1F", "9A") and a]
     if records:
         lines += [
             "",
@@ -640,7 +643,7 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
             "",
             "Run outside the flow, each by the command printed under it (at that commit and time; the "
             "Makefile's measuring targets keep their output here).",
-            *_measurements(records, bundle),
+            *_measurements(records, bundles),
         ]
     path = out_dir / "REPORT.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

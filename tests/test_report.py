@@ -70,9 +70,9 @@ def test_a_measurement_on_another_bundle_says_so(tmp_path):
         "data": {"bundle": str(tmp_path / "old" / "bundle")},
         "path": str(tmp_path / "r.json"),
     }
-    text = "\n".join(_measurements([record], str(tmp_path / "new" / "bundle")))
+    text = "\n".join(_measurements([record], [str(tmp_path / "new" / "bundle")]))
     assert "**Measured on another bundle**" in text and "make eval-cascade" in text and "| 1 |" in text
-    same = "\n".join(_measurements([record], str(tmp_path / "old" / "bundle")))
+    same = "\n".join(_measurements([record], [str(tmp_path / "new" / "bundle"), str(tmp_path / "old" / "bundle")]))
     assert "another bundle" not in same and "commit `abc123`" in same
 
 
