@@ -217,6 +217,7 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
         cascade = CascadePipeline.from_bundle(bundle_dir, connection, state_dir=Path(tmp) / "cascade")
         pipe, config = cascade.pipe, cascade.config
         cloud_only = CloudClient(config.cloud, Ledger(Path(tmp) / "cloud-only", 100.0, "total"))
+        detector = pipe.bundle.escalation() if pipe.bundle is not None else None  # 6B, on or off in the cascade
         records = []
         started = time.monotonic()
         for i, row in enumerate(rows, 1):
@@ -242,6 +243,11 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
                     "tier": r.tier,
                     "flags": r.flags,
                     "confidence": r.confidence,
+                    "p_fail": (
+                        detector.p_fail(query, r.confidence)
+                        if detector is not None and r.confidence is not None
+                        else None
+                    ),
                     "cascade_usd": r.usd,
                     "cloud_usd": c.usd,
                     "cloud_status": c.status,
@@ -336,7 +342,26 @@ def _report(records: list[dict], config, bundle_dir: Path, cloud_model: Path, lo
             "failed_calls": sum(r["cloud_status"] != "ok" for r in records),
         },
         "against_6c": against_prediction(records, expected.get("escalated")),
+        "detection": detection(records),
     }
+
+
+def detection(records: list[dict]) -> dict:
+    """On the fresh queries' local answers: AUROC of the calibrated confidence for the judge's pass
+    (2G) and of 6B's p_fail for a failure."""
+    import numpy as np
+
+    from methods.calibration import auroc
+
+    scored = [r for r in records if r["confidence"] is not None]
+    passed = np.array([r["passed"]["local"] for r in scored], dtype=bool)
+    out = {"answers": len(scored), "passing": int(passed.sum())}
+    out["confidence_auroc"] = auroc(np.array([r["confidence"] for r in scored]), passed)
+    flagged = [r for r in scored if r.get("p_fail") is not None]
+    failed = np.array([not r["passed"]["local"] for r in flagged], dtype=bool)
+    out["detector_answers"] = len(flagged)
+    out["detector_auroc"] = auroc(np.array([r["p_fail"] for r in flagged]), failed) if flagged else None
+    return out
 
 
 def _table(r: dict) -> str:
@@ -362,7 +387,19 @@ def _table(r: dict) -> str:
             f"{r['cloud_only']['usd_per_1k_queries']:.2f} | {r['cloud_only']['failed_calls']} |",
             "",
             _against(r["against_6c"]),
+            *([_detection(r["detection"])] if r.get("detection") else []),
         ]
+    )
+
+
+def _detection(d: dict) -> str:
+    def fmt(x: float | None, n: int) -> str:
+        return "not measured (no answer scored)" if not n else "undefined (one class)" if x is None else f"{x:.3f}"
+
+    return (
+        f"\nOn these fresh queries' {d['answers']} local answers ({d['passing']} passing): AUROC of the calibrated "
+        f"confidence (2G) for a pass {fmt(d['confidence_auroc'], d['answers'])}; of the escalation detector's "
+        f"p_fail (6B) for a failure {fmt(d['detector_auroc'], d.get('detector_answers', 0))}."
     )
 
 

@@ -142,3 +142,24 @@ def test_eval_cascade_compares_its_escalations_with_6cs_prediction_and_with_rand
     assert a["difference"] == pytest.approx(0.12) and a["difference_ci"][0] <= 0.12 <= a["difference_ci"][1]
     assert against_prediction(records, expected=0.3)["within_5_points"] is False
     assert against_prediction(records, expected=None)["within_5_points"] is None
+
+
+def test_eval_cascade_measures_confidence_and_detector_on_its_fresh_answers():
+    from eval.cascade_eval import _detection, detection
+
+    def rec(conf, p_fail, passed):
+        return {"confidence": conf, "p_fail": p_fail, "passed": {"local": passed}}
+
+    records = [
+        rec(0.9, 0.1, True),
+        rec(0.8, 0.3, True),
+        rec(0.2, 0.7, False),
+        rec(0.6, 0.2, False),
+        rec(None, None, False),
+    ]
+    d = detection(records)
+    assert d["answers"] == 4 and d["passing"] == 2 and d["detector_answers"] == 4
+    assert d["confidence_auroc"] == 1.0  # every pass above every failure
+    assert d["detector_auroc"] == 0.75  # one (failure, pass) pair of four out of order
+    assert "0.750" in _detection(d)
+    assert "not measured" in _detection(detection([rec(0.5, None, True), rec(0.4, None, False)]))
