@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.paths import home
+from core.paths import home, tracking_uri
 from core.records import make_command, shown_path, write_record
 from core.store import ArtifactStore
 
@@ -243,40 +243,44 @@ def main(argv: list[str] | None = None) -> int:
 
 def _log_mlflow(report: dict) -> str | None:
     """An ``eval-harness`` run beside stage 9's: in its experiment, a child of its flow run."""
-    from mlflow.tracking import MlflowClient
+    import socket
 
-    from flows.tracking import TAG, Tracker
-    from flows.workspace import tracking_uri
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.time import get_current_time_millis
 
     stage9 = report["stage9_run_id"]
     if not stage9:
         return None
-    run = MlflowClient(tracking_uri()).get_run(stage9)
-    experiment = MlflowClient(tracking_uri()).get_experiment(run.info.experiment_id).name
-    tracker = Tracker(experiment)
-    f = report["figures"]
-    run_id = tracker.start_run(
-        "eval-harness",
-        {
-            f"{TAG}measurement": "eval-harness",
-            f"{TAG}stage9_run_id": stage9,
-            f"{TAG}bundle": report["bundle"],
-            f"{TAG}lm_eval_version": report["lm_eval_version"],
-        },
-        {"tasks": f["n"], "max_tokens": report["max_tokens"], "model": "local-chat-completions"},
-        run.data.tags.get("mlflow.parentRunId"),
-    )
-    tracker.log_metrics(
+    client = MlflowClient(tracking_uri())
+    run = client.get_run(stage9)
+    tags = {
+        "kibidango.measurement": "eval-harness",
+        "kibidango.stage9_run_id": stage9,
+        "kibidango.bundle": report["bundle"],
+        "kibidango.lm_eval_version": report["lm_eval_version"],
+        "kibidango.host": socket.gethostname(),
+        "kibidango.pid": str(os.getpid()),
+    }
+    if run.data.tags.get("mlflow.parentRunId"):
+        tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
+    run_id = client.create_run(run.info.experiment_id, run_name="eval-harness", tags=tags).info.run_id
+    f, now = report["figures"], get_current_time_millis()
+    figures = {
+        "gsm8k/lm_eval/flexible_extract": f["flexible-extract"]["accuracy"],
+        "gsm8k/lm_eval/strict_match": f["strict-match"]["accuracy"],
+        "gsm8k/stage9/accuracy": f["stage9"]["accuracy"],
+        "gsm8k/agreement": f["agree"] / f["n"],
+        "gsm8k/mcnemar_p": f["mcnemar_p"],
+    }
+    params = {"tasks": str(f["n"]), "max_tokens": str(report["max_tokens"]), "model": "local-chat-completions"}
+    client.log_batch(
         run_id,
-        {
-            "gsm8k/lm_eval/flexible_extract": f["flexible-extract"]["accuracy"],
-            "gsm8k/lm_eval/strict_match": f["strict-match"]["accuracy"],
-            "gsm8k/stage9/accuracy": f["stage9"]["accuracy"],
-            "gsm8k/agreement": f["agree"] / f["n"],
-            "gsm8k/mcnemar_p": f["mcnemar_p"],
-        },
+        metrics=[Metric(k, float(v), now, 0) for k, v in figures.items()],
+        params=[Param(k, v) for k, v in params.items()],
+        tags=[RunTag("mlflow.runName", "eval-harness")],
     )
-    tracker.end_run(run_id, ok=True)
+    client.set_terminated(run_id, "FINISHED")
     return run_id
 
 

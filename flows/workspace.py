@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from core import paths
+from core.paths import tracking_uri
 from core.remote import RemoteStore
 from core.store import ArtifactStore
 
@@ -22,12 +23,6 @@ def home() -> Path:
 def store() -> ArtifactStore:
     """The workspace's store, backed by the shared store at ``KIBIDANGO_STORE_URL`` when set."""
     return ArtifactStore(home() / "store", RemoteStore.from_env())
-
-
-def tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI`` if set (a server with Postgres/S3 works unchanged), else a sqlite
-    file in the workspace. (MLflow's plain file store is deprecated and now errors.)"""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
 
 
 def default_artifact_location() -> str | None:

@@ -51,12 +51,9 @@ def test_lm_eval_drives_the_served_bundle_on_stage_9s_gsm8k_ids(workspace):
     assert f["flexible-extract"]["accuracy"] == 0.0 and f["only_stage9"] == 1 and f["agree"] == 2
     assert [t["id"] for t in report["tasks"]] == [t.id for t in tasks]
     assert all(isinstance(t["harness"]["answer"], str) for t in report["tasks"])  # what the server answered
-    import mlflow
+    from mlflow.tracking import MlflowClient
 
-    mlflow.set_tracking_uri(f"sqlite:///{workspace / 'mlflow.db'}")
-    (run,) = mlflow.search_runs(
-        experiment_names=["exp-harness"],
-        filter_string="tags.`kibidango.measurement` = 'eval-harness'",
-        output_format="list",
-    )
+    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")  # not mlflow's process-wide URI: other tests
+    experiment = client.get_experiment_by_name("exp-harness").experiment_id
+    (run,) = client.search_runs([experiment], "tags.`kibidango.measurement` = 'eval-harness'")
     assert run.data.tags["kibidango.stage9_run_id"] == stage9_run and run.data.metrics["gsm8k/stage9/accuracy"] > 0

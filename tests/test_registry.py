@@ -75,6 +75,9 @@ def test_9a_registers_every_judged_bundle_and_champion_follows_only_releasable_o
 
     # the runtime, as a user runs it: the tracking URI in the environment, a models:/ URI as the bundle
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri())
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())  # an earlier test's process-wide URI would win over the environment
     cache = workspace / "runtime-cache"
     monkeypatch.setenv("KIBIDANGO_CACHE", str(cache))
     uri = f"models:/{name}@champion"
