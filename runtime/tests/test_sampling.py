@@ -53,3 +53,18 @@ def test_divergences():
     assert divergence(p, p, "kl") == 0.0 and divergence(p, q, "js") <= np.log(2) + 1e-9
     top = Sampler(temperature=1.0, top_p=0.6).probs(np.log(np.array([0.5, 0.3, 0.2])))
     assert np.allclose(top, [0.625, 0.375, 0.0])
+
+
+def test_a_certain_proposal_verified_by_the_rule_keeps_the_target_distribution():
+    """lookup's proposals have a one-token distribution: accepted with probability p(x), else a
+    draw from p without x — still exactly p."""
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.ones(8) * 0.7)
+    q = np.zeros(8)
+    q[3] = 1.0
+    sampler = Sampler(temperature=1.0)
+    counts = np.zeros(8)
+    for _ in range(40000):
+        n, token = verify([3], [q], [p], sampler, rng)
+        counts[3 if n == 1 else token] += 1
+    assert chisquare(counts, 40000 * p).pvalue > 0.001

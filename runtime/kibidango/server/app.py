@@ -239,6 +239,7 @@ def create_app(
                 "tau_Q",
                 "tau_T",
                 "divergence",
+                "ngram",
             )
         }
         kw["max_new_tokens"] = max_tokens

@@ -28,7 +28,8 @@ class Decoding(BaseModel):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    mode: Literal["ar", "sd", "pyramid"] | None = None
+    mode: Literal["ar", "sd", "pyramid", "lookup"] | None = None
+    ngram: int | None = Field(None, ge=1, le=16)
     variant: Literal["fuzzy", "assisted", "exact"] | None = None
     k: int | None = Field(None, ge=1, le=32)
     l_D: int | None = Field(None, ge=1, le=32)
