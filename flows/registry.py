@@ -23,7 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from core.store import Artifact, ArtifactStore
-from flows.compare import fmt_metric
+from flows.compare import fmt_metric, text_table
 from flows.tracking import TAG
 
 __all__ = ["CHAMPION", "DIGEST_TAG", "model_name", "register_bundle", "source_runs", "versions_table"]
@@ -124,8 +124,4 @@ def versions_table(client: MlflowClient, preset: str, metrics: list[str], limit:
                 *(fmt_metric(values.get(m)) for m in metrics),
             ]
         )
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    out = [f"registered model {name} ({len(rows)} versions shown)"]
-    out += ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
-    return "\n".join(out)
+    return "\n".join([f"registered model {name} ({len(rows)} versions shown)", *text_table(header, rows)])

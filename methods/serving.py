@@ -29,14 +29,24 @@ from pathlib import Path
 
 from core.contract import KibidangoError
 
-__all__ = ["family_chat_format", "free_port", "llama_cpp_server", "redis_server", "stop_process", "wait_ready"]
+__all__ = ["chat_settings", "free_port", "llama_cpp_server", "redis_server", "stop_process", "wait_ready"]
 
 
-def family_chat_format(model: Path, config: Path) -> dict:
-    """llama-cpp-python's model settings that serve ``model`` (an HF directory of the family) in
-    the family's own training format (:data:`methods.training.chat.SERVING_TEMPLATE`, through
-    llama-cpp-python's ``hf-tokenizer-config`` handler, with the model's BOS and EOS); the
-    handler's config is written to ``config``."""
+def chat_settings(form: str, model: Path, config: Path) -> dict:
+    """llama-cpp-python's model settings that serve ``model`` in the chat format ``form``:
+
+    - ``family``: the family's own training format (:data:`methods.training.chat.SERVING_TEMPLATE`,
+      through llama-cpp-python's ``hf-tokenizer-config`` handler, with the model's BOS and EOS; the
+      handler's config is written to ``config``); ``model`` is the family's HF directory;
+    - ``gguf``: the chat template inside the GGUF file (llama-cpp-python reads it when given no
+      format: an instruct model's own, e.g. SmolLM2's ChatML);
+    - any other: one of llama-cpp-python's named formats (``alpaca``, ...)."""
+    if form == "gguf":
+        if Path(model).is_dir():
+            raise KibidangoError(f"chat_format gguf needs a GGUF file, not the directory {model}")
+        return {}
+    if form != "family":
+        return {"chat_format": form}
     from transformers import AutoTokenizer
 
     from methods.training.chat import SERVING_TEMPLATE

@@ -369,20 +369,17 @@ def _serve(cfg: Config, inputs: dict[str, Path], work_dir: Path, stack: ExitStac
     if not local:
         return {}
     from methods.llama_cpp_tools import convert_hf_to_gguf
-    from methods.serving import family_chat_format, llama_cpp_server
+    from methods.serving import chat_settings, llama_cpp_server
 
     models = {}
     for t in local:
         path = Path(t.serve) if t.serve is not None else _upstream_model(t, inputs)
-        form = t.chat_format or cfg.serve_chat_format
-        if form == "family":
-            chat = family_chat_format(path, work_dir / f"chat_template_{t.name}.json")
-        elif form == "gguf":  # llama-cpp-python reads the GGUF's own chat template when given no format
-            if path.is_dir():
-                raise KibidangoError(f"tier {t.name!r}: chat_format gguf needs a GGUF file, not the directory {path}")
-            chat = {}
-        else:
-            chat = {"chat_format": form}
+        try:
+            chat = chat_settings(
+                t.chat_format or cfg.serve_chat_format, path, work_dir / f"chat_template_{t.name}.json"
+            )
+        except KibidangoError as e:
+            raise KibidangoError(f"tier {t.name!r}: {e}") from None
         if path.is_dir():
             gguf = work_dir / "gguf" / f"{t.name}.gguf"
             if not gguf.is_file():

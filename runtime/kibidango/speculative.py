@@ -310,10 +310,18 @@ class Decoder:
         if k < 1:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
         drafts, q = self._propose(sessions["draft"], committed, k, sampler, rng)
+        return self._target_verifies(sessions, committed, drafts, q, sampler, rng, metrics, "draft")
+
+    def _target_verifies(self, sessions, committed, drafts, q, sampler, rng, metrics, stage: str) -> list[int]:
+        """The target scores ``drafts`` (drawn from ``q``; None: certain proposals, each its one
+        token) in one pass: the accepted ones, then its correction or bonus token."""
         rows = _sync_and_feed(sessions["target"], committed, drafts)
         p = [sampler.probs(r) for r in rows]
-        n, token = verify(drafts, q, p[:k], sampler, rng, bonus=p[k])
-        metrics.count("draft", k, n)
+        if q is None:
+            q = np.zeros((len(drafts), len(p[0])))
+            q[np.arange(len(drafts)), drafts] = 1.0
+        n, token = verify(drafts, q, p[: len(drafts)], sampler, rng, bonus=p[len(drafts)])
+        metrics.count(stage, len(drafts), n)
         return drafts[:n] + [token]
 
     def _lookup_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
@@ -321,16 +329,7 @@ class Decoder:
         drafts = lookup_drafts(committed, k, cfg.ngram) if k >= 1 else []
         if not drafts:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
-        rows = _sync_and_feed(sessions["target"], committed, drafts)
-        p = [sampler.probs(r) for r in rows]
-        q = []  # the proposal is certain: its distribution is the one token
-        for t in drafts:
-            one = np.zeros_like(p[0])
-            one[t] = 1.0
-            q.append(one)
-        n, token = verify(drafts, q, p[: len(drafts)], sampler, rng, bonus=p[len(drafts)])
-        metrics.count("lookup", len(drafts), n)
-        return drafts[:n] + [token]
+        return self._target_verifies(sessions, committed, drafts, None, sampler, rng, metrics, "lookup")
 
     def _pyramid_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
         l_q = min(cfg.l_Q, remaining - 1)
