@@ -175,7 +175,7 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
     from kibidango.cascade.pipeline import CascadePipeline
     from methods.failures import task_of, task_record
     from methods.serving import llama_cpp_server
-    from methods.training.chat import TEMPLATE
+    from methods.training.chat import prompt_ids
 
     if cloud_model.is_dir():
         from core.hashing import tree_sha256
@@ -219,9 +219,7 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
         for i, row in enumerate(rows, 1):
             query = row["task"].prompt
             turns = [{"role": "user", "content": query}]
-            ids = list(
-                pipe.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False)
-            )
+            ids = prompt_ids(pipe.tokenizer, turns)
             r = cascade.answer(ids, query=query, max_new_tokens=cfg.max_new_tokens, temperature=args.local_temperature)
             c = cloud_only.chat(turns)
             judge = judges[row["domain"]]

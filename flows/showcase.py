@@ -83,11 +83,12 @@ def _show_ladder_tasks(pipe, source: Path, backend: str) -> None:
     """One held-out math and one code task of the ladder, answered by the bundle and judged."""
     from methods.judges import make_judge
     from methods.ladder import ladder_tasks
+    from methods.training.chat import prompt_ids
 
     for domain in ("math", "code"):
         (task,) = ladder_tasks(domain, LADDER_LEVEL, "evaluation", 1)
         turns = [{"role": "user", "content": task.task.prompt}]
-        ids = list(pipe.tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False))
+        ids = prompt_ids(pipe.tokenizer, turns)
         result = pipe.generate(ids, query=task.task.prompt, max_new_tokens=128, temperature=0.0)
         try:
             v = make_judge(domain)(task.task, result.text)

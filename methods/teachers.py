@@ -51,8 +51,9 @@ class TierConfig(BaseModel):
     api_key_env: str | None = Field(None, description="Name of the environment variable holding the key.")
     serve: str | None = Field(
         None,
-        description="Serve this checkpoint (an HF directory or a GGUF file) locally: converted to GGUF, "
-        "llama-cpp-python's server on 127.0.0.1, started and stopped by the stage.",
+        description="Serve this checkpoint (an HF directory, a GGUF file, or package:<dist>/<file> inside an "
+        "installed package) locally: converted to GGUF, llama-cpp-python's server on 127.0.0.1, started and "
+        "stopped by the stage.",
     )
     serve_input: str | None = Field(
         None,

@@ -4,8 +4,8 @@
    0's train split in the family's chat format): its top-k log-probabilities at every position
    are written to ``teacher/logprobs.jsonl`` — the format of axolotl's KD plugin
    (``axolotl.integrations.kd.chat_template``: ``messages``, ``target_token_ids``, ``logprobs``).
-2. Each student (initial weights: the ``family`` input's tier of the same name, or ``init``) is
-   trained by axolotl with the KD plugin (``kd_trainer``, ``kd_alpha``, ``kd_ce_alpha``,
+2. Each student (initial weights: the ``family`` input's tier of the same name, ``init``, or the
+   teacher's own embeddings, first decoder layers, norm and head: ``keep_layers``) is trained by axolotl with the KD plugin (``kd_trainer``, ``kd_alpha``, ``kd_ce_alpha``,
    ``kd_temperature``). Before training, ``axolotl preprocess`` runs and the token ids it produced
    are checked against the ids the teacher scored: misaligned log-probabilities would train
    silently on garbage.
@@ -26,14 +26,20 @@ from pathlib import Path
 
 import torch
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.measure import lm
 from methods.training import axolotl
-from methods.training.chat import axolotl_dataset, encode, load_split, messages
-from methods.training.models import copy_tokenizer, resolve_base, right_padded_tokenizer, tokenizer_type
+from methods.training.chat import axolotl_dataset, axolotl_template, encode, load_split, messages
+from methods.training.models import (
+    copy_tokenizer,
+    resolve_base,
+    right_padded_tokenizer,
+    tokenizer_type,
+    truncate_llama,
+)
 from methods.training.recipe import TrainRecipe
 
 RESUMABLE = True
@@ -49,7 +55,18 @@ class Student(StageConfig):
         description="Hub id or directory of the student's initial weights; None: the `family` input's tier of this "
         "name.",
     )
+    keep_layers: list[int] | None = Field(
+        None,
+        description="Initialise from the teacher instead: its embeddings, these decoder layers in this order, its "
+        "final norm and head (layer dropping: a student of a pretrained model without a smaller sibling).",
+    )
     train: TrainRecipe
+
+    @model_validator(mode="after")
+    def _one_init(self) -> Student:
+        if self.init is not None and self.keep_layers is not None:
+            raise ValueError("set `init` or `keep_layers`, not both")
+        return self
 
 
 class Config(StageConfig):
@@ -98,7 +115,7 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     return {
         name: axolotl.render(
             s.train,
-            s.init or f"<stage P artifact>/{name}",
+            s.init or (f"<teacher's layers {s.keep_layers}>" if s.keep_layers else f"<stage P artifact>/{name}"),
             [_dataset("<artifact>/teacher/logprobs.jsonl")],
             f"<work>/{name}",
             extra={**cfg.kd_keys(), "tokenizer_config": f"<work>/{name}/tokenizer"},
@@ -192,7 +209,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
 
     teacher_dir = resolve_base(None, inputs["teacher"], cfg.teacher_tier, "teacher")
     inits = {
-        name: resolve_base(s.init, inputs.get("family"), name, f"student {name}") for name, s in cfg.students.items()
+        name: truncate_llama(Path(teacher_dir), s.keep_layers, Path(teacher_dir), work_dir / "init" / name)
+        if s.keep_layers is not None
+        else resolve_base(s.init, inputs.get("family"), name, f"student {name}")
+        for name, s in cfg.students.items()
     }
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     for name, path in inits.items():
@@ -231,6 +251,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             str(run_dir),
             extra={**cfg.kd_keys(), "tokenizer_config": str(tok_dir)},
             tokenizer_type=tokenizer_type(tok_dir),
+            chat_template=axolotl_template(tok_dir),
         )
         (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         axolotl.train(spec, run_dir, f"1E/{name}", preprocess_only=True)

@@ -27,7 +27,7 @@ from methods.llama_cpp_tools import convert_lora_to_gguf
 from methods.measure import lm
 from methods.training import axolotl
 from methods.training.adapter_manifest import write_adapter_manifest
-from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from methods.training.chat import axolotl_dataset, axolotl_template, load_split, messages, write_jsonl
 from methods.training.models import resolve_base, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
@@ -93,7 +93,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     log.info(f"domain {cfg.domain}: {len(train_rows):,} training rows + {len(pairs):,} corrected pairs from 1D")
 
     spec = axolotl.render(
-        cfg.train, base, [axolotl_dataset(str(data_file))], str(work_dir / "lora"), tokenizer_type=tokenizer_type(base)
+        cfg.train,
+        base,
+        [axolotl_dataset(str(data_file))],
+        str(work_dir / "lora"),
+        tokenizer_type=tokenizer_type(base),
+        chat_template=axolotl_template(base),
     )
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     last = axolotl.train(spec, work_dir / "lora", f"lora-{cfg.domain}", gpus=cfg.train.gpus)

@@ -41,7 +41,7 @@ from methods.evaluation import EvalSample, evaluation_tasks, wilson
 from methods.failures import task_record, training_texts, verdict_record
 from methods.heldout import Judged, answer_and_judge
 from methods.judges import sandbox_note
-from methods.training.chat import TEMPLATE, load_split
+from methods.training.chat import load_split, prompt_ids
 
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft")
@@ -143,7 +143,7 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
     def answer(row: dict, prior: dict | None, judge) -> dict:
         query = row["task"].prompt
         turns = [{"role": "user", "content": query}]
-        ids = list(pipe.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False))
+        ids = prompt_ids(pipe.tokenizer, turns)
         record = {**task_record(row), "answers": {}}
         retryable = False
         for policy in policies:

@@ -4,10 +4,11 @@ Assembled with the runtime's own :func:`kibidango.write_bundle`, so the pipeline
 what ``kibidango`` reads:
 
 - ``tiers/<tier>/hf/``: the AWQ checkpoints (2B target, 2C draft and qualifier;
-  compressed-tensors, transformers-loadable), with the family's chat format
-  (:data:`methods.training.chat.TEMPLATE`) as the tokenizer's ``chat_template.jinja``, so that the
-  runtime's chat (the server's ``/v1/chat/completions``) prompts in the format the tiers were
-  trained in; ``tiers/<tier>/gguf/``: the 2D GGUF files;
+  compressed-tensors, transformers-loadable), each with the chat format the tiers were trained in
+  as its tokenizer's: the model's own template (SmolLM2's ChatML), else the family's
+  (:data:`methods.training.chat.TEMPLATE`, written as ``chat_template.jinja``), so that the
+  runtime's chat (the server's ``/v1/chat/completions``) prompts as in training;
+  ``tiers/<tier>/gguf/``: the 2D GGUF files;
 - ``adapters/<domain>/``: the domain LoRAs (3-5) and the recovery LoRA (2F), each with its
   ``adapter.json``; ``router/router.json``: the domain router (6A), ``calibration/calibration.json``
   (2G), ``escalation/escalation.json`` (6B) and ``cascade/cascade.json`` (6C), when wired;
@@ -34,7 +35,7 @@ from pydantic import Field
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.bundle import TIER_ORDER
 from methods.compression.card import bundle_card, lineage
-from methods.training.chat import TEMPLATE
+from methods.training.chat import TEMPLATE, own_template
 
 
 class Config(StageConfig):
@@ -119,7 +120,8 @@ def _add_extras(
     """The chat template, adapters and the card, written into the bundle before it is hashed;
     returns the extra bundle.json fields."""
     for hf in sorted((tmp / "tiers").glob("*/hf")):
-        (hf / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
+        if not own_template(hf):
+            (hf / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
     shipped = []
     for name in cfg.adapters:
         spec = json.loads((inputs[name] / "adapter.json").read_text())

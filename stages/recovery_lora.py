@@ -40,7 +40,7 @@ from methods.measure import lm
 from methods.measure.lm import validation_loss
 from methods.training import axolotl
 from methods.training.adapter_manifest import write_adapter_manifest
-from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
+from methods.training.chat import axolotl_dataset, axolotl_template, load_split, messages, write_jsonl
 from methods.training.models import copy_tokenizer, resolve_base, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
@@ -160,6 +160,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         [axolotl_dataset(str(data_file))],
         str(work_dir / "lora"),
         tokenizer_type=tokenizer_type(base),
+        chat_template=axolotl_template(base),
     )
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     last = axolotl.train(spec, work_dir / "lora", "2F/recovery", gpus=cfg.train.gpus)

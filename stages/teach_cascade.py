@@ -48,6 +48,7 @@ from kibidango.cascade.ledger import BudgetExceeded, Ledger
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
+from methods.training.models import base_file
 
 RESUMABLE = True
 LIBRARIES = ("openai", "datasets", "sacrebleu", "llama-cpp-python")
@@ -86,7 +87,7 @@ def external_inputs(cfg: Config) -> dict[str, str]:
     out = {}
     for t in cfg.tiers:
         if t.serve is not None:
-            path = Path(t.serve)
+            path = _served(t)
             if not path.exists():
                 raise KibidangoError(f"tier {t.name!r}: `serve` checkpoint not found: {path}")
             out[f"serve:{t.name}"] = file_sha256(path) if path.is_file() else tree_sha256(path)
@@ -373,7 +374,7 @@ def _serve(cfg: Config, inputs: dict[str, Path], work_dir: Path, stack: ExitStac
 
     models = {}
     for t in local:
-        path = Path(t.serve) if t.serve is not None else _upstream_model(t, inputs)
+        path = _served(t) if t.serve is not None else _upstream_model(t, inputs)
         try:
             chat = chat_settings(
                 t.chat_format or cfg.serve_chat_format, path, work_dir / f"chat_template_{t.name}.json"
@@ -391,6 +392,12 @@ def _serve(cfg: Config, inputs: dict[str, Path], work_dir: Path, stack: ExitStac
     base = stack.enter_context(llama_cpp_server(models, n_ctx=cfg.serve_n_ctx, log_path=work_dir / "server.log"))
     log.info(f"serving {', '.join(models)} on {base}")
     return {t.name: base for t in local}
+
+
+def _served(tier: TierConfig) -> Path:
+    """The checkpoint ``serve`` names: a directory, a GGUF file, or ``package:<dist>/<file>`` (a file an
+    installed package ships: the small preset's SmolLM2)."""
+    return base_file(tier.serve) or Path(tier.serve)
 
 
 def _upstream_model(tier: TierConfig, inputs: dict[str, Path]) -> Path:

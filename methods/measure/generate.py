@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from methods.training.chat import TEMPLATE, prompt_text
+from methods.training.chat import prompt_ids, prompt_text
 
 __all__ = ["Answer", "Answerer"]
 
@@ -57,8 +57,7 @@ class Answerer:
         self.stop = list(stop)
 
     def prompt_ids(self, instruction: str, input_: str = "") -> list[int]:
-        turns = [{"role": "user", "content": prompt_text(instruction, input_)}]
-        return list(self.tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False))
+        return prompt_ids(self.tokenizer, [{"role": "user", "content": prompt_text(instruction, input_)}])
 
     def __call__(self, instruction: str, input_: str = "") -> Answer:
         started = time.monotonic()

@@ -106,13 +106,13 @@ class Prompt:
 
 
 def held_out_prompts(tokenizer, rows: list[dict], story_prefix_tokens: int = 8, max_len: int = 192) -> list[Prompt]:
-    """One prompt per held-out row: the rendered instruction (up to "### Response:") for
-    instruction rows, BOS + the first ``story_prefix_tokens`` tokens for plain text."""
+    """One prompt per held-out row: the rendered instruction (up to where the reply starts) for
+    instruction rows, the reply's opening + its first ``story_prefix_tokens`` tokens for plain text."""
     out = []
     for r in rows:
         turns = messages(r)
         ids, start = encode(tokenizer, turns, max_len)
-        cut = start if len(turns) > 1 else 1 + story_prefix_tokens
+        cut = start if len(turns) > 1 else start + story_prefix_tokens
         if 1 < cut < len(ids):
             out.append(Prompt(ids[:cut]))
     return out

@@ -101,14 +101,19 @@ def render(
     tokenizer_type: str | None = None,
     extra: dict[str, Any] | None = None,
     cuda: bool | None = None,
+    chat_template: str | None = TEMPLATE,
 ) -> dict[str, Any]:
     """The axolotl config of one run. ``datasets`` are axolotl dataset entries; ``extra`` are
-    stage-specific keys (the KD plugin's). Paths are written as given."""
+    stage-specific keys (the KD plugin's). ``chat_template``: a jinja template (the family's), or
+    None for the base's own (axolotl's ``tokenizer_default``; :func:`methods.training.chat.axolotl_template`
+    chooses). Paths are written as given."""
+    template = {"chat_template": "tokenizer_default"}
+    if chat_template is not None:
+        template = {"chat_template": "jinja", "chat_template_jinja": chat_template}
     cfg: dict[str, Any] = {
         "base_model": base_model,
         "datasets": datasets,
-        "chat_template": "jinja",
-        "chat_template_jinja": TEMPLATE,
+        **template,
         "sequence_len": recipe.sequence_len,
         "excess_length_strategy": "truncate",
         "micro_batch_size": recipe.micro_batch_size,

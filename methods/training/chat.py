@@ -1,12 +1,15 @@
-"""The one chat format the family is trained, distilled and evaluated in.
+"""The chat format a model is trained, distilled and evaluated in: its tokenizer's own template
+(a pretrained instruct model's: SmolLM2's ChatML, Llama-3.1's), else the family's :data:`TEMPLATE`
+(the tiny family's tokenizer has none).
 
 A stage-0 example becomes ``messages``: a ``user`` turn (instruction, then input) when the
 example has an instruction, and an ``assistant`` turn (the output). Plain text (a story) is a lone
 assistant turn, so a raw prompt such as "Once upon a time" at inference is in-distribution.
 
-The template is handed to axolotl (``chat_template: jinja``) *and* used here through the
-tokenizer's ``apply_chat_template``: training, teacher log-probabilities and evaluation all see
-the same token ids (stage 1E checks this against axolotl's own tokenization).
+The template is handed to axolotl (``chat_template: jinja`` with :data:`TEMPLATE`, or
+``tokenizer_default`` for a model's own) *and* used here through the tokenizer's
+``apply_chat_template``: training, teacher log-probabilities and evaluation all see the same token
+ids (stage 1E checks this against axolotl's own tokenization).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ __all__ = [
     "SERVING_TEMPLATE",
     "TEMPLATE",
     "axolotl_dataset",
+    "axolotl_template",
+    "own_template",
+    "prompt_ids",
+    "template",
     "messages",
     "prompt_text",
     "write_jsonl",
@@ -38,6 +45,39 @@ SERVING_TEMPLATE = TEMPLATE.replace("{% else %}", "{% elif m['role'] == 'assista
 """The same format for llama-cpp-python's server (``chat_format: hf-tokenizer-config``), which
 appends an empty assistant turn to prompt a reply and passes the client's system message: both
 render as nothing, so a served model sees exactly the prompt it was trained on."""
+
+
+def own_template(model: str | Path) -> bool:
+    """Whether model directory ``model`` has a chat template of its own (its tokenizer's
+    ``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``)."""
+    path = Path(model)
+    config = path / "tokenizer_config.json"
+    if (path / "chat_template.jinja").is_file():
+        return True
+    return config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+
+
+def template(tokenizer) -> str:
+    """The chat template ``tokenizer``'s model is trained and prompted in: its own, else :data:`TEMPLATE`."""
+    own = getattr(tokenizer, "chat_template", None)
+    return own if isinstance(own, str) and own else TEMPLATE
+
+
+def axolotl_template(model: str | Path) -> str | None:
+    """What :func:`methods.training.axolotl.render` is given for base ``model``: None (axolotl's
+    ``tokenizer_default``) where the base has its own template, else :data:`TEMPLATE`. A base that
+    is not a directory yet (a dry run's placeholder) is taken to be the family's."""
+    return None if own_template(model) else TEMPLATE
+
+
+def prompt_ids(tokenizer, turns: list[dict[str, str]]) -> list[int]:
+    """Token ids that prompt the model's reply to ``turns`` (the generation prompt added: ChatML's
+    ``<|im_start|>assistant``; the family's template ends a user turn with it already)."""
+    return list(
+        tokenizer.apply_chat_template(
+            turns, chat_template=template(tokenizer), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def prompt_text(instruction: str, input_: str = "") -> str:
@@ -99,10 +139,13 @@ def write_jsonl(path: Path, records: Iterable[dict]) -> int:
 def encode(tokenizer, turns: list[dict[str, str]], max_len: int) -> tuple[list[int], int]:
     """Token ids of a conversation (truncated to ``max_len``) and where the last assistant turn
     starts (the prompt length): what axolotl trains on and the position evaluation starts at."""
-    ids = tokenizer.apply_chat_template(turns, chat_template=TEMPLATE, tokenize=True, return_dict=False)
-    if turns[-1]["role"] == "assistant" and len(turns) > 1:
-        prompt = tokenizer.apply_chat_template(turns[:-1], chat_template=TEMPLATE, tokenize=True, return_dict=False)
-        start = len(prompt)
-    else:
-        start = 1  # after BOS
-    return list(ids)[:max_len], start
+    chat = template(tokenizer)
+    ids = list(tokenizer.apply_chat_template(turns, chat_template=chat, tokenize=True, return_dict=False))
+    if turns[-1]["role"] != "assistant":
+        return ids[:max_len], len(ids)
+    # the prompt is what the conversation shares with the same one ending in an empty reply:
+    # BOS alone for a lone story (the family's template), the system turn and the assistant header (ChatML)
+    empty = turns[:-1] + [{"role": "assistant", "content": ""}]
+    other = tokenizer.apply_chat_template(empty, chat_template=chat, tokenize=True, return_dict=False)
+    start = next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
+    return ids[:max_len], start

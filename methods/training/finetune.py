@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from methods.training import axolotl
-from methods.training.chat import axolotl_dataset
+from methods.training.chat import axolotl_dataset, axolotl_template
 from methods.training.models import copy_tokenizer, merge_lora, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
@@ -36,6 +36,7 @@ def fine_tune(
         [axolotl_dataset(str(data_file))],
         str(work_dir / "sft"),
         tokenizer_type=tokenizer or tokenizer_type(base),
+        chat_template=axolotl_template(base),
     )
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     last = axolotl.train(spec, work_dir / "sft", label, gpus=recipe.gpus)

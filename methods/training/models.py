@@ -29,7 +29,13 @@ __all__ = [
     "right_padded_tokenizer",
 ]
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",  # a pretrained instruct model's own chat format (transformers saves it apart)
+)
 
 
 PACKAGE = "package:"
