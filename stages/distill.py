@@ -5,10 +5,10 @@
    are written to ``teacher/logprobs.jsonl`` — the format of axolotl's KD plugin
    (``axolotl.integrations.kd.chat_template``: ``messages``, ``target_token_ids``, ``logprobs``).
 2. Each student (initial weights: the ``family`` input's tier of the same name, ``init``, or the
-   teacher's own embeddings, first decoder layers, norm and head: ``keep_layers``) is trained by axolotl with the KD plugin (``kd_trainer``, ``kd_alpha``, ``kd_ce_alpha``,
-   ``kd_temperature``). Before training, ``axolotl preprocess`` runs and the token ids it produced
-   are checked against the ids the teacher scored: misaligned log-probabilities would train
-   silently on garbage.
+   teacher's own embeddings, chosen decoder layers, norm and head: ``keep_layers``) is trained by
+   axolotl with the KD plugin (``kd_trainer``, ``kd_alpha``, ``kd_ce_alpha``, ``kd_temperature``).
+   Before training, ``axolotl preprocess`` runs and the token ids it produced are checked against
+   the ids the teacher scored: misaligned log-probabilities would train silently on garbage.
 3. Before and after KD, on held-out prompts (validation split): greedy agreement with the target
    and expected acceptance sum_x min(p_T, p_D) per position on the target's greedy path, the
    runtime's real ``sd`` and ``pyramid`` acceptance rates, and validation perplexity.
