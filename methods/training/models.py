@@ -5,6 +5,7 @@ initialisations, the family's tokenizer files, LoRA merging."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -101,7 +102,27 @@ def dequantize_gguf(path: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     gguf_tokenizer(path, config).save_pretrained(str(out))
+    _byte_level_bpe(out / "tokenizer.json")
     return out
+
+
+def _byte_level_bpe(tokenizer_json: Path) -> None:
+    """Make transformers' conversion of a GGUF byte-level BPE vocabulary (``tokenizer.ggml.model`` gpt2:
+    SmolLM2's) say what it is. The conversion (transformers 5) sets sentencepiece's ``byte_fallback`` and
+    a ``ByteFallback``/``▁`` decoder in front of the byte-level one; llama.cpp's converter then takes
+    the checkpoint for a sentencepiece Llama (``LlamaHfVocab``) and writes a vocabulary llama.cpp
+    aborts on (``std::out_of_range`` at load). A byte-level vocabulary covers every byte and holds
+    no ``▁``, so neither part ever applied: token ids and decoded text are unchanged."""
+    if not tokenizer_json.is_file():
+        return
+    state = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    pre = state.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if state["model"].get("type") != "BPE" or not any(p.get("type") == "ByteLevel" for p in parts):
+        return
+    state["model"]["byte_fallback"] = False
+    state["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    tokenizer_json.write_text(json.dumps(state, ensure_ascii=False), encoding="utf-8")
 
 
 def gguf_config(path: Path):
@@ -200,7 +221,6 @@ def right_padded_tokenizer(src: Path | str, dest: Path) -> Path:
     in every batch each shorter row's tokens were paired with another position's teacher
     distribution — training ran, the loss fell, and the students got worse. Same files otherwise
     (the token ids are unchanged; stage 1E checks them against the teacher's)."""
-    import json
 
     dest.mkdir(parents=True, exist_ok=True)
     src_path = Path(src)
