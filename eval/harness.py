@@ -167,17 +167,18 @@ def compare(rows: list[dict], harness: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.harness", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--evaluation", type=Path, help="a stage-9 artifact (default: the newest in the workspace)")
+    parser.add_argument("--preset", default="tiny", help="whose bundle (default: tiny; make passes PRESET)")
+    parser.add_argument("--evaluation", type=Path, help="a stage-9 artifact (default: the preset's newest)")
     parser.add_argument("--limit", type=int, help="at most this many of stage 9's GSM8K tasks")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from eval.cascade_eval import _newest
+    from eval.lineage import newest
     from eval.server_load import serve_bundle, stop_server
     from methods.serving import free_port
 
     store = ArtifactStore(home() / "store")
-    evaluation = args.evaluation or _newest(store, "9")
+    evaluation = args.evaluation or newest(store, "9", args.preset)
     if evaluation is None:
         print("no stage-9 artifact in the workspace: run `make demo` first", file=sys.stderr)
         return 1
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage9_run_id": manifest.get("mlflow_run_id"),
         "wall_s": time.monotonic() - started,
     }
-    out = args.out or home() / "reports" / "eval-harness.json"
+    out = args.out or home() / "reports" / f"eval-harness-{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tasks = [{**r, "harness": harness["per_task"][r["id"]]} for r in rows]
     out.write_text(json.dumps({**report, "tasks": tasks}, indent=2, ensure_ascii=False))
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     command = make_command("eval-harness", sys.argv[1:] if argv is None else argv)
     title = "lm-evaluation-harness on the bundle (GSM8K) against stage 9"
-    print(f"record: {write_record('eval-harness', title, command, markdown=table, data=report)}")
+    print(f"record: {write_record('eval-harness', title, command, markdown=table, data=report, preset=args.preset)}")
     return 0
 
 

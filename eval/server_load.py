@@ -18,7 +18,7 @@ from core.contract import KibidangoError
 from core.paths import home
 from core.records import make_command, shown_path, write_record
 from core.store import ArtifactStore
-from eval.cascade_eval import _newest
+from eval.lineage import newest
 from methods.serving import free_port, wait_ready
 
 
@@ -53,14 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     from kibidango.server.loadtest import format_load, run_load
 
     parser = argparse.ArgumentParser(prog="python -m eval.server_load", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", help="a bundle directory (default: the newest stage-X bundle)")
+    parser.add_argument("--preset", default="tiny", help="whose bundle (default: tiny; make passes PRESET)")
+    parser.add_argument("--bundle", help="a bundle directory (default: the preset's newest stage-X bundle)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--queues", default="64,4", help="the --max-queue of each run")
     args = parser.parse_args(argv)
 
-    x = _newest(ArtifactStore(home() / "store"), "X")
+    x = newest(ArtifactStore(home() / "store"), "X", args.preset)
     if args.bundle is None and x is None:
         print("no stage-X bundle in the workspace: run `make demo` first", file=sys.stderr)
         return 1
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     command = make_command("loadtest", sys.argv[1:] if argv is None else argv)
     data = {"bundle": str(bundle), "runs": summaries}
-    path = write_record("loadtest", "The server under load", command, markdown=text, data=data)
+    path = write_record("loadtest", "The server under load", command, markdown=text, data=data, preset=args.preset)
     print(f"record: {path}")
     return 0
 

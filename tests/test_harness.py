@@ -45,7 +45,7 @@ def test_lm_eval_drives_the_served_bundle_on_stage_9s_gsm8k_ids(workspace):
     )
 
     assert main(["--evaluation", evaluation.path]) == 0
-    report = json.loads((workspace / "reports" / "eval-harness.json").read_text())
+    report = json.loads((workspace / "reports" / "eval-harness-tiny.json").read_text())
     f = report["figures"]
     assert f["n"] == 3 and f["stage9"]["accuracy"] == pytest.approx(1 / 3)
     assert f["flexible-extract"]["accuracy"] == 0.0 and f["only_stage9"] == 1 and f["agree"] == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,55 @@ def test_publish_rewrites_only_the_readme_block(tmp_path):
     (repo / "README.md").write_text("<!-- report-summary:tiny -->\nno end marker\n")
     with pytest.raises(KibidangoError, match="without <!-- /report-summary -->"):
         publish("tiny", report_dir / "REPORT.md", repo=repo)
+
+
+def test_a_measurement_of_one_presets_bundle_is_kept_apart(tmp_path, monkeypatch):
+    """The presets share a workspace: eval-cascade of the small bundle must not replace tiny's
+    record, and the command it shows is the one a user types."""
+    from core.records import make_command, read_records, write_record
+
+    monkeypatch.setenv("KIBIDANGO_HOME", str(tmp_path))
+    write_record("bench-dedup", "Dedup", "make bench-dedup")
+    write_record("eval-cascade", "Cascade", "make eval-cascade", data={"n": 1}, preset="tiny")
+    write_record("eval-cascade", "Cascade", "make eval-cascade PRESET=small", data={"n": 2}, preset="small")
+    assert {r["name"]: r["data"].get("n") for r in read_records("small")} == {"bench-dedup": None, "eval-cascade": 2}
+    assert {r["name"]: r["data"].get("n") for r in read_records("tiny")} == {"bench-dedup": None, "eval-cascade": 1}
+    assert make_command("eval-cascade", ["--preset", "small", "--per-sample", "4"]) == (
+        "make eval-cascade PRESET=small ARGS='--per-sample 4'"
+    )
+    assert make_command("eval-harness", ["--preset", "tiny"]) == "make eval-harness"
+
+
+def test_a_measuring_command_finds_its_presets_artifacts(tmp_path):
+    """Stage 9 of the small preset, published last, is not tiny's newest; tiny's 1T is found up the
+    lineage of tiny's bundle, and the small preset (no 1T) has none."""
+    import os
+
+    from core.store import ArtifactStore
+    from eval.lineage import newest, upstream
+
+    store = ArtifactStore(tmp_path / "store")
+
+    def publish(stage: str, key: str, inputs: dict[str, str], config: dict | None = None, at: int = 0):
+        staging = store.new_staging_dir(stage, key)
+        fields = {"config": config or {}, "inputs": {n: {"key": k} for n, k in inputs.items()}}
+        found = Path(store.publish(stage, key, staging, fields).path)
+        os.utime(found / "manifest.json", (at, at))
+        return found
+
+    teacher = publish("1T", "t1", {})
+    chain = [("1D", "teachers", "t1"), ("1R", "pairs", "d1"), ("2A", "model", "r1"), ("2B", "model", "a1")]
+    chain += [("2G", "target", "b1"), ("6C", "calibration", "g1")]
+    for (stage, name, up), key in zip(chain, ["d1", "r1", "a1", "b1", "g1", "c1"], strict=True):
+        publish(stage, key, {name: up})
+    tiny_x = publish("X", "x1", {"cascade": "c1"}, {"preset": "tiny"}, at=100)
+    publish("1F", "f1", {"bundle": "x1"}, at=100)
+    tiny_9 = publish("9", "e1", {"bundle": "f1"}, at=100)
+    small_x = publish("X", "x2", {"cascade": "c2"}, {"preset": "small"}, at=200)
+    publish("1F", "f2", {"bundle": "x2"}, at=200)
+    small_9 = publish("9", "e2", {"bundle": "f2"}, at=200)
+    assert newest(store, "9", "tiny") == tiny_9 and newest(store, "9", "small") == small_9
+    assert newest(store, "X", "tiny", need="cascade") == tiny_x and newest(store, "X", "small") == small_x
+    assert newest(store, "X", "tiny", need="router") is None
+    assert upstream(store, "tiny", tiny_x, "1T") == teacher  # X <- 6C <- 2G <- 2B <- 2A <- 1R <- 1D <- 1T
+    assert upstream(store, "small", small_x, "1T") is None

@@ -16,6 +16,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "base_file",
     "base_file_digest",
+    "installed_file",
     "dequantize_gguf",
     "gguf_config",
     "gguf_tokenizer",
@@ -72,6 +73,14 @@ def base_file(base_model: str | None) -> Path | None:
             raise KibidangoError(f"base_model {base_model!r}: no such GGUF file")
         return path
     return None
+
+
+def installed_file(base_model: str) -> Path | None:
+    """:func:`base_file` for a file an optional package ships, or None where it is not installed."""
+    try:
+        return base_file(base_model)
+    except KibidangoError:
+        return None
 
 
 def base_file_digest(base_model: str | None) -> dict[str, str]:
@@ -150,6 +159,9 @@ def gguf_tokenizer(path: Path, config):
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
     if _gguf_adds_bos(path) and tokenizer.bos_token is not None:
         tokenizer.add_bos_token = True  # as llama.cpp tokenizes (the converted tokenizer did not)
+    # decoded text as llama.cpp detokenizes it (the conversion turned on WordPiece's clean-up, which
+    # strips spaces before punctuation; transformers warns on every load and ignores it for BPE)
+    tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
 
 
