@@ -1,8 +1,9 @@
 """What `make demo` shows at the end of a run that exported a bundle: the bundle's size and
 perplexity table (from its BUNDLE_CARD.md, i.e. from the stage metrics), the evaluation (stage 9)
 and the quality gates' verdict (9A), held-out ladder tasks (one math, one code: the first of the
-evaluation part at :data:`LADDER_LEVEL`, fixed, never picked for passing) answered greedily by the
-shipped bundle in its chat template with the judge's verdict beside each, and a story generated
+evaluation part at :data:`LADDER_LEVEL`, fixed, never picked for passing) and a self-instruct seed
+task answered greedily by the shipped bundle in its chat template (the ladder's with the judge's
+verdict beside each), and a story generated
 with the runtime package and the bundle's own sampling defaults, as a user would run it."""
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
     except ImportError:
         backend = "torch"
     pipe = Pipeline.from_bundle(source, backend=backend)
+    _show_instruction(pipe, source, backend, artifacts.get("9"))
     _show_ladder_tasks(pipe, source, backend)
     d = pipe.defaults
     result = pipe.generate(PROMPT, max_new_tokens=d.max_new_tokens, seed=SEED)
@@ -77,6 +79,26 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
             f"(routed to {m['domain']} at {m['router_confidence']:.2f}, adapter {m['adapter'] or 'none'}; "
             f"calibrated confidence {confidence})"
         )
+
+
+def _show_instruction(pipe, source: Path, backend: str, evaluation: Artifact | None) -> None:
+    """The first self-instruct seed task of stage 9's general sample (read by no training stage),
+    answered greedily by the bundle in its chat template."""
+    from methods.evaluation import seed_tasks
+    from methods.training.chat import prompt_ids
+
+    samples = evaluation.manifest["config"].get("samples", []) if evaluation is not None else []
+    paths = [Path(s["path"]) for s in samples if s.get("source") == "alpaca_seed" and s.get("path")]
+    if not paths or not paths[0].is_file():
+        return
+    row = seed_tasks(paths[0], set())[0]
+    query = row["task"].prompt
+    ids = prompt_ids(pipe.tokenizer, [{"role": "user", "content": query}])
+    result = pipe.generate(ids, query=query, max_new_tokens=128, temperature=0.0)
+    print(
+        f"\n== a held-out instruction ({row['id']}), answered greedily by {source} ({backend}) ==\n\n{query}"
+        f"\n\n-- answer --\n{result.text.strip()}"
+    )
 
 
 def _show_ladder_tasks(pipe, source: Path, backend: str) -> None:
