@@ -25,6 +25,16 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram", type=int, help="lookup: the longest suffix matched against earlier tokens")
     g.add_argument("--l-d", dest="l_D", type=int, help="pyramid: draft tokens per qualifier pass")
     g.add_argument("--l-q", dest="l_Q", type=int, help="pyramid: buffered tokens per target pass")
+    g.add_argument(
+        "--p-min", dest="p_min", type=float, help="sd, pyramid: the draft stops before a token it gives less than this"
+    )
+    g.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sd, lookup, pyramid: the draft length (k, l_D) follows the acceptance (+2 / -1 within [1, --k-max])",
+    )
+    g.add_argument("--k-max", dest="k_max", type=int, help="--adaptive: the longest draft run")
     g.add_argument("--tau-q", dest="tau_Q", type=float)
     g.add_argument("--tau-t", dest="tau_T", type=float)
     g.add_argument("--divergence", choices=["tv", "js", "kl"])
@@ -66,7 +76,8 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    keys = ("variant", "k", "ngram", "l_D", "l_Q", "tau_Q", "tau_T", "divergence", "temperature", "top_p", "seed")
+    keys = ("variant", "k", "ngram", "l_D", "l_Q", "p_min", "adaptive", "k_max", "tau_Q", "tau_T", "divergence")
+    keys += ("temperature", "top_p", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -22,6 +22,16 @@ Modes (speculative sampling: Leviathan et al. 2023, arXiv 2211.17192; Pyramid SD
                drafting goes on; fuzzy thresholds as above.
                ``exact``: as assisted with tau_Q = tau_T = 0: lossless at both levels, the
                output has the target's distribution (greedy: the target's tokens).
+
+Adaptive speculation (sd, lookup, pyramid; lossless modes stay lossless, tested in distribution):
+  ``p_min``     the draft ends its run before a token it gives less than ``p_min`` (llama.cpp's
+                ``--draft-p-min``): an unsure draft stops wasting the target's positions. A token
+                it does propose is verified against its distribution restricted to the tokens at
+                or above ``p_min`` (what it was in effect drawn from), which keeps sampling exact.
+                In pyramid an unsure draft also ends the buffering (the target judges what is there).
+  ``adaptive``  the draft length (k; l_D in pyramid) follows the recent acceptance: +2 after a
+                round whose drafts were all accepted, -1 after a rejection, within [1, k_max]
+                (HF assisted generation's "heuristic" schedule), starting at k / l_D.
 """
 
 from __future__ import annotations
@@ -61,6 +71,12 @@ class DecodeConfig:
     """pyramid: tokens the draft proposes per qualifier pass."""
     l_Q: int = 8
     """pyramid: tokens buffered per target pass."""
+    p_min: float = 0.0
+    """sd, pyramid: the draft stops before a token it gives less probability than this (0: never)."""
+    adaptive: bool = False
+    """sd, lookup, pyramid: the draft length adapts to the acceptance (+2 / -1, within [1, k_max])."""
+    k_max: int = 16
+    """adaptive: the longest draft run."""
     tau_Q: float = 0.0
     tau_T: float = 0.0
     divergence: str = "tv"
@@ -71,11 +87,13 @@ class DecodeConfig:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("k", "ngram", "l_D", "l_Q", "max_new_tokens", "seed"):
+        for name in ("k", "ngram", "l_D", "l_Q", "k_max", "max_new_tokens", "seed"):
             value = getattr(self, name)
             if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name}: {value!r} is not a whole number")
-        for name in ("tau_Q", "tau_T", "temperature", "top_p"):
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive: {self.adaptive!r} is not true or false")
+        for name in ("tau_Q", "tau_T", "p_min", "temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{name}: {value!r} is not a finite number")
@@ -88,9 +106,11 @@ class DecodeConfig:
             raise ValueError(f"mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
-        for name in ("k", "ngram", "l_D", "l_Q"):
+        for name in ("k", "ngram", "l_D", "l_Q", "k_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.p_min <= 1:
+            raise ValueError(f"p_min ({self.p_min}) must be in [0, 1]")
         if self.l_D > self.l_Q:
             raise ValueError(f"l_D ({self.l_D}) must not exceed l_Q ({self.l_Q})")
         if self.tau_Q < 0 or self.tau_T < 0:
@@ -230,6 +250,19 @@ def _sync_and_feed(session: Session, committed: list[int], extra: list[int]) -> 
     return rows[len(pending) - 1 :]
 
 
+class _DraftLength:
+    """How many tokens the draft proposes this round: ``start`` fixed, or (``adaptive``) moved by
+    each round's outcome within [1, k_max]."""
+
+    def __init__(self, start: int, cfg: DecodeConfig):
+        self.adaptive, self.k_max = cfg.adaptive, max(cfg.k_max, 1)
+        self.now = min(start, self.k_max) if cfg.adaptive else start
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.adaptive and drafted:
+            self.now = min(self.now + 2, self.k_max) if accepted == drafted else max(self.now - 1, 1)
+
+
 class Decoder:
     """Runs one request at a time over the given models (``target``, and ``draft`` /
     ``qualifier`` as the mode needs), keeping a KV-cache session per model between rounds."""
@@ -262,10 +295,11 @@ class Decoder:
         }[cfg.mode]
         committed = list(prompt_ids)
         generated = 0
+        length = _DraftLength(cfg.l_D if cfg.mode == "pyramid" else cfg.k, cfg)
         start = time.perf_counter()
         try:
             while generated < budget:
-                new = step(sessions, committed, budget - generated, cfg, sampler, rng, metrics)
+                new = step(sessions, committed, budget - generated, cfg, sampler, rng, metrics, length)
                 metrics.verify_steps += 1
                 stop_at = next((i for i, t in enumerate(new) if t in cfg.stop_ids), None)
                 if stop_at is not None:
@@ -286,31 +320,44 @@ class Decoder:
 
     # ---- one round per mode: returns the tokens it commits --------------------------------
 
-    def _ar_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
+    def _ar_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length=None) -> list[int]:
         row = _sync_and_feed(sessions["target"], committed, [])[0]
         return [sampler.draw(sampler.probs(row), rng)]
 
     def _propose(
-        self, session: Session, committed: list[int], n: int, sampler, rng
+        self, session: Session, committed: list[int], n: int, sampler, rng, p_min: float = 0.0
     ) -> tuple[list[int], list[np.ndarray]]:
-        """The draft's n tokens, each from its distribution after the previous one."""
+        """The draft's tokens, each from its distribution after the previous one: ``n``, fewer
+        where it gives the token it drew less than ``p_min``. A proposal made under that rule was
+        drawn from the draft's distribution *restricted to the tokens at or above p_min*, and that
+        is the distribution returned for verification: with it the rule is exact (the stop is a
+        target step, the rest the Leviathan rule for that proposal), with the draft's own it was
+        not (it over-proposed the draft's sure tokens)."""
         tokens: list[int] = []
         dists: list[np.ndarray] = []
         row = _sync_and_feed(session, committed, [])[0]
         for i in range(n):
             q = sampler.probs(row)
-            tokens.append(sampler.draw(q, rng))
+            token = sampler.draw(q, rng)
+            if q[token] < p_min:
+                break
+            if p_min > 0:
+                q = np.where(q >= p_min, q, 0.0)
+                q /= q.sum()
+            tokens.append(token)
             dists.append(q)
             if i + 1 < n:
-                row = session.feed([tokens[-1]])[0]
+                row = session.feed([token])[0]
         return tokens, dists
 
-    def _sd_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
-        k = min(cfg.k, remaining - 1)  # room for the bonus token
-        if k < 1:
+    def _sd_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
+        k = min(length.now, remaining - 1)  # room for the bonus token
+        drafts, q = self._propose(sessions["draft"], committed, k, sampler, rng, cfg.p_min) if k >= 1 else ([], [])
+        if not drafts:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
-        drafts, q = self._propose(sessions["draft"], committed, k, sampler, rng)
-        return self._target_verifies(sessions, committed, drafts, q, sampler, rng, metrics, "draft")
+        out = self._target_verifies(sessions, committed, drafts, q, sampler, rng, metrics, "draft")
+        length.update(len(drafts), len(out) - 1)
+        return out
 
     def _target_verifies(self, sessions, committed, drafts, q, sampler, rng, metrics, stage: str) -> list[int]:
         """The target scores ``drafts`` (drawn from ``q``; None: certain proposals, each its one
@@ -324,14 +371,16 @@ class Decoder:
         metrics.count(stage, len(drafts), n)
         return drafts[:n] + [token]
 
-    def _lookup_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
-        k = min(cfg.k, remaining - 1)  # room for the bonus token
+    def _lookup_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
+        k = min(length.now, remaining - 1)  # room for the bonus token
         drafts = lookup_drafts(committed, k, cfg.ngram) if k >= 1 else []
         if not drafts:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
-        return self._target_verifies(sessions, committed, drafts, None, sampler, rng, metrics, "lookup")
+        out = self._target_verifies(sessions, committed, drafts, None, sampler, rng, metrics, "lookup")
+        length.update(len(drafts), len(out) - 1)
+        return out
 
-    def _pyramid_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics) -> list[int]:
+    def _pyramid_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
         l_q = min(cfg.l_Q, remaining - 1)
         if l_q < 1:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
@@ -339,19 +388,26 @@ class Decoder:
         buffer: list[int] = []
         buffer_q: list[np.ndarray] = []  # the qualifier's distribution at each buffered position
         while len(buffer) < l_q:
-            n_draft = min(cfg.l_D, l_q - len(buffer))
-            drafts, d = self._propose(sessions["draft"], committed + buffer, n_draft, sampler, rng)
+            n_draft = min(length.now, l_q - len(buffer))
+            drafts, d = self._propose(sessions["draft"], committed + buffer, n_draft, sampler, rng, cfg.p_min)
+            if not drafts:
+                break  # the draft is unsure of its next token: the target judges what is buffered
             rows = _sync_and_feed(sessions["qualifier"], committed + buffer, drafts)
-            q = [sampler.probs(r) for r in rows[:n_draft]]
+            q = [sampler.probs(r) for r in rows[: len(drafts)]]
             n, token = verify(drafts, d, q, sampler, rng, tau=tau_q, div=cfg.divergence)
-            metrics.count("draft", n_draft, n)
+            metrics.count("draft", len(drafts), n)
+            length.update(len(drafts), n)
             buffer += drafts[:n]
             buffer_q += q[:n]
-            if n < n_draft:
+            if n < len(drafts):
                 if cfg.variant == "fuzzy":
                     break  # the draft run ends here; the target judges what is buffered
                 buffer.append(token)  # assisted / exact: the qualifier's token, then draft on
                 buffer_q.append(q[n])
+            elif len(drafts) < n_draft:
+                break  # stopped short by p_min: as unsure as above
+        if not buffer:
+            return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
         rows = _sync_and_feed(sessions["target"], committed, buffer)
         p = [sampler.probs(r) for r in rows]
         n, token = verify(

@@ -27,6 +27,41 @@ def test_greedy_sd_and_pyramid_exact_equal_ar(family, prompt):
         assert run(family, prompt, mode="pyramid", variant="fuzzy", l_D=l_d, l_Q=l_q)[0] == ar  # tau = 0
 
 
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_adaptive_speculation_equals_ar(family, prompt):
+    ar, _ = run(family, prompt, mode="ar")
+    for kw in ({"p_min": 0.5}, {"adaptive": True}, {"adaptive": True, "p_min": 0.3, "k_max": 5}):
+        assert run(family, prompt, mode="sd", k=3, **kw)[0] == ar, kw
+        assert run(family, prompt, mode="lookup", k=3, **kw)[0] == ar, kw
+        for variant in ("exact", "assisted", "fuzzy"):
+            assert run(family, prompt, mode="pyramid", variant=variant, l_D=2, l_Q=6, **kw)[0] == ar, (variant, kw)
+
+
+def test_p_min_drafts_fewer_tokens_and_wastes_fewer(family):
+    fixed = [run(family, prompt, mode="sd", k=6)[1] for prompt in PROMPTS]
+    unsure = [run(family, prompt, mode="sd", k=6, p_min=0.6)[1] for prompt in PROMPTS]
+
+    def total(ms, what):
+        return sum(getattr(m, what).get("draft", 0) for m in ms)
+
+    assert total(unsure, "num_draft_tokens") < total(fixed, "num_draft_tokens")
+    rejected = [total(ms, "num_draft_tokens") - total(ms, "num_accepted_tokens") for ms in (fixed, unsure)]
+    assert rejected[1] < rejected[0]
+    assert total(unsure, "num_accepted_tokens") / total(unsure, "num_draft_tokens") > total(
+        fixed, "num_accepted_tokens"
+    ) / total(fixed, "num_draft_tokens")
+
+
+def test_adaptive_length_grows_while_everything_is_accepted(family):
+    """lookup on a prompt the target repeats: all drafts accepted, so the draft run grows from k=1
+    towards k_max and the target takes fewer passes than with a fixed k=1."""
+    prompt = PROMPTS[0] * 3
+    fixed_out, fixed = run(family, prompt, mode="lookup", k=1, ngram=3, max_new_tokens=48)
+    out, grown = run(family, prompt, mode="lookup", k=1, ngram=3, max_new_tokens=48, adaptive=True, k_max=8)
+    assert out == fixed_out and grown.verify_steps < fixed.verify_steps
+    assert grown.num_accepted_tokens["lookup"] > fixed.num_accepted_tokens["lookup"]
+
+
 def test_the_family_really_disagrees(family):
     """Guard: exactness above would be trivial if every draft token were accepted."""
     _, m = run(family, PROMPTS[0], mode="sd", k=4)

@@ -40,7 +40,12 @@ def test_sd_and_pyramid_exact_sampling_match_the_target(family):
     p = Sampler(temperature=1.0).probs(logits)
     support = np.flatnonzero(p > 0.02)  # pool the tail so expected counts are not tiny
     n = 1500
-    for kw in ({"mode": "sd", "k": 1}, {"mode": "pyramid", "variant": "exact", "l_D": 1, "l_Q": 1}):
+    for kw in (
+        {"mode": "sd", "k": 1},
+        {"mode": "pyramid", "variant": "exact", "l_D": 1, "l_Q": 1},
+        {"mode": "sd", "k": 2, "p_min": 0.3},  # a draft that stops on its own samples keeps the target's law
+        {"mode": "pyramid", "variant": "exact", "l_D": 2, "l_Q": 2, "p_min": 0.3},
+    ):
         counts = _first_tokens(family, kw, n)
         observed = [counts.get(int(t), 0) for t in support] + [n - sum(counts.get(int(t), 0) for t in support)]
         expected = [n * p[t] for t in support] + [n * (1 - p[support].sum())]

@@ -34,6 +34,9 @@ class Decoding(BaseModel):
     k: int | None = Field(None, ge=1, le=32)
     l_D: int | None = Field(None, ge=1, le=32)
     l_Q: int | None = Field(None, ge=1, le=64)
+    p_min: float | None = Field(None, ge=0, le=1)
+    adaptive: bool | None = None
+    k_max: int | None = Field(None, ge=1, le=32)
     tau_Q: float | None = Field(None, ge=0, le=1)
     tau_T: float | None = Field(None, ge=0, le=1)
     divergence: Literal["tv", "js", "kl"] | None = None
