@@ -5,9 +5,12 @@ family's chat format, story rows cut after a few tokens), the runtime's own tune
 (:func:`kibidango.tune.tune`, also ``kibidango tune`` on any bundle) times every candidate of the
 recipe's grid against target-only decoding right after it, per backend:
 
-- ``sd`` with each draft length ``k``;
-- ``pyramid`` ``exact`` with each (``l_D``, ``l_Q``); ``fuzzy`` and ``assisted`` with each
-  (``l_D``, ``l_Q``) and each (``tau_Q``, ``tau_T``) of the grid (divergence: total variation).
+- ``sd`` with each draft length ``k``, at the longest stopped by each ``p_min``, and adaptive
+  (from the shortest ``k`` up to ``k_max``) without and with each ``p_min``;
+- ``lookup`` (n-gram drafting, no draft model) with each ``lookup_k``, fixed and adaptive;
+- ``pyramid`` ``exact`` with each (``l_D``, ``l_Q``), and at the longest pair stopped by each
+  ``p_min`` and adaptive; ``fuzzy`` and ``assisted`` with each (``l_D``, ``l_Q``) and each
+  (``tau_Q``, ``tau_T``) of the grid (divergence: total variation).
 
 Lossless candidates must reproduce target-only decoding token for token (a mismatch is reported
 and the candidate is not admissible); lossy ones must keep the target's perplexity of the text they
@@ -51,6 +54,11 @@ class Grid(StageConfig):
         [(0.1, 0.05), (0.2, 0.1), (0.3, 0.2), (0.5, 0.3)],
         description="Pyramid's (tau_Q, tau_T) pairs for the fuzzy and assisted variants (empty: exact only).",
     )
+    p_min: list[float] = Field(
+        [0.3, 0.6], description="Draft confidence floors tried with sd's longest k and pyramid's longest pair."
+    )
+    k_max: int = Field(12, ge=1, description="The longest draft run of the adaptive candidates.")
+    lookup_k: list[int] = Field([3, 6], description="Draft lengths of lookup (n-gram drafting; empty: none).")
 
 
 class Config(StageConfig):
@@ -97,7 +105,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             src, backend=backend, mode="pyramid", adapter="none", threads=cfg.threads, verify=False
         )
         if not prompts:  # room for the generated tokens in every tier's context
-            lookahead = max([*cfg.grid.k, *(q for _, q in cfg.grid.lengths)]) + 1
+            lookahead = max([*cfg.grid.k, cfg.grid.k_max, *cfg.grid.lookup_k, *(q for _, q in cfg.grid.lengths)]) + 1
             room = min(m.context_length for m in pipe.models.values()) - cfg.max_new_tokens - lookahead
             prompts = [p.ids for p in held_out_prompts(tokenizer, rows, max_len=room)][: cfg.prompts]
             if not prompts:
@@ -170,12 +178,15 @@ def _card(results: dict, tuned: dict, prompts: int, cfg: Config) -> str:
         f"{cfg.max_ppl_increase:.0%} above ar's text; lossless ones when they reproduce ar exactly. The same "
         "search runs on any bundle with `kibidango tune --bundle B --backend torch|llamacpp`.",
         "",
-        "| backend | tuned defaults | tokens/s vs ar | best sd | best pyramid |",
-        "|---|---|---:|---:|---:|",
+        "| backend | tuned defaults | tokens/s vs ar | best sd | best lookup | best pyramid |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for b, r in results.items():
-        best = {m: f"{r.best[m]['speed_vs_ar']:.2f}x" if m in r.best else "-" for m in ("sd", "pyramid")}
-        lines.append(f"| {b} | {describe(tuned[b])} | {r.chosen_speed:.2f}x | {best['sd']} | {best['pyramid']} |")
+        best = {m: f"{r.best[m]['speed_vs_ar']:.2f}x" if m in r.best else "-" for m in ("sd", "lookup", "pyramid")}
+        lines.append(
+            f"| {b} | {describe(tuned[b])} | {r.chosen_speed:.2f}x | {best['sd']} | {best['lookup']} | "
+            f"{best['pyramid']} |"
+        )
     lines += [
         "",
         "The bundle ships these as `tuned_defaults` per backend; `kibidango generate --bundle B --backend ...` "

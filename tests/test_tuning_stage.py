@@ -61,7 +61,7 @@ def _config(**kw):
         "backends": ["torch"],
         "prompts": 3,
         "max_new_tokens": 10,
-        "grid": {"k": [2, 4], "lengths": [[2, 4]], "taus": [[0.3, 0.2]]},
+        "grid": {"k": [2, 4], "lengths": [[2, 4]], "taus": [[0.3, 0.2]], "p_min": [0.5], "lookup_k": [3]},
     }
     return load_stage("1F").Config.model_validate({**base, **kw})
 
@@ -76,14 +76,16 @@ def test_stage_1f_tunes_and_ships_the_choice(stage0, tmp_path):
     result = load_stage("1F").run(_config(), {"bundle": x, "data": stage0}, out)
 
     rows = [json.loads(line) for line in (out / "candidates.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 + 1 + 2 == result.metrics["torch/candidates"]  # sd k=2,4; exact; fuzzy, assisted
+    # sd k=2,4, k=4 at p_min, adaptive with and without p_min; lookup fixed and adaptive; exact, at p_min,
+    # adaptive; fuzzy, assisted
+    assert len(rows) == 2 + 1 + 2 + 2 + 3 + 2 == result.metrics["torch/candidates"]
     assert result.metrics["prompts"] == 3
     # identical tiers: every candidate, lossless or not, reproduces target-only decoding
     assert result.metrics["torch/lossless_mismatches"] == 0 and all(r["admissible"] for r in rows)
     assert {r["backend"] for r in rows} == {"torch"}
     tuning = json.loads((out / "tuning.json").read_text())
     chosen = tuning["tuned_defaults"]["torch"]
-    assert chosen["mode"] in ("ar", "sd", "pyramid")
+    assert chosen["mode"] in ("ar", "sd", "lookup", "pyramid")
     assert tuning["tuning"]["torch"]["chosen_speed_vs_ar"] == result.metrics["torch/chosen_speed_vs_ar"]
 
     tuned = load_bundle(out / "bundle")  # every hash checked: a valid bundle

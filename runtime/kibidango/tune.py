@@ -1,8 +1,11 @@
 """``kibidango tune`` (plan row 1F): search the speculative-decoding settings of a bundle for the
 best tokens/s on held-out prompts, per backend.
 
-Candidates: ``sd`` with each ``k``; ``pyramid`` ``exact`` with each (``l_D``, ``l_Q``); ``pyramid``
-``fuzzy`` and ``assisted`` with each (``l_D``, ``l_Q``) and (``tau_Q``, ``tau_T``). Each candidate
+Candidates: ``sd`` with each ``k``; ``sd`` at the longest ``k`` stopped by each ``p_min``; ``sd``
+adaptive (from the shortest ``k`` up to ``k_max``) without and with each ``p_min``; ``lookup`` (no
+draft model) with each ``lookup_k``, fixed and adaptive; ``pyramid`` ``exact`` with each (``l_D``,
+``l_Q``), and at the longest pair stopped by each ``p_min`` and adaptive; ``pyramid`` ``fuzzy`` and
+``assisted`` with each (``l_D``, ``l_Q``) and (``tau_Q``, ``tau_T``). Each candidate
 decodes every prompt greedily and is timed against target-only decoding (``ar``) on the same
 prompts right after it, so that machine noise falls on both; its speed is the ratio. Lossless
 candidates must reproduce ``ar``'s tokens exactly (a mismatch is a bug, reported). Lossy ones
@@ -34,20 +37,33 @@ GRID = {
     "k": (2, 3, 4, 6, 8),
     "lengths": ((2, 4), (3, 6), (4, 8), (3, 9)),
     "taus": ((0.1, 0.05), (0.2, 0.1), (0.3, 0.2), (0.5, 0.3)),
+    "p_min": (0.3, 0.6),
+    "k_max": 12,
+    "lookup_k": (3, 6),
 }
 
 
 def candidates(grid: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     g = {**GRID, **(grid or {})}
+    adaptive = {"adaptive": True, "k_max": g["k_max"]}
     out: list[dict[str, Any]] = [{"mode": "sd", "k": k} for k in g["k"]]
+    out += [{"mode": "sd", "k": max(g["k"]), "p_min": p} for p in g["p_min"]]
+    out += [{"mode": "sd", "k": min(g["k"]), **adaptive, **({"p_min": p} if p else {})} for p in (0, *g["p_min"])]
+    for k, adapt in itertools.product(g["lookup_k"], (False, True)):
+        out.append({"mode": "lookup", "k": k, **(adaptive if adapt else {})})
     out += [{"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q} for d, q in g["lengths"]]
+    d, q = max(g["lengths"], key=lambda pair: pair[1])
+    out += [{"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q, "p_min": p} for p in g["p_min"]]
+    out.append({"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q, **adaptive})
     for variant, (d, q), (tq, tt) in itertools.product(("fuzzy", "assisted"), g["lengths"], g["taus"]):
         out.append({"mode": "pyramid", "variant": variant, "l_D": d, "l_Q": q, "tau_Q": tq, "tau_T": tt})
     return out
 
 
 def _lossless(c: dict[str, Any]) -> bool:
-    return c["mode"] == "sd" or c.get("variant") == "exact" or (c.get("tau_Q", 0) == 0 and c.get("tau_T", 0) == 0)
+    if c["mode"] in ("sd", "lookup") or c.get("variant") == "exact":
+        return True
+    return c.get("tau_Q", 0) == 0 and c.get("tau_T", 0) == 0
 
 
 @dataclass
@@ -127,13 +143,13 @@ def tune(
         if progress is not None:
             progress(n, len(cands), row)
     ok = [r for r in result.rows if r["admissible"]]
-    for mode in ("sd", "pyramid"):
+    for mode in ("sd", "lookup", "pyramid"):
         mine = [r for r in ok if r["mode"] == mode]
         if mine:
             result.best[mode] = max(mine, key=lambda r: r["speed_vs_ar"])
     if ok:
         best = max(ok, key=lambda r: r["speed_vs_ar"])
-        keys = ("mode", "variant", "k", "l_D", "l_Q", "tau_Q", "tau_T")
+        keys = ("mode", "variant", "k", "l_D", "l_Q", "p_min", "adaptive", "k_max", "tau_Q", "tau_T")
         result.chosen = {k: best[k] for k in keys if k in best}
         result.chosen_speed = best["speed_vs_ar"]
         if best["speed_vs_ar"] < 1.0:  # nothing beats the target alone here
@@ -145,10 +161,12 @@ def describe(c: dict[str, Any]) -> str:
     """A candidate (or chosen settings) in words: ``sd k=4``, ``pyramid-fuzzy l_D=3 l_Q=6 tau=0.3/0.2``."""
     if c.get("mode", "ar") == "ar":
         return "ar (target only)"
-    if c["mode"] == "sd":
-        return f"sd k={c['k']}"
+    extra = f" adaptive<={c['k_max']}" if c.get("adaptive") else ""
+    extra += f" p_min={c['p_min']}" if c.get("p_min") else ""
+    if c["mode"] in ("sd", "lookup"):
+        return f"{c['mode']} k={c['k']}{extra}"
     tau = f" tau={c['tau_Q']}/{c['tau_T']}" if "tau_Q" in c else ""
-    return f"pyramid-{c['variant']} l_D={c['l_D']} l_Q={c['l_Q']}{tau}"
+    return f"pyramid-{c['variant']} l_D={c['l_D']} l_Q={c['l_Q']}{tau}{extra}"
 
 
 def format_tune(result: TuneResult, top: int = 12) -> str:

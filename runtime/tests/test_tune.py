@@ -12,13 +12,25 @@ from kibidango import Pipeline, write_bundle
 from kibidango.tune import candidates, format_tune, tune, write_tuned
 from tests.conftest import STORIES, needs_stories
 
-GRID = {"k": (2, 4), "lengths": ((2, 4),), "taus": ((0.3, 0.2),)}
+GRID = {"k": (2, 4), "lengths": ((2, 4),), "taus": ((0.3, 0.2),), "p_min": (), "lookup_k": ()}
 
 
 def test_the_grid_covers_every_mode_and_variant():
     modes = {(c["mode"], c.get("variant")) for c in candidates()}
-    assert modes == {("sd", None), ("pyramid", "exact"), ("pyramid", "fuzzy"), ("pyramid", "assisted")}
-    assert len(candidates(GRID)) == 2 + 1 + 2
+    assert modes == {
+        ("sd", None),
+        ("lookup", None),
+        ("pyramid", "exact"),
+        ("pyramid", "fuzzy"),
+        ("pyramid", "assisted"),
+    }
+    # sd: each k, adaptive from the shortest; pyramid exact: the pair, adaptive; fuzzy, assisted
+    assert len(candidates(GRID)) == 2 + 1 + 1 + 1 + 2
+    full = candidates({**GRID, "p_min": (0.5,), "lookup_k": (3,), "k_max": 9})
+    assert {"mode": "sd", "k": 4, "p_min": 0.5} in full and {"mode": "lookup", "k": 3} in full
+    assert {"mode": "sd", "k": 2, "adaptive": True, "k_max": 9, "p_min": 0.5} in full
+    assert {"mode": "lookup", "k": 3, "adaptive": True, "k_max": 9} in full
+    assert {"mode": "pyramid", "variant": "exact", "l_D": 2, "l_Q": 4, "p_min": 0.5} in full
 
 
 def test_tuned_defaults_are_written_and_read_per_backend(tmp_path):
@@ -27,7 +39,7 @@ def test_tuned_defaults_are_written_and_read_per_backend(tmp_path):
     bundle = write_bundle(tmp_path / "b", tiers, {"mode": "sd", "k": 4})
     pipe = Pipeline.from_bundle(bundle, mode="pyramid", adapter="none")
     result = tune(pipe, ["Once upon a time", "The cat"], max_new_tokens=12, grid=GRID)
-    assert len(result.rows) == 5
+    assert len(result.rows) == 7
     for row in result.rows:  # identical tiers: every candidate reproduces ar
         assert row["agreement_with_ar"] == 1.0 and row["admissible"] and "note" not in row
         assert row["ppl_increase"] == pytest.approx(0.0, abs=1e-9)
