@@ -129,11 +129,11 @@ verify: setup
 
 # The runtime benchmark: ../shared's bench family (0.26M draft, 5M qualifier, 26M target) as a
 # bundle (GGUF F16 through the pinned converter; built once), every mode and the peers on its
-# held-out story openings, on both backends.
+# held-out story openings, on both backends; three interleaved rounds give each ratio a bootstrap interval.
 SHARED_DIR   ?= $(or $(KIBIDANGO_SHARED),$(CURDIR)/../shared)
 BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
 BENCH_ARGS    = --bundle $(BENCH_BUNDLE) --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
-  --modes ar,sd,pyramid,pyramid-exact,pyramid-assisted --max-new-tokens 64 $(ARGS)
+  --modes ar,sd,lookup,pyramid,pyramid-exact,pyramid-assisted --max-new-tokens 64 --repeats 3 $(ARGS)
 $(BENCH_BUNDLE)/bundle.json:
 	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE)
 

@@ -4,6 +4,9 @@ peers on the same models: Hugging Face ``generate(assistant_model=draft)`` and, 
 llamacpp extra, llama.cpp's own speculative loop.
 
 Reports ratios to ``ar`` and counts, not absolute speeds: on shared machines only those compare.
+With ``--repeats N`` every ratio has a 95% bootstrap interval over the prompts x rounds (each
+resample takes the same cells for both modes, so what the machine did to a cell falls on both),
+and the best pyramid against the best sd (or lookup) is stated with its own interval.
 Also prints Leviathan et al.'s predicted speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the
 measured a (per-token acceptance) and c (draft/target cost of one forward step), and ``ar``'s
 tokens/s as a share of the memory-bandwidth bound: a token of target-only decoding reads every
@@ -24,7 +27,7 @@ import numpy as np
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import Decoder, Metrics
 
-__all__ = ["BenchResult", "leviathan_speedup", "read_prompts", "run_bench"]
+__all__ = ["BenchResult", "bootstrap_ratio", "leviathan_speedup", "read_prompts", "run_bench"]
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -51,6 +54,20 @@ def leviathan_speedup(a: float, k: int, c: float) -> float:
     if a >= 1.0:
         return (k + 1) / (k * c + 1)
     return (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
+
+
+def bootstrap_ratio(
+    a: list[tuple[int, float]], b: list[tuple[int, float]], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """Tokens/s of ``a`` over tokens/s of ``b`` (each a list of (tokens, seconds) cells, paired by
+    position: the same prompt and round) and its 95% percentile-bootstrap interval over cells."""
+    ta, sa = np.array([c[0] for c in a], float), np.array([c[1] for c in a], float)
+    tb, sb = np.array([c[0] for c in b], float), np.array([c[1] for c in b], float)
+    point = (ta.sum() / sa.sum()) / (tb.sum() / sb.sum())
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    ratios = (ta[idx].sum(1) / sa[idx].sum(1)) / (tb[idx].sum(1) / sb[idx].sum(1))
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return float(point), float(lo), float(hi)
 
 
 @dataclass
@@ -146,6 +163,7 @@ def run_bench(
         for m, (mode, variant) in specs.items()
     }
     totals = {m: Metrics(m) for m in modes}
+    cells: dict[str, list[tuple[int, float]]] = {m: [] for m in modes}  # (tokens, seconds) per prompt x round
     hf_peer = "hf" in peers and "draft" in base.models and backend == "torch"
     llama_peer = (
         _LlamaCppPeer(base.bundle, cfgs.get("sd", next(iter(cfgs.values()))).k, threads)
@@ -164,6 +182,7 @@ def run_bench(
                 for _chunk in decoder.generate(prompt_ids, cfgs[m], metrics):
                     pass
                 totals[m].add(metrics)
+                cells[m].append((metrics.generated_tokens, metrics.seconds))
             if hf_peer:
                 dt, n = _hf_generate(base, prompt_ids, max_new_tokens, assistant=True)
                 hf_time += dt
@@ -180,11 +199,13 @@ def run_bench(
             "tau": (cfgs[m].tau_Q, cfgs[m].tau_T) if cfgs[m].mode == "pyramid" else None,
             "tokens": t.generated_tokens,
             "speed_vs_ar": t.tokens_per_second / ar_tps if ar_tps else None,
+            "speed_interval": bootstrap_ratio(cells[m], cells["ar"])[1:] if ar_tps and len(cells[m]) > 1 else None,
             "acceptance": {s: t.acceptance_rate(s) for s in t.num_draft_tokens},
             "target_forwards_per_token": t.target_forwards_per_token,
             "mean_acceptance_length": t.mean_acceptance_length,
         }
         result.rows.append(row)
+    result.notes += _pyramid_vs_sd(result.rows, cells, len(prompts), repeats)
     if hf_peer:
         result.rows.append(
             {
@@ -229,6 +250,23 @@ def run_bench(
                 f"with it the model predicts {tokens_per_round / (k * c + verify):.2f}x"
             )
     return result
+
+
+def _pyramid_vs_sd(rows: list[dict], cells: dict, n_prompts: int, repeats: int) -> list[str]:
+    """The fastest pyramid mode against the fastest two-level one (sd, lookup), with an interval."""
+    by_name = dict(zip(cells, rows))  # rows are in the modes' order
+    pyramid = [m for m in cells if m.startswith("pyramid") and by_name[m]["speed_vs_ar"] is not None]
+    flat = [m for m in cells if m in ("sd", "lookup") and by_name[m]["speed_vs_ar"] is not None]
+    if not pyramid or not flat or len(cells[pyramid[0]]) < 2:
+        return []
+    best_p = max(pyramid, key=lambda m: by_name[m]["speed_vs_ar"])
+    best_f = max(flat, key=lambda m: by_name[m]["speed_vs_ar"])
+    point, lo, hi = bootstrap_ratio(cells[best_p], cells[best_f])
+    verdict = "faster" if lo > 1 else "slower" if hi < 1 else "not distinguishable from it"
+    return [
+        f"best pyramid ({by_name[best_p]['mode']}) / best sd ({best_f}): {point:.2f}x [{lo:.2f}, {hi:.2f}] "
+        f"(95% bootstrap over {n_prompts} prompts x {repeats} rounds): {verdict}"
+    ]
 
 
 def _hf_generate(pipe: Pipeline, prompt_ids: list[int], max_new_tokens: int, assistant: bool) -> tuple[float, int]:
@@ -306,6 +344,8 @@ def format_table(result: BenchResult) -> str:
         acc = r.get("acceptance") or {}
         acc_s = " / ".join(f"{acc[s]:.3f}" for s in ("draft", "qualifier") if acc.get(s) is not None) or "-"
         speed = f"{r['speed_vs_ar']:.2f}x" if r.get("speed_vs_ar") is not None else "-"
+        if r.get("speed_interval"):
+            speed += " [{:.2f}, {:.2f}]".format(*r["speed_interval"])
         fwd = f"{r['target_forwards_per_token']:.3f}" if "target_forwards_per_token" in r else "-"
         mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
         lines.append(

@@ -41,3 +41,32 @@ def test_bench_runs_every_mode_and_the_hf_peer(tmp_path):
     assert result.verify_cost > 0 and "5-token verification costs" in table  # k = 4 (the default)
     b = result.bandwidth  # ar against the bound (stories260K's 1 MB of weights may sit in the CPU cache)
     assert b["target_weight_bytes"] == 4 * 260_032 and b["share"] > 0 and "memory-bandwidth bound" in table
+
+
+def test_bootstrap_ratio_is_paired_over_cells():
+    from kibidango.bench import bootstrap_ratio
+
+    # b twice as fast as a in every cell, whatever the cell's own speed: the interval is the point
+    a = [(10, s) for s in (1.0, 2.0, 4.0, 0.5)]
+    b = [(10, s / 2) for s in (1.0, 2.0, 4.0, 0.5)]
+    point, lo, hi = bootstrap_ratio(a, b)
+    assert point == pytest.approx(0.5) and lo == pytest.approx(0.5) and hi == pytest.approx(0.5)
+    noisy = [(10, s * f) for s, f in zip((1.0, 2.0, 4.0, 0.5), (1.3, 0.8, 1.1, 0.9), strict=True)]
+    point, lo, hi = bootstrap_ratio(noisy, b)
+    assert lo < point < hi
+
+
+def test_repeats_give_every_ratio_an_interval_and_settle_pyramid_against_sd(tmp_path):
+    needs_stories()
+    tiers = {t: {"hf": STORIES, "vocab_size": 512} for t in ("draft", "qualifier", "target")}
+    bundle = write_bundle(tmp_path / "b", tiers, {"mode": "pyramid"})
+    prompts = ["Once upon a time", "The cat"]
+    modes = ["ar", "sd", "lookup", "pyramid-exact"]
+    result = run_bench(bundle, prompts, modes, max_new_tokens=8, repeats=2, peers=())
+    for row in result.rows:
+        lo, hi = row["speed_interval"]
+        assert lo <= row["speed_vs_ar"] <= hi
+    assert result.rows[0]["speed_interval"] == (pytest.approx(1.0), pytest.approx(1.0))  # ar against itself
+    (note,) = [n for n in result.notes if n.startswith("best pyramid")]
+    assert "(95% bootstrap over 2 prompts x 2 rounds)" in note and "best sd (" in note
+    assert "[" in format_table(result).splitlines()[3]
