@@ -312,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--bundle", required=True)
     bench.add_argument("--prompts", required=True, help="a file: one prompt per line, or JSONL with 'prompt'")
     bench.add_argument(
-        "--modes", default="ar,sd,pyramid", help="comma list of ar, sd, lookup, pyramid, pyramid-exact, pyramid-assisted"
+        "--modes",
+        default="ar,sd,pyramid",
+        help="comma list of ar, sd, lookup, pyramid, pyramid-exact, pyramid-assisted",
     )
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=1)
