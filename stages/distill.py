@@ -1,7 +1,8 @@
 """Stage 1E — distil the draft and the qualifier from the target (offline top-k KD).
 
 1. The teacher (the ``teacher`` input's tier, stage 1A's target) scores the distillation set (stage
-   0's train split in the family's chat format): its top-k log-probabilities at every position
+   0's train split in the model's chat format; with ``own_outputs``, also the teacher's own answers
+   to stage 0's instructions: sequence-level KD): its top-k log-probabilities at every position
    are written to ``teacher/logprobs.jsonl`` — the format of axolotl's KD plugin
    (``axolotl.integrations.kd.chat_template``: ``messages``, ``target_token_ids``, ``logprobs``).
 2. Each student (initial weights: the ``family`` input's tier of the same name, ``init``, or the
@@ -13,8 +14,9 @@
    and expected acceptance sum_x min(p_T, p_D) per position on the target's greedy path, the
    runtime's real ``sd`` and ``pyramid`` acceptance rates, and validation perplexity.
 
-Outputs: ``<student>/`` (transformers checkpoints + tokenizer), ``teacher/logprobs.jsonl``,
-``axolotl/<student>.yaml``, ``logs/``, ``family.json`` and ``family.md`` (the tier table).
+Outputs: ``<student>/`` (transformers checkpoints + tokenizer), ``teacher/logprobs.jsonl`` (and
+``teacher/own_outputs.jsonl``), ``axolotl/<student>.yaml``, ``logs/``, ``family.json`` and
+``family.md`` (the tier table).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.measure import lm
 from methods.training import axolotl
-from methods.training.chat import axolotl_dataset, axolotl_template, encode, load_split, messages
+from methods.training.chat import axolotl_dataset, axolotl_template, encode, load_split, messages, prompt_ids
 from methods.training.models import (
     copy_tokenizer,
     resolve_base,
@@ -69,6 +71,15 @@ class Student(StageConfig):
         return self
 
 
+class OwnOutputs(StageConfig):
+    """Sequence-level KD (Kim & Rush 2016): the teacher's own answers as distillation rows."""
+
+    rows: int = Field(gt=0, description="Instructions of stage 0's train split (from its end) the teacher answers.")
+    max_new_tokens: int = Field(96, gt=0, description="Tokens per answer (it ends earlier at end of sequence).")
+    temperature: float = Field(0.0, ge=0, description="0: greedy answers; above: sampled, seeded per row.")
+    seed: int = 0
+
+
 class Config(StageConfig):
     teacher_tier: str = Field("target", description="Tier of the `teacher` input that teaches.")
     students: dict[str, Student] = Field(description="Tiers distilled from the teacher: draft, qualifier.")
@@ -89,6 +100,12 @@ class Config(StageConfig):
         description="Rows of stage 0's train split in the distillation set (those that fit in sequence_len).",
     )
     sequence_len: int = Field(256, gt=8, description="Tokens per distillation sequence (truncated).")
+    own_outputs: OwnOutputs | None = Field(
+        None,
+        description="Also distil on the teacher's own answers to stage 0's instructions (sequence-level KD, beside "
+        "the token-level KD on the data's answers): generated once per run, kept in the work directory while an "
+        "interrupted run resumes, shipped as teacher/own_outputs.jsonl.",
+    )
     eval_prompts: int = Field(48, gt=0, description="Held-out prompts (validation split) for agreement and acceptance.")
     eval_new_tokens: int = Field(32, gt=0, description="Tokens of the target's greedy path scored per prompt.")
     eval_rows: int = Field(300, gt=0, description="Validation rows for perplexity.")
@@ -138,6 +155,42 @@ def distillation_set(tokenizer, rows: list[dict], cfg: Config) -> list[tuple[lis
             out.append((turns, ids))
             if len(out) == cfg.distill_rows:
                 break
+    return out
+
+
+def own_outputs(teacher, tokenizer, rows: list[dict], spec: OwnOutputs, path: Path) -> list[dict]:
+    """The teacher's answers to the instructions of ``rows`` (taken from the end; plain texts
+    skipped), as stage-0 rows with the teacher's text as ``output``; read back from ``path`` when an
+    interrupted run wrote them already, else generated and written there."""
+    if path.is_file():
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    chosen = [r for r in reversed(rows) if r["instruction"]][: spec.rows]
+    progress = Progress("1E the teacher's own answers", len(chosen), log)
+    out = []
+    with torch.inference_mode():
+        for i, row in enumerate(chosen):
+            ids = prompt_ids(tokenizer, messages(row)[:-1])
+            x = torch.tensor([ids], device=teacher.device)
+            sample = spec.temperature > 0
+            if sample:
+                torch.manual_seed(spec.seed + i)
+            new = teacher.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=spec.max_new_tokens,
+                do_sample=sample,
+                **({"temperature": spec.temperature, "top_k": 0} if sample else {}),
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                eos_token_id=tokenizer.eos_token_id,
+            )[0, len(ids) :]
+            text = tokenizer.decode(new, skip_special_tokens=True).strip()
+            if text:
+                out.append({**{k: row[k] for k in ("id", "instruction", "input", "domain")}, "output": text})
+            progress.update(i + 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
+    tmp.replace(path)
     return out
 
 
@@ -221,10 +274,19 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     data = inputs["data"] / "dataset"
     teacher = lm.load_causal_lm(teacher_dir)
 
-    examples = distillation_set(tokenizer, load_split(data, "train"), cfg)
+    train = load_split(data, "train")
+    examples = distillation_set(tokenizer, train, cfg)
     if not examples:
         raise KibidangoError(f"no train row of {data} fits in sequence_len {cfg.sequence_len}")
     log.info(f"distillation set: {len(examples):,} rows that fit in {cfg.sequence_len} tokens")
+    data_rows = len(examples)
+    if cfg.own_outputs is not None:
+        answers = own_outputs(teacher, tokenizer, train, cfg.own_outputs, work_dir / "own_outputs.jsonl")
+        (out_dir / "teacher").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(work_dir / "own_outputs.jsonl", out_dir / "teacher" / "own_outputs.jsonl")
+        own = distillation_set(tokenizer, answers, cfg.model_copy(update={"distill_rows": len(answers)}))
+        examples += own
+        log.info(f"distillation set: + {len(own):,} of the teacher's own answers (sequence-level KD)")
     logprobs_file = out_dir / "teacher" / "logprobs.jsonl"
     teacher_logprobs(teacher, examples, cfg.top_k, logprobs_file)
     scored = [ids for _, ids in examples]
@@ -265,6 +327,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     metrics |= _measure(after_tiers, tokenizer, val, paths, prompts, cfg, "after")
     metrics["eval_prompts"] = float(len(prompts))
     metrics["distill_rows"] = float(len(examples))
+    metrics["own_output_rows"] = float(len(examples) - data_rows)
 
     table = family_table(params, metrics, cfg)
     (out_dir / "family.json").write_text(json.dumps({"parameters": params, "metrics": metrics}, indent=2))

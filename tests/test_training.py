@@ -124,6 +124,29 @@ def _tiny_llama(seed: int):
     return LlamaForCausalLM(cfg).eval()
 
 
+def test_the_teachers_own_answers_are_generated_once_and_read_back(tmp_path):
+    """Sequence-level KD rows: the teacher's greedy answer to each instruction (plain texts
+    skipped), from the end of the split; a resumed run reads the file instead of generating."""
+    from transformers import AutoTokenizer
+
+    from stages.distill import OwnOutputs, own_outputs
+
+    hf = BENCH.parent / "stories260K" / "hf"
+    if not (hf / "tokenizer.model").is_file():
+        pytest.skip(f"needs stories260K's tokenizer under {hf}")
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    rows = [
+        {"id": f"r{i}", "instruction": f"Say {i}." if i % 2 else "", "input": "", "output": "x", "domain": "general"}
+        for i in range(6)
+    ]
+    spec = OwnOutputs(rows=2, max_new_tokens=5)
+    path = tmp_path / "own.jsonl"
+    teacher = _tiny_llama(0)
+    got = own_outputs(teacher, tokenizer, rows, spec, path)
+    assert [r["id"] for r in got] == ["r5", "r3"] and all(r["output"] and r["output"] != "x" for r in got)
+    assert own_outputs(None, tokenizer, rows, spec, path) == got  # read back: no teacher needed
+
+
 def test_agreement_and_expected_acceptance(tmp_path):
     from methods.measure import lm
 
