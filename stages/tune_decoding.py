@@ -7,7 +7,8 @@ recipe's grid against target-only decoding right after it, per backend:
 
 - ``sd`` with each draft length ``k``, at the longest stopped by each ``p_min``, and adaptive
   (from the shortest ``k`` up to ``k_max``) without and with each ``p_min``;
-- ``lookup`` (n-gram drafting, no draft model) with each ``lookup_k``, fixed and adaptive;
+- ``lookup`` (n-gram drafting, no draft model) with each ``lookup_k``, fixed and adaptive, and
+  under the draft (sd's longest ``k``, pyramid's longest pair);
 - ``pyramid`` ``exact`` with each (``l_D``, ``l_Q``), and at the longest pair stopped by each
   ``p_min`` and adaptive; ``fuzzy`` and ``assisted`` with each (``l_D``, ``l_Q``) and each
   (``tau_Q``, ``tau_T``) of the grid (divergence: total variation).

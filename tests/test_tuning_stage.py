@@ -76,9 +76,9 @@ def test_stage_1f_tunes_and_ships_the_choice(stage0, tmp_path):
     result = load_stage("1F").run(_config(), {"bundle": x, "data": stage0}, out)
 
     rows = [json.loads(line) for line in (out / "candidates.jsonl").read_text().splitlines()]
-    # sd k=2,4, k=4 at p_min, adaptive with and without p_min; lookup fixed and adaptive; exact, at p_min,
-    # adaptive; fuzzy, assisted
-    assert len(rows) == 2 + 1 + 2 + 2 + 3 + 2 == result.metrics["torch/candidates"]
+    # sd k=2,4, k=4 at p_min, adaptive with and without p_min; lookup fixed and adaptive, under sd's and
+    # pyramid's draft; exact, at p_min, adaptive; fuzzy, assisted
+    assert len(rows) == 2 + 1 + 2 + 2 + 2 + 3 + 2 == result.metrics["torch/candidates"]
     assert result.metrics["prompts"] == 3
     # identical tiers: every candidate, lossless or not, reproduces target-only decoding
     assert result.metrics["torch/lossless_mismatches"] == 0 and all(r["admissible"] for r in rows)

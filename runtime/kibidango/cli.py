@@ -35,6 +35,12 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
         help="sd, lookup, pyramid: the draft length (k, l_D) follows the acceptance (+2 / -1 within [1, --k-max])",
     )
     g.add_argument("--k-max", dest="k_max", type=int, help="--adaptive: the longest draft run")
+    g.add_argument(
+        "--lookup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sd, pyramid: n-gram lookup proposes first (free); the draft model only where it finds no match",
+    )
     g.add_argument("--tau-q", dest="tau_Q", type=float)
     g.add_argument("--tau-t", dest="tau_T", type=float)
     g.add_argument("--divergence", choices=["tv", "js", "kl"])
@@ -76,7 +82,8 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    keys = ("variant", "k", "ngram", "l_D", "l_Q", "p_min", "adaptive", "k_max", "tau_Q", "tau_T", "divergence")
+    keys = ("variant", "k", "ngram", "l_D", "l_Q", "p_min", "adaptive", "k_max", "lookup", "tau_Q", "tau_T")
+    keys += ("divergence",)
     keys += ("temperature", "top_p", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 

@@ -29,6 +29,10 @@ Adaptive speculation (sd, lookup, pyramid; lossless modes stay lossless, tested 
                 it does propose is verified against its distribution restricted to the tokens at
                 or above ``p_min`` (what it was in effect drawn from), which keeps sampling exact.
                 In pyramid an unsure draft also ends the buffering (the target judges what is there).
+  ``lookup``    (sd, pyramid) n-gram lookup as a tier under the draft: where the committed text's
+                suffix occurred before, the tokens that followed it are proposed (free, certain
+                proposals, verified as in mode ``lookup``); the draft model runs only where no
+                suffix matches.
   ``adaptive``  the draft length (k; l_D in pyramid) follows the recent acceptance: +2 after a
                 round whose drafts were all accepted, -1 after a rejection, within [1, k_max]
                 (HF assisted generation's "heuristic" schedule), starting at k / l_D.
@@ -75,6 +79,8 @@ class DecodeConfig:
     """sd, pyramid: the draft stops before a token it gives less probability than this (0: never)."""
     adaptive: bool = False
     """sd, lookup, pyramid: the draft length adapts to the acceptance (+2 / -1, within [1, k_max])."""
+    lookup: bool = False
+    """sd, pyramid: n-gram lookup proposes first; the draft model only where it finds no match."""
     k_max: int = 16
     """adaptive: the longest draft run."""
     tau_Q: float = 0.0
@@ -91,8 +97,9 @@ class DecodeConfig:
             value = getattr(self, name)
             if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name}: {value!r} is not a whole number")
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive: {self.adaptive!r} is not true or false")
+        for name in ("adaptive", "lookup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not true or false")
         for name in ("tau_Q", "tau_T", "p_min", "temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -352,6 +359,12 @@ class Decoder:
 
     def _sd_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
         k = min(length.now, remaining - 1)  # room for the bonus token
+        if cfg.lookup and k >= 1:
+            found = lookup_drafts(committed, k, cfg.ngram)
+            if found:  # free proposals: the draft model is not run this round
+                out = self._target_verifies(sessions, committed, found, None, sampler, rng, metrics, "lookup")
+                length.update(len(found), len(out) - 1)
+                return out
         drafts, q = self._propose(sessions["draft"], committed, k, sampler, rng, cfg.p_min) if k >= 1 else ([], [])
         if not drafts:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
@@ -389,11 +402,17 @@ class Decoder:
         buffer_q: list[np.ndarray] = []  # the qualifier's distribution at each buffered position
         while len(buffer) < l_q:
             n_draft = min(length.now, l_q - len(buffer))
-            drafts, d = self._propose(sessions["draft"], committed + buffer, n_draft, sampler, rng, cfg.p_min)
+            found = lookup_drafts(committed + buffer, n_draft, cfg.ngram) if cfg.lookup else []
+            if found:  # free, certain proposals for the qualifier to verify
+                drafts, d = found, None
+            else:
+                drafts, d = self._propose(sessions["draft"], committed + buffer, n_draft, sampler, rng, cfg.p_min)
             if not drafts:
                 break  # the draft is unsure of its next token: the target judges what is buffered
             rows = _sync_and_feed(sessions["qualifier"], committed + buffer, drafts)
             q = [sampler.probs(r) for r in rows[: len(drafts)]]
+            if d is None:
+                d = [np.eye(1, len(q[0]), t)[0] for t in drafts]
             n, token = verify(drafts, d, q, sampler, rng, tau=tau_q, div=cfg.divergence)
             metrics.count("draft", len(drafts), n)
             length.update(len(drafts), n)

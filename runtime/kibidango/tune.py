@@ -3,7 +3,8 @@ best tokens/s on held-out prompts, per backend.
 
 Candidates: ``sd`` with each ``k``; ``sd`` at the longest ``k`` stopped by each ``p_min``; ``sd``
 adaptive (from the shortest ``k`` up to ``k_max``) without and with each ``p_min``; ``lookup`` (no
-draft model) with each ``lookup_k``, fixed and adaptive; ``pyramid`` ``exact`` with each (``l_D``,
+draft model) with each ``lookup_k``, fixed and adaptive, and under sd's draft at the longest ``k``
+and pyramid's at the longest pair; ``pyramid`` ``exact`` with each (``l_D``,
 ``l_Q``), and at the longest pair stopped by each ``p_min`` and adaptive; ``pyramid`` ``fuzzy`` and
 ``assisted`` with each (``l_D``, ``l_Q``) and (``tau_Q``, ``tau_T``). Each candidate
 decodes every prompt greedily and is timed against target-only decoding (``ar``) on the same
@@ -51,10 +52,14 @@ def candidates(grid: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     out += [{"mode": "sd", "k": min(g["k"]), **adaptive, **({"p_min": p} if p else {})} for p in (0, *g["p_min"])]
     for k, adapt in itertools.product(g["lookup_k"], (False, True)):
         out.append({"mode": "lookup", "k": k, **(adaptive if adapt else {})})
+    if g["lookup_k"]:  # lookup under the draft: sd's longest k
+        out.append({"mode": "sd", "k": max(g["k"]), "lookup": True})
     out += [{"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q} for d, q in g["lengths"]]
     d, q = max(g["lengths"], key=lambda pair: pair[1])
     out += [{"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q, "p_min": p} for p in g["p_min"]]
     out.append({"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q, **adaptive})
+    if g["lookup_k"]:
+        out.append({"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q, "lookup": True})
     for variant, (d, q), (tq, tt) in itertools.product(("fuzzy", "assisted"), g["lengths"], g["taus"]):
         out.append({"mode": "pyramid", "variant": variant, "l_D": d, "l_Q": q, "tau_Q": tq, "tau_T": tt})
     return out
@@ -149,7 +154,7 @@ def tune(
             result.best[mode] = max(mine, key=lambda r: r["speed_vs_ar"])
     if ok:
         best = max(ok, key=lambda r: r["speed_vs_ar"])
-        keys = ("mode", "variant", "k", "l_D", "l_Q", "p_min", "adaptive", "k_max", "tau_Q", "tau_T")
+        keys = ("mode", "variant", "k", "l_D", "l_Q", "p_min", "adaptive", "k_max", "lookup", "tau_Q", "tau_T")
         result.chosen = {k: best[k] for k in keys if k in best}
         result.chosen_speed = best["speed_vs_ar"]
         if best["speed_vs_ar"] < 1.0:  # nothing beats the target alone here
@@ -163,6 +168,7 @@ def describe(c: dict[str, Any]) -> str:
         return "ar (target only)"
     extra = f" adaptive<={c['k_max']}" if c.get("adaptive") else ""
     extra += f" p_min={c['p_min']}" if c.get("p_min") else ""
+    extra += " +lookup" if c.get("lookup") else ""
     if c["mode"] in ("sd", "lookup"):
         return f"{c['mode']} k={c['k']}{extra}"
     tau = f" tau={c['tau_Q']}/{c['tau_T']}" if "tau_Q" in c else ""

@@ -30,7 +30,13 @@ def test_greedy_sd_and_pyramid_exact_equal_ar(family, prompt):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_adaptive_speculation_equals_ar(family, prompt):
     ar, _ = run(family, prompt, mode="ar")
-    for kw in ({"p_min": 0.5}, {"adaptive": True}, {"adaptive": True, "p_min": 0.3, "k_max": 5}):
+    for kw in (
+        {"p_min": 0.5},
+        {"adaptive": True},
+        {"adaptive": True, "p_min": 0.3, "k_max": 5},
+        {"lookup": True},
+        {"lookup": True, "adaptive": True},
+    ):
         assert run(family, prompt, mode="sd", k=3, **kw)[0] == ar, kw
         assert run(family, prompt, mode="lookup", k=3, **kw)[0] == ar, kw
         for variant in ("exact", "assisted", "fuzzy"):
@@ -60,6 +66,14 @@ def test_adaptive_length_grows_while_everything_is_accepted(family):
     out, grown = run(family, prompt, mode="lookup", k=1, ngram=3, max_new_tokens=48, adaptive=True, k_max=8)
     assert out == fixed_out and grown.verify_steps < fixed.verify_steps
     assert grown.num_accepted_tokens["lookup"] > fixed.num_accepted_tokens["lookup"]
+
+
+def test_lookup_under_the_draft_spares_the_draft_where_the_text_repeats(family):
+    prompt = PROMPTS[0] * 3
+    plain_out, plain = run(family, prompt, mode="sd", k=3, max_new_tokens=48)
+    out, both = run(family, prompt, mode="sd", k=3, max_new_tokens=48, lookup=True)
+    assert out == plain_out and both.num_accepted_tokens.get("lookup", 0) > 0
+    assert both.forward_calls["draft"] < plain.forward_calls["draft"]
 
 
 def test_the_family_really_disagrees(family):

@@ -31,6 +31,8 @@ def test_the_grid_covers_every_mode_and_variant():
     assert {"mode": "sd", "k": 2, "adaptive": True, "k_max": 9, "p_min": 0.5} in full
     assert {"mode": "lookup", "k": 3, "adaptive": True, "k_max": 9} in full
     assert {"mode": "pyramid", "variant": "exact", "l_D": 2, "l_Q": 4, "p_min": 0.5} in full
+    assert {"mode": "sd", "k": 4, "lookup": True} in full
+    assert {"mode": "pyramid", "variant": "exact", "l_D": 2, "l_Q": 4, "lookup": True} in full
 
 
 def test_tuned_defaults_are_written_and_read_per_backend(tmp_path):

@@ -239,6 +239,7 @@ def create_app(
                 "p_min",
                 "adaptive",
                 "k_max",
+                "lookup",
                 "tau_Q",
                 "tau_T",
                 "divergence",

@@ -37,6 +37,7 @@ class Decoding(BaseModel):
     p_min: float | None = Field(None, ge=0, le=1)
     adaptive: bool | None = None
     k_max: int | None = Field(None, ge=1, le=32)
+    lookup: bool | None = None
     tau_Q: float | None = Field(None, ge=0, le=1)
     tau_T: float | None = Field(None, ge=0, le=1)
     divergence: Literal["tv", "js", "kl"] | None = None
