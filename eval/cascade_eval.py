@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     judges = make_judges(cfg.judges)
     print(f"{len(rows)} held-out queries ({len(used)} used by 2G/6C or mined by 1B left out); bundle {bundle_dir}")
 
-    teacher = upstream(store, args.preset, x, "1T") if x is not None else None
+    teacher = upstream(store, x, "1T") if x is not None else None
     from methods.training.models import SMOLLM2, base_file, installed_file
 
     if args.cloud_model == "smollm2":  # a real instruct model, in its own chat template (the GGUF's)

@@ -154,5 +154,5 @@ def test_a_measuring_command_finds_its_presets_artifacts(tmp_path):
     assert newest(store, "9", "tiny") == tiny_9 and newest(store, "9", "small") == small_9
     assert newest(store, "X", "tiny", need="cascade") == tiny_x and newest(store, "X", "small") == small_x
     assert newest(store, "X", "tiny", need="router") is None
-    assert upstream(store, "tiny", tiny_x, "1T") == teacher  # X <- 6C <- 2G <- 2B <- 2A <- 1R <- 1D <- 1T
-    assert upstream(store, "small", small_x, "1T") is None
+    assert upstream(store, tiny_x, "1T") == teacher  # X <- 6C <- 2G <- 2B <- 2A <- 1R <- 1D <- 1T
+    assert upstream(store, small_x, "1T") is None
