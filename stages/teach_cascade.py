@@ -28,6 +28,7 @@ tier, priced from the same token counts.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -282,8 +283,11 @@ class _Cascade:
                 done[0] += 1
                 progress.update(done[0])
 
+        # each call in a copy of this thread's context: the flow run's (Prefect sends the progress
+        # lines to its run log; from a bare worker thread it warned there was no flow run)
         with ThreadPoolExecutor(max_workers=tier.concurrency) as pool:
-            list(pool.map(one, todo))
+            for future in [pool.submit(contextvars.copy_context().run, one, row) for row in todo]:
+                future.result()
         progress.finish(done[0])
 
     def _ask(self, tier: TierConfig, client: TeacherClient | None, row: dict) -> None:
