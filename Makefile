@@ -17,7 +17,7 @@
 #   make bench-router    the domain router's (6A) latency per query, p50/p99 (after make stage-6a or make demo)
 #   make eval-cascade    the runtime cascade on held-out queries vs local-only and cloud-only (after make demo)
 #   make eval-harness    lm-evaluation-harness (local-chat-completions -> kibidango serve) on stage 9's GSM8K tasks
-#   make loadtest        kibidango serve on the demo's bundle under 200 requests from 16 clients (after make demo)
+#   make loadtest        kibidango serve on the demo's bundle at 1/4/16 clients, serial vs --parallel 16 (after make demo)
 #   make fuzz-ingest     stage 0's reader on generated hostile rows for SECONDS_FUZZ seconds (default 60); prints rows tried and crashes
 #   make bench-runtime   ar / sd / pyramid and the peers on ../shared's bench family, torch and llama.cpp
 #   make backend-agreement  greedy ar on the torch and llama.cpp backends over stories260K's weights

@@ -342,11 +342,12 @@ def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: lis
             f"{_pct(cascade['local_only']['quality'])} / {_pct(cascade['cloud_only']['quality'])}; "
             f"{c['usd_per_1k_queries']:.2f} | `{by_name['eval-cascade']['command']}` |"
         )
-    load = by_name.get("loadtest", {}).get("data", {}).get("runs")
+    load = by_name.get("loadtest", {}).get("data", {}).get("runs")  # "queue N" keys: records before batching
     if load:
         shown = "; ".join(
-            f"queue {q}: {s['outcomes'].get('200', 0)} answered, {s['outcomes'].get('429', 0)} refused with 429, "
+            f"{q}: {s['outcomes'].get('200', 0)} answered, {s['outcomes'].get('429', 0)} refused with 429, "
             f"{s['outcomes'].get('lost', 0)} lost"
+            + (f", {s['answered_per_s']} answered/s" if s.get("answered_per_s") else "")
             + (f", p50 / p99 {s['p50_s']:.2f} / {s['p99_s']:.2f} s" if s["p50_s"] is not None else "")
             for q, s in load.items()
         )

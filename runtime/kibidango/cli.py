@@ -245,6 +245,7 @@ def _serve(args: argparse.Namespace) -> None:
         api_key_env=args.api_key_env,
         api_keys_file=args.api_keys_file,
         insecure_no_auth=args.insecure_no_auth,
+        parallel=args.parallel,
         threads=args.threads,
         kv_cache=args.kv_cache,
         compile=args.compile,
@@ -369,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--state-dir", help=STATE_HELP)
     srv.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 + Retry-After")
+    srv.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests decoded together, their forward passes batched (continuous batching); 1: one at a time",
+    )
     srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled (504)")
     srv.add_argument(
         "--shutdown-grace", type=float, default=10.0, help="seconds running requests get to finish after SIGTERM"

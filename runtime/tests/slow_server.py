@@ -53,8 +53,9 @@ class Server:
         from kibidango.server.drain import uvicorn_server
 
         pipe = Pipeline.from_bundle(bundle, mode="ar")
-        pipe.models = {name: SlowModel(m, delay) for name, m in pipe.models.items()}
-        pipe.decoder = Decoder(pipe.models)
+        if delay:  # (a batching server, parallel > 1, needs the backend's own models: delay 0)
+            pipe.models = {name: SlowModel(m, delay) for name, m in pipe.models.items()}
+            pipe.decoder = Decoder(pipe.models)
         self.pipe = pipe
         self.app = create_app(pipe, model_name="kibidango-tiny", stall_seconds=stall_seconds, **app_kw)
         self.port = free_port()

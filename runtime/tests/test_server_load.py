@@ -182,6 +182,38 @@ def test_the_models_are_granted_in_arrival_order():
     assert lock.acquire(timeout=0.1) and not lock.acquire(timeout=0.05)
 
 
+def test_a_lock_of_n_permits_grants_n_at_once_in_arrival_order():
+    from kibidango.server.scheduler import FifoLock
+
+    lock = FifoLock(3)
+    tickets = [lock.enter() for _ in range(5)]
+    assert [t.is_set() for t in tickets] == [True, True, True, False, False]
+    lock.release()
+    assert tickets[3].is_set() and not tickets[4].is_set()
+
+
+def test_a_batching_server_answers_every_request_and_batches_them(bundle):
+    """--parallel 4: concurrent requests decode together (the forwards carry several), every one is
+    answered as the serial server answers it (greedy), none lost; the queue and 429 still hold."""
+    serial = Server(bundle, delay=0)
+    try:
+        expected = run_load(serial.base, CHAT, requests=4, concurrency=1, keep_bodies=True)
+    finally:
+        serial.stop()
+    srv = Server(bundle, delay=0, parallel=4)
+    try:
+        r = run_load(srv.base, CHAT, requests=32, concurrency=8, keep_bodies=True)
+        assert r.outcomes == {"200": 32} and r.lost == 0
+        texts = {b["choices"][0]["message"]["content"] for b in r.bodies}
+        assert texts == {expected.bodies[0]["choices"][0]["message"]["content"]}
+        assert _metric(srv.base, "kibidango_parallel") == 4
+        forwards = _metric(srv.base, "kibidango_batch_forwards_total")
+        assert _metric(srv.base, "kibidango_batch_feeds_total") > forwards > 0
+        assert srv.scheduler.batcher.running == 0 and sorted(srv.scheduler.batcher.free) == [0, 1, 2, 3]
+    finally:
+        srv.stop()
+
+
 def test_a_chat_template_prompts_with_one_bos(tmp_path):
     """A bundle whose tokenizer carries a chat template (the pipeline's bundles do): the chat's ids
     come from the template itself; encoding its text again would start with two BOS tokens."""

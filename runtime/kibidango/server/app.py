@@ -4,7 +4,9 @@ default. Requests are validated (types, bounds, prompt length) and refused with 
 OpenAI-style error body; a bad request never takes the server down. Errors never carry exception
 text or tracebacks to the client (the server log has them).
 
-Under load: one generation decodes at a time (the models hold one KV cache each); at most
+Under load: one generation decodes at a time (the models hold one KV cache each), or with
+``parallel`` > 1 up to that many, their forward passes merged by :class:`kibidango.batching.Batcher`
+(continuous batching: a request joins and leaves the batch between forwards); at most
 ``max_queue`` requests wait for them, the next is refused at once with 429 and Retry-After; a
 request not finished ``request_timeout_s`` after it came is cancelled (504). A client that
 disconnects cancels its generation after the current decoding round, streaming or not;
@@ -34,6 +36,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kibidango.batching import Batcher
 from kibidango.cascade.memory import SessionMemory
 from kibidango.cascade.pipeline import CascadePipeline, CascadeResult, Draft
 from kibidango.pipeline import Pipeline
@@ -91,16 +94,18 @@ def create_app(
     max_queue: int = 64,
     request_timeout_s: float = 600.0,
     api_keys: list[str] | None = None,
+    parallel: int = 1,
 ):
-    """The FastAPI app. ``api_keys``: every ``/v1/`` request must bear one (:class:`BearerAuth`);
-    session memory is then kept per key. ``stall_seconds``: a generation that makes no progress for this long turns
-    ``/health`` to 503 ("wedged"), so a supervisor can restart the server. ``cascade``: requests
-    for the model ``<model_name>-cascade`` go through it (tier, confidence, cost and budget left in
-    the response's ``kibidango.cascade``). ``memory``: chat requests with a session id (the
-    ``session_id`` field or the ``X-Session-Id`` header) get the session's last exchanges as
-    context. ``max_queue``: requests waiting for the models beyond it are refused (429 +
-    Retry-After); ``request_timeout_s``: a request not done this long after it came is cancelled
-    (504)."""
+    """The FastAPI app. ``parallel``: generations decoded together (1: one at a time; more: a
+    :class:`kibidango.batching.Batcher` over ``pipe``, which it rewires). ``api_keys``: every
+    ``/v1/`` request must bear one (:class:`BearerAuth`); session memory is then kept per key.
+    ``stall_seconds``: a generation that makes no progress for this long turns ``/health`` to 503
+    ("wedged"), so a supervisor can restart the server. ``cascade``: requests for the model
+    ``<model_name>-cascade`` go through it (tier, confidence, cost and budget left in the response's
+    ``kibidango.cascade``). ``memory``: chat requests with a session id (the ``session_id`` field or
+    the ``X-Session-Id`` header) get the session's last exchanges as context. ``max_queue``:
+    requests waiting for the models beyond it are refused (429 + Retry-After);
+    ``request_timeout_s``: a request not done this long after it came is cancelled (504)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -109,7 +114,8 @@ def create_app(
     from starlette.exceptions import HTTPException
 
     stats = Stats()
-    scheduler = Scheduler(pipe, stall_seconds, max_queue, request_timeout_s)
+    batcher = Batcher(pipe, parallel) if parallel > 1 else None
+    scheduler = Scheduler(pipe, stall_seconds, max_queue, request_timeout_s, batcher)
     cascade_name = f"{model_name}-cascade" if cascade is not None else None
     served = [model_name] + ([cascade_name] if cascade_name else [])
 
@@ -117,6 +123,8 @@ def create_app(
     async def lifespan(app):
         yield
         scheduler.closing.set()  # shutdown: every generation stops after its current round
+        if batcher is not None:
+            batcher.close()
 
     app = FastAPI(title="kibidango", version="0.1.0", lifespan=lifespan)
     app.state.scheduler = scheduler

@@ -39,11 +39,13 @@ def serve(
     api_key_env: str | None = None,
     api_keys_file: str | None = None,
     insecure_no_auth: bool = False,
+    parallel: int = 1,
     **overrides: Any,
 ) -> None:
     """Serve a bundle. ``cascade``: a cascade config (a name, a file, or ``bundle`` for the
     bundle's own 6C choice) served as ``<model>-cascade``, its budget ledger and the session
-    memory in ``state_dir``. On SIGTERM/SIGINT the server stops taking requests, refuses the
+    memory in ``state_dir``. ``parallel``: requests decoded together (continuous batching,
+    :mod:`kibidango.batching`); 1 decodes one at a time. On SIGTERM/SIGINT the server stops taking requests, refuses the
     queued ones (503), gives running ones ``shutdown_grace_s`` to finish, then answers them 503.
 
     API keys (``Authorization: Bearer``) come from the environment variable ``api_key_env`` (one key,
@@ -104,6 +106,7 @@ def serve(
         max_queue=max_queue,
         request_timeout_s=request_timeout_s,
         api_keys=keys,
+        parallel=parallel,
     )
     # Open requests get shutdown_grace_s to finish after SIGTERM; then they are cancelled, which
     # cancels their generations (uvicorn's default waits for them however long they take).

@@ -200,5 +200,18 @@ def scheduler_metrics(model: str, scheduler: Scheduler) -> str:
         "# HELP kibidango_requests_timed_out_total Requests cancelled at the server's request timeout (504).",
         "# TYPE kibidango_requests_timed_out_total counter",
         f'kibidango_requests_timed_out_total{{model="{model}"}} {scheduler.timed_out}',
+        "# HELP kibidango_parallel Requests decoded together at most (--parallel).",
+        "# TYPE kibidango_parallel gauge",
+        f'kibidango_parallel{{model="{model}"}} {scheduler.parallel}',
     ]
+    if scheduler.batcher is not None:
+        stats = scheduler.batcher.stats
+        lines += [
+            "# HELP kibidango_batch_forwards_total Batched forward rounds (all tiers).",
+            "# TYPE kibidango_batch_forwards_total counter",
+            f'kibidango_batch_forwards_total{{model="{model}"}} {stats.forwards}',
+            "# HELP kibidango_batch_feeds_total Requests' forward passes they carried (over forwards: the mean batch).",
+            "# TYPE kibidango_batch_feeds_total counter",
+            f'kibidango_batch_feeds_total{{model="{model}"}} {stats.feeds}',
+        ]
     return "\n".join(lines) + "\n"

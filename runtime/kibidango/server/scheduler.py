@@ -1,12 +1,15 @@
-"""One generation decodes at a time (the models hold one KV cache each): requests wait in a FIFO
-queue of at most ``max_queue``, each runs on a worker thread and hands its output to the event
-loop piece by piece; a request not finished ``request_timeout_s`` after it came is cancelled, and
-``/health`` reports a generation that made no progress for ``stall_seconds``."""
+"""Up to ``parallel`` generations decode at a time — one by default (the models hold one KV cache
+each); more with a :class:`kibidango.batching.Batcher`, which merges their forward passes
+(continuous batching: a request joins and leaves the running batch between forwards). Requests
+wait in a FIFO queue of at most ``max_queue``, each runs on a worker thread and hands its output
+to the event loop piece by piece; a request not finished ``request_timeout_s`` after it came is
+cancelled, and ``/health`` reports a generation that made no progress for ``stall_seconds``."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import threading
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kibidango.backends.base import ContextLengthError
+from kibidango.batching import Batcher
 from kibidango.pipeline import Pipeline
 
 log = logging.getLogger("kibidango.server")
@@ -44,21 +48,22 @@ class Generation:
 
 
 class FifoLock:
-    """A lock granted in arrival order, so that under load every request waits about as long as
-    the queue ahead of it (a plain lock polled by many threads lets some wait far longer).
-    :meth:`enter` takes a ticket (an event set when the lock is granted); :meth:`withdraw` gives
-    up a ticket (passing the lock on if it was granted meanwhile); :meth:`release` passes it on."""
+    """A lock held by at most ``permits`` holders, granted in arrival order, so that under load
+    every request waits about as long as the queue ahead of it (a plain lock polled by many
+    threads lets some wait far longer). :meth:`enter` takes a ticket (an event set when the lock
+    is granted); :meth:`withdraw` gives up a ticket (passing the lock on if it was granted
+    meanwhile); :meth:`release` passes it on."""
 
-    def __init__(self) -> None:
+    def __init__(self, permits: int = 1) -> None:
         self._mutex = threading.Lock()
-        self._held = False
+        self._free = permits
         self._queue: collections.deque[threading.Event] = collections.deque()
 
     def enter(self) -> threading.Event:
         ticket = threading.Event()
         with self._mutex:
-            if not self._held:
-                self._held = True
+            if self._free > 0:
+                self._free -= 1
                 ticket.set()
             else:
                 self._queue.append(ticket)
@@ -89,14 +94,14 @@ class FifoLock:
         if self._queue:
             self._queue.popleft().set()
         else:
-            self._held = False
+            self._free += 1
 
 
 class Scheduler:
-    """One generation at a time (the models hold one KV cache each), each request on its own
-    daemon thread, in arrival order. The lock is held by that thread only while it decodes —
-    never across a network write or a cloud call — so a client that disconnects, or a slow
-    cloud, cannot keep it.
+    """``parallel`` generations at a time (one without a ``batcher``: the models hold one KV
+    cache each), each request on its own daemon thread, in arrival order. A slot is held by that
+    thread only while it decodes — never across a network write or a cloud call — so a client
+    that disconnects, or a slow cloud, cannot keep it.
 
     At most ``max_queue`` admitted requests wait for the models; :meth:`admit` refuses the next
     (``queue_full``: the server answers 429 with Retry-After). A request that has not finished
@@ -104,12 +109,22 @@ class Scheduler:
     began) refuses new and queued requests (503) while running ones finish; ``closing`` (the
     grace period is over) cancels what still runs."""
 
-    def __init__(self, pipe: Pipeline, stall_seconds: float, max_queue: int = 64, request_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        pipe: Pipeline,
+        stall_seconds: float,
+        max_queue: int = 64,
+        request_timeout_s: float = 600.0,
+        batcher: Batcher | None = None,
+    ):
         self.pipe = pipe
         self.stall_seconds = stall_seconds
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
-        self.lock = FifoLock()
+        self.batcher = batcher
+        self.parallel = batcher.slots if batcher is not None else 1
+        self.lock = FifoLock(self.parallel)
+        self.decoding = 0
         self.closing = threading.Event()
         self.draining = threading.Event()
         self.counts = threading.Lock()
@@ -142,7 +157,7 @@ class Scheduler:
         """Seconds until the queue has room, by the mean time a request held the models."""
         with self.counts:
             mean = self.busy_seconds / self.served if self.served else 1.0
-            return max(1, min(60, math.ceil(mean * max(1, self.waiting - self.max_queue + 1))))
+            return max(1, min(60, math.ceil(mean * max(1, self.waiting - self.max_queue + 1) / self.parallel)))
 
     def start(self, locked: Callable[..., Any], unlocked: Callable[[Any], Any] | None = None) -> Generation:
         """Run ``locked(should_stop, emit)`` while holding the models (``emit(text)`` streams a
@@ -206,8 +221,13 @@ class Scheduler:
                 self.waiting -= 1
         started = time.monotonic()
         try:
-            self.active_since = self.last_progress = started
-            value = locked(lambda: self._stopped(gen), lambda piece: gen.put("text", piece))
+            with self.counts:
+                self.decoding += 1
+                if self.active_since is None:
+                    self.active_since = started
+            self.last_progress = started
+            with self.batcher.member() if self.batcher is not None else contextlib.nullcontext():
+                value = locked(lambda: self._stopped(gen), lambda piece: gen.put("text", piece))
         except (ContextLengthError, ValueError) as e:
             gen.put("error", e)
             return
@@ -216,9 +236,11 @@ class Scheduler:
             gen.put("crash", e)
             return
         finally:
-            self.active_since = None
             self.lock.release()
             with self.counts:
+                self.decoding -= 1
+                if self.decoding == 0:
+                    self.active_since = None
                 self.busy_seconds += time.monotonic() - started
                 self.served += 1
         if gen.timed_out:

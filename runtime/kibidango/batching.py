@@ -1,0 +1,427 @@
+"""Continuous batching: several requests decode at once, their forward passes merged.
+
+Each request keeps its own decoding loop (:class:`kibidango.speculative.Decoder`, every mode:
+ar, sd, lookup, pyramid) on its own thread; what is shared is the forward pass. A request's
+session does not run its model itself: :meth:`BatchedSession.feed` hands its tokens to the
+:class:`Batcher` and waits. The batcher's engine thread runs a forward as soon as every request
+that is decoding waits for one, with all the waiting feeds of a model in it — one llama.cpp
+decode over several sequence ids, or one padded torch batch — and hands each request its rows
+of logits. So ar steps of N requests are one N-row step; sd's verifications of N requests are one
+target pass; draft steps are batched with each other. A request joins the running batch when it
+starts decoding (at most ``slots`` at once: the server's ``--parallel``) and leaves it when it
+ends, between forwards; nobody waits for a batch to fill.
+
+Per backend, a model's caches for ``slots`` sequences (:class:`LlamaCppSlots`,
+:class:`TorchSlots`): llama.cpp gets a second context with ``n_seq_max = slots`` (a per-sequence
+cache of the model's context length each) and scores a batch of tokens from several sequences in
+one ``llama_decode``; torch keeps a ``DynamicCache`` per sequence and stacks them, left-padded and
+masked, for each forward of feeds of the same length (different lengths go in separate forwards),
+so a batch copies its caches once: fine for the small models this runtime serves on CPUs, where a
+paged cache (vLLM, transformers' continuous batching) is what a GPU server wants.
+
+Domain adapters: every request records the adapter it was routed to; a forward groups feeds by
+adapter and switches the target's adapter between groups.
+
+Results are those of the same forward done alone up to floating-point rounding (a batched matrix
+product may sum in another order): lossless modes keep their guarantee, greedy outputs may differ
+from an unbatched run at near-ties."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kibidango.backends.base import ContextLengthError
+
+__all__ = ["Batcher", "BatchedModel", "BatchedSession", "LlamaCppSlots", "TorchSlots"]
+
+log = logging.getLogger("kibidango.batching")
+
+
+@dataclass
+class _Feed:
+    model: str
+    slot: int
+    cached: int  # the session's cached length before these tokens (its slot is cropped to it)
+    tokens: list[int]
+    adapter: str | None
+    rows: np.ndarray | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class LlamaCppSlots:
+    """``slots`` sequences of one llama.cpp model in a second context of its own (sequence ids
+    0..slots-1, each with the model's context length), scored together by ``llama_decode``."""
+
+    def __init__(self, model, slots: int):
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.model = model
+        self.slots = slots
+        self.context = model.context_length
+        params = llama_cpp.llama_context_params.from_buffer_copy(model.llm.context_params)
+        params.n_ctx = self.context * slots
+        params.n_seq_max = slots
+        params.kv_unified = False
+        self.capacity = max(512, min(self.context * slots, 4096))  # tokens per llama_decode
+        params.n_batch = params.n_ubatch = self.capacity
+        self.ctx = llama_cpp.llama_init_from_model(model.llm._model.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"{model.name}: llama.cpp could not make a context for {slots} sequences")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
+        self.length = [0] * slots
+        self.vocab = model.vocab_size
+        self.lora: str | None = None
+
+    def set_lora(self, name: str | None) -> None:
+        if name == self.lora:
+            return
+        if name is None:
+            self._lib.llama_set_adapters_lora(self.ctx, None, 0, None)
+        else:
+            adapters = (self._lib.llama_adapter_lora_p_ctypes * 1)(self.model._loras[name])
+            scales = (ctypes.c_float * 1)(1.0)
+            if self._lib.llama_set_adapters_lora(self.ctx, adapters, 1, scales):
+                raise RuntimeError(f"{self.model.name}: llama.cpp refused the LoRA adapter {name!r}")
+        self.lora = name
+
+    def forward(self, feeds: list[_Feed]) -> None:
+        for f in feeds:
+            if self.length[f.slot] > f.cached:
+                self._lib.llama_memory_seq_rm(self.memory, f.slot, f.cached, -1)
+            self.length[f.slot] = f.cached
+        # Whole feeds per decode, as many as fit; a feed longer than a decode is split.
+        queue = [(f, i) for f in feeds for i in range(len(f.tokens))]
+        rows: dict[int, list[np.ndarray]] = {id(f): [] for f in feeds}
+        for start in range(0, len(queue), self.capacity):
+            chunk = queue[start : start + self.capacity]
+            b = self.batch
+            b.n_tokens = len(chunk)
+            for j, (f, i) in enumerate(chunk):
+                b.token[j] = f.tokens[i]
+                b.pos[j] = f.cached + i
+                b.n_seq_id[j] = 1
+                b.seq_id[j][0] = f.slot
+                b.logits[j] = 1
+            code = self._lib.llama_decode(self.ctx, b)
+            if code != 0:
+                raise RuntimeError(f"{self.model.name}: llama_decode returned {code} for a batch of {len(chunk)}")
+            for j, (f, _) in enumerate(chunk):
+                ptr = self._lib.llama_get_logits_ith(self.ctx, j)
+                rows[id(f)].append(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy())
+        for f in feeds:
+            f.rows = np.stack(rows[id(f)]).astype(np.float32, copy=False)
+            self.length[f.slot] = f.cached + len(f.tokens)
+
+    def close(self) -> None:
+        if self.ctx:
+            self._lib.llama_batch_free(self.batch)
+            self._lib.llama_free(self.ctx)
+            self.ctx = None
+
+
+class TorchSlots:
+    """``slots`` sequences of one transformers model: a ``DynamicCache`` each, stacked for a
+    forward (left-padded to the longest, the padding masked) and split again after it."""
+
+    def __init__(self, model, slots: int):
+        self.model = model
+        self.slots = slots
+        self.caches: list[list[tuple] | None] = [None] * slots  # per layer (keys, values), [1, heads, len, dim]
+        self.length = [0] * slots
+
+    def set_lora(self, name: str | None) -> None:  # peft switches the shared weights: the adapters' use() did
+        pass
+
+    def _crop(self, slot: int, n: int) -> None:
+        if self.length[slot] > n:
+            layers = self.caches[slot]
+            self.caches[slot] = None if n == 0 else [(k[:, :, :n], v[:, :, :n]) for k, v in layers]
+            self.length[slot] = n
+
+    def forward(self, feeds: list[_Feed]) -> None:
+        for f in feeds:
+            self._crop(f.slot, f.cached)
+        groups: dict[int, list[_Feed]] = {}
+        for f in feeds:
+            groups.setdefault(len(f.tokens), []).append(f)
+        for n, group in groups.items():
+            self._forward(group, n)
+
+    def _forward(self, feeds: list[_Feed], n: int) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        hf, device = self.model.hf, self.model.device
+        lengths = [self.length[f.slot] for f in feeds]
+        longest = max(lengths)
+        past = None
+        if longest:
+            layers = []
+            for layer in range(len(next(self.caches[f.slot] for f in feeds if self.caches[f.slot] is not None))):
+                keys, values = [], []
+                for f, length in zip(feeds, lengths):
+                    cache = self.caches[f.slot]
+                    if cache is None:
+                        like = next(self.caches[g.slot] for g in feeds if self.caches[g.slot] is not None)[layer][0]
+                        k = v = like.new_zeros((1, like.shape[1], 0, like.shape[3]))
+                    else:
+                        k, v = cache[layer]
+                    pad = longest - length
+                    keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                    values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+                layers.append((torch.cat(keys), torch.cat(values)))
+            past = DynamicCache(ddp_cache_data=layers)
+        mask = torch.zeros((len(feeds), longest + n), dtype=torch.long, device=device)
+        for i, length in enumerate(lengths):
+            mask[i, longest - length :] = 1
+        ids = torch.tensor([f.tokens for f in feeds], dtype=torch.long, device=device)
+        positions = torch.tensor([[length + j for j in range(n)] for length in lengths], device=device)
+        with torch.inference_mode():
+            out = hf(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=past if past is not None else DynamicCache(),
+                use_cache=True,
+            )
+        logits = out.logits.float().cpu().numpy()
+        cache = out.past_key_values
+        for i, (f, length) in enumerate(zip(feeds, lengths)):
+            pad = longest - length
+            self.caches[f.slot] = [
+                (layer.keys[i : i + 1, :, pad:].clone(), layer.values[i : i + 1, :, pad:].clone())
+                for layer in cache.layers
+            ]
+            self.length[f.slot] = length + n
+            f.rows = logits[i]
+
+    def close(self) -> None:
+        self.caches = [None] * self.slots
+
+
+class BatchedSession:
+    """One request's sequence on one model, in the request's slot; see the module's text."""
+
+    def __init__(self, model: BatchedModel, slot: int, adapter: str | None):
+        self._model = model
+        self.slot = slot
+        self.adapter = adapter
+        self.tokens: list[int] = []
+        self.forward_calls = 0
+        self.tokens_fed = 0
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        if not tokens:
+            raise ValueError("feed() needs at least one token")
+        context = self._model.context_length
+        if len(self.tokens) + len(tokens) > context:
+            raise ContextLengthError(
+                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of {context}"
+            )
+        feed = _Feed(self._model.name, self.slot, len(self.tokens), list(tokens), self.adapter)
+        rows = self._model.batcher.submit(feed)
+        self.tokens.extend(tokens)
+        self.forward_calls += 1
+        self.tokens_fed += len(tokens)
+        return rows
+
+    def crop(self, n: int) -> None:
+        if n < len(self.tokens):  # the slot follows at the next feed (see _Feed.cached)
+            del self.tokens[n:]
+
+
+class BatchedModel:
+    """A tier's model as the decoders see it under a :class:`Batcher`: sessions in the calling
+    request's slot."""
+
+    def __init__(self, name: str, model, batcher: Batcher):
+        self.name = name
+        self.inner = model
+        self.batcher = batcher
+        self.vocab_size = model.vocab_size
+        self.context_length = model.context_length
+
+    def new_session(self) -> BatchedSession:
+        slot, adapter = self.batcher.member_state()
+        return BatchedSession(self, slot, adapter)
+
+    def parameters(self) -> int:
+        return self.inner.parameters()
+
+
+class _ThreadAdapters:
+    """The pipeline's adapter cache under a batcher: ``use(domain)`` records the calling request's
+    choice; the engine activates it for that request's forwards."""
+
+    def __init__(self, batcher: Batcher, loaded):
+        self._batcher = batcher
+        self.real = loaded
+        self.adapters = loaded.adapters
+
+    @property
+    def loads(self) -> int:
+        return self.real.loads
+
+    def use(self, domain: str | None) -> None:
+        if domain is not None and domain not in self.adapters.domains:
+            raise KeyError(f"no adapter for domain {domain!r}")
+        self._batcher.set_adapter(domain)
+
+
+@dataclass
+class _Member:
+    slot: int
+    adapter: str | None = None
+
+
+@dataclass
+class BatchStats:
+    forwards: int = 0
+    feeds: int = 0
+    rows: dict[int, int] = field(default_factory=dict)  # feeds per forward -> forwards
+
+    def mean_batch(self) -> float:
+        return self.feeds / self.forwards if self.forwards else 0.0
+
+
+class Batcher:
+    """Merges the forward passes of up to ``slots`` concurrent generations of ``pipe`` (a
+    :class:`kibidango.pipeline.Pipeline`, rewired in place: its decoder's models become
+    :class:`BatchedModel` s). A thread decodes only inside :meth:`member`."""
+
+    def __init__(self, pipe, slots: int):
+        if slots < 1:
+            raise ValueError(f"parallel must be >= 1, got {slots}")
+        from kibidango.speculative import Decoder
+
+        self.slots = slots
+        self.pipe = pipe
+        self.raw = dict(pipe.models)
+        self.backend = pipe.backend
+        self.tiers = {name: self._slots_for(model) for name, model in self.raw.items()}
+        self.cond = threading.Condition()
+        self.running = 0  # members not waiting for a forward
+        self.members: dict[int, _Member] = {}
+        self.free = list(range(slots))
+        self.pending: list[_Feed] = []
+        self.closed = False
+        self.stats = BatchStats()
+        self.real_adapters = pipe.adapters
+        wrapped = {name: BatchedModel(name, model, self) for name, model in self.raw.items()}
+        pipe.models = wrapped
+        pipe.decoder = Decoder(wrapped)
+        if pipe.adapters is not None:
+            pipe.adapters = _ThreadAdapters(self, pipe.adapters)
+        self.engine = threading.Thread(target=self._engine, name="kibidango-batcher", daemon=True)
+        self.engine.start()
+
+    def _slots_for(self, model):
+        if self.backend == "llamacpp":
+            return LlamaCppSlots(model, self.slots)
+        if getattr(model, "compiled_step", None) is not None:
+            raise ValueError(
+                "a compiled draft (--compile) keeps a static cache per sequence: serve it with --parallel 1"
+            )
+        return TorchSlots(model, self.slots)
+
+    @contextlib.contextmanager
+    def member(self) -> Iterator[int]:
+        """The calling thread decodes within: it gets a slot (the caller bounds the members to
+        ``slots``: the server's scheduler admits that many) and the engine waits for its feeds."""
+        me = threading.get_ident()
+        with self.cond:
+            if not self.free:
+                raise RuntimeError("more generations than batch slots")
+            slot = self.free.pop()
+            self.members[me] = _Member(slot)
+            self.running += 1
+        try:
+            yield slot
+        finally:
+            with self.cond:
+                del self.members[me]
+                self.free.append(slot)
+                self.running -= 1
+                self.cond.notify_all()
+
+    def member_state(self) -> tuple[int, str | None]:
+        m = self.members.get(threading.get_ident())
+        if m is None:
+            raise RuntimeError("a batched model is used outside Batcher.member()")
+        return m.slot, m.adapter
+
+    def set_adapter(self, domain: str | None) -> None:
+        m = self.members.get(threading.get_ident())
+        if m is None:
+            raise RuntimeError("a batched pipeline routes only inside Batcher.member()")
+        m.adapter = domain
+
+    def submit(self, feed: _Feed) -> np.ndarray:
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("the batcher is closed")
+            self.pending.append(feed)
+            self.running -= 1
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: feed.done)  # the engine counts us running again
+        if feed.error is not None:
+            raise feed.error
+        return feed.rows
+
+    def _engine(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.closed or (self.pending and self.running == 0))
+                if self.closed:
+                    for f in self.pending:
+                        f.error, f.done = RuntimeError("the batcher is closed"), True
+                    self.running += len(self.pending)
+                    self.pending = []
+                    self.cond.notify_all()
+                    return
+                batch, self.pending = self.pending, []
+            self._run(batch)
+            with self.cond:
+                for f in batch:
+                    f.done = True
+                self.running += len(batch)
+                self.stats.forwards += 1
+                self.stats.feeds += len(batch)
+                self.stats.rows[len(batch)] = self.stats.rows.get(len(batch), 0) + 1
+                self.cond.notify_all()
+
+    def _run(self, batch: list[_Feed]) -> None:
+        groups: dict[tuple[str, str | None], list[_Feed]] = {}
+        for f in batch:
+            groups.setdefault((f.model, f.adapter if f.model == "target" else None), []).append(f)
+        for (name, adapter), feeds in groups.items():
+            try:
+                tier = self.tiers[name]
+                if name == "target" and self.real_adapters is not None:
+                    if adapter != self.real_adapters.active:
+                        tier.set_lora(None)  # before an eviction can free the adapter it runs with
+                    self.real_adapters.use(adapter)
+                    tier.set_lora(adapter)
+                tier.forward(feeds)
+            except Exception as e:  # each request of the group gets the error, the engine lives on
+                log.exception(f"a batched forward of {name} failed")
+                for f in feeds:
+                    f.error = e
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.engine.join(timeout=10)
+        for tier in self.tiers.values():
+            tier.close()

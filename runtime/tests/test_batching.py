@@ -1,0 +1,144 @@
+"""Continuous batching (kibidango.batching): requests decoding on their own threads share forward
+passes. On torch (float64 models: batched and single forwards agree to ~1e-15) every mode gives
+each request exactly the tokens it gets alone, while forwards really carry several requests; a
+request joins a running batch and leaves it; llama.cpp's multi-sequence context scores several
+sequences in one decode as separate sessions do, cropping included."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kibidango.batching import Batcher, LlamaCppSlots, _Feed
+from kibidango.pipeline import Pipeline
+from kibidango.speculative import DecodeConfig
+from tests.conftest import PROMPTS, SHARED
+
+GGUF = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
+
+
+def _alone(models, prompt, cfg):
+    pipe = Pipeline(None, dict(models), cfg)
+    return [t for new in pipe.decoder.generate(prompt, cfg) for t in new]
+
+
+def _together(batcher: Batcher, pipe: Pipeline, prompts, cfgs, stagger: float = 0.0):
+    """Each prompt decoded on its own thread inside the batcher; ``stagger``: seconds between starts."""
+    out: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    gate = threading.Barrier(len(prompts)) if not stagger else None
+
+    def run(i: int) -> None:
+        try:
+            if gate is not None:
+                gate.wait()
+            with batcher.member():
+                out[i] = [t for new in pipe.decoder.generate(prompts[i], cfgs[i]) for t in new]
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    threads = []
+    for i in range(len(prompts)):
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        if stagger:
+            threads[-1].join(timeout=stagger)
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(
+    "mode, extra",
+    [("ar", {}), ("sd", {"k": 3}), ("pyramid", {"variant": "exact", "l_D": 2, "l_Q": 4}), ("lookup", {"k": 3})],
+)
+def test_batched_requests_get_the_tokens_they_get_alone(family, mode, extra):
+    cfgs = [DecodeConfig(mode=mode, max_new_tokens=10 + 3 * i, temperature=0.0, **extra) for i in range(6)]
+    alone = [_alone(family, p, c) for p, c in zip(PROMPTS, cfgs)]
+    pipe = Pipeline(None, dict(family), cfgs[0])
+    batcher = Batcher(pipe, slots=6)
+    try:
+        together = _together(batcher, pipe, PROMPTS, cfgs)
+        assert together == alone
+        assert batcher.stats.feeds > batcher.stats.forwards  # forwards carried several requests
+        assert max(batcher.stats.rows) > 1
+    finally:
+        batcher.close()
+
+
+def test_sampled_requests_keep_their_seeds_under_batching(family):
+    cfgs = [DecodeConfig(mode="sd", k=3, max_new_tokens=12, temperature=1.0, seed=i) for i in range(4)]
+    alone = [_alone(family, p, c) for p, c in zip(PROMPTS, cfgs)]
+    pipe = Pipeline(None, dict(family), cfgs[0])
+    batcher = Batcher(pipe, slots=4)
+    try:
+        assert _together(batcher, pipe, PROMPTS[:4], cfgs) == alone
+    finally:
+        batcher.close()
+
+
+def test_requests_join_and_leave_a_running_batch(family):
+    """Requests started one after another, with different lengths: later ones join while earlier
+    ones decode, finished ones leave, slots are reused; each still gets its own tokens."""
+    cfgs = [DecodeConfig(mode="ar", max_new_tokens=n, temperature=0.0) for n in (30, 5, 20, 8, 25, 3)]
+    alone = [_alone(family, p, c) for p, c in zip(PROMPTS, cfgs)]
+    pipe = Pipeline(None, dict(family), cfgs[0])
+    batcher = Batcher(pipe, slots=3)
+    try:
+        out: dict[int, list[int]] = {}
+        slots = threading.Semaphore(3)  # what the server's scheduler does: at most `slots` members
+
+        def run(i: int) -> None:
+            with slots, batcher.member():
+                out[i] = [t for new in pipe.decoder.generate(PROMPTS[i], cfgs[i]) for t in new]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [out[i] for i in range(6)] == alone
+        assert batcher.free and sorted(batcher.free) == [0, 1, 2] and batcher.running == 0
+        assert max(batcher.stats.rows) > 1
+    finally:
+        batcher.close()
+
+
+def test_a_model_outside_a_member_is_refused(family):
+    pipe = Pipeline(None, dict(family), DecodeConfig(mode="ar", max_new_tokens=2))
+    batcher = Batcher(pipe, slots=2)
+    try:
+        with pytest.raises(RuntimeError, match="outside Batcher.member"):
+            list(pipe.decoder.generate([1, 2], pipe.defaults))
+    finally:
+        batcher.close()
+
+
+def test_llama_cpp_scores_several_sequences_in_one_decode_as_separate_sessions_do():
+    if not GGUF.is_file():
+        pytest.skip(f"needs stories260K's GGUF at {GGUF}")
+    pytest.importorskip("llama_cpp")
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+
+    model = LlamaCppModel(GGUF, threads=1)
+    slots = LlamaCppSlots(model, 3)
+    seqs = [[1, 403, 407, 261, 378], [1, 9, 300], [1, 66, 67, 68, 69, 70, 71]]
+    try:
+        first = [_Feed("target", i, 0, s, None) for i, s in enumerate(seqs)]
+        slots.forward(first)
+        # Then: sequence 0 rolls back two tokens and goes on, 1 takes one token, 2 takes three.
+        then = [_Feed("target", 0, 3, [500, 17], None), _Feed("target", 1, 3, [42], None)]
+        then.append(_Feed("target", 2, 7, [5, 6, 7], None))
+        slots.forward(then)
+        for i, s in enumerate(seqs):
+            alone = model.new_session()
+            rows = alone.feed(s)
+            assert np.allclose(rows, first[i].rows, atol=1e-3), i
+            keep = then[i].cached
+            alone.crop(keep)
+            assert np.allclose(alone.feed(then[i].tokens), then[i].rows, atol=1e-3), i
+    finally:
+        slots.close()
