@@ -261,3 +261,38 @@ def test_a_calibrator_names_the_decoding_it_was_fitted_on(bundle, tmp_path):
     del spec["decoding"]  # a file written before the field: its answers were greedy
     path.write_text(json.dumps(spec))
     assert Calibrator.load(path).decoding == {"temperature": 0.0}
+
+
+def test_batched_requests_each_run_with_their_own_adapter(bundle):
+    """Under continuous batching, requests routed to different adapters (and to none) share the
+    batcher; each forward group runs with its requests' adapter, so each gets what it gets alone."""
+    import threading
+
+    from kibidango import Pipeline
+    from kibidango.batching import Batcher
+
+    queries = [CODE, MATH, "Once upon a time there was a cat", MATH, CODE]
+    alone = Pipeline.from_bundle(bundle, adapter="auto")
+    expected = [alone.generate(q, max_new_tokens=6) for q in queries]
+    pipe = Pipeline.from_bundle(bundle, adapter="auto")
+    batcher = Batcher(pipe, slots=len(queries))
+    got: dict[int, object] = {}
+    gate = threading.Barrier(len(queries))
+
+    def run(i: int) -> None:
+        gate.wait()
+        with batcher.member():
+            got[i] = pipe.generate(queries[i], max_new_tokens=6)
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(queries))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for i, e in enumerate(expected):
+            assert got[i].metrics.adapter == e.metrics.adapter and got[i].token_ids == e.token_ids, i
+            assert got[i].metrics.confidence == pytest.approx(e.metrics.confidence, abs=1e-4)
+        assert batcher.stats.feeds > batcher.stats.forwards
+    finally:
+        batcher.close()
