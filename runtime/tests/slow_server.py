@@ -38,6 +38,14 @@ class SlowModel:
         return self.inner.parameters()
 
 
+def _slowed(forward, delay: float):
+    def slow(feeds):
+        time.sleep(delay)
+        return forward(feeds)
+
+    return slow
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,11 +61,15 @@ class Server:
         from kibidango.server.drain import uvicorn_server
 
         pipe = Pipeline.from_bundle(bundle, mode="ar")
-        if delay:  # (a batching server, parallel > 1, needs the backend's own models: delay 0)
+        batching = app_kw.get("parallel", 1) > 1
+        if delay and not batching:
             pipe.models = {name: SlowModel(m, delay) for name, m in pipe.models.items()}
             pipe.decoder = Decoder(pipe.models)
         self.pipe = pipe
         self.app = create_app(pipe, model_name="kibidango-tiny", stall_seconds=stall_seconds, **app_kw)
+        if delay and batching:  # a batching server: every batched forward sleeps
+            for tier in self.app.state.scheduler.batcher.tiers.values():
+                tier.forward = _slowed(tier.forward, delay)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(

@@ -29,8 +29,9 @@ def _cancelled(server: Server) -> int:
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
 
 
-def test_a_dropped_stream_cancels_its_generation_and_frees_the_server(bundle):
-    srv = Server(bundle, DELAY)
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_a_dropped_stream_cancels_its_generation_and_frees_the_server(bundle, parallel):
+    srv = Server(bundle, DELAY, parallel=parallel)
     try:
         s = raw_request(srv.port, "/v1/completions", {**LONG, "stream": True})
         assert s.recv(4096).startswith(b"HTTP/1.1 200")  # headers (and maybe a first chunk) arrived

@@ -61,8 +61,9 @@ def test_percentile_interpolates_between_ranks():
     assert percentile(list(range(101)), 99) == 99
 
 
-def test_a_request_past_its_timeout_gets_504_and_frees_the_models(bundle):
-    srv = Server(bundle, delay=0.1, request_timeout_s=1.0)
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_a_request_past_its_timeout_gets_504_and_frees_the_models(bundle, parallel):
+    srv = Server(bundle, delay=0.1, request_timeout_s=1.0, parallel=parallel)
     try:
         long = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
         outcomes: list[int] = []

@@ -72,7 +72,8 @@ def test_a_non_streamed_request_cut_by_the_grace_gets_503_with_retry_after(bundl
     assert r.status_code == 503 and r.headers["retry-after"].isdigit() and r.json()["error"]["code"] == "shutting_down"
 
 
-def test_sigterm_under_load_loses_no_request(bundle, tmp_path):
+@pytest.mark.parametrize("parallel", ["1", "8"])
+def test_sigterm_under_load_loses_no_request(bundle, tmp_path, parallel):
     """A real server process, 16 clients on fresh connections, SIGTERM mid-run with a short grace:
     every request is answered (200, or 503 once the drain began) or refused at connect time after
     the server is gone. None gets a reset or an empty reply after sending its request."""
@@ -82,7 +83,10 @@ def test_sigterm_under_load_loses_no_request(bundle, tmp_path):
     serve = [sys.executable, "-m", "kibidango", "serve", "--bundle", str(bundle), "--port", str(port)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [*serve, "--shutdown-grace", "1", "--threads", "1"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [*serve, "--shutdown-grace", "1", "--threads", "1", "--parallel", parallel],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 120
