@@ -308,7 +308,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             raise KibidangoError(f"could not make {tok_dir} pad on the right (axolotl's KD collator needs it)")
         spec = axolotl.render(
             student.train,
-            inits[name],
+            str(inits[name]),  # a Path (a student cut from the teacher's layers) would not survive yaml.safe_dump
             [_dataset(str(logprobs_file))],
             str(run_dir),
             extra={**cfg.kd_keys(), "tokenizer_config": str(tok_dir)},

@@ -94,7 +94,7 @@ def hardware_switches(cuda: bool | None = None, adapter: str = "full") -> dict[s
 
 def render(
     recipe: TrainRecipe,
-    base_model: str | Path,
+    base_model: str,
     datasets: list[dict[str, Any]],
     output_dir: str,
     *,
@@ -111,7 +111,7 @@ def render(
     if chat_template is not None:
         template = {"chat_template": "jinja", "chat_template_jinja": chat_template}
     cfg: dict[str, Any] = {
-        "base_model": str(base_model),  # a Path would not survive yaml.safe_dump
+        "base_model": base_model,
         "datasets": datasets,
         **template,
         "sequence_len": recipe.sequence_len,

@@ -106,12 +106,11 @@ class AdapterSet:
         return sorted(self._scan())
 
     def _scan(self) -> dict[str, Path]:
-        if self._index is None:  # built whole, then published: concurrent requests never see it half-built
-            index = {}
+        if self._index is None:
+            self._index = {}
             for manifest in sorted(self.root.glob("*/adapter.json")):
                 if self.listed is None or self.listed(manifest):
-                    index[json.loads(manifest.read_text())["domain"]] = manifest.parent
-            self._index = index
+                    self._index[json.loads(manifest.read_text())["domain"]] = manifest.parent
         return self._index
 
     def get(self, domain: str) -> Adapter:

@@ -324,6 +324,9 @@ class Batcher:
         pipe.models = wrapped
         pipe.decoder = Decoder(wrapped)
         if pipe.adapters is not None:
+            # AdapterSet builds its index lazily and not atomically: build it before requests
+            # come from several threads (concurrent first requests saw it half-built).
+            pipe.adapters.adapters.domains  # noqa: B018 - for its effect
             pipe.adapters = _ThreadAdapters(self, pipe.adapters)
         self.engine = threading.Thread(target=self._engine, name="kibidango-batcher", daemon=True)
         self.engine.start()
