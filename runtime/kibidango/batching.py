@@ -12,8 +12,8 @@ starts decoding (at most ``slots`` at once: the server's ``--parallel``) and lea
 ends, between forwards; nobody waits for a batch to fill.
 
 Per backend, a model's caches for ``slots`` sequences (:class:`LlamaCppSlots`,
-:class:`TorchSlots`): llama.cpp gets a second context with ``n_seq_max = slots`` (a per-sequence
-cache of the model's context length each) and scores a batch of tokens from several sequences in
+:class:`TorchSlots`): llama.cpp gets a second context with ``n_seq_max = slots`` (one unified
+cache with room for every sequence's full context) and scores a batch of tokens from several sequences in
 one ``llama_decode``; torch keeps a ``DynamicCache`` per sequence and stacks them, left-padded and
 masked, for each forward of feeds of the same length (different lengths go in separate forwards),
 so a batch copies its caches once: fine for the small models this runtime serves on CPUs, where a
@@ -58,7 +58,8 @@ class _Feed:
 
 class LlamaCppSlots:
     """``slots`` sequences of one llama.cpp model in a second context of its own (sequence ids
-    0..slots-1, each with the model's context length), scored together by ``llama_decode``."""
+    0..slots-1 in one unified cache of ``slots`` x the model's context cells; each sequence is held
+    to the model's context by its session), scored together by ``llama_decode``."""
 
     def __init__(self, model, slots: int):
         import llama_cpp
@@ -101,7 +102,8 @@ class LlamaCppSlots:
             if self.length[f.slot] > f.cached:
                 self._lib.llama_memory_seq_rm(self.memory, f.slot, f.cached, -1)
             self.length[f.slot] = f.cached
-        # Whole feeds per decode, as many as fit; a feed longer than a decode is split.
+        # The feeds' tokens in order, ``capacity`` per decode (a feed may span two: its
+        # positions stay in order, so the second decode attends to the first's cells).
         queue = [(f, i) for f in feeds for i in range(len(f.tokens))]
         rows: dict[int, list[np.ndarray]] = {id(f): [] for f in feeds}
         for start in range(0, len(queue), self.capacity):
