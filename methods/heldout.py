@@ -10,13 +10,17 @@ calibration, 9 evaluation).
 - :func:`answer_and_judge`: every task answered and judged once, appended to the work directory's
   ``rows.jsonl`` as it finishes (:class:`methods.failures.RowLog`): a killed attempt's rerun answers
   only the tasks not there, and again only those whose judge was unreachable (``retryable``), so a
-  paid judge call is never repeated for an answer it graded.
+  paid judge call is never repeated for an answer it graded. With ``parallel`` > 1 up to that many
+  tasks are answered and judged at once, on threads (the answer callback must be thread-safe: an
+  :class:`methods.measure.generate.Answerer` with ``parallel`` batches their decoding); rows are
+  still written in ``rows``' order.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -32,9 +36,19 @@ from methods.judges.settings import JudgeSettings
 from methods.ladder import check_levels, ladder_rows
 from methods.training.chat import load_split, prompt_text
 
-__all__ = ["HeldOutSample", "HeldOutTasks", "Judged", "answer_and_judge", "select_tasks"]
+__all__ = ["HeldOutSample", "HeldOutTasks", "Judged", "answer_and_judge", "parallel_field", "select_tasks"]
 
 log = logging.getLogger("kibidango.heldout")
+
+
+def parallel_field():
+    """A stage's ``parallel``: answers decoded together (:func:`answer_and_judge`)."""
+    return Field(
+        1,
+        ge=1,
+        le=64,
+        description="Answers decoded together, batched (1: one at a time; greedy answers may differ at near-ties).",
+    )
 
 
 class HeldOutSample(StageConfig):
@@ -94,6 +108,7 @@ class HeldOutTasks(Judged):
     samples: list[HeldOutSample] = Field(min_length=1, description="What is answered and judged.")
     held_out_splits: list[str] = Field(["validation", "test"], description="Stage-0 splits stage0 samples draw from.")
     max_new_tokens: int = Field(128, gt=0, description="Tokens per answer.")
+    parallel: int = parallel_field()
     seed: int = Field(0, description="Which rows a sample of a given size takes.")
 
     def domains(self) -> dict[str, str]:
@@ -159,25 +174,34 @@ domain's judge); ``prior`` is the record an earlier attempt left when its judge 
 
 
 def answer_and_judge(
-    judges: Judged | dict, rows: list[dict], work_dir: Path, label: str, answer: Answer
+    judges: Judged | dict, rows: list[dict], work_dir: Path, label: str, answer: Answer, parallel: int = 1
 ) -> tuple[list[dict], int]:
     """Every row answered and judged (see the module), in ``rows``' order; and how many rows an
     earlier attempt had finished. ``judges``: a recipe's judges section, or judges already built
-    (:func:`methods.failures.mined_judges`); ``label`` names the progress lines (``"9 answers"``)."""
+    (:func:`methods.failures.mined_judges`); ``label`` names the progress lines (``"9 answers"``);
+    ``parallel``: tasks in flight at once."""
     if isinstance(judges, Judged):
         judges = make_judges(judges.judges)
     done = RowLog(work_dir / "rows.jsonl")
     if done.resumed:
         log.info(f"{label}: resuming, {done.resumed:,} of {len(rows):,} tasks were finished by an earlier attempt")
+    todo = [(i, row, done.get(row["id"])) for i, row in enumerate(rows, 1)]
+    todo = [(i, row, prior) for i, row, prior in todo if prior is None or prior.get("retryable")]
     progress = Progress(label, len(rows), log)
+    pool = ThreadPoolExecutor(parallel, thread_name_prefix="answer") if parallel > 1 else None
     try:
-        for i, row in enumerate(rows, 1):
-            prior = done.get(row["id"])
-            if prior is not None and not prior.get("retryable"):
-                continue
-            done.add(answer(row, prior, judges[row["domain"]]))
-            progress.update(i)
+        if pool is None:
+            for i, row, prior in todo:
+                done.add(answer(row, prior, judges[row["domain"]]))
+                progress.update(i)
+        else:
+            futures = [pool.submit(answer, row, prior, judges[row["domain"]]) for _, row, prior in todo]
+            for (i, _, _), future in zip(todo, futures):
+                done.add(future.result())
+                progress.update(i)
         progress.finish(len(rows))
     finally:
+        if pool is not None:  # after an error: the tasks not started are dropped, those running finish
+            pool.shutdown(wait=True, cancel_futures=True)
         done.close()
     return [done.get(r["id"]) for r in rows], done.resumed

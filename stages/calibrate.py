@@ -80,7 +80,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     adapter_dirs = sorted(p for p in inputs.values() if (p / "adapter.json").is_file())
     router = Router.load(inputs["router"] / "router.json") if "router" in inputs else None
 
-    answerer = ScoredAnswerer(target, cfg.max_new_tokens, adapter_dirs)
+    answerer = ScoredAnswerer(target, cfg.max_new_tokens, adapter_dirs, parallel=cfg.parallel)
     tokens = _token_level(cfg, data, answerer, inputs, out_dir)
     temperature = tokens["torch"]["temperature"]
 
@@ -218,7 +218,10 @@ def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, wo
         record["retryable"] = retryable
         return record
 
-    return answer_and_judge(cfg, rows, work_dir, "2G answers", answer)[0]
+    try:
+        return answer_and_judge(cfg, rows, work_dir, "2G answers", answer, cfg.parallel)[0]
+    finally:
+        answerer.close()
 
 
 def _matrix(answers: list[dict]) -> tuple[np.ndarray, np.ndarray]:

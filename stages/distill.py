@@ -76,8 +76,11 @@ class OwnOutputs(StageConfig):
 
     rows: int = Field(gt=0, description="Instructions of stage 0's train split (from its end) the teacher answers.")
     max_new_tokens: int = Field(96, gt=0, description="Tokens per answer (it ends earlier at end of sequence).")
-    temperature: float = Field(0.0, ge=0, description="0: greedy answers; above: sampled, seeded per row.")
+    temperature: float = Field(0.0, ge=0, description="0: greedy answers; above: sampled, seeded per batch.")
     seed: int = 0
+    batch: int = Field(
+        1, ge=1, le=64, description="Answers generated together (left-padded; greedy may differ at near-ties)."
+    )
 
 
 class Config(StageConfig):
@@ -166,27 +169,34 @@ def own_outputs(teacher, tokenizer, rows: list[dict], spec: OwnOutputs, path: Pa
         return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     chosen = [r for r in reversed(rows) if r["instruction"]][: spec.rows]
     progress = Progress("1E the teacher's own answers", len(chosen), log)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sample = spec.temperature > 0
     out = []
     with torch.inference_mode():
-        for i, row in enumerate(chosen):
-            ids = prompt_ids(tokenizer, messages(row)[:-1])
-            x = torch.tensor([ids], device=teacher.device)
-            sample = spec.temperature > 0
+        for start in range(0, len(chosen), spec.batch):
+            group = chosen[start : start + spec.batch]
+            prompts = [prompt_ids(tokenizer, messages(row)[:-1]) for row in group]
+            width = max(len(p) for p in prompts)
+            x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=teacher.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=teacher.device)
             if sample:
-                torch.manual_seed(spec.seed + i)
+                torch.manual_seed(spec.seed + start)
             new = teacher.generate(
                 x,
-                attention_mask=torch.ones_like(x),
+                attention_mask=mask,
                 max_new_tokens=spec.max_new_tokens,
                 do_sample=sample,
                 **({"temperature": spec.temperature, "top_k": 0} if sample else {}),
-                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                pad_token_id=pad,
                 eos_token_id=tokenizer.eos_token_id,
-            )[0, len(ids) :]
-            text = tokenizer.decode(new, skip_special_tokens=True).strip()
-            if text:
-                out.append({**{k: row[k] for k in ("id", "instruction", "input", "domain")}, "output": text})
-            progress.update(i + 1)
+            )[:, width:].tolist()
+            for row, tokens in zip(group, new):
+                if tokenizer.eos_token_id in tokens:  # what follows is the batch's padding
+                    tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+                text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                if text:
+                    out.append({**{k: row[k] for k in ("id", "instruction", "input", "domain")}, "output": text})
+            progress.update(start + len(group))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")

@@ -30,6 +30,7 @@ import logging
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +40,7 @@ from core.contract import KibidangoError, StageResult
 from kibidango.backends.base import ContextLengthError
 from methods.evaluation import EvalSample, evaluation_tasks, wilson
 from methods.failures import task_record, training_texts, verdict_record
-from methods.heldout import Judged, answer_and_judge
+from methods.heldout import Judged, answer_and_judge, parallel_field
 from methods.judges import sandbox_note
 from methods.training.chat import load_split, prompt_ids
 
@@ -58,6 +59,7 @@ class Config(Judged):
     policies: list[Literal["auto", "none"]] = Field(["auto", "none"], min_length=1)
     backend: Literal["torch", "llamacpp"] = "torch"
     seed: int = Field(0, description="Which tasks a sample of a given size takes.")
+    parallel: int = parallel_field()
     speed_prompts: int = Field(8, ge=0, description="Evaluation queries the speed benchmark runs (0: none).")
     speed_new_tokens: int = Field(48, gt=0)
     speed_modes: list[str] = Field(["ar", "sd", "pyramid"], min_length=1)
@@ -140,31 +142,47 @@ def _splits(data: Path) -> list[str]:
 
 
 def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir: Path) -> list[dict]:
+    """Every task answered under each policy and judged (resumable); with ``parallel`` > 1 the
+    answers of that many tasks decode together (the runtime's batching; judged outside it)."""
+    from kibidango.batching import Batcher
+
+    batcher = Batcher(pipe, cfg.parallel) if cfg.parallel > 1 else None
+    alone = threading.Lock()
+
+    def generate(ids: list[int], query: str, policy: str) -> tuple[str, dict]:
+        try:  # greedy: the figures are reproducible run to run
+            result = pipe.generate(
+                ids, query=query, adapter=policy, max_new_tokens=cfg.max_new_tokens, score=False, temperature=0.0
+            )
+            m = result.metrics
+            reply = {"tokens": m.generated_tokens, "finish_reason": m.finish_reason}
+            return result.text, {**reply, "domain": m.domain, "adapter": m.adapter}
+        except ContextLengthError:  # the task does not fit the context: no answer, a failure
+            return "", {"tokens": 0, "finish_reason": "context", "domain": None, "adapter": None}
+
     def answer(row: dict, prior: dict | None, judge) -> dict:
         query = row["task"].prompt
-        turns = [{"role": "user", "content": query}]
-        ids = prompt_ids(pipe.tokenizer, turns)
+        ids = prompt_ids(pipe.tokenizer, [{"role": "user", "content": query}])
         record = {**task_record(row), "answers": {}}
+        replies = {}
+        with batcher.turn() if batcher is not None else alone:
+            for policy in policies:
+                replies[policy] = generate(ids, query, policy)
+                if policy == "none":  # the base target, as it stands now: how likely it finds the gold answer
+                    record["reference"] = _reference_nll(pipe, ids, row["task"].reference)
         retryable = False
-        for policy in policies:
-            try:  # greedy: the figures are reproducible run to run
-                result = pipe.generate(
-                    ids, query=query, adapter=policy, max_new_tokens=cfg.max_new_tokens, score=False, temperature=0.0
-                )
-                text, m = result.text, result.metrics
-                reply = {"tokens": m.generated_tokens, "finish_reason": m.finish_reason}
-                reply.update(domain=m.domain, adapter=m.adapter)
-            except ContextLengthError:  # the task does not fit the context: no answer, a failure
-                text, reply = "", {"tokens": 0, "finish_reason": "context", "domain": None, "adapter": None}
+        for policy, (text, reply) in replies.items():
             verdict = verdict_record(judge(row["task"], text), judge.kind)
             retryable |= verdict["retryable"]
             record["answers"][policy] = {"text": text, **reply, **verdict}
-            if policy == "none":  # the base target, as it stands now: how likely it finds the gold answer
-                record["reference"] = _reference_nll(pipe, ids, row["task"].reference)
         record["retryable"] = retryable
         return record
 
-    return answer_and_judge(cfg, rows, work_dir, "9 answers", answer)[0]
+    try:
+        return answer_and_judge(cfg, rows, work_dir, "9 answers", answer, cfg.parallel)[0]
+    finally:
+        if batcher is not None:  # the speed benchmark runs the pipeline alone
+            batcher.close()
 
 
 def _reference_nll(pipe, prompt_ids: list[int], reference: str) -> dict | None:

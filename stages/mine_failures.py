@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from methods.evaluation import wilson
 from methods.failures import failure_rate, task_record, training_texts, verdict_record
 from methods.heldout import HeldOutTasks, answer_and_judge, select_tasks
 from methods.judges import sandbox_note
-from methods.measure.generate import Answerer
+from methods.measure.generate import Answerer, once
 from methods.training.chat import load_split
 
 RESUMABLE = True
@@ -71,20 +73,19 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     if not (student_dir / "config.json").is_file():
         raise KibidangoError(f"the student input has no transformers checkpoint at {student_dir}")
 
-    answerer = None
-    counts = {"generated": 0, "rejudged": 0, "gen_seconds": 0.0}
+    answerer = once(lambda: Answerer(student_dir, cfg.max_new_tokens, parallel=cfg.parallel))
+    counts = {"generated": 0, "rejudged": 0}
     outcomes: list[str] = []
+    lock = threading.Lock()
 
     def answer(row: dict, prior: dict | None, judge) -> dict:
-        nonlocal answerer
         if prior is not None:  # answered before; its judge was unreachable: judge it again
             reply = {k: prior[k] for k in ("answer", "tokens", "finish_reason", "mean_logprob", "confidence")}
             reply["gen_seconds"] = prior["gen_seconds"]
-            counts["rejudged"] += 1
+            with lock:
+                counts["rejudged"] += 1
         else:
-            if answerer is None:
-                answerer = Answerer(student_dir, cfg.max_new_tokens)
-            a = answerer(row["instruction"], row["input"])
+            a = answerer()(row["instruction"], row["input"])
             reply = {
                 "answer": a.text,
                 "tokens": a.tokens,
@@ -93,18 +94,24 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
                 "confidence": a.confidence,
                 "gen_seconds": a.seconds,
             }
-            counts["generated"] += 1
-            counts["gen_seconds"] += a.seconds
+            with lock:
+                counts["generated"] += 1
         record = {**task_record(row), **reply, **verdict_record(judge(row["task"], reply["answer"]), judge.kind)}
-        outcomes.append(record["outcome"])
-        if counts["generated"] and len(outcomes) % 25 == 0:
-            report_metrics(
-                {"answers_done": len(outcomes), "failure_rate_so_far": failure_rate(outcomes)[0]}, len(outcomes)
-            )
+        with lock:
+            outcomes.append(record["outcome"])
+            if counts["generated"] and len(outcomes) % 25 == 0:
+                report_metrics(
+                    {"answers_done": len(outcomes), "failure_rate_so_far": failure_rate(outcomes)[0]}, len(outcomes)
+                )
         return record
 
-    table, resumed = answer_and_judge(cfg, rows, work_dir, "1B answers", answer)
-    generated, rejudged, gen_seconds = counts["generated"], counts["rejudged"], counts["gen_seconds"]
+    started = time.monotonic()
+    try:
+        table, resumed = answer_and_judge(cfg, rows, work_dir, "1B answers", answer, cfg.parallel)
+    finally:
+        answerer.close()
+    # Wall clock: with answers decoded together, the sum of their own times counts each step N times.
+    generated, rejudged, gen_seconds = counts["generated"], counts["rejudged"], time.monotonic() - started
     errors = sum(1 for r in table if r["outcome"] == "judge_error")
     if errors > cfg.max_judge_error_rate * len(table):
         first = next(r["reason"] for r in table if r["outcome"] == "judge_error")
@@ -169,6 +176,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "resumed": resumed,
         "rejudged": rejudged,
         "answers_per_second": generated / gen_seconds if gen_seconds else 0.0,
+        "parallel": cfg.parallel,
         "mean_tokens": sum(r["tokens"] for r in table) / len(table),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in table)),
         "judge_usd": sum(r["judge_usd"] for r in table),
@@ -242,7 +250,8 @@ def _card(stats: dict) -> str:
         "",
         *_levels_table(stats.get("levels", {})),
         f"Judge errors (no verdict): {stats['judge_errors']:,}. Mean answer length {stats['mean_tokens']:.1f} tokens; "
-        f"{stats['answers_per_second']:.2f} answers/s generated in this run ({stats['generated_now']:,} generated, "
+        f"{stats['answers_per_second']:.2f} answers/s answered and judged in this run, "
+        f"{stats.get('parallel', 1)} at once ({stats['generated_now']:,} generated, "
         f"{stats['resumed']:,} resumed from an interrupted attempt). Judge spend ${stats['judge_usd']:.4f}.",
         "Answers by how they ended: "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(stats["finish_reasons"].items()))

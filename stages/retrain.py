@@ -34,7 +34,7 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.evaluation import EvalSample, evaluation_tasks, mcnemar, wilson
 from methods.failures import failure_rate, mined_judges, read_jsonl, sample, task_of, training_texts, verdict_record
-from methods.heldout import answer_and_judge
+from methods.heldout import answer_and_judge, parallel_field
 from methods.measure import lm
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
@@ -57,6 +57,7 @@ class Config(StageConfig):
     seed: int = Field(0, description="Which replay rows are drawn.")
     train: TrainRecipe
     max_new_tokens: int = Field(96, gt=0, description="Tokens the student may write per held-out answer.")
+    parallel: int = parallel_field()
     eval_rows: int = Field(300, gt=0, description="Stage-0 validation rows the loss is measured on (forgetting).")
     eval_max_len: int = Field(256, gt=8)
     controls: list[Literal["random", "replay"]] = Field(
@@ -116,11 +117,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     tokenizer = AutoTokenizer.from_pretrained(str(student))
     val = load_split(inputs["data"] / "dataset", "validation", limit=cfg.eval_rows)
     loss_before = lm.response_loss(lm.load_causal_lm(student), tokenizer, val, cfg.eval_max_len)
-    before = _failure_rate(student, held, judges, cfg.max_new_tokens, "before")
+    before = _failure_rate(student, held, judges, cfg, "before")
     model_dir, last = fine_tune(
         cfg.train, student, data_file, work_dir, out_dir, cfg.tier, "1R/retrain", cfg.tokenizer_type
     )
-    after = _failure_rate(model_dir, held, judges, cfg.max_new_tokens, "after")
+    after = _failure_rate(model_dir, held, judges, cfg, "after")
     loss_after = lm.response_loss(lm.load_causal_lm(model_dir), tokenizer, val, cfg.eval_max_len)
 
     models = {"1A": student}  # in the order the card reads: before, the controls, the retrained student
@@ -249,20 +250,19 @@ def _control(cfg: Config, student: Path, name: str, rows: list[dict], work_dir: 
 
 def _evaluate(model_dir: Path, name: str, tasks: list[dict], judges: dict, cfg: Config, work_dir: Path) -> dict:
     """One model's verdict records on the evaluation tasks, by task id (resumable per model)."""
-    from methods.measure.generate import Answerer
+    from methods.measure.generate import Answerer, once
 
-    answerer = None
+    answerer = once(lambda: Answerer(model_dir, cfg.max_new_tokens, parallel=cfg.parallel))
 
     def answer(row: dict, prior: dict | None, judge) -> dict:
-        nonlocal answerer
-        if prior is not None:
-            text = prior["answer"]
-        else:
-            answerer = answerer or Answerer(model_dir, cfg.max_new_tokens)
-            text = answerer(row["instruction"], row["input"]).text
+        text = prior["answer"] if prior is not None else answerer()(row["instruction"], row["input"]).text
         return {"id": row["id"], "answer": text, **verdict_record(judge(row["task"], text), judge.kind)}
 
-    table, _ = answer_and_judge(judges, tasks, work_dir / "evaluation" / name, f"1R evaluation ({name})", answer)
+    where = work_dir / "evaluation" / name
+    try:
+        table, _ = answer_and_judge(judges, tasks, where, f"1R evaluation ({name})", answer, cfg.parallel)
+    finally:
+        answerer.close()
     return {r["id"]: r for r in table}
 
 
@@ -297,18 +297,25 @@ def _compare(tasks: list[dict], verdicts: dict[str, dict]) -> dict:
     return {"models": models, "mcnemar": tests}
 
 
-def _failure_rate(model_dir: Path, rows: list[dict], judges: dict, max_new_tokens: int, label: str) -> dict:
+def _failure_rate(model_dir: Path, rows: list[dict], judges: dict, cfg: Config, label: str) -> dict:
     """The model's answers to ``rows`` judged by the domain's judge: failures / verdicts."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from methods.measure.generate import Answerer
 
     outcomes: dict[str, Counter] = {}
     if rows:
-        answerer = Answerer(model_dir, max_new_tokens)
+        answerer = Answerer(model_dir, cfg.max_new_tokens, parallel=cfg.parallel)
         progress = Progress(f"1R held-out answers ({label})", len(rows), log)
-        for i, r in enumerate(rows, 1):
-            verdict = judges[r["domain"]](task_of(r), answerer(r["instruction"], r["input"]).text)
-            outcomes.setdefault(r["domain"], Counter())[verdict.outcome] += 1
-            progress.update(i)
+
+        def verdict(r: dict):
+            return judges[r["domain"]](task_of(r), answerer(r["instruction"], r["input"]).text)
+
+        with ThreadPoolExecutor(cfg.parallel) as pool:
+            for i, (r, v) in enumerate(zip(rows, pool.map(verdict, rows)), 1):
+                outcomes.setdefault(r["domain"], Counter())[v.outcome] += 1
+                progress.update(i)
+        answerer.close()
         progress.finish(len(rows))
 
     def rate(c: Counter) -> dict:

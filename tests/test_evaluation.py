@@ -205,6 +205,17 @@ def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
     measured = ("speed/", "acceptance/", "peak_rss")  # timings and the speed run: not quality
     quality = {k: v for k, v in third.metrics.items() if not k.startswith(measured)}
     assert quality == {k: v for k, v in result.metrics.items() if not k.startswith(measured)}
+    # Answers decoded together (parallel): every task answered and judged, and the speed run after
+    # it measures the pipeline alone again (the batcher gave its models back).
+    batched_out, batched_work = tmp_path / "out3", tmp_path / "work3"
+    batched_out.mkdir()
+    batched_work.mkdir()
+    batched = module.run(
+        cfg.model_copy(update={"parallel": 3}), {"bundle": tmp_path / "X", "data": stage0}, batched_out, batched_work
+    )
+    rows = [json.loads(line) for line in (batched_out / "answers.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [r["id"] for r in answers] and all(r["answers"]["none"]["judge"] for r in rows)
+    assert batched.metrics["speed/sd_vs_ar"] > 0
 
 
 def test_mcnemar_counts_the_discordant_tasks_and_tests_them_exactly():

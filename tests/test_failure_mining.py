@@ -335,6 +335,7 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
         pair_repeats=2,
         train=train,
         max_new_tokens=24,
+        parallel=3,  # the answers of 1A, the controls and 1R decode batched, from threads
         tokenizer_type="LlamaTokenizer",
         evaluation=evaluation,
     )
@@ -384,3 +385,30 @@ def test_an_answer_that_cannot_start_has_no_confidence(student):
     )
     some = answerer("Once upon a time")
     assert some.tokens > 0 and 0 < some.confidence <= 1 and some.mean_logprob < 0
+
+
+def test_answers_decoded_together_are_the_answers_decoded_alone(student):
+    """``Answerer(parallel=4)`` called from 8 threads batches their decoding (the runtime's
+    Batcher) and gives each caller what one-at-a-time decoding gives (float64 weights: batched
+    and single forwards agree to rounding far below any near-tie)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from methods.measure.generate import Answerer
+
+    alone = Answerer(student / "target", max_new_tokens=20)
+    together = Answerer(student / "target", max_new_tokens=20, parallel=4)
+    for a in (alone, together):
+        a.model.hf.double()
+    things = ("a cat", "a dog", "the sea", "a tall tree", "rain", "a red boat", "the moon", "a little girl who sang")
+    prompts = [f"Tell me a story about {t}." for t in things]
+    want = [alone(p) for p in prompts]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(together, prompts))
+        stats = together.batcher.stats
+    finally:
+        together.close()
+    assert [a.text for a in got] == [a.text for a in want] and all(a.tokens > 0 for a in got)
+    assert all(abs(a.mean_logprob - b.mean_logprob) < 1e-9 for a, b in zip(got, want))
+    assert stats.feeds > stats.forwards  # forwards were shared
+    assert together.pipeline.models["target"] is together.model  # closed: the pipeline decodes alone again

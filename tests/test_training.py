@@ -146,6 +146,17 @@ def test_the_teachers_own_answers_are_generated_once_and_read_back(tmp_path):
     assert [r["id"] for r in got] == ["r5", "r3"] and all(r["output"] and r["output"] != "x" for r in got)
     assert own_outputs(None, tokenizer, rows, spec, path) == got  # read back: no teacher needed
 
+    # Generated together (left-padded prompts of different lengths): the same answers (float64).
+    teacher = teacher.double()
+    rows = [
+        {**r, "instruction": r["instruction"] + " Please" * i if r["instruction"] else ""} for i, r in enumerate(rows)
+    ]
+    alone = own_outputs(teacher, tokenizer, rows, OwnOutputs(rows=3, max_new_tokens=6), tmp_path / "alone.jsonl")
+    together = own_outputs(
+        teacher, tokenizer, rows, OwnOutputs(rows=3, max_new_tokens=6, batch=3), tmp_path / "b.jsonl"
+    )
+    assert [r["id"] for r in alone] == ["r5", "r3", "r1"] and together == alone
+
 
 def test_agreement_and_expected_acceptance(tmp_path):
     from methods.measure import lm

@@ -106,11 +106,12 @@ class AdapterSet:
         return sorted(self._scan())
 
     def _scan(self) -> dict[str, Path]:
-        if self._index is None:
-            self._index = {}
+        if self._index is None:  # built whole, then published: a concurrent first call never sees half of it
+            index = {}
             for manifest in sorted(self.root.glob("*/adapter.json")):
                 if self.listed is None or self.listed(manifest):
-                    self._index[json.loads(manifest.read_text())["domain"]] = manifest.parent
+                    index[json.loads(manifest.read_text())["domain"]] = manifest.parent
+            self._index = index
         return self._index
 
     def get(self, domain: str) -> Adapter:

@@ -318,6 +318,7 @@ class Batcher:
         self.running = 0  # members not waiting for a forward
         self.members: dict[int, _Member] = {}
         self.free = list(range(slots))
+        self.seats = threading.BoundedSemaphore(slots)  # turn(): a slot, waited for
         self.pending: list[_Feed] = []
         self.closed = False
         self.stats = BatchStats()
@@ -326,9 +327,6 @@ class Batcher:
         pipe.models = wrapped
         pipe.decoder = Decoder(wrapped)
         if pipe.adapters is not None:
-            # AdapterSet builds its index lazily and not atomically: build it before requests
-            # come from several threads (concurrent first requests saw it half-built).
-            pipe.adapters.adapters.domains  # noqa: B018 - for its effect
             pipe.adapters = _ThreadAdapters(self, pipe.adapters)
         self.engine = threading.Thread(target=self._engine, name="kibidango-batcher", daemon=True)
         self.engine.start()
@@ -362,6 +360,12 @@ class Batcher:
                 self.running -= 1
                 if self.running == 0:
                     self.wake.notify()
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[int]:
+        """:meth:`member`, waiting for a free slot (a caller that does not bound its threads)."""
+        with self.seats, self.member() as slot:
+            yield slot
 
     def member_state(self) -> tuple[int, str | None]:
         m = self.members.get(threading.get_ident())
@@ -427,9 +431,16 @@ class Batcher:
                     f.error = e
 
     def close(self) -> None:
+        """Stop the engine (requests still waiting get an error) and give the pipeline its own
+        models, decoder and adapters back: it decodes one request at a time again."""
+        from kibidango.speculative import Decoder
+
         with self.lock:
             self.closed = True
             self.wake.notify()
         self.engine.join(timeout=10)
         for tier in self.tiers.values():
             tier.close()
+        self.pipe.models = self.raw
+        self.pipe.decoder = Decoder(self.raw)
+        self.pipe.adapters = self.real_adapters
