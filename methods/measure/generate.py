@@ -22,8 +22,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from methods.training.chat import prompt_ids, prompt_text
 
 __all__ = ["Answer", "Answerer", "ScoredAnswerer", "once"]
@@ -117,37 +115,37 @@ class Answerer:
         return prompt_ids(self.tokenizer, [{"role": "user", "content": prompt_text(instruction, input_)}])
 
     def __call__(self, instruction: str, input_: str = "") -> Answer:
+        from kibidango.confidence import score_answer
+
         with self._turn():
             started = time.monotonic()
             ids = self.prompt_ids(instruction, input_)
-            text, out, finish = self._decode(ids)
-            return Answer(text, len(out), finish, self.mean_logprob(ids, out), time.monotonic() - started)
+            rows: list = []
+            text, out, finish = self._decode(ids, rows=rows)
+            feats = score_answer(self.target, ids, out, rows=rows)
+            mean = feats["mean_logprob"] if feats else None
+            return Answer(text, len(out), finish, mean, time.monotonic() - started)
 
-    def _decode(self, ids: list[int], adapter: str | None = None) -> tuple[str, list[int], str]:
+    def _decode(
+        self, ids: list[int], adapter: str | None = None, rows: list | None = None
+    ) -> tuple[str, list[int], str]:
         """Greedy text, token ids (stop tokens dropped) and finish reason after ``ids`` (with the
         target's ``adapter``, None: base weights); finish ``context`` and no text when the prompt
-        alone fills the context."""
+        alone fills the context. ``rows`` receives the logits that chose each token (scoring the
+        answer from them saves a forward pass over prompt and answer)."""
         room = self.model.context_length - len(ids)
         if room < 1:
             return "", [], "context"
         result = self.pipeline.generate(
-            ids, stop=self.stop, max_new_tokens=min(self.config.max_new_tokens, room), adapter=adapter or "none"
+            ids,
+            stop=self.stop,
+            max_new_tokens=min(self.config.max_new_tokens, room),
+            adapter=adapter or "none",
+            target_rows=rows,
         )
         out = [t for t in result.token_ids if t not in self.config.stop_ids]
         finish = result.metrics.finish_reason or ("length" if len(out) >= self.config.max_new_tokens else "stop")
         return result.text, out, finish
-
-    def mean_logprob(self, prompt_ids: list[int], answer_ids: list[int]) -> float | None:
-        """Mean log-probability of ``answer_ids`` after ``prompt_ids``: one forward pass (None
-        for an empty answer)."""
-        ids = (prompt_ids + answer_ids)[: self.model.context_length]
-        n = len(ids) - len(prompt_ids)
-        if n < 1:
-            return None
-        logits = self.target.new_session().feed(ids)[len(prompt_ids) - 1 : -1]
-        logits = logits - logits.max(axis=-1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-        return float(logp[np.arange(n), ids[len(prompt_ids) :]].mean())
 
 
 class ScoredAnswerer(Answerer):
@@ -179,7 +177,8 @@ class ScoredAnswerer(Answerer):
         with self._turn():
             started = time.monotonic()
             ids = self.prompt_ids(instruction, input_)
-            text, out, finish = self._decode(ids, adapter)
-            feats = score_answer(self.target, ids, out, temperature)  # with the adapter that answered
+            rows: list = []
+            text, out, finish = self._decode(ids, adapter, rows)
+            feats = score_answer(self.target, ids, out, temperature, rows)  # with the adapter that answered
             mean = feats["mean_logprob"] if feats else None
             return Answer(text, len(out), finish, mean, time.monotonic() - started), feats

@@ -134,17 +134,35 @@ class LlamaCppSlots:
 
 
 class TorchSlots:
-    """``slots`` sequences of one transformers model: a ``DynamicCache`` each, stacked for a
-    forward (left-padded to the longest, the padding masked) and split again after it."""
+    """``slots`` sequences of one transformers model. The sequences of the last forward stay in
+    one batched ``DynamicCache`` (left-padded, the padding masked): while the next forward feeds
+    the same sequences in the same order with nothing cropped (ar steps, in the main), it runs on
+    that cache as it is, as ``generate`` does. Any other forward first gives each sequence its own
+    ``DynamicCache`` back (its rows, unpadded) and stacks the ones it feeds into a new batch: a
+    copy of their caches, paid when the batch changes rather than at every step."""
 
     def __init__(self, model, slots: int):
         self.model = model
         self.slots = slots
         self.caches: list[list[tuple] | None] = [None] * slots  # per layer (keys, values), [1, heads, len, dim]
         self.length = [0] * slots
+        self._group: list[int] | None = None  # slots whose caches live in _batch, in row order
+        self._batch = None  # DynamicCache, len(_group) rows, row i padded by _pads[i] on the left
+        self._pads: list[int] = []
 
     def set_lora(self, name: str | None) -> None:  # peft switches the shared weights: the adapters' use() did
         pass
+
+    def _release(self) -> None:
+        """Each sequence of the running batch gets its own cache back."""
+        if self._group is None:
+            return
+        for i, (slot, pad) in enumerate(zip(self._group, self._pads)):
+            self.caches[slot] = [
+                (layer.keys[i : i + 1, :, pad:].clone(), layer.values[i : i + 1, :, pad:].clone())
+                for layer in self._batch.layers
+            ]
+        self._group, self._batch, self._pads = None, None, []
 
     def _crop(self, slot: int, n: int) -> None:
         if self.length[slot] > n:
@@ -153,8 +171,10 @@ class TorchSlots:
             self.length[slot] = n
 
     def forward(self, feeds: list[_Feed]) -> None:
-        for f in feeds:
-            self._crop(f.slot, f.cached)
+        if self._group is not None and any(
+            f.slot in self._group and self.length[f.slot] > f.cached for f in feeds
+        ):  # a sequence to crop
+            self._release()
         groups: dict[int, list[_Feed]] = {}
         for f in feeds:
             groups.setdefault(len(f.tokens), []).append(f)
@@ -166,28 +186,19 @@ class TorchSlots:
         from transformers import DynamicCache
 
         hf, device = self.model.hf, self.model.device
-        lengths = [self.length[f.slot] for f in feeds]
-        longest = max(lengths)
-        past = None
-        if longest:
-            layers = []
-            for layer in range(len(next(self.caches[f.slot] for f in feeds if self.caches[f.slot] is not None))):
-                keys, values = [], []
-                for f, length in zip(feeds, lengths):
-                    cache = self.caches[f.slot]
-                    if cache is None:
-                        like = next(self.caches[g.slot] for g in feeds if self.caches[g.slot] is not None)[layer][0]
-                        k = v = like.new_zeros((1, like.shape[1], 0, like.shape[3]))
-                    else:
-                        k, v = cache[layer]
-                    pad = longest - length
-                    keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                    values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-                layers.append((torch.cat(keys), torch.cat(values)))
-            past = DynamicCache(ddp_cache_data=layers)
-        mask = torch.zeros((len(feeds), longest + n), dtype=torch.long, device=device)
-        for i, length in enumerate(lengths):
-            mask[i, longest - length :] = 1
+        slots = [f.slot for f in feeds]
+        if slots == self._group:  # the running batch, each sequence one forward further
+            past, pads = self._batch, self._pads
+        else:
+            self._release()
+            for f in feeds:
+                self._crop(f.slot, f.cached)
+            past, pads = self._stack(feeds)
+        lengths = [self.length[s] for s in slots]
+        width = pads[0] + lengths[0]
+        mask = torch.ones((len(feeds), width + n), dtype=torch.long, device=device)
+        for i, pad in enumerate(pads):
+            mask[i, :pad] = 0
         ids = torch.tensor([f.tokens for f in feeds], dtype=torch.long, device=device)
         positions = torch.tensor([[length + j for j in range(n)] for length in lengths], device=device)
         with torch.inference_mode():
@@ -199,18 +210,41 @@ class TorchSlots:
                 use_cache=True,
             )
         logits = out.logits.float().cpu().numpy()
-        cache = out.past_key_values
-        for i, (f, length) in enumerate(zip(feeds, lengths)):
-            pad = longest - length
-            self.caches[f.slot] = [
-                (layer.keys[i : i + 1, :, pad:].clone(), layer.values[i : i + 1, :, pad:].clone())
-                for layer in cache.layers
-            ]
-            self.length[f.slot] = length + n
+        self._group, self._batch, self._pads = slots, out.past_key_values, pads
+        for i, f in enumerate(feeds):
+            self.caches[f.slot] = None  # in the batch now
+            self.length[f.slot] += n
             f.rows = logits[i]
+
+    def _stack(self, feeds: list[_Feed]):
+        """The feeds' own caches as one left-padded ``DynamicCache`` (None when all are empty),
+        and each row's padding."""
+        import torch
+        from transformers import DynamicCache
+
+        lengths = [self.length[f.slot] for f in feeds]
+        longest = max(lengths)
+        pads = [longest - length for length in lengths]
+        if not longest:
+            return None, pads
+        like = next(self.caches[f.slot] for f in feeds if self.caches[f.slot] is not None)
+        layers = []
+        for layer in range(len(like)):
+            keys, values = [], []
+            for f, pad in zip(feeds, pads):
+                cache = self.caches[f.slot]
+                if cache is None:
+                    k = v = like[layer][0].new_zeros((1, like[layer][0].shape[1], 0, like[layer][0].shape[3]))
+                else:
+                    k, v = cache[layer]
+                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            layers.append((torch.cat(keys), torch.cat(values)))
+        return DynamicCache(ddp_cache_data=layers), pads
 
     def close(self) -> None:
         self.caches = [None] * self.slots
+        self._group, self._batch, self._pads = None, None, []
 
 
 class BatchedSession:

@@ -62,9 +62,15 @@ def answer_features(logits: np.ndarray, answer_ids: list[int], temperature: floa
     }
 
 
-def score_answer(model, prompt_ids: list[int], answer_ids: list[int], temperature: float = 1.0) -> dict | None:
+def score_answer(
+    model, prompt_ids: list[int], answer_ids: list[int], temperature: float = 1.0, rows: list | None = None
+) -> dict | None:
     """:func:`answer_features` of ``answer_ids`` after ``prompt_ids`` under ``model`` (a backend
-    model): one forward pass in a fresh session, cut to the model's context."""
+    model): one forward pass in a fresh session, cut to the model's context. ``rows``: the
+    logits that chose the answer's tokens as it was decoded (``Metrics.target_rows``), when there
+    is one for each token: then no forward pass (the same values up to floating-point rounding)."""
+    if rows is not None and len(answer_ids) and len(rows) >= len(answer_ids):
+        return answer_features(np.stack(rows[: len(answer_ids)]), list(answer_ids), temperature)
     ids = (list(prompt_ids) + list(answer_ids))[: model.context_length]
     n = len(ids) - len(prompt_ids)
     if n < 1 or not prompt_ids:

@@ -178,11 +178,15 @@ class Pipeline:
         adapter: str | None = None,
         score: bool | None = None,
         should_stop: Callable[[], bool] | None = None,
+        target_rows: list | None = None,
         **kw: Any,
     ) -> GenerationResult:
+        """``target_rows``: a list that receives the target's logits that chose each token (``ar``
+        mode: :attr:`Metrics.target_rows`)."""
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = Metrics(cfg.mode)
+        metrics.target_rows = target_rows if cfg.mode == "ar" else None
         query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
         self._route(query, adapter, metrics)

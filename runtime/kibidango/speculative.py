@@ -155,6 +155,9 @@ class Metrics:
     """Calibrated P(the answer passes its judge) (2G)."""
     confidence_error: str | None = None
     """Why ``confidence`` is None although the bundle has a calibrator (it gave no finite value)."""
+    target_rows: list[np.ndarray] | None = field(default=None, repr=False)
+    """Where the caller asks (a list), the target's logits that chose each token, in ``ar`` mode:
+    an answer's features without a second forward pass over prompt and answer (not reported)."""
 
     def count(self, stage: str, drafted: int, accepted: int) -> None:
         self.num_draft_tokens[stage] = self.num_draft_tokens.get(stage, 0) + drafted
@@ -329,6 +332,8 @@ class Decoder:
 
     def _ar_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length=None) -> list[int]:
         row = _sync_and_feed(sessions["target"], committed, [])[0]
+        if metrics.target_rows is not None:  # a copy: the row is a view of the whole forward's logits
+            metrics.target_rows.append(np.array(row, dtype=np.float32))
         return [sampler.draw(sampler.probs(row), rng)]
 
     def _propose(
