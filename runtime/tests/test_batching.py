@@ -13,7 +13,7 @@ import pytest
 
 from kibidango.batching import Batcher, LlamaCppSlots, _Feed
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import DecodeConfig
+from kibidango.speculative import DecodeConfig, Metrics
 from tests.conftest import PROMPTS, SHARED
 
 GGUF = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
@@ -105,6 +105,45 @@ def test_requests_join_and_leave_a_running_batch(family):
         assert max(batcher.stats.rows) > 1
     finally:
         batcher.close()
+
+
+def test_torch_ar_steps_reuse_the_running_batch(family, monkeypatch):
+    """ar steps of the same requests run on the batch's cache as it is: the caches are stacked when
+    the batch changes (a prefill, a request leaving), not at every step."""
+    from kibidango.batching import TorchSlots
+
+    stacks = []
+    real = TorchSlots._stack
+    monkeypatch.setattr(TorchSlots, "_stack", lambda self, feeds: stacks.append(len(feeds)) or real(self, feeds))
+    cfgs = [DecodeConfig(mode="ar", max_new_tokens=24, temperature=0.0) for _ in range(4)]
+    alone = [_alone(family, p, c) for p, c in zip(PROMPTS, cfgs)]
+    pipe = Pipeline(None, dict(family), cfgs[0])
+    batcher = Batcher(pipe, slots=4)
+    try:
+        assert _together(batcher, pipe, PROMPTS[:4], cfgs) == alone
+        steps = batcher.stats.forwards
+    finally:
+        batcher.close()
+    assert steps >= 24 and len(stacks) < steps / 2, (len(stacks), steps)
+
+
+def test_answer_features_from_the_decoding_rows_equal_a_scoring_pass(family):
+    """Metrics.target_rows: the logits that chose each ar token give an answer the features a
+    second forward over prompt and answer gives (to float32 rounding: the rows are kept as float32)."""
+    from kibidango.confidence import score_answer
+
+    cfg = DecodeConfig(mode="ar", max_new_tokens=16, temperature=0.0)
+    pipe = Pipeline(None, dict(family), cfg)
+    metrics = Metrics("ar")
+    metrics.target_rows = []
+    answer = [t for new in pipe.decoder.generate(list(PROMPTS[0]), cfg, metrics) for t in new]
+    rows = metrics.target_rows
+    assert len(rows) >= len(answer) > 0
+    scored = score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.3)
+    reused = score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.3, rows)
+    assert reused.keys() == scored.keys()
+    for key in scored:
+        assert reused[key] == pytest.approx(scored[key], rel=1e-5, abs=1e-6), key  # rows kept as float32
 
 
 def test_a_model_outside_a_member_is_refused(family):
