@@ -176,7 +176,7 @@ class TorchSlots:
         ):  # a sequence to crop
             self._release()
         groups: dict[int, list[_Feed]] = {}
-        for f in sorted(feeds, key=lambda f: f.slot):  # rows in slot order: feeds arrive in any order
+        for f in feeds:
             groups.setdefault(len(f.tokens), []).append(f)
         for n, group in groups.items():
             self._forward(group, n)
