@@ -134,35 +134,34 @@ class LlamaCppSlots:
 
 
 class TorchSlots:
-    """``slots`` sequences of one transformers model. The sequences of the last forward stay in
-    one batched ``DynamicCache`` (left-padded, the padding masked): while the next forward feeds
-    the same sequences in the same order with nothing cropped (ar steps, in the main), it runs on
-    that cache as it is, as ``generate`` does. Any other forward first gives each sequence its own
-    ``DynamicCache`` back (its rows, unpadded) and stacks the ones it feeds into a new batch: a
-    copy of their caches, paid when the batch changes rather than at every step."""
+    """``slots`` sequences of one transformers model. The sequences fed together stay in one
+    batched ``DynamicCache`` (left-padded, the padding masked): while the same sequences are fed
+    together again with nothing cropped (ar steps, in the main), their forward runs on that cache as
+    it is, as ``generate`` does. Several such batches live side by side (a batch per adapter group:
+    the batcher runs each domain adapter's requests as their own forward). Any other forward first
+    gives the sequences it feeds their own ``DynamicCache`` back (their rows, unpadded; the rest of
+    a batch they leave is given back too) and stacks them into a new batch: a copy of their caches,
+    paid when a batch changes rather than at every step."""
 
     def __init__(self, model, slots: int):
         self.model = model
         self.slots = slots
         self.caches: list[list[tuple] | None] = [None] * slots  # per layer (keys, values), [1, heads, len, dim]
         self.length = [0] * slots
-        self._group: list[int] | None = None  # slots whose caches live in _batch, in row order
-        self._batch = None  # DynamicCache, len(_group) rows, row i padded by _pads[i] on the left
-        self._pads: list[int] = []
+        self._batches: dict[tuple[int, ...], tuple] = {}  # slots in row order -> (DynamicCache, pads)
 
     def set_lora(self, name: str | None) -> None:  # peft switches the shared weights: the adapters' use() did
         pass
 
-    def _release(self) -> None:
-        """Each sequence of the running batch gets its own cache back."""
-        if self._group is None:
-            return
-        for i, (slot, pad) in enumerate(zip(self._group, self._pads)):
-            self.caches[slot] = [
-                (layer.keys[i : i + 1, :, pad:].clone(), layer.values[i : i + 1, :, pad:].clone())
-                for layer in self._batch.layers
-            ]
-        self._group, self._batch, self._pads = None, None, []
+    def _release(self, slots) -> None:
+        """Every batch that holds one of ``slots`` gives each of its sequences its own cache back."""
+        for group in [g for g in self._batches if any(s in g for s in slots)]:
+            batch, pads = self._batches.pop(group)
+            for i, (slot, pad) in enumerate(zip(group, pads)):
+                self.caches[slot] = [
+                    (layer.keys[i : i + 1, :, pad:].clone(), layer.values[i : i + 1, :, pad:].clone())
+                    for layer in batch.layers
+                ]
 
     def _crop(self, slot: int, n: int) -> None:
         if self.length[slot] > n:
@@ -171,12 +170,9 @@ class TorchSlots:
             self.length[slot] = n
 
     def forward(self, feeds: list[_Feed]) -> None:
-        if self._group is not None and any(
-            f.slot in self._group and self.length[f.slot] > f.cached for f in feeds
-        ):  # a sequence to crop
-            self._release()
+        self._release([f.slot for f in feeds if self.length[f.slot] > f.cached])  # sequences to crop
         groups: dict[int, list[_Feed]] = {}
-        for f in feeds:
+        for f in sorted(feeds, key=lambda f: f.slot):  # rows in slot order: feeds arrive in any order
             groups.setdefault(len(f.tokens), []).append(f)
         for n, group in groups.items():
             self._forward(group, n)
@@ -186,11 +182,11 @@ class TorchSlots:
         from transformers import DynamicCache
 
         hf, device = self.model.hf, self.model.device
-        slots = [f.slot for f in feeds]
-        if slots == self._group:  # the running batch, each sequence one forward further
-            past, pads = self._batch, self._pads
+        slots = tuple(f.slot for f in feeds)
+        if slots in self._batches:  # a running batch, each sequence one forward further
+            past, pads = self._batches.pop(slots)
         else:
-            self._release()
+            self._release(slots)
             for f in feeds:
                 self._crop(f.slot, f.cached)
             past, pads = self._stack(feeds)
@@ -210,7 +206,7 @@ class TorchSlots:
                 use_cache=True,
             )
         logits = out.logits.float().cpu().numpy()
-        self._group, self._batch, self._pads = slots, out.past_key_values, pads
+        self._batches[slots] = (out.past_key_values, pads)
         for i, f in enumerate(feeds):
             self.caches[f.slot] = None  # in the batch now
             self.length[f.slot] += n
@@ -244,7 +240,7 @@ class TorchSlots:
 
     def close(self) -> None:
         self.caches = [None] * self.slots
-        self._group, self._batch, self._pads = None, None, []
+        self._batches = {}
 
 
 class BatchedSession:
