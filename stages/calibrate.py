@@ -186,10 +186,26 @@ def _token_level(cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict
 
 def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, work_dir: Path) -> list[dict]:
     """Every task answered with the base weights and (where the router picks a domain with an
-    adapter) with that adapter, each answer judged; resumable (:func:`methods.heldout.answer_and_judge`)."""
+    adapter) with that adapter, each answer judged; resumable (:func:`methods.heldout.answer_and_judge`).
+    Two passes: every base answer, then the adapter answers grouped by adapter — answers decoded
+    together share a forward only when they use the same weights, so interleaving base and adapter
+    answers (or adapters) would split each step into one forward per adapter."""
     domains = answerer.adapters.adapters.domains if answerer.adapters is not None else []
 
-    def answer(row: dict, prior: dict | None, judge) -> dict:
+    def variant(row: dict, adapter: str | None, judge) -> tuple[dict, bool]:
+        a, feats = answerer.answer(row["instruction"], row["input"], adapter, temperature)
+        judged = verdict_record(judge(row["task"], a.text), judge.kind)
+        record = {
+            "adapter": adapter,
+            "answer": a.text,
+            "tokens": a.tokens,
+            "finish_reason": a.finish_reason,
+            "features": feats,
+            **judged,
+        }
+        return record, judged["retryable"]
+
+    def base(row: dict, prior: dict | None, judge) -> dict:
         query = prompt_text(row["instruction"], row["input"])
         route, route_conf = router.route(query) if router is not None else ("base", None)
         record = {**task_record(row), "query": query, "route": route, "route_confidence": route_conf}
@@ -199,29 +215,32 @@ def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, wo
         record["reference_passed"] = reference["passed"]
         record["query_tokens"] = len(answerer.tokenizer(query)["input_ids"])
         record["reference_tokens"] = len(answerer.tokenizer(row["task"].reference)["input_ids"])
-        retryable = reference["retryable"]
-        for variant, adapter in (("base", None), ("adapter", route if route in domains else None)):
-            if variant == "adapter" and adapter is None:
-                record[variant] = None
-                continue
-            a, feats = answerer.answer(row["instruction"], row["input"], adapter, temperature)
-            judged = verdict_record(judge(row["task"], a.text), judge.kind)
-            retryable |= judged["retryable"]
-            record[variant] = {
-                "adapter": adapter,
-                "answer": a.text,
-                "tokens": a.tokens,
-                "finish_reason": a.finish_reason,
-                "features": feats,
-                **judged,
-            }
-        record["retryable"] = retryable
+        record["base"], retryable = variant(row, None, judge)
+        record["retryable"] = retryable or reference["retryable"]
         return record
 
+    def adapted(route: dict[str, str]):
+        def answer(row: dict, prior: dict | None, judge) -> dict:
+            record, retryable = variant(row, route[row["id"]], judge)
+            return {"id": row["id"], "adapter": record, "retryable": retryable}
+
+        return answer
+
     try:
-        return answer_and_judge(cfg, rows, work_dir, "2G answers", answer, cfg.parallel)[0]
+        table = answer_and_judge(cfg, rows, work_dir / "base", "2G answers (base)", base, cfg.parallel)[0]
+        route = {r["id"]: r["route"] for r in table if r["route"] in domains}
+        routed = sorted((row for row in rows if row["id"] in route), key=lambda row: route[row["id"]])
+        answers = answer_and_judge(
+            cfg, routed, work_dir / "adapter", "2G answers (adapter)", adapted(route), cfg.parallel
+        )[0]
     finally:
         answerer.close()
+    by_id = {a["id"]: a for a in answers}
+    for record in table:
+        a = by_id.get(record["id"])
+        record["adapter"] = None if a is None else a["adapter"]
+        record["retryable"] = record["retryable"] or (a is not None and a["retryable"])
+    return table
 
 
 def _matrix(answers: list[dict]) -> tuple[np.ndarray, np.ndarray]:
