@@ -19,7 +19,8 @@ checkpoint for torch, the 2D GGUF for llama.cpp).
    decodes its local answers that way (the bundle's sampling defaults would be another
    distribution of answers, scored lower and failing more: 6C's thresholds would not hold).
 
-Resumable like 1B: every judged task is appended to the work directory's ``rows.jsonl``.
+Resumable like 1B: every judged task is appended to the work directory's ``base/rows.jsonl`` (then
+``adapter/rows.jsonl``).
 
 Outputs: ``calibration.json`` (the runtime's :class:`kibidango.confidence.Calibrator`),
 ``answers.jsonl`` (every judged answer with its features, split, route: stages 6B and 6C read

@@ -160,26 +160,36 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
         except ContextLengthError:  # the task does not fit the context: no answer, a failure
             return "", {"tokens": 0, "finish_reason": "context", "domain": None, "adapter": None}
 
-    def answer(row: dict, prior: dict | None, judge) -> dict:
-        query = row["task"].prompt
-        ids = prompt_ids(pipe.tokenizer, [{"role": "user", "content": query}])
-        record = {**task_record(row), "answers": {}}
-        replies = {}
-        with batcher.turn() if batcher is not None else alone:
-            for policy in policies:
-                replies[policy] = generate(ids, query, policy)
+    def answering(policy: str):
+        def answer(row: dict, prior: dict | None, judge) -> dict:
+            query = row["task"].prompt
+            ids = prompt_ids(pipe.tokenizer, [{"role": "user", "content": query}])
+            record = {"id": row["id"]}
+            with batcher.turn() if batcher is not None else alone:
+                text, reply = generate(ids, query, policy)
                 if policy == "none":  # the base target, as it stands now: how likely it finds the gold answer
                     record["reference"] = _reference_nll(pipe, ids, row["task"].reference)
-        retryable = False
-        for policy, (text, reply) in replies.items():
             verdict = verdict_record(judge(row["task"], text), judge.kind)
-            retryable |= verdict["retryable"]
-            record["answers"][policy] = {"text": text, **reply, **verdict}
-        record["retryable"] = retryable
-        return record
+            record["answer"] = {"text": text, **reply, **verdict}
+            record["retryable"] = verdict["retryable"]
+            return record
 
+        return answer
+
+    # one pass per policy: answers decoded together share a forward only when they use the same
+    # weights (an adapter's answers beside the base target's would split every step in two)
+    table = [{**task_record(row), "answers": {}, "retryable": False} for row in rows]
     try:
-        return answer_and_judge(cfg, rows, work_dir, "9 answers", answer, cfg.parallel)[0]
+        for policy in policies:
+            answers = answer_and_judge(
+                cfg, rows, work_dir / policy, f"9 answers ({policy})", answering(policy), cfg.parallel
+            )[0]
+            for record, a in zip(table, answers):
+                record["answers"][policy] = a["answer"]
+                record["retryable"] = record["retryable"] or a["retryable"]
+                if "reference" in a:
+                    record["reference"] = a["reference"]
+        return table
     finally:
         if batcher is not None:  # the speed benchmark runs the pipeline alone
             batcher.close()
