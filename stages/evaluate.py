@@ -8,7 +8,8 @@ reproducible run to run), on tasks no stage trained or mined on
    judged (the sandboxed code judge: HumanEval / MBPP pass@1; the math judge: GSM8K accuracy; the
    reference judge on general instructions). Each rate with its 95% Wilson interval, per sample and
    per domain and over all; the perplexity of the gold answers under the base target, a graded
-   measure where pass rates sit at zero. Resumable: answers are logged as they are judged.
+   measure where pass rates sit at zero. Resumable: answers are logged as they are judged. A task
+   that ``auto`` routes to no adapter keeps its ``none`` answer (the same weights, greedy).
 2. **Size**: the bundle's bytes on disk, per tier and weight form.
 3. **Memory**: peak RSS of a fresh process that loads the bundle and generates (``VmHWM``, its own high-water mark).
 4. **Speed**: ``kibidango bench`` on the first evaluation queries: tokens/s of ``ar``, ``sd`` and
@@ -160,9 +161,13 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
         except ContextLengthError:  # the task does not fit the context: no answer, a failure
             return "", {"tokens": 0, "finish_reason": "context", "domain": None, "adapter": None}
 
+    base: dict[str, dict] = {}  # the `none` pass's records by task id
+
     def answering(policy: str):
         def answer(row: dict, prior: dict | None, judge) -> dict:
             query = row["task"].prompt
+            if policy != "none" and row["id"] in base and pipe.resolve_adapter(query, policy)[0] is None:
+                return {"id": row["id"], **{k: base[row["id"]][k] for k in ("answer", "retryable")}}  # same weights
             ids = prompt_ids(pipe.tokenizer, [{"role": "user", "content": query}])
             record = {"id": row["id"]}
             with batcher.turn() if batcher is not None else alone:
@@ -177,13 +182,17 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
         return answer
 
     # one pass per policy: answers decoded together share a forward only when they use the same
-    # weights (an adapter's answers beside the base target's would split every step in two)
+    # weights (an adapter's answers beside the base target's would split every step in two). The
+    # base weights' pass first: a task that `auto` routes to no adapter takes its answer from it
+    # (greedy decoding of the same weights), so only the routed tasks are decoded twice.
     table = [{**task_record(row), "answers": {}, "retryable": False} for row in rows]
     try:
-        for policy in policies:
+        for policy in sorted(policies, key=lambda p: p != "none"):
             answers = answer_and_judge(
                 cfg, rows, work_dir / policy, f"9 answers ({policy})", answering(policy), cfg.parallel
             )[0]
+            if policy == "none":
+                base.update((a["id"], a) for a in answers)
             for record, a in zip(table, answers):
                 record["answers"][policy] = a["answer"]
                 record["retryable"] = record["retryable"] or a["retryable"]

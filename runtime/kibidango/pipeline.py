@@ -194,18 +194,27 @@ class Pipeline:
         self._score(ids, out, metrics, score)
         return GenerationResult(text, out, metrics)
 
-    def _route(self, query: str, adapter: str | None, metrics: Metrics) -> None:
-        """Pick and activate the target's adapter for one request (see ``from_bundle``)."""
+    def resolve_adapter(self, query: str, adapter: str | None = None) -> tuple[str | None, str | None, float | None]:
+        """The adapter a request with this ``query`` and policy (``adapter``, default the
+        pipeline's) would run with, without loading it: ``(adapter or None for the base weights,
+        the router's domain, its confidence)``."""
         policy = adapter or self.adapter
-        chosen = None
+        chosen, domain, confidence = None, None, None
         if self.router is not None:
-            metrics.domain, metrics.router_confidence = self.router.route(query)
+            domain, confidence = self.router.route(query)
         if policy == "auto":
             routable = self.router is not None and self.adapters is not None
-            if routable and metrics.domain in self.adapters.adapters.domains:
-                chosen = metrics.domain if metrics.router_confidence >= self.router_threshold else None
+            if routable and domain in self.adapters.adapters.domains:
+                chosen = domain if confidence >= self.router_threshold else None
         elif policy != "none":
             chosen = policy
+        return chosen, domain, confidence
+
+    def _route(self, query: str, adapter: str | None, metrics: Metrics) -> None:
+        """Pick and activate the target's adapter for one request (see ``from_bundle``)."""
+        chosen, domain, confidence = self.resolve_adapter(query, adapter)
+        if self.router is not None:
+            metrics.domain, metrics.router_confidence = domain, confidence
         if self.adapters is not None:
             self.adapters.use(chosen)
         elif chosen is not None:

@@ -84,6 +84,7 @@ def test_auto_loads_the_adapter_the_router_picks_once_across_requests(bundle):
     for query in (CODE, CODE, MATH, CODE, "Once upon a time there was a cat"):
         m = pipe.generate(query, max_new_tokens=4).metrics
         seen.append((m.domain, m.adapter))
+        assert pipe.resolve_adapter(query) == (m.adapter, m.domain, m.router_confidence)  # loads nothing
         assert m.router_confidence is not None and 0 < m.router_confidence <= 1
         assert m.confidence is not None and 0 <= m.confidence <= 1
     assert seen[:4] == [("code", "code"), ("code", "code"), ("math", "math"), ("code", "code")]
