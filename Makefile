@@ -20,6 +20,7 @@
 #   make loadtest        kibidango serve on the demo's bundle at 1/4/16 clients, serial vs --parallel 16 (after make demo)
 #   make fuzz-ingest     stage 0's reader on generated hostile rows for SECONDS_FUZZ seconds (default 60); prints rows tried and crashes
 #   make bench-runtime   ar / sd / pyramid and the peers on ../shared's bench family, torch and llama.cpp
+#   make bench-runtime-gpu  the same on a CUDA GPU (torch backend; exits 2 without one)
 #   make backend-agreement  greedy ar on the torch and llama.cpp backends over stories260K's weights
 #   make tune-runtime    kibidango tune (1F) on the bench family, llama.cpp: the fastest settings under a quality bound
 #   make bench-kv-cache  llama.cpp's f16 / q8_0 / q4_0 K/V caches on the bench family's target: bytes, speed, agreement
@@ -34,7 +35,7 @@ METRICS     ?=
 ARGS        ?=
 export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
 
-.PHONY: setup redis-server bubblewrap worker demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade eval-harness report fuzz-ingest bench-runtime \
+.PHONY: setup redis-server bubblewrap worker demo test lint format test-slow dry-run schedule mlflow-ui compare clean-cache verify bench-dedup eval-dedup bench-router eval-cascade eval-harness report fuzz-ingest bench-runtime bench-runtime-gpu \
   loadtest backend-agreement bench-kv-cache tune-runtime
 
 AXO_VENV    ?= .venv-axolotl
@@ -147,6 +148,14 @@ bench-runtime: setup $(BENCH_BUNDLE)/bundle.json
 	$(RECORD) bench-runtime-llamacpp --title "Decoding modes on the bench family: llama.cpp backend" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
 	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend llamacpp --peers llamacpp
+
+# The same benchmark on a CUDA GPU (torch backend; a transformers-only bundle): fixed and adaptive
+# draft lengths, each also with the draft's steps compiled. Not through .venv, whose torch is the CPU
+# build: GPU_PYTHON is a python with CUDA torch and transformers; only the runtime is imported.
+# Results of one H100: docs/report/gpu/H100.md.
+GPU_PYTHON ?= python3
+bench-runtime-gpu:
+	PYTHONPATH=runtime $(GPU_PYTHON) -m eval.bench_gpu --family $(SHARED_DIR)/models/bench-family $(ARGS)
 
 # 1F as a command: search the decoding settings of the bench family per backend (minutes each).
 tune-runtime: setup $(BENCH_BUNDLE)/bundle.json

@@ -49,7 +49,6 @@ def build(out: Path, gguf_type: str = "f16") -> Path:
             tiers,
             {"mode": "sd", "k": 4, "l_D": 3, "l_Q": 6, "tau_Q": 0.3, "tau_T": 0.2, "max_new_tokens": 64},
             preset="bench-family",
-            source=str(FAMILY),
         )
     load_bundle(out)  # every hash, one tokenizer across the tiers
     return out

@@ -11,7 +11,7 @@ Also prints Leviathan et al.'s predicted speedup (1 - a^(k+1)) / ((1 - a)(k c + 
 measured a (per-token acceptance) and c (draft/target cost of one forward step), and ``ar``'s
 tokens/s as a share of the memory-bandwidth bound: a token of target-only decoding reads every
 weight of the target once, so it cannot run faster than (read bandwidth) / (target weight bytes),
-with the read bandwidth measured here (:func:`read_bandwidth`). (Weights that fit in the CPU's
+with the read bandwidth measured here (:func:`read_bandwidth`; on a GPU, the GPU's). (Weights that fit in the CPU's
 caches can beat it; the table says so.)"""
 
 from __future__ import annotations
@@ -93,6 +93,25 @@ def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
         a.dot(b)
         best = min(best, time.perf_counter() - t)
     return (a.nbytes + b.nbytes) / best
+
+
+def _device_read_bandwidth(model, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """:func:`read_bandwidth` of the memory ``model``'s weights live in: a CUDA GPU's (a sum over
+    ``nbytes`` of float32 on it, best of ``repeats``), else the CPU's."""
+    hf = getattr(model, "hf", None)
+    if hf is None or hf.device.type != "cuda":
+        return read_bandwidth()
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=hf.device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms the kernel up
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
 
 
 def _weight_bytes(model) -> int:
@@ -223,7 +242,7 @@ def run_bench(
     verify = verify_s / costs["target"] if verify_s else None
     if ar_tps:
         weights = _weight_bytes(base.models["target"])
-        bw = read_bandwidth()
+        bw = _device_read_bandwidth(base.models["target"])
         result.bandwidth = {
             "ar_tokens_per_s": ar_tps,
             "target_weight_bytes": float(weights),
@@ -283,10 +302,12 @@ def _hf_generate(pipe: Pipeline, prompt_ids: list[int], max_new_tokens: int, ass
         pad_token_id=0,
         eos_token_id=target.config.eos_token_id,
     )
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=target.device)  # a GPU's model takes its inputs there
     t = time.perf_counter()
     with torch.inference_mode():
         out = target.generate(ids, generation_config=config, **kwargs)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t, out.shape[1] - len(prompt_ids)
 
 

@@ -61,9 +61,10 @@ class TorchSession:
         drop = len(self.tokens) - n
         if drop > 0:
             if self._static:  # its layers write at their own counter: move it back (in place, a static address)
-                for layer in self._cache.layers:
-                    if layer.is_initialized:
-                        layer.cumulative_length.fill_(n)
+                with torch.inference_mode():  # the counters were made in feed()'s inference mode
+                    for layer in self._cache.layers:
+                        if layer.is_initialized:
+                            layer.cumulative_length.fill_(n)
             else:
                 self._cache.crop(-drop)  # negative: remove that many trailing positions
             del self.tokens[n:]
