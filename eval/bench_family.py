@@ -18,29 +18,36 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eval.shared_data import SHARED
-
-FAMILY = SHARED / "models" / "bench-family"
-PROMPTS = FAMILY / "prompts.txt"
 TIERS = ("draft", "qualifier", "target")
 
 
-def build(out: Path, gguf_type: str = "f16") -> Path:
+def build(out: Path, gguf_type: str | None = "f16", family: Path | None = None) -> Path:
+    """The bundle of ``family`` (default: ../shared's) at ``out``; ``gguf_type`` None: the
+    transformers weights only (no converter needed: ``eval.bench_gpu`` on a machine without the
+    pipeline installed)."""
     from kibidango import load_bundle, write_bundle
-    from methods.compression.gguf import quantize
-    from methods.llama_cpp_tools import convert_hf_to_gguf
 
-    missing = [t for t in TIERS if not (FAMILY / t / "config.json").is_file()]
+    if family is None:
+        from eval.shared_data import SHARED
+
+        family = SHARED / "models" / "bench-family"
+    missing = [t for t in TIERS if not (family / t / "config.json").is_file()]
     if missing:
-        raise SystemExit(f"the bench family is not at {FAMILY} (missing {', '.join(missing)}): it ships in ../shared")
+        raise SystemExit(f"the bench family is not at {family} (missing {', '.join(missing)}): it ships in ../shared")
     with tempfile.TemporaryDirectory(prefix="kbd-bench-family-") as tmp:
         tiers = {}
         for tier in TIERS:
-            f16 = convert_hf_to_gguf(FAMILY / tier, Path(tmp) / f"{tier}-f16.gguf", "f16")
+            tiers[tier] = {"hf": family / tier}
+            if gguf_type is None:
+                continue
+            from methods.compression.gguf import quantize
+            from methods.llama_cpp_tools import convert_hf_to_gguf
+
+            f16 = convert_hf_to_gguf(family / tier, Path(tmp) / f"{tier}-f16.gguf", "f16")
             gguf = f16
             if gguf_type.lower() not in ("f16", "f32"):
                 gguf = quantize(f16, Path(tmp) / f"{tier}-{gguf_type}.gguf", gguf_type)
-            tiers[tier] = {"hf": FAMILY / tier, "gguf": gguf}
+            tiers[tier]["gguf"] = gguf
             print(f"{tier}: {gguf.name} ({gguf.stat().st_size / 1e6:.1f} MB)", flush=True)
         if out.exists():
             shutil.rmtree(out)

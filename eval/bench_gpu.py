@@ -17,7 +17,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-TIERS = ("draft", "qualifier", "target")
 MODES = "ar,sd,lookup,pyramid,pyramid-exact,pyramid-assisted"
 SETTINGS = {  # name: extra `kibidango bench` arguments
     "fixed": [],
@@ -42,23 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark is for a GPU (make bench-runtime runs the CPU one)", file=sys.stderr)
         return 2
-    missing = [t for t in TIERS if not (args.family / t / "config.json").is_file()]
-    if missing:
-        print(f"{args.family}: no bench family here (missing {', '.join(missing)})", file=sys.stderr)
-        return 2
-    from kibidango import write_bundle
+    from eval.bench_family import build
     from kibidango.cli import main as kibidango
 
     p = torch.cuda.get_device_properties(0)
     print(f"device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}", flush=True)
     prompts = args.prompts or args.family / "prompts.txt"
     with tempfile.TemporaryDirectory(prefix="kbd-bench-gpu-") as tmp:
-        bundle = write_bundle(
-            Path(tmp) / "bundle",
-            {t: {"hf": args.family / t} for t in TIERS},
-            {"mode": "sd", "k": 4, "l_D": 3, "l_Q": 6, "tau_Q": 0.3, "tau_T": 0.2, "max_new_tokens": 64},
-            preset="bench-family",
-        )
+        bundle = build(Path(tmp) / "bundle", gguf_type=None, family=args.family)  # make bench-runtime's, no GGUF
         for name in args.settings.split(","):
             print(f"\n## {name}\n", flush=True)
             code = kibidango(
