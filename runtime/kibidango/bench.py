@@ -27,7 +27,7 @@ import numpy as np
 from kibidango.pipeline import Pipeline
 from kibidango.speculative import Decoder, Metrics
 
-__all__ = ["BenchResult", "bootstrap_ratio", "leviathan_speedup", "read_prompts", "run_bench"]
+__all__ = ["BenchResult", "bootstrap_ratio", "leviathan_speedup", "read_prompts", "run_bench", "step_costs"]
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -121,7 +121,7 @@ def _weight_bytes(model) -> int:
     return Path(model.llm.model_path).stat().st_size
 
 
-def _step_costs(
+def step_costs(
     models: dict, tokens: list[int], rounds: int = 7, steps: int = 16, batch: int | None = None
 ) -> tuple[dict[str, float], float | None]:
     """Seconds per one-token forward step with a warm KV cache (a draft's inner loop), for each
@@ -237,7 +237,7 @@ def run_bench(
     if llama_peer:
         result.rows.append(llama_peer.row())
     k_sd = cfgs["sd"].k if "sd" in cfgs else None
-    costs, verify_s = _step_costs(base.models, ids[0], batch=k_sd + 1 if k_sd else None)
+    costs, verify_s = step_costs(base.models, ids[0], batch=k_sd + 1 if k_sd else None)
     result.cost_ratio = {name: costs[name] / costs["target"] for name in costs}
     verify = verify_s / costs["target"] if verify_s else None
     if ar_tps:
