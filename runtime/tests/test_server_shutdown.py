@@ -5,9 +5,12 @@ the server is gone, refused before anything was sent."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -16,6 +19,7 @@ import time
 import httpx
 import pytest
 
+from kibidango.server.drain import _stop_new_connections
 from kibidango.server.loadtest import run_load
 from tests.conftest import stories_bundle
 from tests.slow_server import Server, free_port, wait_for
@@ -106,13 +110,56 @@ def test_sigterm_under_load_loses_no_request(bundle, tmp_path, parallel):
         r = run_load(
             base, body, requests=3000, concurrency=16, timeout_s=60, endpoint="/v1/completions", progress=progress
         )
-        assert proc.wait(60) in (0, -signal.SIGTERM)
-        assert r.lost == 0, (r.outcomes, (tmp_path / "server.log").read_text()[-3000:])
-        assert set(r.outcomes) <= {"200", "503", "refused_connection"}, r.outcomes
-        assert r.outcomes["200"] >= 40 and r.outcomes.get("refused_connection", 0) > 0
-        assert r.refused_without_retry_after == 0
+        server_log = lambda: (tmp_path / "server.log").read_text()[-3000:]  # noqa: E731
+        assert proc.wait(60) in (0, -signal.SIGTERM), (proc.returncode, server_log())
+        assert r.lost == 0, (r.outcomes, server_log())
+        assert set(r.outcomes) <= {"200", "503", "refused_connection"}, (r.outcomes, server_log())
+        assert r.outcomes["200"] >= 40 and r.outcomes.get("refused_connection", 0) > 0, (r.outcomes, server_log())
+        assert r.refused_without_retry_after == 0, r.outcomes
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _attach(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> ctypes.Array:
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in program))
+    sock.setsockopt(socket.SOL_SOCKET, 26, struct.pack("HL", len(program), ctypes.addressof(code)))
+    return code  # kept alive by the caller until the kernel has copied it (it has, on return)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="socket filters are Linux's")
+def test_closing_the_listener_refuses_new_clients_and_completes_handshakes_under_way():
+    """The race that reset a client after its request was sent: its SYN-ACK left before the drain
+    stopped new connections, so its ``connect`` succeeded, but the last ACK of its handshake (and
+    its request) came after. Reproduced exactly: a filter that drops every ACK-bearing segment holds
+    a client there (connected on its side, never in the server's backlog); then the drain's filter
+    replaces it. The client's retransmitted request must complete the handshake and be accepted,
+    while a new client's connect never completes and is refused once the socket closes."""
+    drop_acks = [(0x30, 0, 0, 13), (0x45, 1, 0, 0x10), (0x06, 0, 0, 0x40000), (0x06, 0, 0, 0)]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    _attach(listener, drop_acks)
+    under_way = socket.create_connection(("127.0.0.1", port), timeout=5)  # SYN-ACK received: connected
+    under_way.sendall(b"POST / HTTP/1.1\r\n\r\n")  # dropped with the ACK; retransmitted
+    listener.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        listener.accept()  # held in the handshake, as the race holds it
+    _stop_new_connections(listener)
+    listener.settimeout(10)
+    accepted, _ = listener.accept()  # the retransmission completes the handshake through the new filter
+    accepted.settimeout(10)
+    assert accepted.recv(64).startswith(b"POST / HTTP/1.1")
+    late = socket.socket()
+    late.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        late.connect(("127.0.0.1", port))  # its SYN is dropped: nothing completes, nothing is sent
+    listener.close()
+    refused = socket.socket()
+    with pytest.raises(ConnectionRefusedError):
+        refused.connect(("127.0.0.1", port))
+    for s in (under_way, accepted, late, refused):
+        s.close()

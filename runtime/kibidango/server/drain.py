@@ -17,10 +17,10 @@ def uvicorn_server(config):
     keeps accepting: new and queued requests are answered 503 + Retry-After, running ones get
     ``config.timeout_graceful_shutdown`` seconds to finish; then the rest stop after their decoding
     round and are answered 503 (a request still at the cloud too, after a few seconds more). Only
-    then does the listening socket close: first no new connection may complete on it
-    (:func:`_stop_new_connections`) and what is in its backlog is accepted and answered, so a client
-    that connected is answered or, arriving after, refused — never reset after its request was
-    sent. A second signal stops at once (uvicorn's way)."""
+    then does the listening socket close: first no new connection may start on it
+    (:func:`_stop_new_connections`), and those whose handshake began or that wait in its backlog
+    are accepted and answered, so a client that connected is answered or, arriving after,
+    refused — never reset after its request was sent. A second signal stops at once (uvicorn's way)."""
     import uvicorn
 
     scheduler = config.app.state.scheduler
@@ -52,7 +52,7 @@ def uvicorn_server(config):
             await _idle(scheduler, 5.0)
             if scheduler.abandon():  # still at the cloud: answered now, its work ends on its own
                 log.warning("shutdown: requests still waiting for the cloud were answered 503")
-            for server in self.servers:  # no new connection completes; those in the backlog are taken
+            for server in self.servers:  # no new connection starts; those under way are taken
                 for sock in server.sockets:
                     _stop_new_connections(sock)
             await asyncio.sleep(0.5)  # accepted and answered (503) before the socket closes
@@ -67,12 +67,26 @@ async def _idle(scheduler: Scheduler, seconds: float) -> None:
         await asyncio.sleep(0.05)
 
 
+# A classic BPF socket filter for a listening TCP socket (the program sees the TCP header at offset 0):
+# load the flags byte, keep every segment that carries ACK, drop the rest — a new client's SYN.
+_BPF_LD_B_ABS, _BPF_JSET_K, _BPF_RET_K = 0x30, 0x45, 0x06
+_TCP_FLAGS_OFFSET, _TCP_ACK = 13, 0x10
+_DROP_SYNS = (
+    (_BPF_LD_B_ABS, 0, 0, _TCP_FLAGS_OFFSET),
+    (_BPF_JSET_K, 0, 1, _TCP_ACK),  # ACK set: next instruction (keep); else skip it (drop)
+    (_BPF_RET_K, 0, 0, 0x40000),  # keep (up to 256 KiB of the segment: all of it)
+    (_BPF_RET_K, 0, 0, 0),  # drop
+)
+
+
 def _stop_new_connections(sock) -> None:
-    """Let no new connection complete on a listening socket, while those already in its backlog
-    stay to be accepted: on Linux a socket filter that drops every incoming packet (a new client's
-    handshake never completes; it retries, then finds the socket closed: refused, nothing sent —
-    while established connections have sockets of their own, which the filter does not touch);
-    elsewhere ``listen(0)``, which only shrinks the backlog."""
+    """Let no new connection start on a listening socket, while every one whose handshake began
+    still completes and is accepted: on Linux a socket filter that drops a new client's SYN (it
+    retries, then finds the socket closed: refused, nothing sent) and keeps every segment that
+    carries ACK — the last step of a handshake already under way, so that a client which got its
+    SYN-ACK before the filter (and whose ``connect`` therefore succeeded) reaches the backlog and is
+    answered instead of being reset after sending its request. Elsewhere ``listen(0)``, which only
+    shrinks the backlog."""
     import ctypes
     import os
     import socket
@@ -83,8 +97,8 @@ def _stop_new_connections(sock) -> None:
     except OSError:
         return
     try:
-        drop = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))  # BPF_RET|BPF_K 0: drop
-        program = struct.pack("HL", 1, ctypes.addressof(drop))  # struct sock_fprog {len; *filter}
+        code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in _DROP_SYNS))
+        program = struct.pack("HL", len(_DROP_SYNS), ctypes.addressof(code))  # struct sock_fprog {len; *filter}
         dup.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26), program)
     except OSError:
         try:
