@@ -25,9 +25,45 @@ from pathlib import Path
 import numpy as np
 
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import Decoder, Metrics
+from kibidango.speculative import MODES, Decoder, Metrics
 
-__all__ = ["BenchResult", "bootstrap_ratio", "leviathan_speedup", "read_prompts", "run_bench", "step_costs"]
+__all__ = [
+    "BenchResult",
+    "bootstrap_ratio",
+    "leviathan_speedup",
+    "parse_mode",
+    "read_prompts",
+    "run_bench",
+    "step_costs",
+]
+
+_OPTIONS = {"adaptive": ("adaptive", None), "lookup": ("lookup", None), "kmax": ("k_max", int), "k": ("k", int)}
+_OPTIONS |= {"p": ("p_min", float), "lD": ("l_D", int), "lQ": ("l_Q", int)}
+
+
+def parse_mode(spec: str) -> tuple[str, str | None, dict]:
+    """A benchmarked mode: ``ar``, ``sd``, ``lookup``, ``pyramid`` or ``pyramid-<variant>``, then
+    settings of its own after ``+``, so that one run compares several settings of a mode side by
+    side: ``adaptive``, ``lookup`` (the n-gram tier under the draft), ``k<n>``, ``kmax<n>``,
+    ``p<x>`` (p_min), ``lD<n>``, ``lQ<n>`` — e.g. ``sd+adaptive+lookup``, ``sd+k6+p0.3``.
+    Returns (mode, variant or None, the settings as DecodeConfig fields)."""
+    head, *options = spec.split("+")
+    mode, variant = head.split("-", 1) if head.startswith("pyramid-") else (head, None)
+    if mode not in MODES:
+        raise ValueError(f"--modes {spec!r}: unknown mode {mode!r} (one of {', '.join(MODES)})")
+    settings: dict = {}
+    for option in options:
+        name = option.rstrip("0123456789.")
+        if name not in _OPTIONS or (_OPTIONS[name][1] is None) != (name == option):
+            raise ValueError(
+                f"--modes {spec!r}: unknown setting {option!r} (adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>)"
+            )
+        field_name, kind = _OPTIONS[name]
+        try:
+            settings[field_name] = True if kind is None else kind(option[len(name) :])
+        except ValueError as e:
+            raise ValueError(f"--modes {spec!r}: {option!r} needs a number after {name!r}") from e
+    return mode, variant, settings
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -164,8 +200,8 @@ def run_bench(
     compile: bool = False,
     **decode,
 ) -> BenchResult:
-    specs = {m: m.split("-", 1) if m.startswith("pyramid-") else [m, None] for m in modes}
-    needs = {mode for mode, _ in specs.values()}
+    specs = {m: parse_mode(m) for m in modes}
+    needs = {mode for mode, _, _ in specs.values()}
     base = Pipeline.from_bundle(
         bundle,
         backend=backend,
@@ -178,8 +214,8 @@ def run_bench(
     ids = [base.encode(p) for p in prompts]
     # No stop ids: every mode generates the full budget, so token counts match across modes.
     cfgs = {
-        m: base.config(mode=mode, variant=variant, max_new_tokens=max_new_tokens, stop_ids=(), **decode)
-        for m, (mode, variant) in specs.items()
+        m: base.config(mode=mode, variant=variant, max_new_tokens=max_new_tokens, stop_ids=(), **{**decode, **own})
+        for m, (mode, variant, own) in specs.items()
     }
     totals = {m: Metrics(m) for m in modes}
     cells: dict[str, list[tuple[int, float]]] = {m: [] for m in modes}  # (tokens, seconds) per prompt x round
@@ -214,7 +250,7 @@ def run_bench(
     for m in modes:
         t = totals[m]
         row = {
-            "mode": m if m != "pyramid" else f"pyramid-{cfgs[m].variant}",
+            "mode": m if m.split("+")[0] != "pyramid" else f"pyramid-{cfgs[m].variant}{m[len('pyramid') :]}",
             "tau": (cfgs[m].tau_Q, cfgs[m].tau_T) if cfgs[m].mode == "pyramid" else None,
             "tokens": t.generated_tokens,
             "speed_vs_ar": t.tokens_per_second / ar_tps if ar_tps else None,
@@ -272,10 +308,12 @@ def run_bench(
 
 
 def _pyramid_vs_sd(rows: list[dict], cells: dict, n_prompts: int, repeats: int) -> list[str]:
-    """The fastest pyramid mode against the fastest two-level one (sd, lookup), with an interval."""
+    """The fastest pyramid mode against the fastest two-level one (sd, lookup, with any settings),
+    with an interval."""
     by_name = dict(zip(cells, rows))  # rows are in the modes' order
-    pyramid = [m for m in cells if m.startswith("pyramid") and by_name[m]["speed_vs_ar"] is not None]
-    flat = [m for m in cells if m in ("sd", "lookup") and by_name[m]["speed_vs_ar"] is not None]
+    measured = [m for m in cells if by_name[m]["speed_vs_ar"] is not None]
+    pyramid = [m for m in measured if parse_mode(m)[0] == "pyramid"]
+    flat = [m for m in measured if parse_mode(m)[0] in ("sd", "lookup")]
     if not pyramid or not flat or len(cells[pyramid[0]]) < 2:
         return []
     best_p = max(pyramid, key=lambda m: by_name[m]["speed_vs_ar"])

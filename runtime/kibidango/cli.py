@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--modes",
         default="ar,sd,pyramid",
-        help="comma list of ar, sd, lookup, pyramid, pyramid-exact, pyramid-assisted",
+        help="comma list of ar, sd, lookup, pyramid, pyramid-exact, pyramid-assisted; a mode may carry its own "
+        "settings after '+' (adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>): sd,sd+adaptive+lookup,sd+k6+p0.3",
     )
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=1)

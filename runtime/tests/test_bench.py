@@ -70,3 +70,30 @@ def test_repeats_give_every_ratio_an_interval_and_settle_pyramid_against_sd(tmp_
     (note,) = [n for n in result.notes if n.startswith("best pyramid")]
     assert "(95% bootstrap over 2 prompts x 2 rounds)" in note and "best sd (" in note
     assert "[" in format_table(result).splitlines()[3]
+
+
+def test_a_mode_may_carry_its_own_settings_so_one_run_compares_them():
+    from kibidango.bench import parse_mode
+
+    assert parse_mode("sd") == ("sd", None, {})
+    assert parse_mode("sd+adaptive+lookup+kmax8") == ("sd", None, {"adaptive": True, "lookup": True, "k_max": 8})
+    assert parse_mode("sd+k6+p0.3") == ("sd", None, {"k": 6, "p_min": 0.3})
+    assert parse_mode("pyramid-exact+lD3+lQ6") == ("pyramid", "exact", {"l_D": 3, "l_Q": 6})
+    for bad, why in [("sdx", "unknown mode 'sdx'"), ("sd+fast", "unknown setting 'fast'"), ("sd+pX", "unknown")]:
+        with pytest.raises(ValueError, match=why):
+            parse_mode(bad)
+
+
+def test_settings_of_one_mode_are_benchmarked_side_by_side(tmp_path):
+    needs_stories()
+    tiers = {t: {"hf": STORIES, "vocab_size": 512} for t in ("draft", "qualifier", "target")}
+    bundle = write_bundle(tmp_path / "b", tiers, {"mode": "pyramid"})
+    modes = ["ar", "sd", "sd+k2", "sd+adaptive+lookup", "pyramid+lD2"]
+    result = run_bench(bundle, ["Once upon a time", "The cat"], modes, max_new_tokens=9, repeats=2, peers=())
+    rows = {r["mode"]: r for r in result.rows}
+    assert list(rows) == ["ar", "sd", "sd+k2", "sd+adaptive+lookup", "pyramid-fuzzy+lD2"]
+    # identical tiers: every draft token is accepted, so k sets the target's passes per token
+    assert rows["sd"]["target_forwards_per_token"] < rows["sd+k2"]["target_forwards_per_token"]
+    assert rows["sd+k2"]["mean_acceptance_length"] == pytest.approx(3.0)  # 9 tokens: 3 rounds of 2 + 1
+    (note,) = [n for n in result.notes if n.startswith("best pyramid")]
+    assert "best sd (sd" in note  # the fastest of the sd settings, whichever it was
