@@ -131,10 +131,13 @@ verify: setup
 # The runtime benchmark: ../shared's bench family (0.26M draft, 5M qualifier, 26M target) as a
 # bundle (GGUF F16 through the pinned converter; built once), every mode and the peers on its
 # held-out story openings, on both backends; three interleaved rounds give each ratio a bootstrap interval.
+# sd is measured fixed, adaptive and over the n-gram tier (`sd+...`: a mode's own settings); torch
+# with the draft's single-token steps compiled (--compile: the draft's eager step is per-call overhead).
 SHARED_DIR   ?= $(or $(KIBIDANGO_SHARED),$(CURDIR)/../shared)
 BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
 BENCH_ARGS    = --bundle $(BENCH_BUNDLE) --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
-  --modes ar,sd,lookup,pyramid,pyramid-exact,pyramid-assisted --max-new-tokens 64 --repeats 3 $(ARGS)
+  --modes ar,sd,sd+adaptive,sd+lookup,sd+adaptive+lookup,lookup,pyramid,pyramid-exact,pyramid-assisted \
+  --max-new-tokens 64 --repeats 3 $(ARGS)
 $(BENCH_BUNDLE)/bundle.json:
 	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE)
 
@@ -144,7 +147,7 @@ RECORD = $(PY) -m eval.record
 bench-runtime: setup $(BENCH_BUNDLE)/bundle.json
 	$(RECORD) bench-runtime-torch --title "Decoding modes on the bench family: torch backend" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend torch --peers hf
+	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend torch --compile --peers hf
 	$(RECORD) bench-runtime-llamacpp --title "Decoding modes on the bench family: llama.cpp backend" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
 	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend llamacpp --peers llamacpp
