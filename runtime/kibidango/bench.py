@@ -37,8 +37,15 @@ __all__ = [
     "step_costs",
 ]
 
-_OPTIONS = {"adaptive": ("adaptive", None), "lookup": ("lookup", None), "kmax": ("k_max", int), "k": ("k", int)}
-_OPTIONS |= {"p": ("p_min", float), "lD": ("l_D", int), "lQ": ("l_Q", int)}
+_OPTIONS = {  # a mode's own setting after "+": its name -> (DecodeConfig field, number type or None for a flag)
+    "adaptive": ("adaptive", None),
+    "lookup": ("lookup", None),
+    "kmax": ("k_max", int),
+    "k": ("k", int),
+    "p": ("p_min", float),
+    "lD": ("l_D", int),
+    "lQ": ("l_Q", int),
+}
 
 
 def parse_mode(spec: str) -> tuple[str, str | None, dict]:

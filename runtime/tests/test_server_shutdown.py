@@ -5,12 +5,10 @@ the server is gone, refused before anything was sent."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -19,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from kibidango.server.drain import _stop_new_connections
+from kibidango.server.drain import _BPF_JSET_K, _BPF_LD_B_ABS, _BPF_RET_K, _attach_filter, _stop_new_connections
 from kibidango.server.loadtest import run_load
 from tests.conftest import stories_bundle
 from tests.slow_server import Server, free_port, wait_for
@@ -123,12 +121,6 @@ def test_sigterm_under_load_loses_no_request(bundle, tmp_path, parallel):
         log.close()
 
 
-def _attach(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> ctypes.Array:
-    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in program))
-    sock.setsockopt(socket.SOL_SOCKET, 26, struct.pack("HL", len(program), ctypes.addressof(code)))
-    return code  # kept alive by the caller until the kernel has copied it (it has, on return)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="socket filters are Linux's")
 def test_closing_the_listener_refuses_new_clients_and_completes_handshakes_under_way():
     """The race that reset a client after its request was sent: its SYN-ACK left before the drain
@@ -137,12 +129,18 @@ def test_closing_the_listener_refuses_new_clients_and_completes_handshakes_under
     a client there (connected on its side, never in the server's backlog); then the drain's filter
     replaces it. The client's retransmitted request must complete the handshake and be accepted,
     while a new client's connect never completes and is refused once the socket closes."""
-    drop_acks = [(0x30, 0, 0, 13), (0x45, 1, 0, 0x10), (0x06, 0, 0, 0x40000), (0x06, 0, 0, 0)]
+    # the drain's program with the branch reversed: keep segments without ACK (SYNs), drop the rest
+    drop_acks = [
+        (_BPF_LD_B_ABS, 0, 0, 13),
+        (_BPF_JSET_K, 1, 0, 0x10),
+        (_BPF_RET_K, 0, 0, 0x40000),
+        (_BPF_RET_K, 0, 0, 0),
+    ]
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     port = listener.getsockname()[1]
-    _attach(listener, drop_acks)
+    _attach_filter(listener, drop_acks)
     under_way = socket.create_connection(("127.0.0.1", port), timeout=5)  # SYN-ACK received: connected
     under_way.sendall(b"POST / HTTP/1.1\r\n\r\n")  # dropped with the ACK; retransmitted
     listener.settimeout(0.3)

@@ -87,19 +87,15 @@ def _stop_new_connections(sock) -> None:
     SYN-ACK before the filter (and whose ``connect`` therefore succeeded) reaches the backlog and is
     answered instead of being reset after sending its request. Elsewhere ``listen(0)``, which only
     shrinks the backlog."""
-    import ctypes
     import os
     import socket
-    import struct
 
     try:
         dup = socket.socket(fileno=os.dup(sock.fileno()))
     except OSError:
         return
     try:
-        code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in _DROP_SYNS))
-        program = struct.pack("HL", len(_DROP_SYNS), ctypes.addressof(code))  # struct sock_fprog {len; *filter}
-        dup.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26), program)
+        _attach_filter(dup, _DROP_SYNS)
     except OSError:
         try:
             dup.listen(0)
@@ -107,3 +103,15 @@ def _stop_new_connections(sock) -> None:
             pass
     finally:
         dup.close()
+
+
+def _attach_filter(sock, program) -> None:
+    """Attach a classic BPF program (``(code, jt, jf, k)`` instructions) to ``sock``, replacing any
+    filter it had (``SO_ATTACH_FILTER``; the kernel copies the program). OSError where unsupported."""
+    import ctypes
+    import socket
+    import struct
+
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in program))
+    fprog = struct.pack("HL", len(program), ctypes.addressof(code))  # struct sock_fprog {len; *filter}
+    sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_ATTACH_FILTER", 26), fprog)
