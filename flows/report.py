@@ -367,8 +367,10 @@ def _ci(r: dict) -> str:
 
 
 def _routing_lines(runs: dict, artifacts: dict) -> list[str]:
-    """Stage 9's ladder answers: the share the bundle's router sent to the matching domain's adapter,
-    and the routed answers (policy auto) against the base target's (policy none) on the same tasks."""
+    """Stage 9's ladder answers: the share that ran the domain's adapter (the router picked it with
+    the confidence the cascade's threshold asks) and the share that ran the bundle's default
+    adapter (2F's recovery LoRA), and the answers of policy auto against the bare target's (policy
+    none) on the same tasks."""
     from methods.evaluation import mcnemar, wilson
 
     path = Path(artifacts["9"]) / "answers.jsonl" if "9" in artifacts else None
@@ -380,15 +382,18 @@ def _routing_lines(runs: dict, artifacts: dict) -> list[str]:
         return []
     out = [
         "",
-        "### Routing: the domain adapters on the ladder",
+        "### Adapters on the ladder: policy auto against the bare target",
         "",
-        "| domain | tasks | routed to its adapter | base target (none) | routed (auto) | auto only / none only, "
-        "McNemar p |",
-        "|---|---:|---:|---:|---:|---|",
+        "| domain | tasks | ran its domain adapter | ran the default adapter | bare target (none) | auto | auto only "
+        "/ none only, McNemar p |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
+    evaluation = _json(Path(artifacts["9"]) / "evaluation.json") or {}
+    default = evaluation.get("default_adapter")
     for domain in sorted({r["domain"] for r in rows}):
         rs = [r for r in rows if r["domain"] == domain]
-        routed = sum(r["answers"]["auto"].get("domain") == domain for r in rs)
+        routed = sum(r["answers"]["auto"].get("adapter") == domain for r in rs)
+        fallback = sum(default is not None and r["answers"]["auto"].get("adapter") == default for r in rs)
         auto = {r["id"]: bool(r["answers"]["auto"]["passed"]) for r in rs}
         none = {r["id"]: bool(r["answers"]["none"]["passed"]) for r in rs}
         test = mcnemar(auto, none)
@@ -399,7 +404,9 @@ def _routing_lines(runs: dict, artifacts: dict) -> list[str]:
             return f"{k / len(p):.0%} [{lo:.0%}, {hi:.0%}]"
 
         out.append(
-            f"| {domain} | {len(rs)} | {routed / len(rs):.0%} | {cell(none)} | {cell(auto)} | "
+            f"| {domain} | {len(rs)} | {routed / len(rs):.0%} | "
+            + (f"{fallback / len(rs):.0%} (`{default}`)" if default else "- (none shipped)")
+            + f" | {cell(none)} | {cell(auto)} | "
             f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f} |"
         )
     return [*out, "", _cite("9", runs["9"], artifacts["9"])]

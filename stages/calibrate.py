@@ -1,5 +1,6 @@
 """Stage 2G — confidence calibration of the compressed target, as the bundle ships it (the 2B
-checkpoint for torch, the 2D GGUF for llama.cpp).
+checkpoint for torch, with its default adapter — 2F's recovery LoRA, the ``recovery`` input, which
+stage X then ships as the bundle's ``default_adapter``; the 2D GGUF for llama.cpp).
 
 1. **Token level**: temperature scaling. Stage 0's validation rows in the chat format; the
    target's next-token logits over each answer; rows split by a salted hash into a fitting half
@@ -7,8 +8,9 @@ checkpoint for torch, the 2D GGUF for llama.cpp).
    (:func:`methods.calibration.fit_temperature`); ECE (15 **equal-mass** bins of top-1
    confidence) and NLL before/after are measured on the evaluation half.
 2. **Answer level**: Platt scaling. The target answers held-out tasks (:class:`methods.heldout.HeldOutTasks`, as
-   stage 1B: benchmarks' mining halves, stage 0's held-out rows), once with the base weights and once
-   with the domain adapter the router (6A) picks, and every answer is judged (1B's judges). An
+   stage 1B: benchmarks' mining halves, stage 0's held-out rows), once with the default weights (the
+   target with ``default_adapter``) and once with the domain adapter the router (6A) picks, and
+   every answer is judged (1B's judges). An
    answer's features (:data:`kibidango.confidence.ANSWER_FEATURES`: mean and min token
    log-probability, mean entropy, length, mean log-probability at the fitted temperature) ->
    logistic regression to P(judge passes), fitted on one half of the tasks, measured on the other:
@@ -67,6 +69,12 @@ class Config(HeldOutTasks):
     fit_share: float = Field(0.5, gt=0, lt=1, description="Share of rows / tasks (by hash) used for fitting.")
     l2: float = Field(1e-2, ge=0, description="L2 penalty of the answer-level logistic regression.")
     seed: int = Field(1, description="Which held-out tasks a sample takes (1B's default is 0).")
+    default_adapter: str | None = Field(
+        "recovery",
+        description="The adapter (by its domain) the torch target runs with where no domain adapter is routed: "
+        "the bundle's default weights, calibrated here; not among the inputs (a preset without 2F) -> the bare "
+        "weights. None: the bare weights.",
+    )
 
 
 def _fit_half(row_id: str, share: float) -> bool:
@@ -82,6 +90,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     router = Router.load(inputs["router"] / "router.json") if "router" in inputs else None
 
     answerer = ScoredAnswerer(target, cfg.max_new_tokens, adapter_dirs, parallel=cfg.parallel)
+    have = answerer.adapters.adapters.domains if answerer.adapters is not None else []
+    default = cfg.default_adapter if cfg.default_adapter in have else None
+    if cfg.default_adapter is not None and default is None:
+        log.info(f"no {cfg.default_adapter!r} adapter among the inputs: calibrating the bare weights")
+    if default is not None:
+        answerer.adapters.use(default)  # the token-level fit reads the torch target as it ships
     tokens = _token_level(cfg, data, answerer, inputs, out_dir)
     temperature = tokens["torch"]["temperature"]
 
@@ -89,7 +103,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     rows, _ = select_tasks(cfg, data, seen)
     if not rows:
         raise KibidangoError("no held-out tasks to answer: every sample is absent or empty")
-    table = _answers(cfg, rows, answerer, router, temperature, work_dir)
+    table = _answers(cfg, rows, answerer, router, temperature, work_dir, default)
     answers = _answer_level(cfg, table, out_dir)
 
     calibrator = Calibrator(
@@ -110,6 +124,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "token": tokens,
         "answer": answers,
         "decoding": calibrator.decoding,
+        "default_adapter": default,  # stage X ships it as the bundle's default_adapter
     }
     reliability_plot(answers.pop("curves"), out_dir / "reliability_answers.png", "answers: P(judge passes)", BINS)
     (out_dir / "calibration_eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
@@ -185,9 +200,12 @@ def _token_level(cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict
     return out
 
 
-def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, work_dir: Path) -> list[dict]:
-    """Every task answered with the base weights and (where the router picks a domain with an
-    adapter) with that adapter, each answer judged; resumable (:func:`methods.heldout.answer_and_judge`).
+def _answers(
+    cfg, rows, answerer: ScoredAnswerer, router, temperature: float, work_dir: Path, default: str | None
+) -> list[dict]:
+    """Every task answered with the default weights (``default``: an adapter, or None for the bare
+    weights; the ``base`` answer) and, where the router picks a domain with an adapter, with that
+    adapter, each answer judged; resumable (:func:`methods.heldout.answer_and_judge`).
     Two passes: every base answer, then the adapter answers grouped by adapter — answers decoded
     together share a forward only when they use the same weights, so interleaving base and adapter
     answers (or adapters) would split each step into one forward per adapter."""
@@ -216,7 +234,7 @@ def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, wo
         record["reference_passed"] = reference["passed"]
         record["query_tokens"] = len(answerer.tokenizer(query)["input_ids"])
         record["reference_tokens"] = len(answerer.tokenizer(row["task"].reference)["input_ids"])
-        record["base"], retryable = variant(row, None, judge)
+        record["base"], retryable = variant(row, default, judge)
         record["retryable"] = retryable or reference["retryable"]
         return record
 
@@ -229,7 +247,7 @@ def _answers(cfg, rows, answerer: ScoredAnswerer, router, temperature: float, wo
 
     try:
         table = answer_and_judge(cfg, rows, work_dir / "base", "2G answers (base)", base, cfg.parallel)[0]
-        route = {r["id"]: r["route"] for r in table if r["route"] in domains}
+        route = {r["id"]: r["route"] for r in table if r["route"] in domains and r["route"] != default}
         routed = sorted((row for row in rows if row["id"] in route), key=lambda row: route[row["id"]])
         answers = answer_and_judge(
             cfg, routed, work_dir / "adapter", "2G answers (adapter)", adapted(route), cfg.parallel
@@ -311,6 +329,12 @@ def _card(r: dict) -> str:
         "",
         "## Token level: temperature scaling",
         "",
+        (
+            f"The torch target as the bundle ships it: with its default adapter `{r['default_adapter']}`."
+            if r.get("default_adapter")
+            else "The torch target's bare weights (no default adapter)."
+        ),
+        "",
         "| backend | T | positions fit / eval | NLL before | NLL after | ECE before | ECE after | top-1 acc |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -324,7 +348,9 @@ def _card(r: dict) -> str:
         "",
         "## Answer level: Platt scaling to P(the judge passes)",
         "",
-        f"{a['answers']:,} judged answers (base weights and the routed adapter; greedy at temperature "
+        f"{a['answers']:,} judged answers (the default weights"
+        + (f", the target with its `{r['default_adapter']}` adapter," if r.get("default_adapter") else "")
+        + " and the routed adapter; greedy at temperature "
         f"{r['decoding']['temperature']:g}, at most {r['decoding']['max_new_tokens']} new tokens: the runtime's "
         f"cascade decodes its local answers the same way), pass rate **{a['pass_rate']:.1%}**; "
         f"fitting half {a['fit_answers']:,} answers ({a['fit_passes']:,} pass), evaluation half "

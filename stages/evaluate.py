@@ -3,8 +3,10 @@ with the bundle's decoding mode and settings but greedy (temperature 0, so that 
 reproducible run to run), on tasks no stage trained or mined on
 (:mod:`methods.evaluation`: the benchmarks' evaluation parts, self-instruct's seed tasks).
 
-1. **Quality**: every task answered once per adapter policy — ``auto`` (the router's adapter, as
-   the runtime routes) and ``none`` (the base target) — in the family's chat format, each answer
+1. **Quality**: every task answered once per adapter policy — ``auto`` (as the runtime routes:
+   the router's domain adapter, else the bundle's default adapter, 2F's recovery LoRA) and
+   ``none`` (the bare compressed target: the control; an exact McNemar test per sample of ``auto``
+   against it) — in the model's chat format, each answer
    judged (the sandboxed code judge: HumanEval / MBPP pass@1; the math judge: GSM8K accuracy; the
    reference judge on general instructions). Each rate with its 95% Wilson interval, per sample and
    per domain and over all; the perplexity of the gold answers under the base target, a graded
@@ -39,7 +41,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageResult
 from kibidango.backends.base import ContextLengthError
-from methods.evaluation import EvalSample, evaluation_tasks, wilson
+from methods.evaluation import EvalSample, evaluation_tasks, mcnemar, wilson
 from methods.failures import task_record, training_texts, verdict_record
 from methods.heldout import Judged, answer_and_judge, parallel_field
 from methods.judges import sandbox_note
@@ -93,6 +95,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "code_sandbox": sandbox_note(cfg.judges),
         "tasks": len(rows),
         "policies": policies,
+        "default_adapter": pipe.default_adapter,
         "quality": quality,
         "size": _size(pipe.bundle),
         "peak_rss_mb": _peak_rss_mb(bundle_dir, cfg.backend, rows[0]["task"].prompt),
@@ -113,6 +116,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             metrics[f"{key}/{policy}/ci_low"] = v["ci"][0]
             metrics[f"{key}/{policy}/ci_high"] = v["ci"][1]
             metrics[f"{key}/{policy}/mean_score"] = v["mean_score"]
+        if "auto_vs_none" in q:
+            metrics[f"{key}/auto_vs_none/p"] = q["auto_vs_none"]["p"]
         if q["reference_perplexity"] is not None:
             metrics[f"{key}/reference_perplexity"] = q["reference_perplexity"]
     for row in report["speed"].get("rows", []):
@@ -248,6 +253,10 @@ def _quality(table: list[dict], policies: list[str]) -> dict:
         tokens = sum(x["tokens"] for x in scored)
         ppl = math.exp(sum(x["nll"] * x["tokens"] for x in scored) / tokens) if tokens else None
         out[key] = {"n": len(rs), "metric": metric, "policies": per, "reference_perplexity": ppl}
+        if {"auto", "none"} <= set(policies):  # paired: the same tasks with and without the adapters
+            out[key]["auto_vs_none"] = mcnemar(
+                *({r["id"]: bool(r["answers"][p]["passed"]) for r in rs} for p in ("auto", "none"))
+            )
     return out
 
 
@@ -328,6 +337,8 @@ def _speed(bundle_dir: Path, cfg: Config, prompts: list[str]) -> dict:
 
 
 def _card(r: dict) -> str:
+    paired = {"auto", "none"} <= set(r["policies"])
+    default = r.get("default_adapter")
     lines = [
         "# Stage 9 — evaluation of the bundle",
         "",
@@ -335,13 +346,22 @@ def _card(r: dict) -> str:
         "tasks), answered through the runtime in the bundle's decoding mode, greedy, judged (`make stage-9`). "
         "95% Wilson intervals. " + r.get("code_sandbox", ""),
         "",
+        "Adapter `auto`: the router's domain adapter where it routes to one, else "
+        + (f"the bundle's default adapter `{default}` (2F)" if default else "the bare weights")
+        + "; `none`: the bare compressed target"
+        + (", the control of `auto` (paired, same tasks)." if paired else "."),
+        "",
         "| sample | metric | n | "
         + " | ".join(f"adapter `{p}`" for p in r["policies"])
+        + (" | auto vs none: auto only / none only, McNemar p" if paired else "")
         + " | gold-answer perplexity (base) |",
-        "|---|---|---:|" + "---:|" * len(r["policies"]) + "---:|",
+        "|---|---|---:|" + "---:|" * len(r["policies"]) + ("---:|" if paired else "") + "---:|",
     ]
     for key, q in r["quality"].items():
         cells = [f"{v['rate']:.1%} [{v['ci'][0]:.1%}, {v['ci'][1]:.1%}]" for v in q["policies"].values()]
+        if "auto_vs_none" in q:
+            t = q["auto_vs_none"]
+            cells.append(f"{t['a_only']} / {t['b_only']}, p={t['p']:.3f}")
         ppl = "-" if q["reference_perplexity"] is None else f"{q['reference_perplexity']:.1f}"
         metric = q["metric"].replace("_at_", "@")
         flag = " (not held out\\*)" if q.get("seen_by_base") else ""

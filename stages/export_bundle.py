@@ -10,7 +10,10 @@ what ``kibidango`` reads:
   runtime's chat (the server's ``/v1/chat/completions``) prompts as in training;
   ``tiers/<tier>/gguf/``: the 2D GGUF files;
 - ``adapters/<domain>/``: the domain LoRAs (3-5) and the recovery LoRA (2F), each with its
-  ``adapter.json``; ``router/router.json``: the domain router (6A), ``calibration/calibration.json``
+  ``adapter.json``; bundle.json's ``default_adapter`` is the adapter 2G calibrated the target
+  with (its ``calibration_eval.json``: the recovery LoRA), so the runtime's default weights are
+  the ones the confidence and the cascade's thresholds were measured on; ``router/router.json``:
+  the domain router (6A), ``calibration/calibration.json``
   (2G), ``escalation/escalation.json`` (6B) and ``cascade/cascade.json`` (6C), when wired;
 - ``bundle.json`` (:class:`kibidango.schema.BundleManifest`): schema, preset, every file with
   size + sha256, every stage's cache key (the lineage of the inputs, read from their manifests),
@@ -141,8 +144,13 @@ def _add_extras(
                 "stage_input": name,
             }
         )
-    (tmp / "BUNDLE_CARD.md").write_text(bundle_card(cfg.preset, metrics, shipped, stages, cfg.runtime_defaults))
+    default = _default_adapter(cfg, inputs, shipped)
+    (tmp / "BUNDLE_CARD.md").write_text(
+        bundle_card(cfg.preset, metrics, shipped, stages, cfg.runtime_defaults, default)
+    )
     extra: dict[str, Any] = {"adapters": shipped}
+    if default is not None:
+        extra["default_adapter"] = default
     for key, name in (
         ("router", cfg.router),
         ("calibration", cfg.calibration),
@@ -154,3 +162,19 @@ def _add_extras(
             shutil.copy2(inputs[name] / f"{key}.json", tmp / key / f"{key}.json")
             extra[key] = f"{key}/{key}.json"
     return extra
+
+
+def _default_adapter(cfg: Config, inputs: dict[str, Path], shipped: list[dict]) -> str | None:
+    """The adapter stage 2G answered and calibrated with where no domain adapter was routed
+    (``default_adapter`` in its calibration_eval.json), which must ship; None without a calibration
+    input or when 2G calibrated the bare weights."""
+    if not cfg.calibration:
+        return None
+    report = inputs[cfg.calibration] / "calibration_eval.json"
+    name = json.loads(report.read_text()).get("default_adapter") if report.is_file() else None
+    if name is not None and name not in {a["domain"] for a in shipped}:
+        raise KibidangoError(
+            f"{report}: the target was calibrated with adapter {name!r}, which this bundle does not ship "
+            "(add the input holding it to stage X's `adapters`)"
+        )
+    return name

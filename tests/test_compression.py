@@ -321,6 +321,23 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
         load_bundle(out / "bundle")
 
 
+def test_the_bundle_default_adapter_is_the_one_2g_calibrated_with_and_must_ship(tmp_path):
+    from stages import load_stage
+
+    x = load_stage("X")
+    cfg = x.Config(preset="test", hf_tiers={"target": "target"}, calibration="calibration")
+    inputs = {"calibration": tmp_path}
+    recovery = [{"domain": "recovery"}, {"domain": "code"}]
+    assert x._default_adapter(cfg, inputs, recovery) is None  # no report from 2G: the bare weights
+    (tmp_path / "calibration_eval.json").write_text(json.dumps({"default_adapter": None}))
+    assert x._default_adapter(cfg, inputs, recovery) is None
+    (tmp_path / "calibration_eval.json").write_text(json.dumps({"default_adapter": "recovery"}))
+    assert x._default_adapter(cfg, inputs, recovery) == "recovery"
+    assert x._default_adapter(cfg.model_copy(update={"calibration": None}), inputs, recovery) is None
+    with pytest.raises(KibidangoError, match="calibrated with adapter 'recovery', which this bundle does not ship"):
+        x._default_adapter(cfg, inputs, [{"domain": "code"}])
+
+
 def test_a_missing_llama_cpp_names_the_stage_and_the_remedy(tmp_path, monkeypatch):
     import sys
 

@@ -218,6 +218,75 @@ def test_stage_9_evaluates_a_bundle_through_the_runtime(stage0, tmp_path):
     assert batched.metrics["speed/sd_vs_ar"] > 0
 
 
+def _lora(dest: Path, domain: str) -> None:
+    """A peft LoRA on stories260K (random, not zero-initialised: it changes the answers) with the
+    adapter.json the runtime reads."""
+    import hashlib
+
+    import torch
+
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(str(STORIES))
+    cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(model, cfg).save_pretrained(str(dest / "adapter"))
+    files = [
+        {
+            "path": f"adapter/{n}",
+            "size": (dest / "adapter" / n).stat().st_size,
+            "sha256": hashlib.sha256((dest / "adapter" / n).read_bytes()).hexdigest(),
+        }
+        for n in ("adapter_config.json", "adapter_model.safetensors")
+    ]
+    (dest / "adapter.json").write_text(json.dumps({"schema": 1, "domain": domain, "formats": {"peft": files}}))
+
+
+def test_stage_9_measures_the_default_adapter_against_the_bare_weights(stage0, tmp_path):
+    """A bundle whose default adapter is 2F's recovery LoRA: policy ``auto`` answers with it (no
+    router), ``none`` with the bare weights, and the card pairs them (McNemar) task by task."""
+    from kibidango import write_bundle
+    from stages import load_stage
+
+    _needs(STORIES / "model.safetensors", BENCH["gsm8k"], SEEDS)
+
+    def finalize(tmp):
+        (tmp / "adapters" / "recovery").mkdir(parents=True)
+        _lora(tmp / "adapters" / "recovery", "recovery")
+        return {"default_adapter": "recovery"}
+
+    (tmp_path / "X").mkdir()
+    tiers = {"target": {"hf": STORIES, "vocab_size": 512}}
+    write_bundle(tmp_path / "X" / "bundle", tiers, {"mode": "ar", "stop_ids": [1, 2]}, finalize, preset="test")
+    module = load_stage("9")
+    cfg = module.Config.model_validate(
+        {
+            "samples": [
+                {"name": "gsm8k", "source": "gsm8k", "path": str(BENCH["gsm8k"]), "size": 2},
+                {"name": "general", "source": "alpaca_seed", "path": str(SEEDS), "size": 2},
+            ],
+            "judges": {"math": {"kind": "math"}, "general": {"kind": "reference"}},
+            "max_new_tokens": 8,
+            "speed_prompts": 0,
+        }
+    )
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    result = module.run(cfg, {"bundle": tmp_path / "X", "data": stage0}, out, work)
+    report = json.loads((out / "evaluation.json").read_text())
+    assert report["policies"] == ["auto", "none"] and report["default_adapter"] == "recovery"
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert {a["answers"]["auto"]["adapter"] for a in answers} == {"recovery"}
+    assert {a["answers"]["none"]["adapter"] for a in answers} == {None}
+    assert any(a["answers"]["auto"]["text"] != a["answers"]["none"]["text"] for a in answers)
+    paired = report["quality"]["all"]["auto_vs_none"]
+    assert paired["n"] == 4 and 0 <= paired["p"] <= 1 and result.metrics["all/auto_vs_none/p"] == paired["p"]
+    card = (out / "EVALUATION_CARD.md").read_text()
+    assert "the bundle's default adapter `recovery` (2F)" in card and "McNemar p" in card
+
+
 def test_mcnemar_counts_the_discordant_tasks_and_tests_them_exactly():
     from methods.evaluation import mcnemar
 

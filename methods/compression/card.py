@@ -110,6 +110,7 @@ def bundle_card(
     adapters: list[dict],
     stages: dict[str, dict[str, Any]],
     defaults: dict[str, Any],
+    default_adapter: str | None = None,
 ) -> str:
     m = {s: v["metrics"] for s, v in stages.items()}
     lines = [
@@ -148,7 +149,13 @@ def bundle_card(
             f"Recovery LoRA (2F): trained on {int(f['hardest_rows'])} of {int(f['candidate_rows'])} training rows, the "
             f"hardest for the compressed target; {verdict} ({f['val_perplexity_reference']:.2f} before compression, "
             f"{f['val_perplexity_compressed']:.2f} after, {f['val_perplexity_recovered']:.2f} with the LoRA). The "
-            "adapter ships under adapters/recovery and is applied only on request.",
+            + (
+                "adapter ships under adapters/recovery as the target's default weights on the torch backend "
+                "(`--adapter auto` where no domain adapter is routed; `--adapter none` runs without it), the "
+                "weights the calibration (2G) was fitted on."
+                if default_adapter == "recovery"
+                else "adapter ships under adapters/recovery and is applied only on request."
+            ),
             "",
         ]
     if adapters:
@@ -173,8 +180,13 @@ def bundle_card(
             lines.append(f"| {a['domain']} | {a['path']} | {a['base_tier']} | {', '.join(a['formats'])} | {fig} |")
         lines += [
             "",
-            "Domain adapters (3-5) were trained on the full-precision target of stage 1A; the recovery "
-            "adapter on the AWQ target (torch backend).",
+            "Domain adapters (3-5) were trained on the full-precision target of stage 1R; the recovery "
+            "adapter on the AWQ target (torch backend)."
+            + (
+                f" Default where no domain adapter is routed (`--adapter auto`): `{default_adapter}`."
+                if default_adapter
+                else ""
+            ),
             "",
         ]
     lines += [

@@ -129,16 +129,18 @@ class LoadedAdapters:
     """The adapters applied to one model (a bundle's ``base_tier``, the target), least recently
     used first out: ``use(domain)`` makes ``domain``'s adapter the active one, loading it on first
     use (files checked against their sha256) and unloading the least recently used one when more
-    than ``size`` would be loaded; ``use(None)`` runs the base weights. ``loads`` counts loads
-    (an adapter evicted and asked for again is loaded again). Not thread-safe: the caller holds
-    the model for the whole generation."""
+    than ``size`` would be loaded; ``use(None)`` runs the base weights. ``keep`` (the bundle's
+    default adapter) is never evicted and not counted in ``size``. ``loads`` counts loads (an
+    adapter evicted and asked for again is loaded again). Not thread-safe: the caller holds the
+    model for the whole generation."""
 
-    def __init__(self, model, adapters: AdapterSet, size: int = 2):
+    def __init__(self, model, adapters: AdapterSet, size: int = 2, keep: str | None = None):
         if size < 1:
             raise ValueError("the adapter cache holds at least one adapter")
         self.model = model
         self.adapters = adapters
         self.size = size
+        self.keep = keep
         self.loaded: dict[str, Adapter] = {}  # insertion order = recency, oldest first
         self.active: str | None = None
         self.loads = 0
@@ -147,8 +149,8 @@ class LoadedAdapters:
     def use(self, domain: str | None) -> None:
         if domain is not None and domain not in self.loaded:
             adapter = self.adapters.get(domain)
-            while len(self.loaded) >= self.size:
-                oldest = next(iter(self.loaded))
+            while domain != self.keep and sum(d != self.keep for d in self.loaded) >= self.size:
+                oldest = next(d for d in self.loaded if d != self.keep)
                 if self.active == oldest:
                     self.model.set_lora(None)
                     self.active = None

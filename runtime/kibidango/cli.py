@@ -76,7 +76,8 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--adapter",
         default="auto",
-        help="the target's domain adapter: auto (the bundle's router picks; default), none, or a domain's name",
+        help="the target's adapter: auto (the router's domain, else the bundle's default adapter, 2F's recovery LoRA; "
+        "default), none (the bare weights), or an adapter's name",
     )
     p.add_argument("--adapter-cache", type=int, default=2, help="domain adapters kept loaded (least recently used out)")
 
@@ -164,6 +165,9 @@ def _inspect(args: argparse.Namespace) -> None:
         speed = meta.tuning.get(backend, {}).get("chosen_speed_vs_ar")
         measured = f" ({speed:.2f}x target-only decoding when tuned)" if speed is not None else ""
         print(f"  tuned for {backend} (kibidango tune / stage 1F, read over the above): {json.dumps(tuned)}{measured}")
+    if meta.adapters:
+        default = f"; default where no domain adapter is routed: {meta.default_adapter}" if meta.default_adapter else ""
+        print("adapters: " + ", ".join(f"{a.domain} ({', '.join(a.formats)})" for a in meta.adapters) + default)
     if meta.stage_cache_keys:
         print(f"built from (stage: cache key): {json.dumps(meta.stage_cache_keys, sort_keys=True)}")
     files = meta.files

@@ -3,7 +3,9 @@
 
 Per request, where the bundle ships them: the domain router (6A) picks a domain from the query and
 the target runs with that domain's adapter (``adapter="auto"``; loaded on first use, an LRU of
-``adapter_cache`` adapters), or with the adapter named, or with none (``adapter="none"``); after
+``adapter_cache`` adapters) or, where the router picks none, with the bundle's default adapter (2F's
+recovery LoRA: ``default_adapter`` in bundle.json); or with the adapter named, or with the bare
+weights (``adapter="none"``); after
 decoding, the calibrator (2G) turns one forward pass of the target over the answer into a
 calibrated confidence. ``Metrics`` carries ``domain``, ``router_confidence``, ``adapter`` and
 ``confidence``."""
@@ -52,6 +54,7 @@ class Pipeline:
         router: Router | None = None,
         router_threshold: float = 0.0,
         calibrator: Calibrator | None = None,
+        default_adapter: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.models = models
@@ -62,7 +65,10 @@ class Pipeline:
         if adapter not in ("auto", "none") and (adapters is None or adapter not in adapters.adapters.domains):
             have = ", ".join(adapters.adapters.domains) if adapters is not None else "none"
             raise BundleError(f"--adapter {adapter!r}: no such domain adapter (the bundle has: {have})")
+        if default_adapter is not None and (adapters is None or default_adapter not in adapters.adapters.domains):
+            raise BundleError(f"default adapter {default_adapter!r}: not among the loaded adapters")
         self.adapter = adapter
+        self.default_adapter = default_adapter
         self.adapters = adapters
         self.router = router
         self.router_threshold = router_threshold
@@ -88,7 +94,9 @@ class Pipeline:
         (``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence``, ...);
         ``expect_sha256`` pins bundle.json's digest (see :func:`kibidango.bundle.load_bundle`).
         ``adapter``: ``auto`` (the router's domain, when its confidence reaches the bundle's
-        cascade threshold), ``none``, or a domain's name; ``adapter_cache``: adapters kept loaded;
+        cascade threshold, else the bundle's ``default_adapter`` where it has a form for
+        ``backend``), ``none`` (the bare weights), or an adapter's name; ``adapter_cache``: adapters
+        kept loaded besides the default one (which stays loaded);
         ``threads``: CPU threads per model (llama.cpp; torch's process-wide pool), default
         :func:`kibidango.backends.llamacpp_backend.thread_counts` / torch's own; ``kv_cache``: the
         llama.cpp K/V cache type (``f16``, ``q8_0``, ``q4_0``; default: the bundle's ``kv_cache``
@@ -124,16 +132,20 @@ class Pipeline:
             for name in TIERS[cfg.mode]
         }
         router = bundle.router()
-        domains = [d for d in bundle.adapters.domains if router is None or d in router.labels]
-        loaded = LoadedAdapters(models["target"], bundle.adapters, adapter_cache) if domains else None
-        if adapter == "auto" and (router is None or loaded is None):
+        shipped = bundle.adapters
+        routable = [d for d in shipped.domains if router is not None and d in router.labels]
+        default = _default_adapter(bundle, shipped, backend)
+        loaded = LoadedAdapters(models["target"], shipped, adapter_cache, keep=default) if shipped.domains else None
+        if adapter == "auto" and not routable and default is None:
             adapter = "none"  # nothing to route to
         if adapter == "auto" and backend == "torch" and importlib.util.find_spec("peft") is None:
-            log.warning("the bundle's domain adapters need peft (pip install 'kibidango[adapters]'): base weights only")
-            adapter = "none"
+            log.warning("the bundle's adapters need peft (pip install 'kibidango[adapters]'): bare weights only")
+            adapter, default = "none", None
         cascade = bundle.cascade() or {}
         threshold = float((cascade.get("router") or {}).get("threshold", 0.0))
-        return cls(tokenizer, models, cfg, bundle, backend, adapter, loaded, router, threshold, bundle.calibrator())
+        return cls(
+            tokenizer, models, cfg, bundle, backend, adapter, loaded, router, threshold, bundle.calibrator(), default
+        )
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
@@ -196,7 +208,7 @@ class Pipeline:
 
     def resolve_adapter(self, query: str, adapter: str | None = None) -> tuple[str | None, str | None, float | None]:
         """The adapter a request with this ``query`` and policy (``adapter``, default the
-        pipeline's) would run with, without loading it: ``(adapter or None for the base weights,
+        pipeline's) would run with, without loading it: ``(adapter or None for the bare weights,
         the router's domain, its confidence)``."""
         policy = adapter or self.adapter
         chosen, domain, confidence = None, None, None
@@ -204,8 +216,10 @@ class Pipeline:
             domain, confidence = self.router.route(query)
         if policy == "auto":
             routable = self.router is not None and self.adapters is not None
-            if routable and domain in self.adapters.adapters.domains:
-                chosen = domain if confidence >= self.router_threshold else None
+            if routable and domain in self.adapters.adapters.domains and confidence >= self.router_threshold:
+                chosen = domain
+            else:
+                chosen = self.default_adapter
         elif policy != "none":
             chosen = policy
         return chosen, domain, confidence
@@ -261,6 +275,22 @@ class Pipeline:
             if cut is not None:
                 metrics.finish_reason = "stop"
                 return
+
+
+def _default_adapter(bundle: Bundle, shipped, backend: str) -> str | None:
+    """The bundle's ``default_adapter`` where it has a form for ``backend`` (peft for torch, gguf
+    for llama.cpp), else None: the bare weights. A default the bundle does not ship is an error."""
+    name = bundle.manifest.default_adapter
+    if name is None:
+        return None
+    if name not in shipped.domains:
+        have = ", ".join(shipped.domains) or "none"
+        raise BundleError(f"{bundle.root / 'bundle.json'}: default_adapter {name!r}: not shipped (it ships: {have})")
+    form = "peft" if backend == "torch" else "gguf"
+    if form not in shipped.get(name).formats:
+        log.info(f"default adapter {name!r} has no {form} form: the {backend} backend runs the bare weights")
+        return None
+    return name
 
 
 def _with_tuple_stops(settings: dict[str, Any]) -> dict[str, Any]:

@@ -73,6 +73,12 @@ class BundleManifest:
         default_factory=dict,
     )
     adapters: list[AdapterEntry] = _doc("Domain adapters (3-5) and the recovery adapter (2F).", default_factory=list)
+    default_adapter: str | None = _doc(
+        "The adapter the target runs with where no domain adapter is routed (``adapter='auto'``): stage 2F's "
+        "recovery LoRA, the weights the answer calibration (2G) and the cascade's thresholds (6C) were measured "
+        "with; applied on the backends it has a form for. ``adapter='none'`` runs the bare weights.",
+        default=None,
+    )
     router: str | None = _doc("The domain router of stage 6A (``router/router.json``).", default=None)
     calibration: str | None = _doc("The confidence calibrator of stage 2G.", default=None)
     escalation: str | None = _doc("The escalation detector of stage 6B.", default=None)

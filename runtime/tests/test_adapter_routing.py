@@ -120,6 +120,66 @@ def test_an_adapter_changes_the_target_and_none_restores_it_exactly(bundle):
         Pipeline.from_bundle(bundle, adapter="poetry")
 
 
+@pytest.fixture(scope="module")
+def recovered(tmp_path_factory, bundle):
+    """The routed bundle plus a recovery adapter (2F) named as its ``default_adapter``."""
+    root = tmp_path_factory.mktemp("recovered")
+
+    def finalize(tmp):
+        import shutil
+
+        for part in ("adapters", "router", "calibration", "cascade"):
+            shutil.copytree(bundle / part, tmp / part)
+        (tmp / "adapters" / "recovery").mkdir()
+        _adapter(tmp / "adapters" / "recovery", "recovery", 3)
+        return {
+            "router": "router/router.json",
+            "calibration": "calibration/calibration.json",
+            "cascade": "cascade/cascade.json",
+            "default_adapter": "recovery",
+        }
+
+    tiers = {"target": {"hf": STORIES, "vocab_size": 512}}
+    return write_bundle(root / "bundle", tiers, {"mode": "ar", "stop_ids": [2]}, finalize, preset="test")
+
+
+def test_auto_runs_the_default_adapter_where_no_domain_adapter_is_routed(recovered):
+    from kibidango import Pipeline
+    from kibidango.pipeline import _default_adapter
+
+    pipe = Pipeline.from_bundle(recovered, adapter="auto", adapter_cache=1)
+    assert pipe.default_adapter == "recovery"
+    story = "Once upon a time there was a cat"
+    used = [pipe.generate(q, max_new_tokens=2).metrics.adapter for q in (story, CODE, MATH, story)]
+    assert used == ["recovery", "code", "math", "recovery"]
+    assert (pipe.adapters.loads, pipe.adapters.evictions) == (3, 1)  # code out for math; the default stays
+    assert pipe.generate(story, max_new_tokens=2, adapter="none").metrics.adapter is None  # the control
+
+    target, ids = pipe.models["target"], pipe.encode(story)
+    pipe.adapters.use(None)
+    bare = target.new_session().feed(ids)
+    pipe.adapters.use("recovery")
+    assert not np.allclose(bare, target.new_session().feed(ids))  # the default weights differ from the bare ones
+
+    shipped = load_bundle(recovered)
+    assert _default_adapter(shipped, shipped.adapters, "llamacpp") is None  # no gguf form: the bare weights
+
+
+def test_a_default_adapter_the_bundle_does_not_ship_is_refused(bundle, tmp_path):
+    from kibidango import Pipeline
+
+    def finalize(tmp):
+        import shutil
+
+        shutil.copytree(bundle / "adapters", tmp / "adapters")
+        return {"default_adapter": "recovery"}
+
+    tiers = {"target": {"hf": STORIES, "vocab_size": 512}}
+    broken = write_bundle(tmp_path / "b", tiers, {"mode": "ar", "stop_ids": [2]}, finalize, preset="test")
+    with pytest.raises(BundleError, match="default_adapter 'recovery': not shipped .it ships: code, math"):
+        Pipeline.from_bundle(broken)
+
+
 def test_the_calibrated_confidence_follows_the_calibrator(bundle):
     from kibidango import Pipeline
     from kibidango.confidence import score_answer
