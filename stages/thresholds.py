@@ -3,7 +3,8 @@
 On stage 2G's evaluation half (tasks neither 2G's calibrator nor 6B's detector was fitted on),
 every combination of
 
-- ``router``: the router confidence at which the routed domain's adapter is used (else base);
+- ``router``: the router confidence at which the routed domain's adapter is used (else the default
+  weights 2G answered with: the target with 2F's recovery LoRA, where it ships);
 - ``qualifier``: the calibrated confidence at or above which the local answer is accepted;
 - ``fallback``: the confidence below which the cloud answers instead (between the two: **cloud
   validation** — the cloud sees the question and the local answer and approves or corrects it);
