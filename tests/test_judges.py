@@ -304,6 +304,32 @@ def test_without_bubblewrap_code_is_judged_only_when_the_settings_accept_the_fal
     assert not forged.passed  # the verdict channel holds in the fallback too
 
 
+def test_the_sandboxes_start_without_forking_the_judges_process(code, monkeypatch):
+    """Limits and the drop to nobody are programs in the sandbox's argv (prlimit, setpriv), not a
+    preexec_fn: with one, subprocess fork()s the judge's whole process (a stage's loaded model and
+    all), and the decoding beside it pays a copy-on-write fault per page it writes afterwards."""
+    import shutil
+    import subprocess
+
+    if not (shutil.which("prlimit") and shutil.which("setpriv")):
+        pytest.skip("needs util-linux's prlimit and setpriv")
+    spawns = []
+    real = subprocess.Popen.__init__
+
+    def record(self, args, *rest, **kwargs):
+        spawns.append((list(args), kwargs.get("preexec_fn")))
+        real(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", record)
+    verdict = code(MBPP, "def add(a, b):\n    return a + b\n")
+    assert verdict.outcome == "failed" and len(spawns) == 2  # it ran: the candidate's sandbox and the tester's
+    for argv, preexec in spawns:
+        assert preexec is None and os.path.basename(argv[0]) == "prlimit", argv
+        assert "--cpu=3:4" in argv and f"--as={512 << 20}" in argv and "--core=0" in argv
+        if os.geteuid() == 0 and verdict.details["isolation"]["user_nobody"]:
+            assert argv[argv.index("--") + 1].endswith("setpriv") and "--reuid=65534" in argv
+
+
 def test_the_sandbox_says_how_it_isolates(code):
     verdict = code(MBPP, "def add(a, b):\n    return a + b\n")
     iso = verdict.details["isolation"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kibidango.backends import attention
 from kibidango.backends.base import ContextLengthError
 
 __all__ = ["TorchModel", "TorchSession"]
@@ -86,6 +87,7 @@ class TorchModel:
         self.name = name or Path(path).name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(self.device).eval()
+        attention.install(self.hf)
         self.vocab_size = self.hf.config.vocab_size
         self.context_length = getattr(self.hf.config, "max_position_embeddings", 2048)
         self._peft = None
@@ -103,6 +105,7 @@ class TorchModel:
         """Wrap an in-memory transformers model (tests build tiny random ones)."""
         self = cls.__new__(cls)
         self.name, self.hf = name, hf_model.eval()
+        attention.install(self.hf)
         self.device = next(hf_model.parameters()).device
         self.vocab_size = hf_model.config.vocab_size
         self.context_length = getattr(hf_model.config, "max_position_embeddings", 2048)
