@@ -28,9 +28,9 @@ def stories_bundle(tmp_path_factory, name: str) -> Path:
     )
 
 
-def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, vocab: int = 64, scale: float = 1.0):
+def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, vocab: int = 64, scale: float = 1.0, kv_heads: int = 2):
     """A random Llama in float64 (so batched and one-token forwards agree to ~1e-15 and greedy
-    ties cannot flip between them)."""
+    ties cannot flip between them); 4 query heads on ``kv_heads`` key/value heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -40,7 +40,7 @@ def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, vocab: int = 64, sc
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )

@@ -68,17 +68,6 @@ def test_grouped_attention_on_one_sequence_with_a_cache():
 
 
 def test_models_without_grouped_heads_keep_sdpa():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama(5, kv_heads=4)
     assert not attention.install(model)
     assert model.config._attn_implementation == "sdpa"
