@@ -330,6 +330,29 @@ def test_the_sandboxes_start_without_forking_the_judges_process(code, monkeypatc
             assert argv[argv.index("--") + 1].endswith("setpriv") and "--reuid=65534" in argv
 
 
+def test_judged_programs_wait_for_a_slot_before_their_wall_limit_starts(code, monkeypatch):
+    """An answering stage judges up to its ``parallel`` answers at once; a program starts (and its
+    wall limit with it) only when one of the cpu-count slots is free, not while it queues."""
+    import threading
+
+    from methods.judges import code as code_module
+
+    slots = threading.BoundedSemaphore(1)
+    monkeypatch.setattr(code_module, "_SLOTS", slots)
+    started = []
+    real = code_module._run
+    monkeypatch.setattr(code_module, "_run", lambda *a: (started.append(1), real(*a))[1])
+    verdicts = []
+    slots.acquire()
+    judging = threading.Thread(target=lambda: verdicts.append(code(MBPP, "def add(a, b):\n    return a + b\n")))
+    judging.start()
+    judging.join(0.5)
+    assert judging.is_alive() and not started  # queued for the slot, nothing spawned
+    slots.release()
+    judging.join(60)
+    assert started and verdicts[0].outcome == "failed"
+
+
 def test_the_sandbox_says_how_it_isolates(code):
     verdict = code(MBPP, "def add(a, b):\n    return a + b\n")
     iso = verdict.details["isolation"]

@@ -50,6 +50,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -611,6 +612,17 @@ def run_sandboxed(
             "the code judge needs bubblewrap (apt-get install bubblewrap; make setup installs it) and it cannot "
             "run here; set weak_sandbox_ok: true in the code judge's settings to accept the weaker fallback"
         )
+    with _SLOTS:  # the wall limit starts when the program gets a slot, not while it queues for one
+        return _run(program, tests, setup, limits, test_setup, may_shadow, iso)
+
+
+# Programs judged at once, across threads: an answering stage judges each answer as it finishes, up to
+# its ``parallel`` (32) in flight, and 32 sandboxes sharing 2 cores would spend their wall limits
+# waiting for a core.
+_SLOTS = threading.BoundedSemaphore(max(2, os.cpu_count() or 2))
+
+
+def _run(program, tests, setup, limits: SandboxLimits, test_setup, may_shadow, iso: dict):
     work = Path(tempfile.mkdtemp(prefix="kibidango-judge-"))
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
