@@ -617,7 +617,7 @@ def run_sandboxed(
 
 
 # Programs judged at once, across threads: an answering stage judges each answer as it finishes, up to
-# its ``parallel`` (32) in flight, and 32 sandboxes sharing 2 cores would spend their wall limits
+# its ``parallel`` in flight, and that many sandboxes sharing 2 cores would spend their wall limits
 # waiting for a core.
 _SLOTS = threading.BoundedSemaphore(max(2, os.cpu_count() or 2))
 
