@@ -12,8 +12,9 @@ calibration, 9 evaluation).
   only the tasks not there, and again only those whose judge was unreachable (``retryable``), so a
   paid judge call is never repeated for an answer it graded. With ``parallel`` > 1 up to that many
   tasks are answered and judged at once, on threads (the answer callback must be thread-safe: an
-  :class:`methods.measure.generate.Answerer` with ``parallel`` batches their decoding); rows are
-  still written in ``rows``' order.
+  :class:`methods.measure.generate.Answerer` with ``parallel`` batches their decoding, and bounds
+  it: twice as many threads run, so that judging one answer does not leave a slot of the batch
+  idle); rows are still written in ``rows``' order.
 """
 
 from __future__ import annotations
@@ -188,7 +189,10 @@ def answer_and_judge(
     todo = [(i, row, done.get(row["id"])) for i, row in enumerate(rows, 1)]
     todo = [(i, row, prior) for i, row, prior in todo if prior is None or prior.get("retryable")]
     progress = Progress(label, len(rows), log)
-    pool = ThreadPoolExecutor(parallel, thread_name_prefix="answer") if parallel > 1 else None
+    # Twice as many threads as answers decoded together: the answer callbacks hold their decoding
+    # slot only while they decode (a batcher's turn), so while some judge an answer (a sandboxed
+    # program: seconds), others fill their slots and the batch stays full.
+    pool = ThreadPoolExecutor(2 * parallel, thread_name_prefix="answer") if parallel > 1 else None
     try:
         if pool is None:
             for i, row, prior in todo:

@@ -8,8 +8,11 @@
 2. Each student (initial weights: the ``family`` input's tier of the same name, ``init``, or the
    teacher's own embeddings, chosen decoder layers, norm and head: ``keep_layers``) is trained by
    axolotl with the KD plugin (``kd_trainer``, ``kd_alpha``, ``kd_ce_alpha``, ``kd_temperature``).
-   Before training, ``axolotl preprocess`` runs and the token ids it produced are checked against
-   the ids the teacher scored: misaligned log-probabilities would train silently on garbage.
+   Before the first student trains, ``axolotl preprocess`` runs and the token ids it produced are
+   checked against the ids the teacher scored: misaligned log-probabilities would train silently on
+   garbage. The other students share its data, chat template and tokenizer files; their own runs'
+   prepared ids are checked the same way after training, before their weights are kept (a
+   preprocessing launch each would cost as much as the check saves).
 3. Before and after KD, on held-out prompts (validation split): greedy agreement with the target
    and expected acceptance sum_x min(p_T, p_D) per position on the target's greedy path, the
    runtime's real ``sd`` and ``pyramid`` acceptance rates, and validation perplexity.
@@ -311,7 +314,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     (out_dir / "axolotl").mkdir()
     (out_dir / "logs").mkdir()
     after_tiers = {cfg.teacher_tier: teacher}
-    for name, student in cfg.students.items():
+    for i, (name, student) in enumerate(cfg.students.items()):
         run_dir = work_dir / name
         tok_dir = right_padded_tokenizer(inits[name], run_dir / "tokenizer")
         if AutoTokenizer.from_pretrained(str(tok_dir)).padding_side != "right":
@@ -326,9 +329,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             chat_template=axolotl_template(tok_dir),
         )
         (out_dir / "axolotl" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-        axolotl.train(spec, run_dir, f"1E/{name}", preprocess_only=True)
-        check_alignment(run_dir / "prepared", scored, f"1E/{name}")
+        if i == 0:  # fail before any training: a launch of its own (~45 s on a CPU) that only tokenizes
+            axolotl.train(spec, run_dir, f"1E/{name}", preprocess_only=True)
+            check_alignment(run_dir / "prepared", scored, f"1E/{name}")
         last = axolotl.train(spec, run_dir, f"1E/{name}", gpus=student.train.gpus)
+        if i > 0:  # the first student's data, template and tokenizer files: checked on what its run prepared
+            check_alignment(run_dir / "prepared", scored, f"1E/{name}")
         shutil.copy2(run_dir / "axolotl.log", out_dir / "logs" / f"{name}.log")
         model_dir = axolotl.trained_files(run_dir, out_dir / name)
         copy_tokenizer(Path(teacher_dir), model_dir)

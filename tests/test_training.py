@@ -196,6 +196,39 @@ def test_chat_messages_and_response_loss():
     assert yaml.safe_load(yaml.safe_dump({"t": TEMPLATE}))["t"] == TEMPLATE
 
 
+def test_row_losses_in_length_sorted_batches_equal_one_row_at_a_time():
+    """The batched measurement (rows sorted by length, the head and the cross-entropy on response
+    positions only) gives each row the loss of a plain forward of that row alone."""
+    pytest.importorskip("sentencepiece")
+    from eval.shared_data import SHARED
+
+    tok_dir = SHARED / "models" / "stories260K" / "hf"
+    if not tok_dir.is_dir():
+        pytest.skip(f"needs {tok_dir} (../shared)")
+    from transformers import AutoTokenizer
+
+    from methods.measure import lm
+    from methods.training.chat import encode
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    rows = [
+        {"instruction": "Add the numbers." * k, "input": f"{k} and 3", "output": "The sum is 5, a small number. " * k}
+        for k in (1, 4, 2, 6, 3)
+    ] + [{"instruction": "", "input": "", "output": "Once upon a time there was a cat who sat."}]
+    rows.append({"instruction": "Long " * 80, "input": "", "output": "cut off"})  # no response token within 64
+    model = _tiny_llama(3)
+    batched = lm.row_losses(model, tok, rows, 64, batch=3)
+    for row, got in zip(rows, batched):
+        ids, start = encode(tok, messages(row), 64)
+        if len(ids) <= start:
+            assert math.isnan(got)
+            continue
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, start - 1 : -1]
+        want = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[start:])))
+        assert math.isclose(got, want, rel_tol=1e-4), (row, got, want)
+
+
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "models" / "bench-family"
 
 

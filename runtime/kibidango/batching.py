@@ -133,114 +133,149 @@ class LlamaCppSlots:
             self.ctx = None
 
 
+class _SlotCache:
+    """The key/value cache of every slot of one model, preallocated: per layer a keys and a values
+    tensor of ``[slots, kv_heads, capacity, head_dim]``, slot ``s``'s tokens at ``[s, :, :length]``
+    (right-padded: each row from position 0, whatever the others' lengths). It plays transformers'
+    ``Cache`` for one forward at a time (:meth:`use`): the attention of each layer calls
+    :meth:`update` with the new keys and values of the rows fed, which are written in place at each
+    row's own position, and attends over the rows' keys up to ``width`` (the mask, built by
+    :class:`TorchSlots`, hides every position a row does not have). A step appends without copying
+    the cache (``DynamicCache`` concatenates, a copy of the whole cache per step), and a request
+    joining or leaving copies nothing. Capacity grows by doubling (one copy) when a row needs more."""
+
+    def __init__(self, slots: int, context: int):
+        self.slots = slots
+        self.context = context
+        self.keys: list = []
+        self.values: list = []
+        self.capacity = 0
+        self._rows = None  # the forward's rows: a LongTensor of slots, or None for the prefix [0, m)
+        self._m = 0
+        self._write = None  # (row index, position) tensors of the new tokens, each [m, n]
+        self._width = 0
+
+    def use(self, rows, position, width: int) -> None:
+        """The next forward: ``rows`` (None: the prefix of slots ``[0, len(position))``), each row's
+        new tokens at ``position`` (``[rows, n]``), attention over the first ``width`` positions."""
+        import torch
+
+        m = position.shape[0]
+        self._rows, self._m, self._width = rows, m, width
+        self._write = (torch.arange(m, device=position.device)[:, None].expand_as(position), position)
+        need = int(position.max()) + 1
+        if need > self.capacity:
+            if self.keys:
+                self._grow(need)
+            else:  # allocated by the first update
+                self.capacity = max(need, 64)
+
+    def _grow(self, need: int) -> None:
+        capacity = max(need, 2 * self.capacity if 2 * self.capacity <= self.context else need)
+        for cache in (self.keys, self.values):
+            for i, old in enumerate(cache):
+                new = old.new_zeros((*old.shape[:2], capacity, old.shape[3]))
+                new[:, :, : self.capacity] = old
+                cache[i] = new
+        self.capacity = capacity
+
+    def update(self, key, value, layer_idx: int, cache_kwargs=None):
+        if layer_idx == len(self.keys):  # the first forward: this layer's tensors
+            shape = (self.slots, key.shape[1], self.capacity, key.shape[3])
+            self.keys.append(key.new_zeros(shape))
+            self.values.append(value.new_zeros(shape))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        row, position = self._write
+        if self._rows is None:  # the prefix of slots: views, written in place
+            keys, values = keys[: self._m], values[: self._m]
+            keys[row, :, position] = key.transpose(1, 2)
+            values[row, :, position] = value.transpose(1, 2)
+            return keys[:, :, : self._width], values[:, :, : self._width]
+        slots = self._rows[row]  # a few rows of many (a prefill): gathered, and written back
+        keys[slots, :, position] = key.transpose(1, 2)
+        values[slots, :, position] = value.transpose(1, 2)
+        return keys[self._rows, :, : self._width], values[self._rows, :, : self._width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._width
+
+
 class TorchSlots:
-    """``slots`` sequences of one transformers model. The sequences fed together stay in one
-    batched ``DynamicCache`` (left-padded, the padding masked): while the same sequences are fed
-    together again with nothing cropped (ar steps, in the main), their forward runs on that cache as
-    it is, as ``generate`` does. Several such batches live side by side (a batch per adapter group:
-    the batcher runs each domain adapter's requests as their own forward). Any other forward first
-    gives the sequences it feeds their own ``DynamicCache`` back (their rows, unpadded; the rest of
-    a batch they leave is given back too) and stacks them into a new batch: a copy of their caches,
-    paid when a batch changes rather than at every step."""
+    """``slots`` sequences of one transformers model in one preallocated cache (:class:`_SlotCache`).
+
+    A forward runs the feeds of one length ``n`` together; each sequence's tokens go at its own
+    positions (``position_ids``) and attend through a 4-D mask to its own cached positions only. Where
+    the feeds are at least half of the slots ``[0, m)`` up to the highest one fed (ar steps and
+    verifications of a running batch: the batcher hands out the lowest free slots), the forward
+    runs on that prefix of the cache as it is — a view, nothing copied — and the slots in it that
+    feed nothing this time get a placeholder token, written past their cached length (never read:
+    the mask hides it, their next feed overwrites it) and its logits dropped. Otherwise (a new
+    request's prefill beside a running batch) the fed slots' caches are gathered for that forward.
+
+    Needs a model whose attention layers call ``past_key_values.update(key, value, layer_idx)`` and
+    take a prepared 4-D mask as it is (transformers' decoder-only models: Llama, Mistral, Qwen2,
+    ...); sliding-window attention would see the whole context."""
 
     def __init__(self, model, slots: int):
         self.model = model
         self.slots = slots
-        self.caches: list[list[tuple] | None] = [None] * slots  # per layer (keys, values), [1, heads, len, dim]
         self.length = [0] * slots
-        self._batches: dict[tuple[int, ...], tuple] = {}  # slots in row order -> (DynamicCache, pads)
+        self.cache = _SlotCache(slots, model.context_length)
+        self.gathered = 0  # forwards that gathered their rows (the rest ran on a prefix, in place)
 
     def set_lora(self, name: str | None) -> None:  # peft switches the shared weights: the adapters' use() did
         pass
 
-    def _release(self, slots) -> None:
-        """Every batch that holds one of ``slots`` gives each of its sequences its own cache back."""
-        for group in [g for g in self._batches if any(s in g for s in slots)]:
-            batch, pads = self._batches.pop(group)
-            for i, (slot, pad) in enumerate(zip(group, pads)):
-                self.caches[slot] = [
-                    (layer.keys[i : i + 1, :, pad:].clone(), layer.values[i : i + 1, :, pad:].clone())
-                    for layer in batch.layers
-                ]
-
-    def _crop(self, slot: int, n: int) -> None:
-        if self.length[slot] > n:
-            layers = self.caches[slot]
-            self.caches[slot] = None if n == 0 else [(k[:, :, :n], v[:, :, :n]) for k, v in layers]
-            self.length[slot] = n
+    def release(self, slot: int) -> None:
+        """The slot's sequence ended: nothing of it is read again."""
+        self.length[slot] = 0
 
     def forward(self, feeds: list[_Feed]) -> None:
-        self._release([f.slot for f in feeds if self.length[f.slot] > f.cached])  # sequences to crop
+        for f in feeds:  # where the session stands: a crop since its last feed moves the slot back, nothing to copy
+            self.length[f.slot] = f.cached
         groups: dict[int, list[_Feed]] = {}
-        for f in sorted(feeds, key=lambda f: f.slot):  # rows in slot order: feeds arrive in any order
+        for f in sorted(feeds, key=lambda f: f.slot):
             groups.setdefault(len(f.tokens), []).append(f)
         for n, group in groups.items():
             self._forward(group, n)
 
     def _forward(self, feeds: list[_Feed], n: int) -> None:
         import torch
-        from transformers import DynamicCache
 
         hf, device = self.model.hf, self.model.device
-        slots = tuple(f.slot for f in feeds)
-        if slots in self._batches:  # a running batch, each sequence one forward further
-            past, pads = self._batches.pop(slots)
+        width = max(self.length[f.slot] for f in feeds) + n  # what the fed rows attend over
+        if width > self.model.context_length:
+            raise ContextLengthError(f"{self.model.name}: {width} positions exceed the context")
+        m = max(f.slot for f in feeds) + 1
+        prefix = 2 * len(feeds) >= m
+        if prefix:
+            fed = {f.slot: f for f in feeds}
+            tokens = [fed[s].tokens if s in fed else [0] * n for s in range(m)]
+            # a placeholder at or past both its slot's own tokens and the fed rows' width
+            starts = [self.length[s] if s in fed else max(self.length[s], width) for s in range(m)]
+            rows = None
         else:
-            self._release(slots)
-            for f in feeds:
-                self._crop(f.slot, f.cached)
-            past, pads = self._stack(feeds)
-        lengths = [self.length[s] for s in slots]
-        width = pads[0] + lengths[0]
-        mask = torch.ones((len(feeds), width + n), dtype=torch.long, device=device)
-        for i, pad in enumerate(pads):
-            mask[i, :pad] = 0
-        ids = torch.tensor([f.tokens for f in feeds], dtype=torch.long, device=device)
-        positions = torch.tensor([[length + j for j in range(n)] for length in lengths], device=device)
+            tokens = [f.tokens for f in feeds]
+            starts = [self.length[f.slot] for f in feeds]
+            rows = torch.tensor([f.slot for f in feeds], dtype=torch.long, device=device)
+            self.gathered += 1
+        position = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + torch.arange(n, device=device)
+        # row i's query j sees the positions up to its own (a placeholder sees everything: discarded)
+        mask = torch.arange(width, device=device)[None, None, None, :] <= position[:, None, :, None]
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        self.cache.use(rows, position, width)
         with torch.inference_mode():
             out = hf(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=past if past is not None else DynamicCache(),
-                use_cache=True,
+                input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=self.cache, use_cache=True
             )
         logits = out.logits.float().cpu().numpy()
-        self._batches[slots] = (out.past_key_values, pads)
         for i, f in enumerate(feeds):
-            self.caches[f.slot] = None  # in the batch now
-            self.length[f.slot] += n
-            f.rows = logits[i]
-
-    def _stack(self, feeds: list[_Feed]):
-        """The feeds' own caches as one left-padded ``DynamicCache`` (None when all are empty),
-        and each row's padding."""
-        import torch
-        from transformers import DynamicCache
-
-        lengths = [self.length[f.slot] for f in feeds]
-        longest = max(lengths)
-        pads = [longest - length for length in lengths]
-        if not longest:
-            return None, pads
-        like = next(self.caches[f.slot] for f in feeds if self.caches[f.slot] is not None)
-        layers = []
-        for layer in range(len(like)):
-            keys, values = [], []
-            for f, pad in zip(feeds, pads):
-                cache = self.caches[f.slot]
-                if cache is None:
-                    k = v = like[layer][0].new_zeros((1, like[layer][0].shape[1], 0, like[layer][0].shape[3]))
-                else:
-                    k, v = cache[layer]
-                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            layers.append((torch.cat(keys), torch.cat(values)))
-        return DynamicCache(ddp_cache_data=layers), pads
+            f.rows = logits[f.slot if prefix else i]
+            self.length[f.slot] = f.cached + n
 
     def close(self) -> None:
-        self.caches = [None] * self.slots
-        self._batches = {}
+        self.cache = _SlotCache(self.slots, self.model.context_length)
+        self.length = [0] * self.slots
 
 
 class BatchedSession:
@@ -378,12 +413,16 @@ class Batcher:
         with self.lock:
             if not self.free:
                 raise RuntimeError("more generations than batch slots")
-            slot = self.free.pop()
+            slot = min(self.free)  # the lowest: the running sequences stay a prefix of the slots (TorchSlots)
+            self.free.remove(slot)
             self.members[me] = _Member(slot)
             self.running += 1
         try:
             yield slot
         finally:
+            for tier in self.tiers.values():  # before the slot is free again
+                if hasattr(tier, "release"):
+                    tier.release(slot)
             with self.lock:
                 del self.members[me]
                 self.free.append(slot)

@@ -107,24 +107,47 @@ def test_requests_join_and_leave_a_running_batch(family):
         batcher.close()
 
 
-def test_torch_ar_steps_reuse_the_running_batch(family, monkeypatch):
-    """ar steps of the same requests run on the batch's cache as it is: the caches are stacked when
-    the batch changes (a prefill, a request leaving), not at every step."""
-    from kibidango.batching import TorchSlots
-
-    stacks = []
-    real = TorchSlots._stack
-    monkeypatch.setattr(TorchSlots, "_stack", lambda self, feeds: stacks.append(len(feeds)) or real(self, feeds))
+def test_torch_ar_steps_run_on_the_slots_cache_in_place(family):
+    """ar steps of a running batch run on the preallocated cache as it is (a prefix of the slots,
+    nothing gathered or copied); only a prefill beside running sequences gathers its row."""
     cfgs = [DecodeConfig(mode="ar", max_new_tokens=24, temperature=0.0) for _ in range(4)]
     alone = [_alone(family, p, c) for p, c in zip(PROMPTS, cfgs)]
     pipe = Pipeline(None, dict(family), cfgs[0])
     batcher = Batcher(pipe, slots=4)
     try:
         assert _together(batcher, pipe, PROMPTS[:4], cfgs) == alone
-        steps = batcher.stats.forwards
+        steps, gathered = batcher.stats.forwards, batcher.tiers["target"].gathered
+        capacity = batcher.tiers["target"].cache.capacity
     finally:
         batcher.close()
-    assert steps >= 24 and len(stacks) < steps / 2, (len(stacks), steps)
+    assert steps >= 24 and gathered < steps / 4, (gathered, steps)
+    assert capacity < 2 * (max(len(p) for p in PROMPTS[:4]) + 24) + 64  # grown by doubling, not per step
+
+
+def test_a_slot_cropped_back_and_placeholders_never_touch_a_sequences_tokens(family):
+    """Unequal prompts and lengths, sd's rejections (crops) and slots joining at different times:
+    each request keeps exactly its own tokens, and the slots are given back empty."""
+    cfgs = [DecodeConfig(mode="sd", k=3, max_new_tokens=n, temperature=0.0) for n in (30, 4, 17, 9, 25, 2)]
+    alone = [_alone(family, p, c) for p, c in zip(PROMPTS, cfgs)]
+    pipe = Pipeline(None, dict(family), cfgs[0])
+    batcher = Batcher(pipe, slots=4)
+    try:
+        out: dict[int, list[int]] = {}
+        seats = threading.Semaphore(4)
+
+        def run(i: int) -> None:
+            with seats, batcher.member():
+                out[i] = [t for new in pipe.decoder.generate(PROMPTS[i], cfgs[i]) for t in new]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [out[i] for i in range(6)] == alone
+        assert batcher.tiers["target"].length == [0, 0, 0, 0]
+    finally:
+        batcher.close()
 
 
 def test_answer_features_from_the_decoding_rows_equal_a_scoring_pass(family):
