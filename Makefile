@@ -1,6 +1,6 @@
 # kibidango — every target sets itself up first (a fresh clone needs nothing but python3.11).
 #   make demo            the tiny preset end to end (PRESET=... for another; ARGS="--set 0.dedup.threshold=0.6")
-#   make test            lint (ruff) and the test suite (what CI runs); make test-slow: the full tiny preset as a test
+#   make test            lint (ruff) and the test suite (what CI runs); make test-slow: the slow-marked tests (the full tiny preset as a test, among them)
 #   make stage-<id>      rerun one stage (forced), reusing cached upstream stages, e.g. make stage-0, make stage-2b
 #   make dry-run         resolve and print the stage plan of PRESET without running it
 #   make worker POOL=gpu deploy the stage flow to that Prefect work pool and run a worker (docs/scaling.md)

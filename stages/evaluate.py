@@ -154,11 +154,25 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
 
     batcher = Batcher(pipe, cfg.parallel) if cfg.parallel > 1 else None
     alone = threading.Lock()
+    # Batched, a lossless mode's answers are decoded as ar: greedy, they are the same tokens (up to
+    # rounding at near-ties), and ar steps of all requests are one forward where sd's or lookup's
+    # verifications of different lengths split each step into a forward per length. A lossy
+    # shipped mode (pyramid with tau > 0) is evaluated as it decodes. Its speed is _speed's part.
+    shipped = pipe.config(temperature=0.0)
+    lossless = shipped.mode in ("ar", "sd", "lookup") or shipped.variant == "exact"
+    lossless = lossless or shipped.tau_Q == shipped.tau_T == 0  # kibidango.tune's rule
+    mode = {"mode": "ar"} if batcher is not None and lossless else {}
 
     def generate(ids: list[int], query: str, policy: str) -> tuple[str, dict]:
         try:  # greedy: the figures are reproducible run to run
             result = pipe.generate(
-                ids, query=query, adapter=policy, max_new_tokens=cfg.max_new_tokens, score=False, temperature=0.0
+                ids,
+                query=query,
+                adapter=policy,
+                max_new_tokens=cfg.max_new_tokens,
+                score=False,
+                temperature=0.0,
+                **mode,
             )
             m = result.metrics
             reply = {"tokens": m.generated_tokens, "finish_reason": m.finish_reason}

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from core.remote import RemoteStore
 from core.store import ArtifactStore
 from flows.tracking import TAG
@@ -109,6 +111,9 @@ def test_two_machines_publishing_one_key_at_once_never_damage_it(s3, tmp_path):
         assert len(parts) == 1 and parts <= set(texts), f"round {round_}: a mix of two publications"
 
 
+# ~100 s; behind the slow marker to keep `make test` in CI's time: tests/test_work_pools.py runs the
+# same two-machine flow through the shared store and the MLflow server (with a worker besides).
+@pytest.mark.slow
 def test_a_second_machine_runs_the_flow_from_the_shared_store(s3, mlflow_server, tmp_path):
     rows = [{"instruction": f"Name colour {i}.", "output": f"Colour {i} is a shade of teal."} for i in range(40)]
     preset = _preset(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows))
