@@ -34,6 +34,7 @@ import math
 import subprocess
 import sys
 import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
@@ -151,6 +152,7 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
     """Every task answered under each policy and judged (resumable); with ``parallel`` > 1 the
     answers of that many tasks decode together (the runtime's batching; judged outside it)."""
     from kibidango.batching import Batcher
+    from kibidango.tune import lossless
 
     batcher = Batcher(pipe, cfg.parallel) if cfg.parallel > 1 else None
     alone = threading.Lock()
@@ -158,10 +160,7 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
     # rounding at near-ties), and ar steps of all requests are one forward where sd's or lookup's
     # verifications of different lengths split each step into a forward per length. A lossy
     # shipped mode (pyramid with tau > 0) is evaluated as it decodes. Its speed is _speed's part.
-    shipped = pipe.config(temperature=0.0)
-    lossless = shipped.mode in ("ar", "sd", "lookup") or shipped.variant == "exact"
-    lossless = lossless or shipped.tau_Q == shipped.tau_T == 0  # kibidango.tune's rule
-    mode = {"mode": "ar"} if batcher is not None and lossless else {}
+    mode = {"mode": "ar"} if batcher is not None and lossless(asdict(pipe.config(temperature=0.0))) else {}
 
     def generate(ids: list[int], query: str, policy: str) -> tuple[str, dict]:
         try:  # greedy: the figures are reproducible run to run

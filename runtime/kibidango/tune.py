@@ -65,7 +65,9 @@ def candidates(grid: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def _lossless(c: dict[str, Any]) -> bool:
+def lossless(c: dict[str, Any]) -> bool:
+    """Whether decoding settings (a candidate, or a :class:`DecodeConfig` as a dict) give the
+    target's own tokens: sd, lookup, exact pyramid, or any mode with both taus at 0."""
     if c["mode"] in ("sd", "lookup") or c.get("variant") == "exact":
         return True
     return c.get("tau_Q", 0) == 0 and c.get("tau_T", 0) == 0
@@ -126,8 +128,8 @@ def tune(
         tokens = sum(len(o) for o in outs)
         firsts = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in zip(ar_out, outs)]
         agreement = sum(firsts) / max(1, sum(len(r) for r in ar_out))
-        lossless = _lossless(cand)
-        if lossless:
+        is_lossless = lossless(cand)
+        if is_lossless:
             ppl_increase = 0.0 if outs == ar_out else None
         else:
             nll = float(np.mean([_target_nll(pipe, p, o) for p, o in zip(ids, outs)]))
@@ -139,10 +141,10 @@ def tune(
             "target_forwards_per_token": metrics.target_forwards_per_token,
             "agreement_with_ar": agreement,
             "ppl_increase": ppl_increase,
-            "lossless": lossless,
+            "lossless": is_lossless,
             "admissible": ppl_increase is not None and ppl_increase <= max_ppl_increase,
         }
-        if lossless and outs != ar_out:
+        if is_lossless and outs != ar_out:
             row["note"] = "a lossless mode differed from ar: a bug"
         result.rows.append(row)
         if progress is not None:

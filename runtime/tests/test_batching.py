@@ -51,6 +51,24 @@ def _together(batcher: Batcher, pipe: Pipeline, prompts, cfgs, stagger: float = 
     return [out[i] for i in range(len(prompts))]
 
 
+def _queued(batcher: Batcher, pipe: Pipeline, prompts, cfgs, slots: int):
+    """Every prompt on its own thread, started at once, at most ``slots`` of them decoding (what the
+    server's scheduler does): later ones join as earlier ones leave."""
+    out: dict[int, list[int]] = {}
+    seats = threading.Semaphore(slots)
+
+    def run(i: int) -> None:
+        with seats, batcher.member():
+            out[i] = [t for new in pipe.decoder.generate(prompts[i], cfgs[i]) for t in new]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return [out[i] for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize(
     "mode, extra",
     [("ar", {}), ("sd", {"k": 3}), ("pyramid", {"variant": "exact", "l_D": 2, "l_Q": 4}), ("lookup", {"k": 3})],
@@ -88,19 +106,7 @@ def test_requests_join_and_leave_a_running_batch(family):
     pipe = Pipeline(None, dict(family), cfgs[0])
     batcher = Batcher(pipe, slots=3)
     try:
-        out: dict[int, list[int]] = {}
-        slots = threading.Semaphore(3)  # what the server's scheduler does: at most `slots` members
-
-        def run(i: int) -> None:
-            with slots, batcher.member():
-                out[i] = [t for new in pipe.decoder.generate(PROMPTS[i], cfgs[i]) for t in new]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert [out[i] for i in range(6)] == alone
+        assert _queued(batcher, pipe, PROMPTS, cfgs, 3) == alone
         assert batcher.free and sorted(batcher.free) == [0, 1, 2] and batcher.running == 0
         assert max(batcher.stats.rows) > 1
     finally:
@@ -132,19 +138,7 @@ def test_a_slot_cropped_back_and_placeholders_never_touch_a_sequences_tokens(fam
     pipe = Pipeline(None, dict(family), cfgs[0])
     batcher = Batcher(pipe, slots=4)
     try:
-        out: dict[int, list[int]] = {}
-        seats = threading.Semaphore(4)
-
-        def run(i: int) -> None:
-            with seats, batcher.member():
-                out[i] = [t for new in pipe.decoder.generate(PROMPTS[i], cfgs[i]) for t in new]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert [out[i] for i in range(6)] == alone
+        assert _queued(batcher, pipe, PROMPTS, cfgs, 4) == alone
         assert batcher.tiers["target"].length == [0, 0, 0, 0]
     finally:
         batcher.close()
