@@ -74,6 +74,7 @@ class Config(Judged):
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from kibidango import Pipeline
+    from kibidango.bundle import load_bundle
 
     bundle_dir = inputs["bundle"] / "bundle"
     if not (bundle_dir / "bundle.json").is_file():
@@ -83,7 +84,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     rows = evaluation_tasks(cfg.samples, cfg.seed, seen)
     if not rows:
         raise KibidangoError("no evaluation tasks: every sample is empty")
-    pipe = Pipeline.from_bundle(bundle_dir, backend=cfg.backend, adapter="auto")
+    # every adapter loaded at once: batched answers routed to different adapters share each forward
+    domains = load_bundle(bundle_dir, verify=False).adapters.domains
+    pipe = Pipeline.from_bundle(bundle_dir, backend=cfg.backend, adapter="auto", adapter_cache=max(1, len(domains)))
     policies = [p for p in cfg.policies if p == "none" or pipe.adapter == "auto"]  # no router or adapters: base only
     table = _answers(cfg, rows, pipe, policies, work_dir)
 

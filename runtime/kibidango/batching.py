@@ -20,11 +20,12 @@ its new keys in place and a request joining or leaving copies nothing; feeds of 
 go in one forward (different lengths in separate ones). On the CPUs this runtime serves, decoding
 a 135M-parameter model is bound by reading its weights once per forward (~3.4 GB/s on the 2-core
 machine measured: a step of 32 rows took 2.4x one row's), so wide batches pay as long as the cache
-is not copied per step. A
-paged cache (vLLM, transformers' continuous batching) is what a GPU server wants.
+is not copied per step. A paged cache (vLLM, transformers' continuous batching) is what a GPU server wants.
 
-Domain adapters: every request records the adapter it was routed to; a forward groups feeds by
-adapter and switches the target's adapter between groups.
+Domain adapters: every request records the adapter it was routed to. On torch, the target's feeds
+of one step run in one forward with each row's own adapter (peft's mixed-adapter batch: the base
+weights read once) when the adapter cache holds all of them at once; otherwise (and on llama.cpp)
+a forward groups feeds by adapter and switches the target's adapter between groups.
 
 Results are those of the same forward done alone up to floating-point rounding (a batched matrix
 product may sum in another order): lossless modes keep their guarantee, greedy outputs may differ
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -234,16 +236,18 @@ class TorchSlots:
         """The slot's sequence ended: nothing of it is read again."""
         self.length[slot] = 0
 
-    def forward(self, feeds: list[_Feed]) -> None:
+    def forward(self, feeds: list[_Feed], mixed: bool = False) -> None:
+        """``mixed``: the feeds' adapters differ, and each row runs with its own (every one of them
+        loaded: :meth:`TorchModel.mixed_lora_forward`); else they run with the active adapter."""
         for f in feeds:  # where the session stands: a crop since its last feed moves the slot back, nothing to copy
             self.length[f.slot] = f.cached
         groups: dict[int, list[_Feed]] = {}
         for f in sorted(feeds, key=lambda f: f.slot):
             groups.setdefault(len(f.tokens), []).append(f)
         for n, group in groups.items():
-            self._forward(group, n)
+            self._forward(group, n, mixed)
 
-    def _forward(self, feeds: list[_Feed], n: int) -> None:
+    def _forward(self, feeds: list[_Feed], n: int, mixed: bool = False) -> None:
         import torch
 
         hf, device = self.model.hf, self.model.device
@@ -257,10 +261,12 @@ class TorchSlots:
             tokens = [fed[s].tokens if s in fed else [0] * n for s in range(m)]
             # a placeholder at or past both its slot's own tokens and the fed rows' width
             starts = [self.length[s] if s in fed else max(self.length[s], width) for s in range(m)]
+            adapters = [fed[s].adapter if s in fed else None for s in range(m)]
             rows = None
         else:
             tokens = [f.tokens for f in feeds]
             starts = [self.length[f.slot] for f in feeds]
+            adapters = [f.adapter for f in feeds]
             rows = torch.tensor([f.slot for f in feeds], dtype=torch.long, device=device)
             self.gathered += 1
         position = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + torch.arange(n, device=device)
@@ -268,8 +274,9 @@ class TorchSlots:
         mask = torch.arange(width, device=device)[None, None, None, :] <= position[:, None, :, None]
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         self.cache.use(rows, position, width)
+        call = functools.partial(self.model.mixed_lora_forward, adapters) if mixed else hf
         with torch.inference_mode():
-            out = hf(
+            out = call(
                 input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=self.cache, use_cache=True
             )
         logits = out.logits.float().cpu().numpy()
@@ -362,6 +369,7 @@ class BatchStats:
     forwards: int = 0
     feeds: int = 0
     rows: dict[int, int] = field(default_factory=dict)  # feeds per forward -> forwards
+    mixed: int = 0  # engine steps whose target forward mixed adapters (torch)
 
     def mean_batch(self) -> float:
         return self.feeds / self.forwards if self.forwards else 0.0
@@ -485,13 +493,43 @@ class Batcher:
             for f in batch:
                 f.done.set()
 
+    def _mixes(self, feeds: list[_Feed]) -> bool:
+        """Whether the target's ``feeds`` run in one forward, each with its own adapter (torch:
+        peft's mixed-adapter batch) — every adapter they name loaded at once (the adapter cache
+        holds them all; else one forward per adapter, the cache swapping them) — and loads them."""
+        adapters = {f.adapter for f in feeds}
+        if self.real_adapters is None or len(adapters) < 2 or not isinstance(self.tiers["target"], TorchSlots):
+            return False
+        named = adapters - {None}
+        if len(named - {self.real_adapters.keep}) > self.real_adapters.size:
+            return False
+        for adapter in named:  # the least recently used of the cache are not among them: none is evicted
+            self.real_adapters.use(adapter)
+        return True
+
     def _run(self, batch: list[_Feed]) -> None:
         groups: dict[tuple[str, str | None], list[_Feed]] = {}
+        target = [f for f in batch if f.model == "target"]
+        try:
+            mixed = self._mixes(target)
+        except Exception as e:  # an adapter that does not load: its requests (all of the step's) get the error
+            log.exception("loading the adapters of a batched forward failed")
+            for f in target:
+                f.error = e
+            batch = [f for f in batch if f.model != "target"]
+            mixed = False
+        if mixed:
+            self.stats.mixed += 1
+            groups[("target", "*")] = target
+            batch = [f for f in batch if f.model != "target"]
         for f in batch:
             groups.setdefault((f.model, f.adapter if f.model == "target" else None), []).append(f)
         for (name, adapter), feeds in groups.items():
             try:
                 tier = self.tiers[name]
+                if adapter == "*":
+                    tier.forward(feeds, mixed=True)
+                    continue
                 if name == "target" and self.real_adapters is not None:
                     if adapter != self.real_adapters.active:
                         tier.set_lora(None)  # before an eviction can free the adapter it runs with

@@ -324,9 +324,11 @@ def test_a_calibrator_names_the_decoding_it_was_fitted_on(bundle, tmp_path):
     assert Calibrator.load(path).decoding == {"temperature": 0.0}
 
 
-def test_batched_requests_each_run_with_their_own_adapter(bundle):
+@pytest.mark.parametrize("cache", [2, 1], ids=["one-mixed-forward", "a-forward-per-adapter"])
+def test_batched_requests_each_run_with_their_own_adapter(bundle, cache):
     """Under continuous batching, requests routed to different adapters (and to none) share the
-    batcher; each forward group runs with its requests' adapter, so each gets what it gets alone."""
+    batcher and each gets what it gets alone: in one forward with each row's own adapter where the
+    adapter cache holds both (peft's mixed-adapter batch), else one forward per adapter."""
     import threading
 
     from kibidango import Pipeline
@@ -335,7 +337,7 @@ def test_batched_requests_each_run_with_their_own_adapter(bundle):
     queries = [CODE, MATH, "Once upon a time there was a cat", MATH, CODE]
     alone = Pipeline.from_bundle(bundle, adapter="auto")
     expected = [alone.generate(q, max_new_tokens=6) for q in queries]
-    pipe = Pipeline.from_bundle(bundle, adapter="auto")
+    pipe = Pipeline.from_bundle(bundle, adapter="auto", adapter_cache=cache)
     batcher = Batcher(pipe, slots=len(queries))
     got: dict[int, object] = {}
     gate = threading.Barrier(len(queries))
@@ -355,5 +357,10 @@ def test_batched_requests_each_run_with_their_own_adapter(bundle):
             assert got[i].metrics.adapter == e.metrics.adapter and got[i].token_ids == e.token_ids, i
             assert got[i].metrics.confidence == pytest.approx(e.metrics.confidence, abs=1e-4)
         assert batcher.stats.feeds > batcher.stats.forwards
+        assert (batcher.stats.mixed > 0) == (cache == 2)
     finally:
         batcher.close()
+    for adapter in ("none", "auto"):  # alone again: each query as it was before the batcher
+        assert [pipe.generate(q, max_new_tokens=6, adapter=adapter).token_ids for q in queries] == [
+            alone.generate(q, max_new_tokens=6, adapter=adapter).token_ids for q in queries
+        ], adapter

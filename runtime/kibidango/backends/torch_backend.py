@@ -91,6 +91,7 @@ class TorchModel:
         self.vocab_size = self.hf.config.vocab_size
         self.context_length = getattr(self.hf.config, "max_position_embeddings", 2048)
         self._peft = None
+        self._lora: str | None = None  # the adapter set_lora chose (None: base weights)
         self.compiled_step = None
         if compile_steps:
             self.compile_steps()
@@ -110,6 +111,7 @@ class TorchModel:
         self.vocab_size = hf_model.config.vocab_size
         self.context_length = getattr(hf_model.config, "max_position_embeddings", 2048)
         self._peft = None
+        self._lora: str | None = None  # the adapter set_lora chose (None: base weights)
         self.compiled_step = None
         return self
 
@@ -144,10 +146,26 @@ class TorchModel:
         else:
             self._peft.base_model.enable_adapter_layers()
             self._peft.set_adapter(name)
+        self._lora = name
 
     def unload_lora(self, name: str) -> None:
         if self._peft is not None:
             self._peft.delete_adapter(name)
+
+    def mixed_lora_forward(self, adapters: list[str | None], **kwargs):
+        """One forward of the model where row ``i`` runs with the loaded adapter ``adapters[i]``
+        (None: the base weights): peft's mixed-adapter batch — the base weights once for every row,
+        each adapter's low-rank update on its own rows. Whatever ``set_lora`` chose stays chosen."""
+        if self._peft is None:
+            if any(a is not None for a in adapters):
+                raise KeyError(f"{self.name}: no adapter is loaded")
+            return self.hf(**kwargs)
+        self._peft.base_model.enable_adapter_layers()  # peft runs no adapter at all while they are disabled
+        try:
+            return self._peft(adapter_names=[a if a is not None else "__base__" for a in adapters], **kwargs)
+        finally:
+            if self._lora is None:
+                self._peft.base_model.disable_adapter_layers()
 
     def new_session(self) -> TorchSession:
         return TorchSession(self)

@@ -1,0 +1,77 @@
+"""Held-out math-ladder pass rate of one transformers checkpoint, greedy: the quick check between
+compression stages (which of pruning, quantization or a recipe change costs the ladder what 1R
+taught), without running stage 9 on a whole bundle.
+
+    python -m eval.ladder_pass MODEL_DIR [MODEL_DIR ...] [--levels 1,2,3,4] [--per-level 12]
+
+Each MODEL_DIR is a stage's checkpoint in the store (1R's, 2A's ``target/``, 2B's compressed-tensors
+``target/``: transformers decompresses it). The tasks are the ladder's evaluation part (no stage
+trains or mines on it), the prompt the model's own chat template, the answer judged by the math
+judge (the final number); all prompts decode in one left-padded batch of ``max_new_tokens``.
+Printed as a table with Wilson 95% intervals; nothing is written."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def pass_rates(model_dir: str, levels: list[int], per_level: int, max_new_tokens: int = 96) -> dict[int, list[bool]]:
+    """``{level: [passed, ...]}`` for ``per_level`` evaluation tasks of each math level."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from methods.judges.math import MathJudge
+    from methods.ladder import ladder_rows
+    from methods.training.chat import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = ladder_rows("math", levels, "evaluation", per_level * len(levels))
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["task"].prompt}]) for r in rows]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
+        )
+    judge = MathJudge()
+    passed: dict[int, list[bool]] = {level: [] for level in levels}
+    for row, tokens in zip(rows, out, strict=True):
+        text = tokenizer.decode(tokens[width:], skip_special_tokens=True)
+        passed[row["level"]].append(judge(row["task"], text).passed)
+    return passed
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    from methods.evaluation import wilson
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("models", nargs="+", help="transformers checkpoint directories")
+    p.add_argument("--levels", default="1,2,3,4", help="math ladder levels (comma-separated)")
+    p.add_argument("--per-level", type=int, default=12, help="evaluation tasks per level")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    levels = [int(x) for x in args.levels.split(",")]
+    print("| model | " + " | ".join(f"L{level}" for level in levels) + " | all (95% Wilson) | seconds |")
+    print("|---|" + "---:|" * (len(levels) + 2))
+    for model in args.models:
+        started = time.monotonic()
+        passed = pass_rates(model, levels, args.per_level)
+        every = [ok for level in levels for ok in passed[level]]
+        lo, hi = wilson(sum(every), len(every))
+        cells = " | ".join(f"{sum(passed[level])}/{len(passed[level])}" for level in levels)
+        print(
+            f"| {model} | {cells} | {sum(every)}/{len(every)} [{lo:.0%}, {hi:.0%}] | "
+            f"{time.monotonic() - started:.0f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
