@@ -508,38 +508,38 @@ class Batcher:
         return True
 
     def _run(self, batch: list[_Feed]) -> None:
-        groups: dict[tuple[str, str | None], list[_Feed]] = {}
         target = [f for f in batch if f.model == "target"]
-        try:
-            mixed = self._mixes(target)
-        except Exception as e:  # an adapter that does not load: its requests (all of the step's) get the error
-            log.exception("loading the adapters of a batched forward failed")
-            for f in target:
-                f.error = e
-            batch = [f for f in batch if f.model != "target"]
-            mixed = False
+        mixed = self._guarded("target", target, self._mixes, target)
         if mixed:
             self.stats.mixed += 1
-            groups[("target", "*")] = target
-            batch = [f for f in batch if f.model != "target"]
+            self._guarded("target", target, self.tiers["target"].forward, target, mixed=True)
+        groups: dict[tuple[str, str | None], list[_Feed]] = {}
         for f in batch:
-            groups.setdefault((f.model, f.adapter if f.model == "target" else None), []).append(f)
+            if not (mixed and f.model == "target") and f.error is None:
+                groups.setdefault((f.model, f.adapter if f.model == "target" else None), []).append(f)
         for (name, adapter), feeds in groups.items():
-            try:
-                tier = self.tiers[name]
-                if adapter == "*":
-                    tier.forward(feeds, mixed=True)
-                    continue
-                if name == "target" and self.real_adapters is not None:
-                    if adapter != self.real_adapters.active:
-                        tier.set_lora(None)  # before an eviction can free the adapter it runs with
-                    self.real_adapters.use(adapter)
-                    tier.set_lora(adapter)
-                tier.forward(feeds)
-            except Exception as e:  # each request of the group gets the error, the engine lives on
-                log.exception(f"a batched forward of {name} failed")
-                for f in feeds:
-                    f.error = e
+            self._guarded(name, feeds, self._forward_group, name, adapter, feeds)
+
+    def _forward_group(self, name: str, adapter: str | None, feeds: list[_Feed]) -> None:
+        """One tier's ``feeds``, the target's with ``adapter`` active."""
+        tier = self.tiers[name]
+        if name == "target" and self.real_adapters is not None:
+            if adapter != self.real_adapters.active:
+                tier.set_lora(None)  # before an eviction can free the adapter it runs with
+            self.real_adapters.use(adapter)
+            tier.set_lora(adapter)
+        tier.forward(feeds)
+
+    @staticmethod
+    def _guarded(name: str, feeds: list[_Feed], call, *args, **kwargs):
+        """``call(...)``; where it raises, each request of ``feeds`` gets the error and the engine lives on."""
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:
+            log.exception(f"a batched forward of {name} failed")
+            for f in feeds:
+                f.error = e
+            return None
 
     def close(self) -> None:
         """Stop the engine (requests still waiting get an error) and give the pipeline its own
