@@ -400,6 +400,14 @@ class Batcher:
         self.closed = False
         self.stats = BatchStats()
         self.real_adapters = pipe.adapters
+        if self.real_adapters is not None:
+            swapped = [d for d in self.real_adapters.adapters.domains if d != self.real_adapters.keep]
+            if len(swapped) > self.real_adapters.size and slots > 1:
+                log.warning(
+                    f"the adapter cache holds {self.real_adapters.size} of the bundle's {len(swapped)} adapters: "
+                    "batched requests routed to more than that run a forward per adapter, swapping them each step "
+                    f"(--adapter-cache {len(swapped)} keeps them all)"
+                )
         wrapped = {name: BatchedModel(name, model, self) for name, model in self.raw.items()}
         pipe.models = wrapped
         pipe.decoder = Decoder(wrapped)

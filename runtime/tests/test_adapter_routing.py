@@ -325,7 +325,7 @@ def test_a_calibrator_names_the_decoding_it_was_fitted_on(bundle, tmp_path):
 
 
 @pytest.mark.parametrize("cache", [2, 1], ids=["one-mixed-forward", "a-forward-per-adapter"])
-def test_batched_requests_each_run_with_their_own_adapter(bundle, cache):
+def test_batched_requests_each_run_with_their_own_adapter(bundle, cache, caplog):
     """Under continuous batching, requests routed to different adapters (and to none) share the
     batcher and each gets what it gets alone: in one forward with each row's own adapter where the
     adapter cache holds both (peft's mixed-adapter batch), else one forward per adapter."""
@@ -338,7 +338,9 @@ def test_batched_requests_each_run_with_their_own_adapter(bundle, cache):
     alone = Pipeline.from_bundle(bundle, adapter="auto")
     expected = [alone.generate(q, max_new_tokens=6) for q in queries]
     pipe = Pipeline.from_bundle(bundle, adapter="auto", adapter_cache=cache)
-    batcher = Batcher(pipe, slots=len(queries))
+    with caplog.at_level("WARNING", logger="kibidango"):
+        batcher = Batcher(pipe, slots=len(queries))
+    assert ("--adapter-cache 2 keeps them all" in caplog.text) == (cache == 1)
     got: dict[int, object] = {}
     gate = threading.Barrier(len(queries))
 
