@@ -6,8 +6,8 @@ taught), without running stage 9 on a whole bundle.
 
 Each MODEL_DIR is a stage's checkpoint in the store (1R's, 2A's ``target/``, 2B's compressed-tensors
 ``target/``: transformers decompresses it). The tasks are the ladder's evaluation part (no stage
-trains or mines on it), the prompt the model's own chat template, the answer judged by the math
-judge (the final number); all prompts decode in one left-padded batch of ``max_new_tokens``.
+trains or mines on it), answered as stage 1R evaluates a checkpoint (the runtime's greedy decoding in
+the model's own chat template, every task in one batch) and judged by the math judge (the final number).
 Printed as a table with Wilson 95% intervals; nothing is written."""
 
 from __future__ import annotations
@@ -17,30 +17,25 @@ import time
 
 
 def pass_rates(model_dir: str, levels: list[int], per_level: int, max_new_tokens: int = 96) -> dict[int, list[bool]]:
-    """``{level: [passed, ...]}`` for ``per_level`` evaluation tasks of each math level."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """``{level: [passed, ...]}`` for ``per_level`` evaluation tasks of each math level, answered
+    as stage 1R evaluates a checkpoint (:class:`methods.measure.generate.Answerer`: the runtime's
+    greedy decoding, all tasks batched together)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from methods.judges.math import MathJudge
     from methods.ladder import ladder_rows
-    from methods.training.chat import prompt_ids
+    from methods.measure.generate import Answerer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = ladder_rows("math", levels, "evaluation", per_level * len(levels))
-    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["task"].prompt}]) for r in rows]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
-        )
+    answerer = Answerer(model_dir, max_new_tokens, parallel=max(2, len(rows)))
+    try:
+        with ThreadPoolExecutor(len(rows)) as pool:
+            texts = list(pool.map(lambda r: answerer(r["instruction"], r["input"]).text, rows))
+    finally:
+        answerer.close()
     judge = MathJudge()
     passed: dict[int, list[bool]] = {level: [] for level in levels}
-    for row, tokens in zip(rows, out, strict=True):
-        text = tokenizer.decode(tokens[width:], skip_special_tokens=True)
+    for row, text in zip(rows, texts, strict=True):
         passed[row["level"]].append(judge(row["task"], text).passed)
     return passed
 
