@@ -146,6 +146,10 @@ class LoadedAdapters:
         self.loads = 0
         self.evictions = 0
 
+    def fits(self, domains) -> bool:
+        """Whether the adapters of ``domains`` (None: the base weights) can all be loaded at once."""
+        return len(set(domains) - {None, self.keep}) <= self.size
+
     def use(self, domain: str | None) -> None:
         if domain is not None and domain not in self.loaded:
             adapter = self.adapters.get(domain)

@@ -399,15 +399,14 @@ class Batcher:
         self.pending: list[_Feed] = []
         self.closed = False
         self.stats = BatchStats()
-        self.real_adapters = pipe.adapters
-        if self.real_adapters is not None:
-            swapped = [d for d in self.real_adapters.adapters.domains if d != self.real_adapters.keep]
-            if len(swapped) > self.real_adapters.size and slots > 1:
-                log.warning(
-                    f"the adapter cache holds {self.real_adapters.size} of the bundle's {len(swapped)} adapters: "
-                    "batched requests routed to more than that run a forward per adapter, swapping them each step "
-                    f"(--adapter-cache {len(swapped)} keeps them all)"
-                )
+        self.real_adapters = cache = pipe.adapters
+        if cache is not None and slots > 1 and not cache.fits(cache.adapters.domains):
+            swapped = len(set(cache.adapters.domains) - {cache.keep})
+            log.warning(
+                f"the adapter cache holds {cache.size} of the bundle's {swapped} adapters: batched requests "
+                "routed to more than that run a forward per adapter, swapping them each step "
+                f"(--adapter-cache {swapped} keeps them all)"
+            )
         wrapped = {name: BatchedModel(name, model, self) for name, model in self.raw.items()}
         pipe.models = wrapped
         pipe.decoder = Decoder(wrapped)
@@ -508,10 +507,9 @@ class Batcher:
         adapters = {f.adapter for f in feeds}
         if self.real_adapters is None or len(adapters) < 2 or not isinstance(self.tiers["target"], TorchSlots):
             return False
-        named = adapters - {None}
-        if len(named - {self.real_adapters.keep}) > self.real_adapters.size:
+        if not self.real_adapters.fits(adapters):
             return False
-        for adapter in named:  # the least recently used of the cache are not among them: none is evicted
+        for adapter in adapters - {None}:  # the least recently used of the cache are not among them: none is evicted
             self.real_adapters.use(adapter)
         return True
 
