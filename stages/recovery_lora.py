@@ -8,7 +8,10 @@
    hardest 5K examples). ``selection: loss_increase`` ranks by the loss compression *added*
    (compressed minus reference model) instead: the highest absolute losses are mostly rows the
    model never could predict (on the tiny family: code in the stories tokenizer's byte pieces),
-   not rows compression damaged.
+   not rows compression damaged. ``candidate_rows`` bounds the rows scored; ``candidates:
+   by_domain`` draws them in turn from each domain (the split's first rows may all be one domain's:
+   the small preset's first 120 are all general instructions, and a recovery trained on those
+   alone left the math ladder where compression put it).
 3. axolotl trains a LoRA on them (``train``: a TrainRecipe, unmerged LoRA).
 4. Validation perplexity of the reference model (before compression, the ``reference`` input),
    the compressed model, and the compressed model with the LoRA; recovered = the share of the
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
@@ -58,7 +62,12 @@ class Config(StageConfig):
     selection: Literal["loss", "loss_increase"] = Field(
         "loss", description="Rank rows by loss under the compressed model, or by how much compression raised it."
     )
-    candidate_rows: int | None = Field(None, gt=0, description="Score only the first N train rows (None: all).")
+    candidate_rows: int | None = Field(None, gt=0, description="Score only N train rows (None: all).")
+    candidates: Literal["first", "by_domain"] = Field(
+        "first",
+        description="Which N rows: the split's first N, or N drawn in turn from each domain (each domain's "
+        "rows in stored order): the split's first rows may all be one domain's.",
+    )
     train: TrainRecipe
     eval_rows: int = Field(200, gt=0, description="Stage-0 validation rows (the rows 2A-2D use).")
     eval_max_len: int = Field(256, gt=8)
@@ -130,6 +139,26 @@ def _score(model_dir: Path, tokenizer, rows: list[dict], max_len: int, label: st
     return [x if x == x else -1.0 for x in losses]
 
 
+def _candidates(data: Path, cfg: Config) -> list[dict]:
+    """The train rows 2F scores: all, the first ``candidate_rows``, or ``candidate_rows`` taken in
+    turn from each domain (round robin over the domains in order of first appearance)."""
+    if cfg.candidates == "first" or cfg.candidate_rows is None:
+        return load_split(data, "train", limit=cfg.candidate_rows)
+    by_domain: dict[str, list[dict]] = {}
+    for row in load_split(data, "train"):
+        by_domain.setdefault(row["domain"], []).append(row)
+    queues = [iter(rows) for rows in by_domain.values()]
+    picked: list[dict] = []
+    while queues and len(picked) < cfg.candidate_rows:
+        for queue in list(queues):
+            row = next(queue, None)
+            if row is None:
+                queues.remove(queue)
+            elif len(picked) < cfg.candidate_rows:
+                picked.append(row)
+    return picked
+
+
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
@@ -139,7 +168,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     data = inputs["data"] / "dataset"
 
-    rows = load_split(data, "train", limit=cfg.candidate_rows)
+    rows = _candidates(data, cfg)
     if not rows:
         raise KibidangoError(f"stage 0's train split ({data}) is empty")
     losses = _score(base, tokenizer, rows, cfg.train.sequence_len, "compressed")
@@ -148,12 +177,19 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         reference_losses = _score(reference, tokenizer, rows, cfg.train.sequence_len, "reference")
         rank = [a - b for a, b in zip(losses, reference_losses)]
     hardest = sorted(range(len(rows)), key=lambda i: -rank[i])[: cfg.hardest_rows]
-    write_jsonl(out_dir / "hardest.jsonl", ({"row": i, "loss": losses[i], "rank_score": rank[i]} for i in hardest))
+    write_jsonl(
+        out_dir / "hardest.jsonl",
+        (
+            {"row": i, "id": rows[i]["id"], "domain": rows[i]["domain"], "loss": losses[i], "rank_score": rank[i]}
+            for i in hardest
+        ),
+    )
     data_file = work_dir / "data" / "hardest.jsonl"
     write_jsonl(data_file, ({"messages": messages(rows[i])} for i in hardest))
+    picked = Counter(rows[i]["domain"] for i in hardest)
     log.info(
-        f"2F: {len(hardest):,} hardest of {len(rows):,} rows (loss {losses[hardest[-1]]:.3f} .. "
-        f"{losses[hardest[0]]:.3f})"
+        f"2F: {len(hardest):,} hardest of {len(rows):,} rows ({dict(picked.most_common())}; "
+        f"loss {losses[hardest[-1]]:.3f} .. {losses[hardest[0]]:.3f})"
     )
 
     spec = axolotl.render(
