@@ -13,8 +13,11 @@ recipe's grid against target-only decoding right after it, per backend:
   ``p_min`` and adaptive; ``fuzzy`` and ``assisted`` with each (``l_D``, ``l_Q``) and each
   (``tau_Q``, ``tau_T``) of the grid (divergence: total variation).
 
-Lossless candidates must reproduce target-only decoding token for token (a mismatch is reported
-and the candidate is not admissible); lossy ones must keep the target's perplexity of the text they
+Lossless candidates must reproduce target-only decoding token for token; one that differs only
+where the target's logits tie within rounding (``kibidango.tune.NEAR_TIE``: a batched verification
+step rounds differently from one-token steps, as on llama.cpp with the small bundle's Q8_0 target)
+is judged like a lossy one, any other mismatch is reported as a bug and the candidate is not
+admissible; lossy ones must keep the target's perplexity of the text they
 generate within ``max_ppl_increase`` of target-only decoding's text, and their greedy agreement
 with it is reported. The fastest admissible candidate per backend becomes that backend's runtime
 defaults (target-only decoding where no candidate beats it): the bundle is copied (files
@@ -121,9 +124,16 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             progress=lambda n, total, row, p=progress: p.update(n),
         )
         progress.finish(len(result.rows))
-        bad = [r for r in result.rows if r.get("note")]
+        bad = [r for r in result.rows if r.get("note") and "near_tie_gap" not in r]
         if bad:
             log.warning(f"{backend}: {len(bad)} lossless candidates differed from target-only decoding (a bug)")
+        ties = [r for r in result.rows if "near_tie_gap" in r]
+        if ties:
+            log.info(
+                f"{backend}: {len(ties)} lossless candidates differed from target-only decoding only where the "
+                f"target's logits tie within {max(r['near_tie_gap'] for r in ties):.2g} (batched verification "
+                "rounds differently); judged on perplexity like lossy candidates"
+            )
         results[backend] = result
         candidates += [{"backend": backend, **r} for r in result.rows]
         del pipe
@@ -152,7 +162,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     metrics: dict[str, float] = {"prompts": float(len(prompts))}
     for b, r in results.items():
         metrics[f"{b}/candidates"] = float(len(r.rows))
-        metrics[f"{b}/lossless_mismatches"] = float(sum(1 for x in r.rows if x.get("note")))
+        metrics[f"{b}/lossless_mismatches"] = float(sum(1 for x in r.rows if x.get("note") and "near_tie_gap" not in x))
+        metrics[f"{b}/lossless_near_ties"] = float(sum(1 for x in r.rows if "near_tie_gap" in x))
         metrics[f"{b}/chosen_speed_vs_ar"] = r.chosen_speed
         for mode, row in r.best.items():
             metrics[f"{b}/best_{mode}_speed_vs_ar"] = row["speed_vs_ar"]

@@ -9,7 +9,12 @@ and pyramid's at the longest pair; ``pyramid`` ``exact`` with each (``l_D``,
 ``assisted`` with each (``l_D``, ``l_Q``) and (``tau_Q``, ``tau_T``). Each candidate
 decodes every prompt greedily and is timed against target-only decoding (``ar``) on the same
 prompts right after it, so that machine noise falls on both; its speed is the ratio. Lossless
-candidates must reproduce ``ar``'s tokens exactly (a mismatch is a bug, reported). Lossy ones
+candidates must reproduce ``ar``'s tokens exactly. One that does not is checked where it first
+differs: if the target's logits for ``ar``'s token and the candidate's are within ``NEAR_TIE`` of
+each other there, the difference is the backend's arithmetic (a verification step scores several
+tokens in one batched matmul, ``ar`` one at a time, and the sums round differently: llama.cpp's and
+transformers' assisted generation both show it), and the candidate is judged like a lossy one;
+otherwise it is a bug, reported, and never admissible. Lossy ones
 (fuzzy acceptance, tau > 0) must keep the target's perplexity of the generated text within
 ``max_ppl_increase`` of ``ar``'s text (the quality constraint), and their greedy agreement with
 ``ar`` (tokens before the first difference) is reported. The chosen settings are the fastest
@@ -84,6 +89,23 @@ class TuneResult:
     """The chosen settings' tokens/s against ``ar`` (1.0 when ``ar`` itself is chosen)."""
 
 
+NEAR_TIE = 0.05
+"""The largest gap between the target's logits for two tokens that still counts as a tie broken by
+rounding (batched and one-token forwards differ by ~1e-3 on these backends; a real disagreement of
+greedy decoding is a margin of a logit or more)."""
+
+
+def divergence_gap(model, prompt: list[int], ar: list[int], out: list[int]) -> float | None:
+    """Where ``out`` first differs from ``ar`` (both decoded greedily after ``prompt``): the
+    target's logit for ``ar``'s token minus its logit for ``out``'s, from one forward pass over the
+    prompt and ``ar``'s tokens before it. None when neither differs before the shorter one ends."""
+    i = next((j for j, (a, b) in enumerate(zip(ar, out)) if a != b), None)
+    if i is None:
+        return None
+    logits = model.new_session().feed(list(prompt) + list(ar[:i]))[-1]
+    return float(logits[ar[i]] - logits[out[i]])
+
+
 def _target_nll(pipe: Pipeline, prompt: list[int], out: list[int]) -> float:
     """The target's mean negative log-likelihood of ``out`` after ``prompt``."""
     return -score_answer(pipe.models["target"], prompt, out)["mean_logprob"]
@@ -129,7 +151,11 @@ def tune(
         firsts = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in zip(ar_out, outs)]
         agreement = sum(firsts) / max(1, sum(len(r) for r in ar_out))
         is_lossless = lossless(cand)
-        if is_lossless:
+        gaps = []
+        if is_lossless and outs != ar_out:
+            gaps = [divergence_gap(pipe.models["target"], p, r, o) for p, r, o in zip(ids, ar_out, outs) if r != o]
+        near_tie = bool(gaps) and all(g is not None and abs(g) <= NEAR_TIE for g in gaps)
+        if is_lossless and not near_tie:
             ppl_increase = 0.0 if outs == ar_out else None
         else:
             nll = float(np.mean([_target_nll(pipe, p, o) for p, o in zip(ids, outs)]))
@@ -144,7 +170,13 @@ def tune(
             "lossless": is_lossless,
             "admissible": ppl_increase is not None and ppl_increase <= max_ppl_increase,
         }
-        if is_lossless and outs != ar_out:
+        if near_tie:
+            row["near_tie_gap"] = max(abs(g) for g in gaps)
+            row["note"] = (
+                f"differed from ar only where the target's logits tie within {row['near_tie_gap']:.2g} "
+                "(batched verification rounds differently): judged on perplexity like a lossy mode"
+            )
+        elif is_lossless and outs != ar_out:
             row["note"] = "a lossless mode differed from ar: a bug"
         result.rows.append(row)
         if progress is not None:
@@ -194,7 +226,7 @@ def format_tune(result: TuneResult, top: int = 12) -> str:
             "identical"
             if r["lossless"] and r["ppl_increase"] == 0
             else ("DIFFERS" if r["ppl_increase"] is None else f"{r['ppl_increase']:+.1%}")
-        )
+        ) + (" (near-tie)" if "near_tie_gap" in r else "")
         lines.append(
             f"| {name} | {r['speed_vs_ar']:.2f}x | {acc or '-'} | {r['target_forwards_per_token']:.3f} | "
             f"{r['agreement_with_ar']:.1%} | {ppl} | {'yes' if r['admissible'] else 'no'} |"

@@ -60,3 +60,28 @@ def test_tuned_defaults_are_written_and_read_per_backend(tmp_path):
     assert Pipeline.from_bundle(both).defaults.variant == "assisted"
     assert json.loads((both / "bundle.json").read_text())["tuned_defaults"]["llamacpp"] == {"mode": "sd", "k": 6}
     assert Pipeline.from_bundle(bundle).defaults.mode == "sd"  # the source bundle is untouched
+
+
+def test_a_lossless_mismatch_is_told_apart_from_a_near_tie(tmp_path):
+    """Where a candidate first leaves ar's tokens, the gap between the target's logits for the two
+    tokens: a near-tie (rounding of a batched step) or a real disagreement (a bug)."""
+    import numpy as np
+
+    from kibidango.tune import NEAR_TIE, divergence_gap
+
+    needs_stories()
+    tiers = {"target": {"hf": STORIES, "vocab_size": 512}}
+    target = Pipeline.from_bundle(write_bundle(tmp_path / "b", tiers, {"mode": "ar"}), adapter="none").models["target"]
+    prompt = [1, *target.new_session().feed([1])[-1].argsort()[-3:].tolist()]
+    ar, session = [], target.new_session()
+    logits = session.feed(prompt)[-1]
+    for _ in range(8):
+        ar.append(int(np.argmax(logits)))
+        logits = session.feed([ar[-1]])[-1]
+    assert divergence_gap(target, prompt, ar, list(ar)) is None
+    row = target.new_session().feed(prompt + ar[:3])[-1]
+    runner_up = int(np.argsort(row)[-2])
+    gap = divergence_gap(target, prompt, ar, [*ar[:3], runner_up, *ar[4:]])
+    assert gap == pytest.approx(float(row[ar[3]] - row[runner_up]), abs=1e-4) and gap >= -NEAR_TIE
+    worst = int(np.argmin(row))
+    assert divergence_gap(target, prompt, ar, [*ar[:3], worst]) > NEAR_TIE  # far from a tie: a bug
