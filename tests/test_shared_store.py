@@ -114,6 +114,7 @@ def test_two_machines_publishing_one_key_at_once_never_damage_it(s3, tmp_path):
 # ~100 s; behind the slow marker to keep `make test` in CI's time: tests/test_work_pools.py runs the
 # same two-machine flow through the shared store and the MLflow server (with a worker besides).
 @pytest.mark.slow
+@pytest.mark.slow  # ~100 s; tests/test_work_pools.py runs the same second-machine flow (and a worker) in `make test`
 def test_a_second_machine_runs_the_flow_from_the_shared_store(s3, mlflow_server, tmp_path):
     rows = [{"instruction": f"Name colour {i}.", "output": f"Colour {i} is a shade of teal."} for i in range(40)]
     preset = _preset(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows))

@@ -113,5 +113,9 @@ def test_a_stage_runs_on_a_work_pool_through_the_shared_store(s3, mlflow_server,
             [exp.experiment_id], f"tags.`{TAG}stage_id` = 'P'", order_by=["attributes.start_time ASC"]
         )
         assert [r.data.tags[f"{TAG}cached"] for r in runs] == ["no", "yes"]
+        assert runs[1].data.tags[f"{TAG}source_run_id"] == runs[0].info.run_id  # the hit names the run that computed it
+        logged = {f.path for f in client.list_artifacts(runs[0].info.run_id)}
+        assert "manifest.json" in logged  # logged through the tracking server's artifact root
+        assert not (tmp_path / "flow-a" / "mlflow.db").exists()  # tracked by the server, not a local file
     finally:
         stop_process(worker)
