@@ -111,7 +111,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         if not prompts:  # room for the generated tokens in every tier's context
             lookahead = max([*cfg.grid.k, cfg.grid.k_max, *cfg.grid.lookup_k, *(q for _, q in cfg.grid.lengths)]) + 1
             room = min(m.context_length for m in pipe.models.values()) - cfg.max_new_tokens - lookahead
-            prompts = [p.ids for p in held_out_prompts(tokenizer, rows, max_len=room)][: cfg.prompts]
+            held_out = [p.ids for p in held_out_prompts(tokenizer, rows, max_len=room)]
+            prompts = list({tuple(ids): ids for ids in held_out}.values())[: cfg.prompts]  # stories may open alike
             if not prompts:
                 raise KibidangoError(f"{inputs[cfg.data_input]}: no validation row gives a prompt under {room} tokens")
         progress = Progress(f"1F {backend} candidates", None, log)
