@@ -10,8 +10,7 @@
    model never could predict (on the tiny family: code in the stories tokenizer's byte pieces),
    not rows compression damaged. ``candidate_rows`` bounds the rows scored; ``candidates:
    by_domain`` draws them in turn from each domain (the split's first rows may all be one domain's:
-   the small preset's first 120 are all general instructions, and a recovery trained on those
-   alone left the math ladder where compression put it).
+   the small preset's first 120 are all general instructions).
 3. axolotl trains a LoRA on them (``train``: a TrainRecipe, unmerged LoRA).
 4. Validation perplexity of the reference model (before compression, the ``reference`` input),
    the compressed model, and the compressed model with the LoRA; recovered = the share of the
