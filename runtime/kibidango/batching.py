@@ -370,6 +370,7 @@ class BatchStats:
     feeds: int = 0
     rows: dict[int, int] = field(default_factory=dict)  # feeds per forward -> forwards
     mixed: int = 0  # engine steps whose target forward mixed adapters (torch)
+    widest: int = 0  # the most adapters (the base weights not counted) one mixed forward ran with
 
     def mean_batch(self) -> float:
         return self.feeds / self.forwards if self.forwards else 0.0
@@ -518,6 +519,7 @@ class Batcher:
         mixed = self._guarded("target", target, self._mixes, target)
         if mixed:
             self.stats.mixed += 1
+            self.stats.widest = max(self.stats.widest, len({f.adapter for f in target} - {None}))
             self._guarded("target", target, self.tiers["target"].forward, target, mixed=True)
         groups: dict[tuple[str, str | None], list[_Feed]] = {}
         for f in batch:

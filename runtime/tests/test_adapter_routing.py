@@ -328,7 +328,9 @@ def test_a_calibrator_names_the_decoding_it_was_fitted_on(bundle, tmp_path):
 def test_batched_requests_each_run_with_their_own_adapter(bundle, cache, caplog):
     """Under continuous batching, requests routed to different adapters (and to none) share the
     batcher and each gets what it gets alone: in one forward with each row's own adapter where the
-    adapter cache holds both (peft's mixed-adapter batch), else one forward per adapter."""
+    adapter cache holds both (peft's mixed-adapter batch), else one forward per adapter. With room
+    for one adapter, rows with it and rows with none may still share a forward (which steps do
+    depends on when each thread joins): never two adapters."""
     import threading
 
     from kibidango import Pipeline
@@ -359,7 +361,8 @@ def test_batched_requests_each_run_with_their_own_adapter(bundle, cache, caplog)
             assert got[i].metrics.adapter == e.metrics.adapter and got[i].token_ids == e.token_ids, i
             assert got[i].metrics.confidence == pytest.approx(e.metrics.confidence, abs=1e-4)
         assert batcher.stats.feeds > batcher.stats.forwards
-        assert (batcher.stats.mixed > 0) == (cache == 2)
+        # cache 2: code and math in one forward; cache 1: never both (math or code beside none, maybe)
+        assert batcher.stats.widest == 2 if cache == 2 else batcher.stats.widest <= 1
     finally:
         batcher.close()
     for adapter in ("none", "auto"):  # alone again: each query as it was before the batcher
