@@ -63,7 +63,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from kibidango.backends.torch_backend import TorchModel
 
     data = inputs["data"] / "dataset"
-    rows = load_split(data, "validation", limit=cfg.eval_rows)
+    rows = load_split(data, "validation", limit=cfg.eval_rows, by_domain=True)  # the rows 2A-2C read
     metrics: dict[str, float] = {}
     report, failed = ["# Stage 2D — GGUF export", ""], []
     for tier, spec in cfg.tiers.items():

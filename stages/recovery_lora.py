@@ -143,19 +143,7 @@ def _candidates(data: Path, cfg: Config) -> list[dict]:
     turn from each domain (round robin over the domains in order of first appearance)."""
     if cfg.candidates == "first" or cfg.candidate_rows is None:
         return load_split(data, "train", limit=cfg.candidate_rows)
-    by_domain: dict[str, list[dict]] = {}
-    for row in load_split(data, "train"):
-        by_domain.setdefault(row["domain"], []).append(row)
-    queues = [iter(rows) for rows in by_domain.values()]
-    picked: list[dict] = []
-    while queues and len(picked) < cfg.candidate_rows:
-        for queue in list(queues):
-            row = next(queue, None)
-            if row is None:
-                queues.remove(queue)
-            elif len(picked) < cfg.candidate_rows:
-                picked.append(row)
-    return picked
+    return load_split(data, "train", limit=cfg.candidate_rows, by_domain=True)
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:

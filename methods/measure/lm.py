@@ -234,12 +234,12 @@ def runtime_acceptance(
 def validation_rows(
     model_dir: Path | str, data_dir: Path, rows: int, max_len: int, adapter: Path | None = None
 ) -> list[tuple[float, int]]:
-    """(summed cross-entropy, response tokens) of each of the first ``rows`` rows of stage 0's
-    validation split under a transformers checkpoint (dense or compressed-tensors, optionally
-    with a LoRA adapter); :func:`summarise` makes them a loss."""
+    """(summed cross-entropy, response tokens) of ``rows`` rows of stage 0's validation split, taken
+    in turn from each domain (:func:`load_split`'s ``by_domain``), under a transformers checkpoint
+    (dense or compressed-tensors, optionally with a LoRA adapter); :func:`summarise` makes them a loss."""
     from transformers import AutoTokenizer
 
-    val = load_split(data_dir, "validation", limit=rows)
+    val = load_split(data_dir, "validation", limit=rows, by_domain=True)
     if not val:
         raise KibidangoError(f"{data_dir}: stage 0's validation split is empty")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -250,6 +250,6 @@ def validation_loss(
     model_dir: Path | str, data_dir: Path, rows: int, max_len: int, adapter: Path | None = None
 ) -> dict[str, float]:
     """Response-token loss and perplexity of a transformers checkpoint (dense or
-    compressed-tensors, optionally with a LoRA adapter) on the first ``rows`` rows of stage 0's
-    validation split: the same rows for every stage, so the figures line up."""
+    compressed-tensors, optionally with a LoRA adapter) on ``rows`` rows of stage 0's validation split
+    drawn in turn from each domain: the same rows for every stage, so the figures line up."""
     return summarise(validation_rows(model_dir, data_dir, rows, max_len, adapter))

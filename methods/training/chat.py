@@ -112,11 +112,30 @@ def axolotl_dataset(
     }
 
 
-def load_split(dataset_dir: Path, split: str, domain: str | None = None, limit: int | None = None) -> list[dict]:
-    """Rows of one split of stage 0's DatasetDict, optionally of one domain, in stored order."""
+def load_split(
+    dataset_dir: Path, split: str, domain: str | None = None, limit: int | None = None, by_domain: bool = False
+) -> list[dict]:
+    """Rows of one split of stage 0's DatasetDict, optionally of one domain, in stored order; with
+    ``by_domain``, the ``limit`` rows are taken in turn from each domain (round robin over the domains
+    in order of first appearance, each in stored order): stage 0 stores a split domain after domain,
+    so its first rows are all of one domain and a figure read on them says nothing of the others."""
     from datasets import load_from_disk
 
     ds = load_from_disk(str(dataset_dir))[split]
+    if by_domain and domain is None and limit is not None:
+        groups: dict[str, list[dict]] = {}
+        for row in ds:
+            groups.setdefault(row["domain"], []).append(row)
+        queues = [iter(g) for g in groups.values()]
+        picked: list[dict] = []
+        while queues and len(picked) < limit:
+            for queue in list(queues):
+                row = next(queue, None)
+                if row is None:
+                    queues.remove(queue)
+                elif len(picked) < limit:
+                    picked.append(row)
+        return picked
     rows = []
     for row in ds:
         if domain is None or row["domain"] == domain:
