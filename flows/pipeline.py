@@ -33,7 +33,10 @@ def _resolve_lazy_imports() -> None:
     """transformers resolves its top-level names lazily, and that is not thread-safe: two stage
     tasks importing ``AutoTokenizer`` at the same moment failed with "cannot import name
     'AutoTokenizer' from 'transformers'". Resolve the names the stages use once, before any task
-    thread starts."""
+    thread starts — where tasks run side by side (``KIBIDANGO_STAGE_WORKERS`` > 1): with one, no two
+    imports race, and a flow whose stages never load a model does not spend ~6 s importing them."""
+    if STAGE_WORKERS < 2:
+        return
     import transformers
 
     for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "LlamaConfig", "LlamaForCausalLM"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import yaml
 from pydantic import BaseModel
 
@@ -16,7 +18,10 @@ from stages import load_stage, stage_name
 __all__ = ["describe_plan"]
 
 
+@functools.cache
 def _cuda(accelerator: str) -> bool:
+    """Whether training runs on GPUs: asked only for a plan that trains (importing torch takes
+    seconds, and every `flows run` describes its plan first)."""
     if accelerator != "auto":
         return accelerator == "cuda"
     import torch
@@ -41,7 +46,6 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
     axolotl YAML of every training run (for the preset's accelerator; paths known only at run
     time appear as <placeholders>)."""
     lines = [f"preset {plan.name} ({plan.path})  experiment '{plan.experiment}'", ""]
-    cuda = _cuda(plan.spec.accelerator)
     known: dict[str, Artifact | None] = {}
     for sid in plan.order():
         module = load_stage(sid)
@@ -72,6 +76,7 @@ def describe_plan(plan: Preset, force: list[str] | None = None) -> str:
         if hasattr(module, "axolotl_configs"):
             gpus = max((r.gpus for r in _recipes(cfg)), default=1)
             launch = " ".join(launch_command("<axolotl python>", "train", "<work>/axolotl.yaml", gpus))
+            cuda = _cuda(plan.spec.accelerator)
             for run, spec in module.axolotl_configs(cfg, cuda).items():
                 text = yaml.safe_dump(spec, sort_keys=False).rstrip()
                 lines += [

@@ -18,14 +18,14 @@ import yaml
 
 from core.store import ArtifactStore
 from flows.tracking import TAG
-from tests.conftest import REPO, cli_env, start_flow, write_jsonl
+from tests.conftest import REPO, cli_env, seed_workspace, start_flow, write_jsonl
 
 
 def _cli(home: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "flows", *args],
         cwd=REPO,
-        env=cli_env(home),
+        env=cli_env(seed_workspace(home)),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -100,7 +100,7 @@ def test_second_run_is_all_cache_hits(tmp_path):
             "print('counted 50 rows')",
         ],
         cwd=REPO,
-        env=cli_env(home),
+        env=cli_env(seed_workspace(home)),
         capture_output=True,
         text=True,
         timeout=60,

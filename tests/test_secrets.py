@@ -15,7 +15,7 @@ import yaml
 
 from core.redaction import find_secrets, install_log_redaction, redact, secret_from_env
 from flows.tracking import flatten_params
-from tests.conftest import REPO, cli_env, write_jsonl
+from tests.conftest import REPO, cli_env, seed_workspace, write_jsonl
 
 PLANTED = {
     "OPENAI_API_KEY": "sk-proj-PLANTEDopenai0123456789abcdefXYZ",
@@ -107,7 +107,7 @@ def test_planted_secrets_reach_no_sink(tmp_path):
         yaml.safe_dump({"name": "secrets", "experiment": "kibidango-secrets", "stages": {"0": {"config": config}}})
     )
     home = tmp_path / "home"
-    env = {**cli_env(home), **PLANTED, "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
+    env = {**cli_env(seed_workspace(home)), **PLANTED, "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}"}
     work = tmp_path / "elsewhere"  # the command runs from another directory: nothing may land in ./mlruns
     work.mkdir()
 
