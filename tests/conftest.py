@@ -49,16 +49,17 @@ def _seed_databases() -> Path:
     return _SEEDS["root"]
 
 
-def seed_workspace(home: Path, mlflow: bool = True) -> Path:
-    """``home`` with freshly created MLflow (where ``mlflow``) and Prefect databases, as the first
-    run of a flow leaves them; a home that has one already keeps it."""
+def seed_workspace(home: Path) -> Path:
+    """``home`` with freshly created MLflow and Prefect databases, as the first run of a flow leaves
+    them; a home that has one already keeps it."""
     import shutil
 
     seed = _seed_databases()
     (home / "prefect").mkdir(parents=True, exist_ok=True)
     if not (home / "prefect" / "prefect.db").exists():
-        shutil.copy2(seed / "prefect" / "prefect.db", home / "prefect" / "prefect.db")
-    if mlflow and not (home / "mlflow.db").exists():
+        for f in (seed / "prefect").glob("prefect.db*"):  # with its write-ahead log, where one is left
+            shutil.copy2(f, home / "prefect" / f.name)
+    if not (home / "mlflow.db").exists():
         shutil.copy2(seed / "mlflow.db", home / "mlflow.db")
     return home
 
