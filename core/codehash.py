@@ -108,6 +108,8 @@ def _is_module(name: str) -> bool:
 class _Graph:
     def __init__(self, packages: tuple[str, ...], skip: tuple[str, ...], sources: dict[str, str]):
         self.packages, self.skip, self.sources = packages, skip, sources
+        self.normalised: dict[Ref, str] = {}  # what definitions() computed per reference: stages share most of them
+        self.refs: dict[Ref, set[Ref]] = {}
 
     def project(self, module: str) -> bool:
         """A module of this project, plumbing included: its imports are not behaviour (what they
@@ -243,7 +245,7 @@ def definitions(
 ) -> dict[Ref, str]:
     """Every definition (or whole module) of ``packages`` that ``module`` reaches, outside
     ``skip``, with its normalised form."""
-    graph = _Graph(packages, skip, sources or {})
+    graph = _graph(packages, skip, sources or {})
     start = module if isinstance(module, str) else module.__name__
     todo: list[Ref] = [(start, "*")]
     seen: dict[Ref, str] = {}
@@ -254,10 +256,28 @@ def definitions(
         info = graph.module(ref[0])
         if info is None or (ref[1] != "*" and ref[1] not in info.defs):
             continue
-        seen[ref] = _normalised(graph, ref)
-        nodes = info.tree.body if ref[1] == "*" else [info.defs[ref[1]]]
-        todo += [r for r in graph.references(ref[0], nodes) if r not in seen]
+        if ref not in graph.normalised:
+            graph.normalised[ref] = _normalised(graph, ref)
+            nodes = info.tree.body if ref[1] == "*" else [info.defs[ref[1]]]
+            graph.refs[ref] = graph.references(ref[0], nodes)
+        seen[ref] = graph.normalised[ref]
+        todo += [r for r in graph.refs[ref] if r not in seen]
     return seen
+
+
+_GRAPHS: dict[tuple, _Graph] = {}
+
+
+def _graph(packages: tuple[str, ...], skip: tuple[str, ...], sources: dict[str, str]) -> _Graph:
+    """One graph per (packages, skip, sources): a plan's stages share most definitions, and each
+    one's normalised form is computed once (sources are read once per process, as :func:`_load`
+    does; a few graphs are kept, for tests that edit sources)."""
+    key = (tuple(packages), tuple(skip), tuple(sorted(sources.items())))
+    if key not in _GRAPHS:
+        if len(_GRAPHS) >= 8:
+            _GRAPHS.pop(next(iter(_GRAPHS)))
+        _GRAPHS[key] = _Graph(tuple(packages), tuple(skip), dict(sources))
+    return _GRAPHS[key]
 
 
 def code_version(
