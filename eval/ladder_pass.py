@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="+", help="transformers checkpoint directories")
     p.add_argument("--levels", default="1,2,3,4", help="math ladder levels (comma-separated)")
-    p.add_argument("--per-level", type=int, default=12, help="evaluation tasks per level")
+    p.add_argument("--per-level", type=int, default=12, help="tasks per level")
     p.add_argument("--part", choices=["mining", "evaluation"], default="mining", help="the ladder part read")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)

@@ -141,9 +141,7 @@ def _score(model_dir: Path, tokenizer, rows: list[dict], max_len: int, label: st
 def _candidates(data: Path, cfg: Config) -> list[dict]:
     """The train rows 2F scores: all, the first ``candidate_rows``, or ``candidate_rows`` taken in
     turn from each domain (round robin over the domains in order of first appearance)."""
-    if cfg.candidates == "first" or cfg.candidate_rows is None:
-        return load_split(data, "train", limit=cfg.candidate_rows)
-    return load_split(data, "train", limit=cfg.candidate_rows, by_domain=True)
+    return load_split(data, "train", limit=cfg.candidate_rows, by_domain=cfg.candidates == "by_domain")
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -15,38 +16,34 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-_SEEDS: dict[str, Path] = {}
-
-
+@functools.cache
 def _seed_databases() -> Path:
     """A workspace holding nothing but MLflow's and Prefect's databases, each created by its own tool
     (schema migrations: ~10 s each on 2 cores, paid once per test session instead of by every fresh
     workspace a test starts a flow in: a flow run that fails at once took ~50 s here, 20 of them the
     temporary Prefect server migrating a new database)."""
-    if "root" not in _SEEDS:
-        import atexit
-        import shutil
-        import subprocess
-        import tempfile
+    import atexit
+    import shutil
+    import subprocess
+    import tempfile
 
-        root = Path(tempfile.mkdtemp(prefix="kibidango-seed-"))
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-        env.update(PREFECT_HOME=str(root / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
-        prefect = Path(sys.executable).with_name("prefect")
-        subprocess.run(
-            [str(prefect), "server", "database", "upgrade", "-y"], env=env, check=True, timeout=300, capture_output=True
-        )
-        create = "import mlflow, sys; mlflow.MlflowClient(sys.argv[1]).search_experiments()"
-        subprocess.run(
-            [sys.executable, "-c", create, f"sqlite:///{root / 'mlflow.db'}"],
-            env=env,
-            check=True,
-            timeout=300,
-            capture_output=True,
-        )
-        _SEEDS["root"] = root
-    return _SEEDS["root"]
+    root = Path(tempfile.mkdtemp(prefix="kibidango-seed-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(PREFECT_HOME=str(root / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    prefect = Path(sys.executable).with_name("prefect")
+    subprocess.run(
+        [str(prefect), "server", "database", "upgrade", "-y"], env=env, check=True, timeout=300, capture_output=True
+    )
+    create = "import mlflow, sys; mlflow.MlflowClient(sys.argv[1]).search_experiments()"
+    subprocess.run(
+        [sys.executable, "-c", create, f"sqlite:///{root / 'mlflow.db'}"],
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    return root
 
 
 def seed_workspace(home: Path) -> Path:

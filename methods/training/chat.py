@@ -14,6 +14,7 @@ ids (stage 1E checks this against axolotl's own tokenization).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -126,16 +127,8 @@ def load_split(
         groups: dict[str, list[dict]] = {}
         for row in ds:
             groups.setdefault(row["domain"], []).append(row)
-        queues = [iter(g) for g in groups.values()]
-        picked: list[dict] = []
-        while queues and len(picked) < limit:
-            for queue in list(queues):
-                row = next(queue, None)
-                if row is None:
-                    queues.remove(queue)
-                elif len(picked) < limit:
-                    picked.append(row)
-        return picked
+        turns = itertools.zip_longest(*groups.values())  # each domain's i-th row, then the (i+1)-th ...
+        return [row for turn in turns for row in turn if row is not None][:limit]
     rows = []
     for row in ds:
         if domain is None or row["domain"] == domain:
