@@ -228,7 +228,7 @@ def _acceptance_plot(evaluation: dict, out: Path) -> bool:
 
 
 def _size_quality_points(x_artifact: Path) -> list[tuple[str, str, float, float]]:
-    """(tier, format, MB on disk, validation perplexity) for the full-precision, AWQ W4A16 and
+    """(tier, format, MB on disk, validation perplexity) for the full-precision, AWQ and
     quantized GGUF form of every tier (the bundle card's figures, :func:`tier_figures`)."""
     from methods.compression.card import lineage, tier_figures
 
@@ -236,7 +236,7 @@ def _size_quality_points(x_artifact: Path) -> list[tuple[str, str, float, float]
     for tier, f in tier_figures(lineage({"bundle": x_artifact})).items():
         forms = [
             ("full precision", f["hf_bytes"], f["ppl_full"]),
-            ("AWQ W4A16", f["awq_bytes"], f["ppl_awq"]),
+            ("AWQ", f["awq_bytes"], f["ppl_awq"]),
             ("GGUF quantized", f["gguf_bytes"], f["ppl_gguf"]),
         ]
         points += [(tier, form, size / 1e6, ppl) for form, size, ppl in forms if size and ppl]
@@ -248,7 +248,7 @@ def _size_quality_plot(points: list[tuple[str, str, float, float]], out: Path) -
         return False
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    markers = {"full precision": "o", "AWQ W4A16": "s", "GGUF quantized": "^"}
+    markers = {"full precision": "o", "AWQ": "s", "GGUF quantized": "^"}
     colors = {"draft": "tab:blue", "qualifier": "tab:orange", "target": "tab:green"}
     for tier, form, mb, ppl in points:
         ax.scatter(mb, ppl, marker=markers.get(form, "o"), color=colors.get(tier, "k"), label=f"{tier}, {form}")

@@ -37,7 +37,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.bundle import TIER_ORDER
-from methods.compression.card import bundle_card, lineage
+from methods.compression.card import bundle_card, lineage, scheme_label
 from methods.training.chat import TEMPLATE, own_template
 
 
@@ -91,7 +91,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "vocab_size": config["vocab_size"],
             "hidden_size": config["hidden_size"],
             "layers": config["num_hidden_layers"],
-            "quantization": {"hf": "AWQ W4A16 (compressed-tensors)", "gguf": ggufs[0].stem.split("-")[-1]},
+            "quantization": {
+                "hf": f"AWQ {scheme_label(config)} (compressed-tensors)",
+                "gguf": ggufs[0].stem.split("-")[-1],
+            },
         }
 
     stages = lineage(inputs)

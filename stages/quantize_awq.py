@@ -1,11 +1,12 @@
-"""Stages 2B and 2C — 4-bit AWQ with llm-compressor: 2B quantizes the target (after pruning),
+"""Stages 2B and 2C — AWQ with llm-compressor: 2B quantizes the target (after pruning),
 2C the small tiers (draft and qualifier, after distillation). One module, two stage ids, so
 each is its own cached, forceable stage (``make stage-2b``).
 
-The recipe is an llm-compressor recipe file (``AWQModifier`` + ``QuantizationModifier``,
-W4A16), passed to ``oneshot`` unchanged with calibration rows from stage 0. The output is a
-compressed-tensors checkpoint (int4 weights packed, scales beside them) that transformers loads
-(``compressed-tensors`` installed) and vLLM serves. Measured per tier: bytes of the weights
+The recipe is an llm-compressor recipe file (``AWQModifier`` + ``QuantizationModifier``:
+W4A16 for tiny, W8A16 for the small preset's target), passed to ``oneshot`` unchanged with
+calibration rows from stage 0. The output is a compressed-tensors checkpoint (int4 or int8
+weights packed, scales beside them) that transformers loads (``compressed-tensors`` installed)
+and vLLM serves. Measured per tier: bytes of the weights
 before and after, and validation perplexity before and after on the same rows.
 
 Why llm-compressor and not AutoAWQ: docs/stages.md, "Compression and export".
@@ -23,6 +24,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from methods.compression import llmc
+from methods.compression.card import scheme_label, weight_bits
 from methods.measure.lm import validation_loss
 from methods.measure.weights import weight_bytes
 from methods.training.models import resolve_base
@@ -32,7 +34,7 @@ LIBRARIES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
 
 class Config(StageConfig):
     recipe: str = Field(
-        description="llm-compressor recipe file (AWQModifier + W4A16), relative to the repository root."
+        description="llm-compressor recipe file (AWQModifier + a weight scheme), relative to the repository root."
     )
     tiers: list[str] = Field(
         min_length=1, description="Tiers of the `model` input to quantize (2B: target; 2C: draft, qualifier)."
@@ -74,7 +76,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             save_compressed=True,
             log_file=out_dir / "logs" / f"llmcompressor-{tier}.log",
         )
-        qconfig = json.loads((quantized / "config.json").read_text()).get("quantization_config", {})
+        config = json.loads((quantized / "config.json").read_text())
+        qconfig = config.get("quantization_config", {})
         if qconfig.get("quant_method") != "compressed-tensors":
             raise KibidangoError(
                 f"AWQ ({tier}): {quantized}/config.json has no compressed-tensors quantization_config; is {recipe} a "
@@ -88,11 +91,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "val_perplexity_before": before["perplexity"],
             "val_perplexity_after": after["perplexity"],
         }
+        if weight_bits(config):
+            tier_metrics["weight_bits"] = float(weight_bits(config))
         tier_metrics["size_ratio"] = tier_metrics["bytes_after"] / tier_metrics["bytes_before"]
         metrics.update({f"{tier}_{k}": v for k, v in tier_metrics.items()})
         ratio = after["perplexity"] / before["perplexity"]
+        mb = f"{tier_metrics['bytes_before'] / 1e6:.2f} MB -> {tier_metrics['bytes_after'] / 1e6:.2f} MB"
         lines.append(
-            f"{tier}: {tier_metrics['bytes_before'] / 1e6:.2f} MB -> {tier_metrics['bytes_after'] / 1e6:.2f} MB, "
+            f"{tier} ({scheme_label(config)}): {mb}, "
             f"validation perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f}"
         )
         if cfg.max_perplexity_ratio is not None and ratio > cfg.max_perplexity_ratio:
@@ -103,4 +109,4 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     (out_dir / "awq.json").write_text(
         json.dumps({"scheme": qconfig.get("config_groups"), "metrics": metrics}, indent=2)
     )
-    return StageResult(metrics, ["awq.json", "llmcompressor_recipe.yaml"], "AWQ W4A16:\n  " + "\n  ".join(lines))
+    return StageResult(metrics, ["awq.json", "llmcompressor_recipe.yaml"], "AWQ:\n  " + "\n  ".join(lines))

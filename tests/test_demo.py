@@ -44,7 +44,7 @@ def test_tiny_preset_end_to_end_rerun_and_stage_2b(tmp_path):
         in first.stderr
     )
     # the bundle's size table, then a story generated from the (packed) bundle by the runtime
-    assert "| tier | full precision | GGUF F16 | AWQ W4A16 | GGUF quantized | bits/weight (GGUF) |" in first.stdout
+    assert "| tier | full precision | GGUF F16 | AWQ | GGUF quantized | bits/weight (GGUF) |" in first.stdout
     story = first.stdout.split("== a story from the packed bundle", 1)[1]
     assert "Once upon a time" in story and len(story.split("\n", 2)[2].strip()) > len("Once upon a time") + 20
     second = _cli(home, "run", "--preset", "tiny")

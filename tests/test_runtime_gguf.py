@@ -127,9 +127,10 @@ def test_gguf_lora_adapters_switch_on_llamacpp_and_agree_with_peft(tmp_path):
     assert on_llama.loads == 1  # switched back on, not loaded again
 
 
-def test_threads_are_the_same_for_steps_and_batches(gguf_bundle, monkeypatch):
+def test_threads_are_the_same_for_steps_and_batches_unless_asked(gguf_bundle, monkeypatch):
     """llama-cpp-python's defaults give a batch (a verification) all the CPUs and a step half of
-    them; the runtime gives both the same count: asked, from $KIBIDANGO_THREADS, or half the CPUs."""
+    them; the runtime gives both the same count: asked, from $KIBIDANGO_THREADS, or half the CPUs,
+    unless the batches' count is asked apart."""
     import os
 
     from kibidango import Pipeline
@@ -147,6 +148,12 @@ def test_threads_are_the_same_for_steps_and_batches(gguf_bundle, monkeypatch):
     assert thread_counts() == (half, half)
     with pytest.raises(ValueError, match="threads must be >= 1"):
         thread_counts(0)
+    # batches apart, asked or from $KIBIDANGO_THREADS_BATCH (a machine idle but for the decoding)
+    assert thread_counts(1, 2) == (1, 2)
+    monkeypatch.setenv("KIBIDANGO_THREADS_BATCH", "2")
+    assert counts(Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar", threads=1)) == (1, 2)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        thread_counts(1, 0)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from typing import Any
 
 from kibidango.bundle import TIER_ORDER
 
-__all__ = ["lineage", "bundle_card", "size_table", "tier_figures"]
+__all__ = ["lineage", "bundle_card", "scheme_label", "size_table", "tier_figures", "weight_bits"]
 
 
 def lineage(inputs: dict[str, Path]) -> dict[str, dict[str, Any]]:
@@ -39,6 +39,33 @@ def lineage(inputs: dict[str, Path]) -> dict[str, dict[str, Any]]:
     return dict(sorted(found.items()))
 
 
+def scheme_label(config: dict) -> str:
+    """What a compressed-tensors checkpoint holds, read from its ``config.json``'s
+    ``quantization_config``: e.g. ``W8A16 asymmetric, groups of 64`` (the recipe decides the bits;
+    "?" where the config does not say). Several config groups are joined with " + "."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    labels = []
+    for group in groups.values():
+        w = group.get("weights") or {}
+        a = group.get("input_activations") or {}
+        label = f"W{w.get('num_bits', '?')}A{a.get('num_bits', 16)}"
+        if "symmetric" in w:
+            label += " symmetric" if w["symmetric"] else " asymmetric"
+        if w.get("strategy") == "group" and w.get("group_size"):
+            label += f", groups of {w['group_size']}"
+        elif w.get("strategy"):
+            label += f", per {w['strategy']}"
+        labels.append(label)
+    return " + ".join(labels) or "?"
+
+
+def weight_bits(config: dict) -> int | None:
+    """The widest weight bits of a compressed-tensors checkpoint's config groups (None: not said)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    bits = [g["weights"]["num_bits"] for g in groups.values() if (g.get("weights") or {}).get("num_bits")]
+    return max(bits) if bits else None
+
+
 def _mb(value: float | None) -> str:
     return "-" if value is None else f"{value / 1e6:.3f} MB"
 
@@ -50,8 +77,9 @@ def _num(value: float | None, fmt: str = ".2f") -> str:
 def tier_figures(stages: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Per tier the export measured (2D): bytes and validation perplexity of each form — full
     precision (the target after pruning, 2A; draft and qualifier after distillation), pruned (2A),
-    AWQ W4A16 (2B target, 2C others), AWQ + recovery LoRA (2F), the GGUFs — with the GGUF's bits
-    per weight and token agreement, from the stages' metrics."""
+    AWQ (2B target, 2C others; its weight bits where the stage recorded them), AWQ + recovery
+    LoRA (2F), the GGUFs — with the GGUF's bits per weight and token agreement, from the stages'
+    metrics."""
     m = {s: v["metrics"] for s, v in stages.items()}
     g, p, r = m.get("2D", {}), m.get("2A", {}), m.get("2F", {})
     figures = {}
@@ -64,6 +92,7 @@ def tier_figures(stages: dict[str, dict[str, Any]]) -> dict[str, dict[str, float
             "hf_bytes": g.get(f"{tier}_hf_bytes"),
             "f16_bytes": g.get(f"{tier}_f16_bytes"),
             "awq_bytes": awq.get(f"{tier}_bytes_after"),
+            "awq_bits": awq.get(f"{tier}_weight_bits"),
             "gguf_bytes": g.get(f"{tier}_gguf_bytes"),
             "bits_per_weight": g.get(f"{tier}_bits_per_weight"),
             "ppl_full": p.get("val_perplexity_before") if target and p else awq.get(f"{tier}_val_perplexity_before"),
@@ -77,10 +106,10 @@ def tier_figures(stages: dict[str, dict[str, Any]]) -> dict[str, dict[str, float
 
 
 def size_table(stages: dict[str, dict[str, Any]]) -> str:
-    """Per tier: bytes of the full-precision safetensors, GGUF F16, AWQ W4A16 and the quantized
+    """Per tier: bytes of the full-precision safetensors, GGUF F16, AWQ and the quantized
     GGUF; perplexity after each step; the GGUF's token agreement (:func:`tier_figures`)."""
     rows = [
-        "| tier | full precision | GGUF F16 | AWQ W4A16 | GGUF quantized | bits/weight (GGUF) |",
+        "| tier | full precision | GGUF F16 | AWQ | GGUF quantized | bits/weight (GGUF) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     ppl = [
@@ -89,8 +118,9 @@ def size_table(stages: dict[str, dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for tier, f in tier_figures(stages).items():
+        awq = _mb(f["awq_bytes"]) + (f" ({f['awq_bits']:.0f}-bit)" if f["awq_bits"] else "")
         rows.append(
-            f"| {tier} | {_mb(f['hf_bytes'])} | {_mb(f['f16_bytes'])} | {_mb(f['awq_bytes'])} | "
+            f"| {tier} | {_mb(f['hf_bytes'])} | {_mb(f['f16_bytes'])} | {awq} | "
             f"{_mb(f['gguf_bytes'])} | {_num(f['bits_per_weight'])} |"
         )
         ppl.append(
@@ -125,7 +155,7 @@ def bundle_card(
         "",
         "Full precision: the tier before quantization (the target after pruning, stage 2A; draft and "
         "qualifier after distillation, stage 1E). GGUF files are llama.cpp's quantization of it (stage 2D); "
-        "AWQ checkpoints are llm-compressor's W4A16 (stages 2B, 2C).",
+        "AWQ checkpoints are llm-compressor's, at the weight bits of each stage's recipe (stages 2B, 2C).",
         "",
         size_table(stages),
         "",

@@ -91,7 +91,7 @@ def _extra_bufts_default() -> bool:
     return not _cpu_has_amx()
 
 
-def thread_counts(threads: int | None = None) -> tuple[int, int]:
+def thread_counts(threads: int | None = None, threads_batch: int | None = None) -> tuple[int, int]:
     """llama.cpp's threads for one-token steps and for multi-token batches (a verification).
 
     llama-cpp-python's defaults differ: half the CPUs for steps, all of them for batches. On a
@@ -99,15 +99,20 @@ def thread_counts(threads: int | None = None) -> tuple[int, int]:
     batch then waits at every barrier of ggml's thread pool for a thread that is not running:
     here a 5-token verification of the bench family's target took 2.6x longer with 2 batch threads
     than with 1 while one core was busy, while the one-token step, on 1 thread, did not suffer. So
-    both use the same count: ``threads``, else ``$KIBIDANGO_THREADS``, else half the CPUs this
-    process may run on (at least 1)."""
+    both use the same count by default: ``threads``, else ``$KIBIDANGO_THREADS``, else half the CPUs
+    this process may run on (at least 1). ``threads_batch`` (else ``$KIBIDANGO_THREADS_BATCH``)
+    sets the batches' count apart, for a machine whose other cores are idle while it decodes."""
     if threads is None and os.environ.get("KIBIDANGO_THREADS"):
         threads = int(os.environ["KIBIDANGO_THREADS"])
     if threads is None:
         threads = max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else 1
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    return threads, threads
+    if threads_batch is None and os.environ.get("KIBIDANGO_THREADS_BATCH"):
+        threads_batch = int(os.environ["KIBIDANGO_THREADS_BATCH"])
+    if threads_batch is None:
+        threads_batch = threads
+    if min(threads, threads_batch) < 1:
+        raise ValueError(f"threads must be >= 1, got {threads} (steps) and {threads_batch} (batches)")
+    return threads, threads_batch
 
 
 @contextlib.contextmanager
