@@ -72,9 +72,19 @@ class Config(HeldOutTasks):
     default_adapter: str | None = Field(
         "recovery",
         description="The adapter (by its domain) the torch target runs with where no domain adapter is routed: "
-        "the bundle's default weights, calibrated here; not among the inputs (a preset without 2F) -> the bare "
-        "weights. None: the bare weights.",
+        "the bundle's default weights, calibrated here; not among the inputs (a preset without 2F), or unfit by "
+        "its stage's task check (2F's `default_weights: false`) -> the bare weights. None: the bare weights.",
     )
+
+
+def _fit_as_default(adapter_dirs: list[Path], domain: str) -> bool:
+    """Whether the adapter of ``domain`` may be the default weights: its manifest's
+    ``default_weights`` (2F's task check), True where its stage made no such check."""
+    for d in adapter_dirs:
+        manifest = json.loads((d / "adapter.json").read_text())
+        if manifest.get("domain") == domain:
+            return bool(manifest.get("default_weights", True))
+    return True
 
 
 def _fit_half(row_id: str, share: float) -> bool:
@@ -94,6 +104,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     default = cfg.default_adapter if cfg.default_adapter in have else None
     if cfg.default_adapter is not None and default is None:
         log.info(f"no {cfg.default_adapter!r} adapter among the inputs: calibrating the bare weights")
+    if default is not None and not _fit_as_default(adapter_dirs, default):
+        log.info(
+            f"the {default!r} adapter passed fewer held-out tasks than the bare weights (its stage's check): "
+            "calibrating the bare weights, the bundle's default"
+        )
+        default = None
     if default is not None:
         answerer.adapters.use(default)  # the token-level fit reads the torch target as it ships
     tokens = _token_level(cfg, data, answerer, inputs, out_dir)

@@ -125,7 +125,7 @@ def test_recipe_blocks_llmcompressor_would_skip_are_refused(tmp_path):
         read_recipe(bad, "2A")
 
 
-def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, data, tmp_path):
+def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, data, tmp_path, monkeypatch):
     from kibidango.backends.torch_backend import TorchModel
 
     result = _run(
@@ -153,6 +153,46 @@ def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, da
     assert "quantization_config" not in json.loads((dense / "config.json").read_text())
     a, b = (validation_loss(p, data / "dataset", 8, 64)["loss"] for p in (out, dense))
     assert abs(a - b) < 1e-4 * a
+    # 2F's task check answers with and without the adapter on the compressed model: an adapter that
+    # changes nothing is fit to be the default weights, one that changes the answers is not (a judge
+    # that passes exactly the bare weights' answers; the math judge is the stage's)
+    _check_recovery_adapter(out, dense, tmp_path, monkeypatch)
+
+
+def _check_recovery_adapter(compressed, dense, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import methods.judges.math
+    from methods.training.adapter_manifest import write_adapter_manifest
+    from stages.recovery_lora import TaskCheck, task_check
+
+    bare_answers: dict[int, str] = {}
+
+    class BareAnswersPass:
+        def __call__(self, task, text):
+            first = bare_answers.setdefault(id(task), text)
+            return SimpleNamespace(passed=first == text)
+
+    monkeypatch.setattr(methods.judges.math, "MathJudge", BareAnswersPass)
+    check = TaskCheck(levels=[1, 2], per_level=2, max_new_tokens=8, parallel=2)
+    for name, scale in (("identity", 0.0), ("damaging", 5.0)):
+        torch.manual_seed(0)
+        lora = get_peft_model(AutoModelForCausalLM.from_pretrained(str(dense)), LoraConfig(r=2, lora_alpha=4))
+        with torch.no_grad():
+            for n, w in lora.named_parameters():
+                if "lora_B" in n:
+                    w.copy_(torch.randn_like(w) * scale)
+        adapter = tmp_path / name
+        lora.save_pretrained(str(adapter / "adapter"))
+        files = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+        write_adapter_manifest(adapter, {"peft": files}, domain="recovery", base_tier="draft", metrics={})
+        bare_answers.clear()
+        result = task_check(check, compressed, adapter)
+        assert result["tasks"] == 4 and result["bare_passed"] == 4, result
+        assert result["default_weights"] == (name == "identity"), (name, result)
 
 
 def test_a_group_size_the_widths_do_not_allow_names_the_stage(family, data, tmp_path):
@@ -319,6 +359,21 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
     victim.write_bytes(bytes(data_bytes))
     with pytest.raises(BundleError, match=r"tiers/draft/gguf/draft-Q8_0\.gguf does not match its sha256"):
         load_bundle(out / "bundle")
+
+
+def test_2g_takes_an_adapter_as_default_weights_only_if_its_check_allowed_it(tmp_path):
+    from methods.training.adapter_manifest import write_adapter_manifest
+    from stages.calibrate import _fit_as_default
+
+    dirs = []
+    for domain, fit in (("recovery", False), ("code", None)):
+        d = tmp_path / domain
+        d.mkdir()
+        extra = {} if fit is None else {"default_weights": fit}
+        write_adapter_manifest(d, {}, domain=domain, base_tier="target", **extra)
+        dirs.append(d)
+    assert not _fit_as_default(dirs, "recovery")  # 2F's check: fewer ladder tasks than the bare weights
+    assert _fit_as_default(dirs, "code")  # no check made
 
 
 def test_the_bundle_default_adapter_is_the_one_2g_calibrated_with_and_must_ship(tmp_path):
