@@ -33,7 +33,6 @@ index, loss), ``recovery.json``, ``axolotl.yaml``, ``logs/train.log``.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import shutil
@@ -168,34 +167,35 @@ def _candidates(data: Path, cfg: Config) -> list[dict]:
     return load_split(data, "train", limit=cfg.candidate_rows, by_domain=cfg.candidates == "by_domain")
 
 
-def task_check(check: TaskCheck, compressed: Path, adapter_dir: Path) -> dict:
+def task_check(check: TaskCheck, compressed: Path, adapter_dir: Path, work_dir: Path) -> dict:
     """Pass counts of the compressed target on ``check``'s ladder tasks without and with the adapter
     in ``adapter_dir`` (its ``adapter.json``), the paired McNemar test, and whether the adapter is
-    fit to be the default weights (it passes at least as many)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    fit to be the default weights (it passes at least as many). Each pass is resumable in its own
+    directory under ``work_dir`` (:func:`methods.heldout.answer_and_judge`)."""
     from methods.evaluation import mcnemar
+    from methods.failures import verdict_record
+    from methods.heldout import answer_and_judge
     from methods.judges.math import MathJudge
     from methods.ladder import ladder_rows
     from methods.measure.generate import ScoredAnswerer
 
-    rows = ladder_rows("math", check.levels, "mining", check.per_level * len(check.levels), seed=check.seed)
+    tasks = ladder_rows("math", check.levels, "mining", check.per_level * len(check.levels), seed=check.seed)
+    rows = [{**r, "domain": "math"} for r in tasks]
     domain = json.loads((adapter_dir / "adapter.json").read_text())["domain"]
     answerer = ScoredAnswerer(compressed, check.max_new_tokens, [adapter_dir], parallel=check.parallel)
-    judge = MathJudge()
+    judges = {"math": MathJudge()}
     passed: dict[str, dict[str, bool]] = {}
     try:
         for label, adapter in (("bare", None), ("adapter", domain)):  # one pass per weights: one forward a step
-            progress, done = Progress(f"2F: ladder check ({label})", len(rows), log), itertools.count(1)
 
-            def answer(row: dict, adapter=adapter, progress=progress, done=done) -> bool:
+            def answer(row: dict, prior: dict | None, judge, adapter=adapter) -> dict:
                 a, _ = answerer.answer(row["instruction"], row["input"], adapter)
-                progress.update(next(done))
-                return judge(row["task"], a.text).passed
+                return {"id": row["id"], "answer": a.text, **verdict_record(judge(row["task"], a.text), "math")}
 
-            with ThreadPoolExecutor(min(len(rows), check.parallel)) as pool:
-                passed[label] = dict(zip([r["id"] for r in rows], pool.map(answer, rows), strict=True))
-            progress.finish(len(rows))
+            records, _ = answer_and_judge(
+                judges, rows, work_dir / label, f"2F ladder check ({label})", answer, check.parallel
+            )
+            passed[label] = {r["id"]: r["passed"] for r in records}
     finally:
         answerer.close()
     bare, adapted = sum(passed["bare"].values()), sum(passed["adapter"].values())
@@ -300,7 +300,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     write_adapter_manifest(out_dir, peft, **manifest)
     check = None
     if cfg.check is not None:
-        check = task_check(cfg.check, compressed, out_dir)
+        check = task_check(cfg.check, compressed, out_dir, work_dir / "check")
         metrics.update({f"check_{k}": float(v) for k, v in check.items()})
         write_adapter_manifest(out_dir, peft, **manifest, default_weights=check["default_weights"])
     (out_dir / "recovery.json").write_text(json.dumps({**metrics, "check": check}, indent=2))

@@ -173,8 +173,9 @@ def _check_recovery_adapter(compressed, dense, tmp_path, monkeypatch):
 
     class BareAnswersPass:
         def __call__(self, task, text):
-            first = bare_answers.setdefault(id(task), text)
-            return SimpleNamespace(passed=first == text)
+            ok = bare_answers.setdefault(id(task), text) == text
+            outcome = "passed" if ok else "failed"
+            return SimpleNamespace(outcome=outcome, passed=ok, score=float(ok), reason="", cost=0.0, details={})
 
     monkeypatch.setattr(methods.judges.math, "MathJudge", BareAnswersPass)
     check = TaskCheck(levels=[1, 2], per_level=2, max_new_tokens=8, parallel=2)
@@ -190,7 +191,7 @@ def _check_recovery_adapter(compressed, dense, tmp_path, monkeypatch):
         files = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
         write_adapter_manifest(adapter, {"peft": files}, domain="recovery", base_tier="draft", metrics={})
         bare_answers.clear()
-        result = task_check(check, compressed, adapter)
+        result = task_check(check, compressed, adapter, tmp_path / name / "work")
         assert result["tasks"] == 4 and result["bare_passed"] == 4, result
         assert result["default_weights"] == (name == "identity"), (name, result)
 
