@@ -91,8 +91,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "val_perplexity_before": before["perplexity"],
             "val_perplexity_after": after["perplexity"],
         }
-        if weight_bits(config):
-            tier_metrics["weight_bits"] = float(weight_bits(config))
+        bits = weight_bits(config)
+        if bits:
+            tier_metrics["weight_bits"] = float(bits)
         tier_metrics["size_ratio"] = tier_metrics["bytes_after"] / tier_metrics["bytes_before"]
         metrics.update({f"{tier}_{k}": v for k, v in tier_metrics.items()})
         ratio = after["perplexity"] / before["perplexity"]
