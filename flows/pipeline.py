@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -50,7 +50,10 @@ any other stage's forward pass during 2A-2C failed ("module is not installed as 
 and on a 2-core machine parallel stages only share the cores (axolotl runs one at a time anyway)."""
 
 
-@flow(name="kibidango", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=STAGE_WORKERS))
+# No ``log_prints``: it patches ``print`` for every thread of the flow, so a library printing into its own
+# ``redirect_stdout`` (dill's pickling trace under datasets' fingerprinting, in 1B-1D) landed in the run's
+# logs instead of its buffer. The flow logs through Prefect's run logger; stages through ``kibidango``.
+@flow(name="kibidango", task_runner=ThreadPoolTaskRunner(max_workers=STAGE_WORKERS))
 def pipeline(
     preset: str = "tiny",
     force: list[str] | None = None,
@@ -60,10 +63,11 @@ def pipeline(
     """Run a preset's stages; ``force`` recomputes those stage ids even on a cache hit,
     ``overrides`` (``STAGE.KEY=VALUE``) change single config values for this run, and ``pools``
     (stage id or tag -> work pool) add to the preset's routes (:mod:`flows.pools`)."""
+    log = get_run_logger()
     plan = load_preset(preset, overrides)
     tracker = Tracker(plan.experiment)
     for run_id in tracker.reap_orphans():
-        print(f"MLflow run {run_id} was left RUNNING by a process that is gone: marked KILLED")
+        log.warning("MLflow run %s was left RUNNING by a process that is gone: marked KILLED", run_id)
     prefect_id = str(flow_run.get_id() or "")
     git_sha = _git_sha()  # recorded in every manifest this run publishes; stage X reads it from there
     parent = tracker.start_run(
@@ -94,9 +98,9 @@ def pipeline(
         ok = True
     finally:
         tracker.end_run(parent, ok)
-    print(f"MLflow: {tracking_uri()}  experiment '{plan.experiment}'  parent run {parent}  (browse: make mlflow-ui)")
+    log.info("MLflow: %s  experiment '%s'  parent run %s  (browse: make mlflow-ui)", tracking_uri(), plan.experiment, parent)
     for sid, a in artifacts.items():
-        print(f"stage {sid}: {a.path}")
+        log.info("stage %s: %s", sid, a.path)
     return artifacts
 
 

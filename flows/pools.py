@@ -47,7 +47,7 @@ def _need_server(what: str) -> None:
         )
 
 
-@flow(name=STAGE_FLOW, log_prints=True)
+@flow(name=STAGE_FLOW)
 def stage_flow(stage_id: str, preset: str, overrides: list[str], inputs: dict[str, dict], ctx: dict) -> dict:
     """One stage on this worker: ``inputs`` maps an input name to ``{"stage_id", "key"}``."""
     logging.getLogger("kibidango").setLevel(logging.INFO)  # progress lines, as the CLI shows them
