@@ -18,10 +18,14 @@
 5. ``check``: perplexity is not the tasks. The compressed target answers held-out math-ladder
    tasks of the **mining** part (a draw of its own; stage 9 judges on the evaluation part) with and
    without the LoRA, greedy, judged by the math judge; the adapter is fit to be the bundle's default
-   weights (``default_weights`` in ``adapter.json``, which stage 2G reads) only if it passes at least
-   as many as the bare weights. On the small preset a LoRA that recovered 60% of the perplexity
-   cost halved the ladder's math in stage 9 (41.7% -> 16.7% of 48, the bare compressed target
-   against the default weights).
+   weights (``default_weights`` in ``adapter.json``, which stage 2G reads) only if it passes more
+   tasks than the bare weights: a tie keeps the bare weights, which decode without the LoRA's extra
+   matmuls. On the small preset a LoRA that recovered 60% of the perplexity cost halved the ladder's
+   math in stage 9 (41.7% -> 16.7% of 48, the bare compressed target against the default weights);
+   in the next run the check tied (7/32 each) and stage 9 showed the same loss (29.2% -> 12.5%): the
+   LoRA, trained on the rows whose loss compression raised most, teaches back long worked answers
+   in place of the ladder's ``#### N`` (level 1: "7 + 6 = 13 / #### 13" became a paragraph ending
+   in 7).
 
 The adapter applies to the compressed target as transformers loads it (torch backend). The GGUF
 target (2D) is quantized by llama.cpp from the pruned model, a different 4-bit grid, so no GGUF
@@ -91,7 +95,7 @@ class Config(StageConfig):
     check: TaskCheck | None = Field(
         None,
         description="Answer held-out ladder tasks with and without the adapter; it becomes the default weights "
-        "only if it passes at least as many (None: no check, the adapter is fit to be the default).",
+        "only if it passes more (a tie keeps the bare weights; None: no check, the adapter is fit to be the default).",
     )
 
     @model_validator(mode="after")
@@ -170,7 +174,7 @@ def _candidates(data: Path, cfg: Config) -> list[dict]:
 def task_check(check: TaskCheck, compressed: Path, adapter_dir: Path, work_dir: Path) -> dict:
     """Pass counts of the compressed target on ``check``'s ladder tasks without and with the adapter
     in ``adapter_dir`` (its ``adapter.json``), the paired McNemar test, and whether the adapter is
-    fit to be the default weights (it passes at least as many). Each pass is resumable in its own
+    fit to be the default weights (it passes more: a tie keeps the bare weights). Each pass is resumable in its own
     directory under ``work_dir`` (:func:`methods.heldout.answer_and_judge`)."""
     from methods.evaluation import mcnemar
     from methods.failures import verdict_record
@@ -207,7 +211,7 @@ def task_check(check: TaskCheck, compressed: Path, adapter_dir: Path, work_dir: 
         "adapter_only": test["a_only"],
         "bare_only": test["b_only"],
         "p": test["p"],
-        "default_weights": adapted >= bare,
+        "default_weights": adapted > bare,
     }
 
 

@@ -170,30 +170,36 @@ def _check_recovery_adapter(compressed, dense, tmp_path, monkeypatch):
     from stages.recovery_lora import TaskCheck, task_check
 
     bare_answers: dict[int, str] = {}
+    reward_change = False  # the judge passes the bare pass's answers, or (True) only answers that differ from them
 
     class BareAnswersPass:
         def __call__(self, task, text):
-            ok = bare_answers.setdefault(id(task), text) == text
+            ok = (bare_answers.setdefault(id(task), text) == text) != reward_change
             outcome = "passed" if ok else "failed"
             return SimpleNamespace(outcome=outcome, passed=ok, score=float(ok), reason="", cost=0.0, details={})
 
     monkeypatch.setattr(methods.judges.math, "MathJudge", BareAnswersPass)
     check = TaskCheck(levels=[1, 2], per_level=2, max_new_tokens=8, parallel=2)
-    for name, scale in (("identity", 0.0), ("damaging", 5.0)):
+    # (adapter, judge rewards change, bare passed, adapter passed, default weights): a tie keeps the bare
+    # weights (the adapter must earn its extra matmuls), fewer passes do, only more passes make it the default
+    cases = [("identity", False, 4, 4, False), ("damaging", False, 4, 0, False), ("damaging", True, 0, 4, True)]
+    for name, reward_change, bare_passed, adapter_passed, fit in cases:
+        scale = 0.0 if name == "identity" else 5.0
         torch.manual_seed(0)
         lora = get_peft_model(AutoModelForCausalLM.from_pretrained(str(dense)), LoraConfig(r=2, lora_alpha=4))
         with torch.no_grad():
             for n, w in lora.named_parameters():
                 if "lora_B" in n:
                     w.copy_(torch.randn_like(w) * scale)
-        adapter = tmp_path / name
+        adapter = tmp_path / f"{name}-{reward_change}"
         lora.save_pretrained(str(adapter / "adapter"))
         files = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
         write_adapter_manifest(adapter, {"peft": files}, domain="recovery", base_tier="draft", metrics={})
         bare_answers.clear()
-        result = task_check(check, compressed, adapter, tmp_path / name / "work")
-        assert result["tasks"] == 4 and result["bare_passed"] == 4, result
-        assert result["default_weights"] == (name == "identity"), (name, result)
+        result = task_check(check, compressed, adapter, adapter / "work")
+        assert result["tasks"] == 4, result
+        assert (result["bare_passed"], result["adapter_passed"]) == (bare_passed, adapter_passed), (name, result)
+        assert result["default_weights"] == fit, (name, reward_change, result)
 
 
 def test_a_group_size_the_widths_do_not_allow_names_the_stage(family, data, tmp_path):
