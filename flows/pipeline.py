@@ -98,7 +98,9 @@ def pipeline(
         ok = True
     finally:
         tracker.end_run(parent, ok)
-    log.info("MLflow: %s  experiment '%s'  parent run %s  (browse: make mlflow-ui)", tracking_uri(), plan.experiment, parent)
+    log.info(
+        "MLflow: %s  experiment '%s'  parent run %s  (browse: make mlflow-ui)", tracking_uri(), plan.experiment, parent
+    )
     for sid, a in artifacts.items():
         log.info("stage %s: %s", sid, a.path)
     return artifacts
