@@ -156,6 +156,36 @@ def test_threads_are_the_same_for_steps_and_batches_unless_asked(gguf_bundle, mo
         thread_counts(1, 0)
 
 
+def test_each_benchmarked_mode_decodes_at_its_own_thread_counts(gguf_bundle, monkeypatch):
+    """``kibidango bench --modes ar+t2,sd+t1+tb2``: ar at its best count beside sd with one step thread
+    and two batch threads, in one run — the context's counts are set before each mode decodes."""
+    import llama_cpp
+
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+    from kibidango.bench import run_bench
+
+    seen: list[tuple[str, int, int]] = []
+    real = LlamaCppModel.set_threads
+
+    def spy(self, threads, threads_batch):
+        real(self, threads, threads_batch)
+        ctx = self.llm._ctx.ctx
+        seen.append((self.name, llama_cpp.llama_n_threads(ctx), llama_cpp.llama_n_threads_batch(ctx)))
+
+    monkeypatch.setattr(LlamaCppModel, "set_threads", spy)
+    modes = ["ar", "ar+t2", "sd+t1+tb2"]
+    result = run_bench(
+        gguf_bundle, ["Once upon a time"], modes, max_new_tokens=6, peers=(), backend="llamacpp", threads=1
+    )
+    assert [r["mode"] for r in result.rows] == modes and all(r["tokens"] == 6 for r in result.rows)
+    counts = {(n, t, tb) for n, t, tb in seen if n == "target"}
+    assert counts == {("target", 1, 1), ("target", 2, 2), ("target", 1, 2)}  # the models' own, ar+t2, sd+t1+tb2
+    with pytest.raises(ValueError, match="at least 1 thread"):
+        run_bench(gguf_bundle, ["A"], ["ar+t0"], max_new_tokens=2, peers=(), backend="llamacpp")
+    with pytest.raises(ValueError, match="tb<n> .* is llama.cpp's"):
+        run_bench(gguf_bundle, ["A"], ["ar+tb2"], max_new_tokens=2, peers=(), backend="torch")
+
+
 @pytest.fixture(scope="module")
 def head32_bundle(tmp_path_factory):
     """A random 2-layer Llama with 32-wide attention heads (stories260K's are 8 wide, narrower than

@@ -45,15 +45,20 @@ _OPTIONS = {  # a mode's own setting after "+": its name -> (DecodeConfig field,
     "p": ("p_min", float),
     "lD": ("l_D", int),
     "lQ": ("l_Q", int),
+    "tb": ("threads_batch", int),  # llama.cpp's threads for batches (a verification); not a DecodeConfig field
+    "t": ("threads", int),  # threads for one-token steps (torch: all of its work); not a DecodeConfig field
 }
+_THREADS = ("threads", "threads_batch")
 
 
 def parse_mode(spec: str) -> tuple[str, str | None, dict]:
     """A benchmarked mode: ``ar``, ``sd``, ``lookup``, ``pyramid`` or ``pyramid-<variant>``, then
     settings of its own after ``+``, so that one run compares several settings of a mode side by
     side: ``adaptive``, ``lookup`` (the n-gram tier under the draft), ``k<n>``, ``kmax<n>``,
-    ``p<x>`` (p_min), ``lD<n>``, ``lQ<n>`` — e.g. ``sd+adaptive+lookup``, ``sd+k6+p0.3``.
-    Returns (mode, variant or None, the settings as DecodeConfig fields)."""
+    ``p<x>`` (p_min), ``lD<n>``, ``lQ<n>`` — e.g. ``sd+adaptive+lookup``, ``sd+k6+p0.3`` — and the
+    threads it decodes with, ``t<n>`` (one-token steps) and ``tb<n>`` (llama.cpp's batches), so that
+    each mode runs at its own best thread count: ``ar+t2,sd+t1+tb2``.
+    Returns (mode, variant or None, the settings: DecodeConfig fields, and ``threads``/``threads_batch``)."""
     head, *options = spec.split("+")
     mode, variant = head.split("-", 1) if head.startswith("pyramid-") else (head, None)
     if mode not in MODES:
@@ -63,14 +68,47 @@ def parse_mode(spec: str) -> tuple[str, str | None, dict]:
         name = option.rstrip("0123456789.")
         if name not in _OPTIONS or (_OPTIONS[name][1] is None) != (name == option):
             raise ValueError(
-                f"--modes {spec!r}: unknown setting {option!r} (adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>)"
+                f"--modes {spec!r}: unknown setting {option!r} "
+                "(adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>, t<n>, tb<n>)"
             )
         field_name, kind = _OPTIONS[name]
         try:
             settings[field_name] = True if kind is None else kind(option[len(name) :])
         except ValueError as e:
             raise ValueError(f"--modes {spec!r}: {option!r} needs a number after {name!r}") from e
+        if field_name in _THREADS and settings[field_name] < 1:
+            raise ValueError(f"--modes {spec!r}: {option!r}: at least 1 thread")
     return mode, variant, settings
+
+
+class _Threads:
+    """Each mode's thread counts, set before it decodes (llama.cpp: the contexts' step and batch
+    counts; torch: ``torch.set_num_threads``); a mode without its own runs at the models' own."""
+
+    def __init__(self, models: dict, backend: str):
+        self.backend = backend
+        self.models = models
+        if backend == "llamacpp":
+            self.default = {n: (m.threads, m.threads_batch) for n, m in models.items()}
+        else:
+            import torch
+
+            self.default = torch.get_num_threads()
+
+    def check(self, spec: str, settings: dict) -> None:
+        if self.backend != "llamacpp" and "threads_batch" in settings:
+            raise ValueError(f"--modes {spec!r}: tb<n> (threads for batches) is llama.cpp's; torch takes t<n>")
+
+    def apply(self, settings: dict) -> None:
+        if self.backend == "llamacpp":
+            for name, model in self.models.items():
+                steps, batches = self.default[name]
+                steps = settings.get("threads", steps)
+                model.set_threads(steps, settings.get("threads_batch", steps if "threads" in settings else batches))
+        else:
+            import torch
+
+            torch.set_num_threads(settings.get("threads", self.default))
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -219,9 +257,19 @@ def run_bench(
     )
     decoder = Decoder(base.models)
     ids = [base.encode(p) for p in prompts]
+    threads_of = _Threads(base.models, backend)
+    mode_threads = {m: {k: v for k, v in own.items() if k in _THREADS} for m, (_, _, own) in specs.items()}
+    for m, t in mode_threads.items():
+        threads_of.check(m, t)
     # No stop ids: every mode generates the full budget, so token counts match across modes.
     cfgs = {
-        m: base.config(mode=mode, variant=variant, max_new_tokens=max_new_tokens, stop_ids=(), **{**decode, **own})
+        m: base.config(
+            mode=mode,
+            variant=variant,
+            max_new_tokens=max_new_tokens,
+            stop_ids=(),
+            **{**decode, **{k: v for k, v in own.items() if k not in _THREADS}},
+        )
         for m, (mode, variant, own) in specs.items()
     }
     totals = {m: Metrics(m) for m in modes}
@@ -235,16 +283,19 @@ def run_bench(
     hf_time = hf_plain_time = 0.0
     hf_tokens = 0
     for m in modes:  # warm-up, untimed: first-call costs (allocations; with --compile, the compilation)
+        threads_of.apply(mode_threads[m])
         for _chunk in decoder.generate(ids[0], dataclasses.replace(cfgs[m], max_new_tokens=8), Metrics(m)):
             pass
     for _ in range(repeats):
         for prompt_ids in ids:
             for m in modes:
+                threads_of.apply(mode_threads[m])
                 metrics = Metrics(m)
                 for _chunk in decoder.generate(prompt_ids, cfgs[m], metrics):
                     pass
                 totals[m].add(metrics)
                 cells[m].append((metrics.generated_tokens, metrics.seconds))
+            threads_of.apply({})  # the peers and the step costs below run at the models' own counts
             if hf_peer:
                 dt, n = _hf_generate(base, prompt_ids, max_new_tokens, assistant=True)
                 hf_time += dt

@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         default="ar,sd,pyramid",
         help="comma list of ar, sd, lookup, pyramid, pyramid-exact, pyramid-assisted; a mode may carry its own "
-        "settings after '+' (adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>): sd,sd+adaptive+lookup,sd+k6+p0.3",
+        "settings after '+' (adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>; threads t<n>, and tb<n> for "
+        "llama.cpp's batches): sd,sd+adaptive+lookup,sd+k6+p0.3,ar+t2,sd+t1+tb2",
     )
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=1)

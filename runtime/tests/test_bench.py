@@ -79,7 +79,13 @@ def test_a_mode_may_carry_its_own_settings_so_one_run_compares_them():
     assert parse_mode("sd+adaptive+lookup+kmax8") == ("sd", None, {"adaptive": True, "lookup": True, "k_max": 8})
     assert parse_mode("sd+k6+p0.3") == ("sd", None, {"k": 6, "p_min": 0.3})
     assert parse_mode("pyramid-exact+lD3+lQ6") == ("pyramid", "exact", {"l_D": 3, "l_Q": 6})
-    for bad, why in [("sdx", "unknown mode 'sdx'"), ("sd+fast", "unknown setting 'fast'"), ("sd+pX", "unknown")]:
+    assert parse_mode("sd+t1+tb2") == ("sd", None, {"threads": 1, "threads_batch": 2})
+    for bad, why in [
+        ("sdx", "unknown mode 'sdx'"),
+        ("sd+fast", "unknown setting 'fast'"),
+        ("sd+pX", "unknown"),
+        ("ar+t0", "at least 1 thread"),
+    ]:
         with pytest.raises(ValueError, match=why):
             parse_mode(bad)
 

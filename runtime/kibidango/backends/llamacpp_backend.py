@@ -194,7 +194,8 @@ class LlamaCppModel:
             ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_cache.upper()}")
             cache = {"type_k": ggml_type, "type_v": ggml_type, "flash_attn": True}
         probe_ctx = n_ctx or 0  # 0: the model's training context
-        self.threads, threads_batch = thread_counts(threads)
+        self.threads, self.threads_batch = thread_counts(threads)
+        threads_batch = self.threads_batch
         with (
             _model_params(_extra_bufts_default() if extra_bufts is None else extra_bufts),
             _cache_error(path, kv_cache),
@@ -214,6 +215,14 @@ class LlamaCppModel:
         self.vocab_size = self.llm.n_vocab()
         self.active: LlamaCppSession | None = None
         self._loras: dict[str, object] = {}
+
+    def set_threads(self, threads: int, threads_batch: int) -> None:
+        """llama.cpp's thread counts for one-token steps and for batches from now on (the context's
+        ``llama_set_n_threads``; nothing is reloaded)."""
+        if min(threads, threads_batch) < 1:
+            raise ValueError(f"threads must be >= 1, got {threads} (steps) and {threads_batch} (batches)")
+        _llama_cpp().llama_set_n_threads(self.llm._ctx.ctx, threads, threads_batch)
+        self.threads, self.threads_batch = threads, threads_batch
 
     # llama.cpp LoRA adapters (GGUF), loaded against the model and switched on the context; a
     # session started after a switch starts from an empty cache.
