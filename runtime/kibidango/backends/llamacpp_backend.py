@@ -195,7 +195,6 @@ class LlamaCppModel:
             cache = {"type_k": ggml_type, "type_v": ggml_type, "flash_attn": True}
         probe_ctx = n_ctx or 0  # 0: the model's training context
         self.threads, self.threads_batch = thread_counts(threads)
-        threads_batch = self.threads_batch
         with (
             _model_params(_extra_bufts_default() if extra_bufts is None else extra_bufts),
             _cache_error(path, kv_cache),
@@ -206,7 +205,7 @@ class LlamaCppModel:
                 n_batch=max(probe_ctx, 512),
                 logits_all=True,
                 n_threads=self.threads,
-                n_threads_batch=threads_batch,
+                n_threads_batch=self.threads_batch,
                 verbose=False,
                 seed=0,
                 **cache,
@@ -219,8 +218,7 @@ class LlamaCppModel:
     def set_threads(self, threads: int, threads_batch: int) -> None:
         """llama.cpp's thread counts for one-token steps and for batches from now on (the context's
         ``llama_set_n_threads``; nothing is reloaded)."""
-        if min(threads, threads_batch) < 1:
-            raise ValueError(f"threads must be >= 1, got {threads} (steps) and {threads_batch} (batches)")
+        threads, threads_batch = thread_counts(threads, threads_batch)  # both given: checked, nothing read
         _llama_cpp().llama_set_n_threads(self.llm._ctx.ctx, threads, threads_batch)
         self.threads, self.threads_batch = threads, threads_batch
 
