@@ -155,22 +155,36 @@ verify: setup
 # with the draft's single-token steps compiled (--compile: the draft's eager step is per-call overhead).
 SHARED_DIR   ?= $(or $(KIBIDANGO_SHARED),$(CURDIR)/../shared)
 BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
-BENCH_ARGS    = --bundle $(BENCH_BUNDLE) --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
+BENCH_ARGS    = --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
   --modes ar,sd,sd+adaptive,sd+lookup,sd+adaptive+lookup,lookup,pyramid,pyramid-exact,pyramid-assisted \
   --max-new-tokens 64 --repeats 3 $(ARGS)
 $(BENCH_BUNDLE)/bundle.json:
 	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE)
+# llama.cpp's verification of k+1 tokens costs ~2 one-token steps over F16 weights on these CPUs
+# (its batched F16 kernels convert every weight again) and ~1.5 over F32 (lossless too, but a slower
+# step); so llama.cpp also runs on the family converted to F32, with ar over the F16 and Q8_0
+# targets in the same rounds (--ar-gguf): a ratio over a slower baseline is not a faster decoder.
+BENCH_BUNDLE_F32 ?= $(KIBIDANGO_HOME)/bench_family_f32
+BENCH_BUNDLE_Q8  ?= $(KIBIDANGO_HOME)/bench_family_q8_0
+$(BENCH_BUNDLE_F32)/bundle.json:
+	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE_F32) --gguf f32
+$(BENCH_BUNDLE_Q8)/bundle.json:
+	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE_Q8) --gguf Q8_0
 
 # A measuring target runs through eval.record, which keeps its output for make report.
 RECORD = $(PY) -m eval.record
 
-bench-runtime: setup $(BENCH_BUNDLE)/bundle.json
+bench-runtime: setup $(BENCH_BUNDLE)/bundle.json $(BENCH_BUNDLE_F32)/bundle.json $(BENCH_BUNDLE_Q8)/bundle.json
 	$(RECORD) bench-runtime-torch --title "Decoding modes on the bench family: torch backend" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend torch --compile --peers hf
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) $(BENCH_ARGS) --backend torch --compile --peers hf
 	$(RECORD) bench-runtime-llamacpp --title "Decoding modes on the bench family: llama.cpp backend" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench $(BENCH_ARGS) --backend llamacpp --peers llamacpp
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) $(BENCH_ARGS) --backend llamacpp --peers llamacpp
+	$(RECORD) bench-runtime-llamacpp-f32 --title "Decoding modes on the bench family: llama.cpp backend, F32 weights" \
+	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE_F32) $(BENCH_ARGS) --backend llamacpp --peers llamacpp \
+	  --ar-gguf $(BENCH_BUNDLE)/tiers/target/gguf/target-f16.gguf --ar-gguf $(BENCH_BUNDLE_Q8)/tiers/target/gguf/target-Q8_0.gguf
 
 # The same benchmark on a CUDA GPU (torch backend; a transformers-only bundle): fixed and adaptive
 # draft lengths, each also with the draft's steps compiled. Not through .venv, whose torch is the CPU

@@ -43,10 +43,10 @@ def build(out: Path, gguf_type: str | None = "f16", family: Path | None = None) 
             from methods.compression.gguf import quantize
             from methods.llama_cpp_tools import convert_hf_to_gguf
 
-            f16 = convert_hf_to_gguf(family / tier, Path(tmp) / f"{tier}-f16.gguf", "f16")
-            gguf = f16
+            lossless = gguf_type.lower() if gguf_type.lower() in ("f16", "f32") else "f16"
+            gguf = convert_hf_to_gguf(family / tier, Path(tmp) / f"{tier}-{lossless}.gguf", lossless)
             if gguf_type.lower() not in ("f16", "f32"):
-                gguf = quantize(f16, Path(tmp) / f"{tier}-{gguf_type}.gguf", gguf_type)
+                gguf = quantize(gguf, Path(tmp) / f"{tier}-{gguf_type}.gguf", gguf_type)
             tiers[tier]["gguf"] = gguf
             print(f"{tier}: {gguf.name} ({gguf.stat().st_size / 1e6:.1f} MB)", flush=True)
         if out.exists():

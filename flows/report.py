@@ -90,6 +90,7 @@ _MEASUREMENTS = [
     "backend-agreement",
     "bench-runtime-torch",
     "bench-runtime-llamacpp",
+    "bench-runtime-llamacpp-f32",
     "tune-runtime-llamacpp",
     "bench-kv-cache",
     "eval-cascade",

@@ -9,7 +9,7 @@ import pytest
 
 from eval.shared_data import SHARED
 from methods.llama_cpp_tools import convert_hf_to_gguf
-from tests.conftest import noisy_copy
+from tests.conftest import noisy_copy, smollm2_gguf
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
 PROMPTS = [
@@ -184,6 +184,52 @@ def test_each_benchmarked_mode_decodes_at_its_own_thread_counts(gguf_bundle, mon
         run_bench(gguf_bundle, ["A"], ["ar+t0"], max_new_tokens=2, peers=(), backend="llamacpp")
     with pytest.raises(ValueError, match="tb<n> .* is llama.cpp's"):
         run_bench(gguf_bundle, ["A"], ["ar+tb2"], max_new_tokens=2, peers=(), backend="torch")
+
+
+def test_bench_decodes_ar_over_other_ggufs_of_the_target_in_the_same_rounds(gguf_bundle, tmp_path):
+    """``kibidango bench --ar-gguf <F16 GGUF>`` on an F32 bundle: the target's other weight type
+    decodes ar in every round beside the modes, with its ratio to ar and each mode's best against it;
+    a GGUF of another vocabulary, a missing file, the torch backend or no ar among the modes are refused."""
+    from kibidango.bench import format_table, run_bench
+
+    f16 = convert_hf_to_gguf(gguf_bundle / "tiers" / "target" / "hf", tmp_path / "target-f16.gguf", "f16")
+    result = run_bench(
+        gguf_bundle,
+        PROMPTS[:2],
+        ["ar", "sd"],
+        max_new_tokens=6,
+        repeats=2,
+        peers=(),
+        backend="llamacpp",
+        threads=1,
+        ar_ggufs=(f16,),
+    )
+    row = result.rows[-1]
+    assert row["mode"] == "ar on target-f16.gguf" and row["tokens"] == 2 * 2 * 6
+    lo, hi = row["speed_interval"]
+    assert 0 < lo <= row["speed_vs_ar"] <= hi and "tokens/s" in row["note"]
+    assert any(n.startswith("best mode (sd) / ar on target-f16.gguf: ") for n in result.notes)
+    assert "ar on target-f16.gguf" in format_table(result)
+    with pytest.raises(FileNotFoundError, match="--ar-gguf .*missing.gguf: no such file"):
+        run_bench(
+            gguf_bundle,
+            ["A"],
+            ["ar"],
+            max_new_tokens=2,
+            peers=(),
+            backend="llamacpp",
+            ar_ggufs=(tmp_path / "missing.gguf",),
+        )
+    with pytest.raises(ValueError, match="--ar-gguf is llama.cpp's"):
+        run_bench(gguf_bundle, ["A"], ["ar"], max_new_tokens=2, peers=(), backend="torch", ar_ggufs=(f16,))
+    with pytest.raises(ValueError, match="put ar among --modes"):
+        run_bench(gguf_bundle, ["A"], ["sd"], max_new_tokens=2, peers=(), backend="llamacpp", ar_ggufs=(f16,))
+    other = smollm2_gguf()
+    if other is not None:  # SmolLM2's 49,152-token vocabulary
+        with pytest.raises(ValueError, match="not another GGUF of the same model"):
+            run_bench(
+                gguf_bundle, ["A"], ["ar"], max_new_tokens=2, peers=(), backend="llamacpp", threads=1, ar_ggufs=(other,)
+            )
 
 
 @pytest.fixture(scope="module")

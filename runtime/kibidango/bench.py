@@ -243,9 +243,17 @@ def run_bench(
     threads: int | None = None,
     kv_cache: str | None = None,
     compile: bool = False,
+    ar_ggufs: tuple[str | Path, ...] = (),
     **decode,
 ) -> BenchResult:
+    """``ar_ggufs`` (llama.cpp): other GGUF files of the target (another weight type of the same
+    model: F16 beside F32, a quantization), each decoded ``ar`` in the same rounds, so that every
+    mode's speed compares with target-only decoding over other weights side by side."""
     specs = {m: parse_mode(m) for m in modes}
+    if ar_ggufs and backend != "llamacpp":
+        raise ValueError("--ar-gguf is llama.cpp's: use it with --backend llamacpp")
+    if ar_ggufs and "ar" not in specs:
+        raise ValueError("--ar-gguf compares with this bundle's ar: put ar among --modes")
     needs = {mode for mode, _, _ in specs.values()}
     base = Pipeline.from_bundle(
         bundle,
@@ -258,6 +266,7 @@ def run_bench(
     decoder = Decoder(base.models)
     ids = [base.encode(p) for p in prompts]
     threads_of = _Threads(base.models, backend)
+    other_ar = _other_targets(ar_ggufs, base.models["target"], threads, kv_cache)
     mode_threads = {m: {k: v for k, v in own.items() if k in _THREADS} for m, (_, _, own) in specs.items()}
     for m, t in mode_threads.items():
         threads_of.check(m, t)
@@ -286,6 +295,10 @@ def run_bench(
         threads_of.apply(mode_threads[m])
         for _chunk in decoder.generate(ids[0], dataclasses.replace(cfgs[m], max_new_tokens=8), Metrics(m)):
             pass
+    for other in other_ar.values():
+        for _chunk in other.generate(ids[0], dataclasses.replace(cfgs["ar"], max_new_tokens=8), Metrics("ar")):
+            pass
+    other_cells: dict[str, list[tuple[int, float]]] = {name: [] for name in other_ar}
     for _ in range(repeats):
         for prompt_ids in ids:
             for m in modes:
@@ -295,7 +308,14 @@ def run_bench(
                     pass
                 totals[m].add(metrics)
                 cells[m].append((metrics.generated_tokens, metrics.seconds))
-            threads_of.apply({})  # the peers and the step costs below run at the models' own counts
+            threads_of.apply({})
+            for name, other in other_ar.items():  # at the thread counts it was loaded with
+                metrics = Metrics("ar")
+                for _chunk in other.generate(prompt_ids, cfgs["ar"], metrics):
+                    pass
+                other_cells[name].append(
+                    (metrics.generated_tokens, metrics.seconds)
+                )  # the peers and the step costs below run at the models' own counts
             if hf_peer:
                 dt, n = _hf_generate(base, prompt_ids, max_new_tokens, assistant=True)
                 hf_time += dt
@@ -319,6 +339,28 @@ def run_bench(
         }
         result.rows.append(row)
     result.notes += _pyramid_vs_sd(result.rows, cells, len(prompts), repeats)
+    for name, c in other_cells.items():
+        point, lo, hi = bootstrap_ratio(c, cells["ar"]) if len(c) > 1 else (_speed(c) / _speed(cells["ar"]), None, None)
+        result.rows.append(
+            {
+                "mode": f"ar on {name}",
+                "tokens": sum(n for n, _ in c),
+                "speed_vs_ar": point,
+                "speed_interval": (lo, hi) if lo is not None else None,
+                "note": f"{_speed(c):.1f} tokens/s; ar on this bundle's target {_speed(cells['ar']):.1f}",
+            }
+        )
+        best = max(
+            (m for m in modes if m != "ar" and result.rows[modes.index(m)]["speed_vs_ar"] is not None),
+            key=lambda m: result.rows[modes.index(m)]["speed_vs_ar"],
+            default=None,
+        )
+        if best is not None and len(c) > 1:
+            point, lo, hi = bootstrap_ratio(cells[best], c)
+            result.notes.append(
+                f"best mode ({best}) / ar on {name}: {point:.2f}x [{lo:.2f}, {hi:.2f}] "
+                f"(95% bootstrap over {len(prompts)} prompts x {repeats} rounds)"
+            )
     if hf_peer:
         result.rows.append(
             {
@@ -363,6 +405,32 @@ def run_bench(
                 f"with it the model predicts {tokens_per_round / (k * c + verify):.2f}x"
             )
     return result
+
+
+def _speed(cells: list[tuple[int, float]]) -> float:
+    return sum(n for n, _ in cells) / sum(s for _, s in cells)
+
+
+def _other_targets(paths, target, threads: int | None, kv_cache: str | None) -> dict:
+    """A :class:`Decoder` over each other GGUF of the target, named by its file name; its
+    vocabulary must be the target's (the same tokenizer decodes both)."""
+    if not paths:
+        return {}
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+
+    out = {}
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"--ar-gguf {path}: no such file")
+        model = LlamaCppModel(path, name=path.name, threads=threads, kv_cache=kv_cache or target.kv_cache)
+        if model.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"--ar-gguf {path}: a vocabulary of {model.vocab_size} tokens, the bundle's target has "
+                f"{target.vocab_size}: not another GGUF of the same model"
+            )
+        out[path.name if path.name not in out else str(path)] = Decoder({"target": model})
+    return out
 
 
 def _pyramid_vs_sd(rows: list[dict], cells: dict, n_prompts: int, repeats: int) -> list[str]:

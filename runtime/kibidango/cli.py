@@ -190,6 +190,7 @@ def _bench(args: argparse.Namespace) -> None:
         threads=args.threads,
         kv_cache=args.kv_cache,
         compile=args.compile,
+        ar_ggufs=tuple(args.ar_gguf or ()),
         **_overrides(args),
     )
     print(format_table(result))
@@ -334,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
     bench.add_argument("--peers", default="hf", help="comma list of peers to run: hf (and llamacpp with the extra)")
+    bench.add_argument(
+        "--ar-gguf",
+        action="append",
+        metavar="GGUF",
+        help="llama.cpp: another GGUF of the target (another weight type: F16 beside F32, a quantization), decoded "
+        "ar in the same rounds; its speed and each mode's against it (repeatable)",
+    )
     _decode_args(bench)
     bench.set_defaults(func=_bench)
 
