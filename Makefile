@@ -158,6 +158,10 @@ BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
 BENCH_ARGS    = --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
   --modes ar,sd,sd+adaptive,sd+lookup,sd+adaptive+lookup,lookup,pyramid,pyramid-exact,pyramid-assisted \
   --max-new-tokens 64 --repeats 3 $(ARGS)
+# llama.cpp's threads for the benchmark: the runtime's default is half the CPUs, but each ratio should
+# be to ar at its best count, which on the 2-core machines measured here is both cores (ar 270
+# tokens/s against 219 on one); on another machine, set it to that machine's best.
+BENCH_LLAMACPP_THREADS ?= 2
 $(BENCH_BUNDLE)/bundle.json:
 	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE)
 # llama.cpp's verification of k+1 tokens costs ~2 one-token steps over F16 weights on these CPUs
@@ -180,10 +184,10 @@ bench-runtime: setup $(BENCH_BUNDLE)/bundle.json $(BENCH_BUNDLE_F32)/bundle.json
 	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) $(BENCH_ARGS) --backend torch --compile --peers hf
 	$(RECORD) bench-runtime-llamacpp --title "Decoding modes on the bench family: llama.cpp backend" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) $(BENCH_ARGS) --backend llamacpp --peers llamacpp
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) $(BENCH_ARGS) --backend llamacpp --peers llamacpp --threads $(BENCH_LLAMACPP_THREADS)
 	$(RECORD) bench-runtime-llamacpp-f32 --title "Decoding modes on the bench family: llama.cpp backend, F32 weights" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE_F32) $(BENCH_ARGS) --backend llamacpp --peers llamacpp \
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE_F32) $(BENCH_ARGS) --backend llamacpp --peers llamacpp --threads $(BENCH_LLAMACPP_THREADS) \
 	  --ar-gguf $(BENCH_BUNDLE)/tiers/target/gguf/target-f16.gguf --ar-gguf $(BENCH_BUNDLE_Q8)/tiers/target/gguf/target-Q8_0.gguf
 
 # The same benchmark on a CUDA GPU (torch backend; a transformers-only bundle): fixed and adaptive

@@ -1,8 +1,8 @@
 """Stage 2F — recovery LoRA: win back what compression cost, where it cost most.
 
 1. The compressed target (stage 2B's AWQ checkpoint) is decompressed once into a dense
-   transformers checkpoint (its weights stay on the 4-bit grid): the base the LoRA trains on, in
-   a form axolotl loads without compressed-tensors.
+   transformers checkpoint (its weights stay on 2B's grid: 4-bit for tiny, 8-bit for small): the
+   base the LoRA trains on, in a form axolotl loads without compressed-tensors.
 2. Every candidate row of stage 0's train split is scored under the compressed model; the
    ``hardest_rows`` with the highest response-token loss are the training set (the plan: the
    hardest 5K examples). ``selection: loss_increase`` ranks by the loss compression *added*
@@ -28,8 +28,8 @@
    in 7).
 
 The adapter applies to the compressed target as transformers loads it (torch backend). The GGUF
-target (2D) is quantized by llama.cpp from the pruned model, a different 4-bit grid, so no GGUF
-form of this adapter is shipped.
+target (2D) is quantized by llama.cpp from the pruned model (Q5_K_M for tiny, Q8_0 for small), not
+from 2B's grid, so no GGUF form of this adapter is shipped.
 
 Outputs: ``adapter/`` (peft), ``adapter.json`` (the runtime's manifest), ``hardest.jsonl`` (row
 index, loss), ``recovery.json``, ``axolotl.yaml``, ``logs/train.log``.
