@@ -42,6 +42,8 @@ _OPTIONS = {  # a mode's own setting after "+": its name -> (DecodeConfig field,
     "lookup": ("lookup", None),
     "kmax": ("k_max", int),
     "k": ("k", int),
+    "lk": ("lookup_k", int),
+    "nm": ("ngram_min", int),
     "p": ("p_min", float),
     "lD": ("l_D", int),
     "lQ": ("l_Q", int),
@@ -55,7 +57,8 @@ def parse_mode(spec: str) -> tuple[str, str | None, dict]:
     """A benchmarked mode: ``ar``, ``sd``, ``lookup``, ``pyramid`` or ``pyramid-<variant>``, then
     settings of its own after ``+``, so that one run compares several settings of a mode side by
     side: ``adaptive``, ``lookup`` (the n-gram tier under the draft), ``k<n>``, ``kmax<n>``,
-    ``p<x>`` (p_min), ``lD<n>``, ``lQ<n>`` — e.g. ``sd+adaptive+lookup``, ``sd+k6+p0.3`` — and the
+    ``p<x>`` (p_min), ``lD<n>``, ``lQ<n>``, ``lk<n>`` (lookup_k), ``nm<n>`` (ngram_min) — e.g.
+    ``sd+adaptive+lookup``, ``sd+lookup+lk12+nm2``, ``sd+k6+p0.3`` — and the
     threads it decodes with, ``t<n>`` (one-token steps) and ``tb<n>`` (llama.cpp's batches), so that
     each mode runs at its own best thread count: ``ar+t2,sd+t1+tb2``.
     Returns (mode, variant or None, the settings: DecodeConfig fields, and ``threads``/``threads_batch``)."""
@@ -69,7 +72,7 @@ def parse_mode(spec: str) -> tuple[str, str | None, dict]:
         if name not in _OPTIONS or (_OPTIONS[name][1] is None) != (name == option):
             raise ValueError(
                 f"--modes {spec!r}: unknown setting {option!r} "
-                "(adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>, t<n>, tb<n>)"
+                "(adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>, lk<n>, nm<n>, t<n>, tb<n>)"
             )
         field_name, kind = _OPTIONS[name]
         try:

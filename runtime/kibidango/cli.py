@@ -23,6 +23,10 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--variant", choices=["fuzzy", "assisted", "exact"])
     g.add_argument("--k", type=int, help="sd, lookup: tokens drafted per target pass")
     g.add_argument("--ngram", type=int, help="lookup: the longest suffix matched against earlier tokens")
+    g.add_argument("--ngram-min", dest="ngram_min", type=int, help="lookup: the shortest suffix that counts as a match")
+    g.add_argument(
+        "--lookup-k", dest="lookup_k", type=int, help="sd --lookup: tokens the n-gram tier proposes per match (0: --k)"
+    )
     g.add_argument("--l-d", dest="l_D", type=int, help="pyramid: draft tokens per qualifier pass")
     g.add_argument("--l-q", dest="l_Q", type=int, help="pyramid: buffered tokens per target pass")
     g.add_argument(
@@ -83,7 +87,21 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    keys = ("variant", "k", "ngram", "l_D", "l_Q", "p_min", "adaptive", "k_max", "lookup", "tau_Q", "tau_T")
+    keys = (
+        "variant",
+        "k",
+        "ngram",
+        "ngram_min",
+        "lookup_k",
+        "l_D",
+        "l_Q",
+        "p_min",
+        "adaptive",
+        "k_max",
+        "lookup",
+        "tau_Q",
+        "tau_T",
+    )
     keys += ("divergence",)
     keys += ("temperature", "top_p", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
@@ -328,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         default="ar,sd,pyramid",
         help="comma list of ar, sd, lookup, pyramid, pyramid-exact, pyramid-assisted; a mode may carry its own "
-        "settings after '+' (adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>; threads t<n>, and tb<n> for "
-        "llama.cpp's batches): sd,sd+adaptive+lookup,sd+k6+p0.3,ar+t2,sd+t1+tb2",
+        "settings after '+' (adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>, lk<n> (lookup_k), nm<n> "
+        "(ngram_min); threads t<n>, and tb<n> for llama.cpp's batches): "
+        "sd,sd+adaptive+lookup,sd+lookup+lk12+nm2,sd+k6+p0.3,ar+t2,sd+t1+tb2",
     )
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=1)

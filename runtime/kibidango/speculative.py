@@ -32,7 +32,11 @@ Adaptive speculation (sd, lookup, pyramid; lossless modes stay lossless, tested 
   ``lookup``    (sd, pyramid) n-gram lookup as a tier under the draft: where the committed text's
                 suffix occurred before, the tokens that followed it are proposed (free, certain
                 proposals, verified as in mode ``lookup``); the draft model runs only where no
-                suffix matches.
+                suffix matches. ``ngram_min``: the shortest suffix that counts (a one-token match
+                proposes whatever followed the last token's latest occurrence, and is accepted far
+                less often); ``lookup_k`` (sd): tokens the tier proposes per match, apart from the
+                draft's ``k`` — its proposals cost nothing, while a verification costs nearly as
+                much for 12 tokens as for 5 on a CPU, so it may propose more than the draft.
   ``adaptive``  the draft length (k; l_D in pyramid) follows the recent acceptance: +2 after a
                 round whose drafts were all accepted, -1 after a rejection, within [1, k_max]
                 (HF assisted generation's "heuristic" schedule), starting at k / l_D.
@@ -71,6 +75,10 @@ class DecodeConfig:
     """sd, lookup: tokens proposed per target pass."""
     ngram: int = 3
     """lookup: the longest suffix matched against earlier tokens."""
+    ngram_min: int = 1
+    """lookup: the shortest suffix that counts as a match."""
+    lookup_k: int = 0
+    """sd with lookup: tokens the n-gram tier proposes per match (0: the draft's k)."""
     l_D: int = 4
     """pyramid: tokens the draft proposes per qualifier pass."""
     l_Q: int = 8
@@ -93,7 +101,7 @@ class DecodeConfig:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("k", "ngram", "l_D", "l_Q", "k_max", "max_new_tokens", "seed"):
+        for name in ("k", "ngram", "ngram_min", "lookup_k", "l_D", "l_Q", "k_max", "max_new_tokens", "seed"):
             value = getattr(self, name)
             if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name}: {value!r} is not a whole number")
@@ -113,9 +121,13 @@ class DecodeConfig:
             raise ValueError(f"mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
-        for name in ("k", "ngram", "l_D", "l_Q", "k_max"):
+        for name in ("k", "ngram", "ngram_min", "l_D", "l_Q", "k_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.ngram_min > self.ngram:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram ({self.ngram})")
+        if self.lookup_k < 0:
+            raise ValueError("lookup_k must be >= 0 (0: the draft's k)")
         if not 0 <= self.p_min <= 1:
             raise ValueError(f"p_min ({self.p_min}) must be in [0, 1]")
         if self.l_D > self.l_Q:
@@ -231,11 +243,12 @@ class Metrics:
         }
 
 
-def lookup_drafts(tokens: list[int], k: int, ngram: int) -> list[int]:
+def lookup_drafts(tokens: list[int], k: int, ngram: int, ngram_min: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
-    ``tokens`` (``ngram`` tokens at most, one at least); [] when no suffix occurred before."""
+    ``tokens`` (``ngram`` tokens at most, ``ngram_min`` at least); [] when no such suffix occurred
+    before."""
     size = len(tokens)
-    for n in range(min(ngram, size - 1), 0, -1):
+    for n in range(min(ngram, size - 1), ngram_min - 1, -1):
         suffix = tokens[size - n :]
         for start in range(size - n - 1, -1, -1):  # latest first; the suffix itself excluded
             if tokens[start : start + n] == suffix:
@@ -365,10 +378,12 @@ class Decoder:
     def _sd_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
         k = min(length.now, remaining - 1)  # room for the bonus token
         if cfg.lookup and k >= 1:
-            found = lookup_drafts(committed, k, cfg.ngram)
+            n_lookup = min(cfg.lookup_k, remaining - 1) if cfg.lookup_k else k
+            found = lookup_drafts(committed, n_lookup, cfg.ngram, cfg.ngram_min)
             if found:  # free proposals: the draft model is not run this round
                 out = self._target_verifies(sessions, committed, found, None, sampler, rng, metrics, "lookup")
-                length.update(len(found), len(out) - 1)
+                if not cfg.lookup_k:  # the tier proposes the draft's length: its outcome moves it too
+                    length.update(len(found), len(out) - 1)
                 return out
         drafts, q = self._propose(sessions["draft"], committed, k, sampler, rng, cfg.p_min) if k >= 1 else ([], [])
         if not drafts:
@@ -391,7 +406,7 @@ class Decoder:
 
     def _lookup_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
         k = min(length.now, remaining - 1)  # room for the bonus token
-        drafts = lookup_drafts(committed, k, cfg.ngram) if k >= 1 else []
+        drafts = lookup_drafts(committed, k, cfg.ngram, cfg.ngram_min) if k >= 1 else []
         if not drafts:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
         out = self._target_verifies(sessions, committed, drafts, None, sampler, rng, metrics, "lookup")
@@ -407,7 +422,7 @@ class Decoder:
         buffer_q: list[np.ndarray] = []  # the qualifier's distribution at each buffered position
         while len(buffer) < l_q:
             n_draft = min(length.now, l_q - len(buffer))
-            found = lookup_drafts(committed + buffer, n_draft, cfg.ngram) if cfg.lookup else []
+            found = lookup_drafts(committed + buffer, n_draft, cfg.ngram, cfg.ngram_min) if cfg.lookup else []
             if found:  # free, certain proposals for the qualifier to verify
                 drafts, d = found, None
             else:

@@ -146,6 +146,42 @@ def test_lookup_drafts_the_continuation_of_the_latest_longest_match():
     assert lookup_drafts(tokens, 9, 1) == [2, 3, 6, 7]  # "7" latest earlier at index 7; to the end
     assert lookup_drafts([1, 2, 3, 4], 3, 3) == [] and lookup_drafts([4], 3, 3) == []
     assert lookup_drafts([1, 2, 3, 9, 2, 3], 2, 3) == [9, 2]  # the 2-gram "2 3" before the 1-gram "3"
+    # ngram_min: a shorter suffix does not count
+    assert lookup_drafts([4, 7, 1, 5, 7], 2, 3, ngram_min=1) == [1, 5]  # the 1-gram "7"
+    assert lookup_drafts([4, 7, 1, 5, 7], 2, 3, ngram_min=2) == []
+    assert lookup_drafts(tokens, 2, 3, ngram_min=2) == [2, 3]
+
+
+def test_the_lookup_tier_proposes_its_own_length_and_stays_lossless(family, monkeypatch):
+    """sd's n-gram tier with ``lookup_k`` asks for up to that many tokens per match (more than the
+    draft's k) and with ``ngram_min`` counts only longer matches; greedy output stays the target's."""
+    import kibidango.speculative as speculative
+    from kibidango.speculative import DecodeConfig
+
+    asked: list[tuple[int, int]] = []
+    real = speculative.lookup_drafts
+
+    def spy(tokens, k, ngram, ngram_min=1):
+        asked.append((k, ngram_min))
+        return real(tokens, k, ngram, ngram_min)
+
+    monkeypatch.setattr(speculative, "lookup_drafts", spy)
+    prompt = PROMPTS[0] * 3
+    ar, _ = run(family, prompt, mode="ar", max_new_tokens=48)
+    out, _ = run(family, prompt, mode="sd", k=2, lookup=True, max_new_tokens=48)
+    assert out == ar and {k for k, _ in asked} <= {1, 2} and {n for _, n in asked} == {1}
+    asked.clear()
+    out, m = run(family, prompt, mode="sd", k=2, lookup=True, lookup_k=8, ngram_min=2, max_new_tokens=48)
+    assert out == ar and max(k for k, _ in asked) == 8 and {n for _, n in asked} == {2}
+    assert m.num_draft_tokens["lookup"] > 0
+    for p in PROMPTS:
+        assert run(family, p, mode="sd", k=3, lookup=True, lookup_k=6, ngram_min=2)[0] == run(family, p, mode="ar")[0]
+    with pytest.raises(ValueError, match="ngram_min .* must not exceed ngram"):
+        DecodeConfig(ngram=2, ngram_min=3)
+    with pytest.raises(ValueError, match="lookup_k must be >= 0"):
+        DecodeConfig(lookup_k=-1)
+    with pytest.raises(ValueError, match="ngram_min must be >= 1"):
+        DecodeConfig(ngram_min=0)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

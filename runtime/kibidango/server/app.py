@@ -252,6 +252,8 @@ def create_app(
                 "tau_T",
                 "divergence",
                 "ngram",
+                "ngram_min",
+                "lookup_k",
             )
         }
         kw["max_new_tokens"] = max_tokens

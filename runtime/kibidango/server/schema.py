@@ -30,6 +30,8 @@ class Decoding(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     mode: Literal["ar", "sd", "pyramid", "lookup"] | None = None
     ngram: int | None = Field(None, ge=1, le=16)
+    ngram_min: int | None = Field(None, ge=1, le=16)
+    lookup_k: int | None = Field(None, ge=0, le=32)
     variant: Literal["fuzzy", "assisted", "exact"] | None = None
     k: int | None = Field(None, ge=1, le=32)
     l_D: int | None = Field(None, ge=1, le=32)
