@@ -151,12 +151,14 @@ verify: setup
 # The runtime benchmark: ../shared's bench family (0.26M draft, 5M qualifier, 26M target) as a
 # bundle (GGUF F16 through the pinned converter; built once), every mode and the peers on its
 # held-out story openings, on both backends; three interleaved rounds give each ratio a bootstrap interval.
-# sd is measured fixed, adaptive and over the n-gram tier (`sd+...`: a mode's own settings); torch
+# sd is measured fixed, adaptive and over the n-gram tier (`sd+...`: a mode's own settings; `lk12+nm2`:
+# the tier proposes 12 tokens per match of 2+ tokens, chosen on the 22 held-out story openings that
+# prompts.txt leaves out, see docs/status.md); torch
 # with the draft's single-token steps compiled (--compile: the draft's eager step is per-call overhead).
 SHARED_DIR   ?= $(or $(KIBIDANGO_SHARED),$(CURDIR)/../shared)
 BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
 BENCH_ARGS    = --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
-  --modes ar,sd,sd+adaptive,sd+lookup,sd+adaptive+lookup,lookup,pyramid,pyramid-exact,pyramid-assisted \
+  --modes ar,sd,sd+adaptive,sd+lookup,sd+lookup+lk12+nm2,sd+adaptive+lookup,lookup,pyramid,pyramid-exact,pyramid-assisted \
   --max-new-tokens 64 --repeats 3 $(ARGS)
 # llama.cpp's threads for the benchmark: the runtime's default is half the CPUs, but each ratio should
 # be to ar at its best count, which on the 2-core machines measured here is both cores (ar 270
