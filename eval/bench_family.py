@@ -5,6 +5,7 @@ and its GGUF (llama.cpp's pinned converter; ``--gguf`` picks the type: f16 by de
 k-quant through llama.cpp's own quantizer).
 
     python -m eval.bench_family --out .kibidango/bench_family      (make bench-runtime)
+    python -m eval.bench_family --selection-prompts selection.txt  (openings for choosing settings)
 
 Its target costs about 100x the draft and 5x the qualifier in matmul FLOPs per token, so the
 target's cost dominates as it does in a real family (the pipeline's tiny family is too small for
@@ -61,12 +62,50 @@ def build(out: Path, gguf_type: str | None = "f16", family: Path | None = None) 
     return out
 
 
+def selection_prompts(family: Path | None = None) -> list[str]:
+    """The first 8 words of the held-out TinyStories stories that the family's ``prompts.txt`` leaves
+    out (the family holds out the last 5% of stories and benchmarks on the first 30 distinct
+    openings; 22 remain): prompts to choose decoding settings on without choosing on the benchmark's
+    own. The stories are split by the family's own ``train_family.py``."""
+    import importlib.util
+
+    from eval.shared_data import SHARED
+
+    family = family or SHARED / "models" / "bench-family"
+    script, bench = family / "train_family.py", family / "prompts.txt"
+    if not script.is_file() or not bench.is_file():
+        raise SystemExit(f"the bench family is not at {family} (train_family.py, prompts.txt): it ships in ../shared")
+    spec = importlib.util.spec_from_file_location("bench_family_train", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stories = module.tinystories(family.parent.parent / "data" / "tinystories_sample" / "tiny_stories.txt")
+    held_out = stories[-max(1, round(0.05 * len(stories))) :]
+    openings = list(dict.fromkeys(" ".join(d.split()[:8]) for d in held_out))
+    used = bench.read_text(encoding="utf-8").splitlines()
+    if openings[: len(used)] != used:
+        raise SystemExit(f"{bench}: not the first held-out openings this split gives; the family's data changed")
+    return openings[len(used) :]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.bench_family", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="write the bundle here")
     parser.add_argument("--gguf", default="f16", help="f16 (default), f32, or a llama.cpp type such as Q8_0")
+    parser.add_argument(
+        "--selection-prompts",
+        type=Path,
+        metavar="FILE",
+        help="write the held-out story openings the benchmark's prompts leave out (for choosing settings)",
+    )
     args = parser.parse_args(argv)
-    print(f"bundle: {build(args.out, args.gguf)}")
+    if args.out is None and args.selection_prompts is None:
+        parser.error("give --out, --selection-prompts or both")
+    if args.selection_prompts is not None:
+        prompts = selection_prompts()
+        args.selection_prompts.write_text("\n".join(prompts) + "\n", encoding="utf-8")
+        print(f"{args.selection_prompts}: {len(prompts)} prompts")
+    if args.out is not None:
+        print(f"bundle: {build(args.out, args.gguf)}")
     return 0
 
 

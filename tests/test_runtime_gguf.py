@@ -301,3 +301,17 @@ def test_the_kv_cache_option_changes_the_cache_type(head32_bundle, gguf_bundle, 
         Pipeline.from_bundle(gguf_bundle, backend="torch", mode="ar", kv_cache="q8_0")
     with pytest.raises(ValueError, match="kv_cache 'q2'"):
         Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar", kv_cache="q2")
+
+
+def test_selection_prompts_are_held_out_openings_the_bench_does_not_use():
+    """Settings are chosen on the held-out story openings that the bench family's prompts.txt leaves
+    out: none of them is a benchmark prompt, and the split is the family's own."""
+    family = SHARED / "models" / "bench-family"
+    if not (family / "train_family.py").is_file():
+        pytest.skip(f"needs the bench family at {family}")
+    from eval.bench_family import selection_prompts
+
+    chosen = selection_prompts()
+    bench = (family / "prompts.txt").read_text(encoding="utf-8").splitlines()
+    assert len(chosen) == 22 and not set(chosen) & set(bench)
+    assert all(len(p.split()) <= 8 for p in chosen) and len(set(chosen)) == len(chosen)
