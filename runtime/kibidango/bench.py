@@ -311,14 +311,12 @@ def run_bench(
                     pass
                 totals[m].add(metrics)
                 cells[m].append((metrics.generated_tokens, metrics.seconds))
-            threads_of.apply({})
+            threads_of.apply({})  # the peers and the step costs below run at the models' own counts
             for name, other in other_ar.items():  # at the thread counts it was loaded with
                 metrics = Metrics("ar")
                 for _chunk in other.generate(prompt_ids, cfgs["ar"], metrics):
                     pass
-                other_cells[name].append(
-                    (metrics.generated_tokens, metrics.seconds)
-                )  # the peers and the step costs below run at the models' own counts
+                other_cells[name].append((metrics.generated_tokens, metrics.seconds))
             if hf_peer:
                 dt, n = _hf_generate(base, prompt_ids, max_new_tokens, assistant=True)
                 hf_time += dt
