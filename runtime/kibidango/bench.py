@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,11 +248,13 @@ def run_bench(
     kv_cache: str | None = None,
     compile: bool = False,
     ar_ggufs: tuple[str | Path, ...] = (),
+    progress: Callable[[int, int], None] | None = None,
     **decode,
 ) -> BenchResult:
     """``ar_ggufs`` (llama.cpp): other GGUF files of the target (another weight type of the same
     model: F16 beside F32, a quantization), each decoded ``ar`` in the same rounds, so that every
-    mode's speed compares with target-only decoding over other weights side by side."""
+    mode's speed compares with target-only decoding over other weights side by side. ``progress``
+    is called with (prompts done, prompts x rounds) after each prompt of each round."""
     specs = {m: parse_mode(m) for m in modes}
     if ar_ggufs and backend != "llamacpp":
         raise ValueError("--ar-gguf is llama.cpp's: use it with --backend llamacpp")
@@ -302,8 +305,8 @@ def run_bench(
         for _chunk in other.generate(ids[0], dataclasses.replace(cfgs["ar"], max_new_tokens=8), Metrics("ar")):
             pass
     other_cells: dict[str, list[tuple[int, float]]] = {name: [] for name in other_ar}
-    for _ in range(repeats):
-        for prompt_ids in ids:
+    for round_ in range(repeats):
+        for i, prompt_ids in enumerate(ids):
             for m in modes:
                 threads_of.apply(mode_threads[m])
                 metrics = Metrics(m)
@@ -324,6 +327,8 @@ def run_bench(
                 hf_plain_time += _hf_generate(base, prompt_ids, max_new_tokens, assistant=False)[0]
             if llama_peer:
                 llama_peer.run(prompt_ids, max_new_tokens)
+            if progress is not None:
+                progress(round_ * len(ids) + i + 1, repeats * len(ids))
     result = BenchResult()
     ar_tps = totals["ar"].tokens_per_second if "ar" in totals else None
     for m in modes:

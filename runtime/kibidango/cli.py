@@ -209,6 +209,7 @@ def _bench(args: argparse.Namespace) -> None:
         kv_cache=args.kv_cache,
         compile=args.compile,
         ar_ggufs=tuple(args.ar_gguf or ()),
+        progress=lambda n, total: print(f"  {n}/{total} prompt rounds", file=sys.stderr, flush=True),
         **_overrides(args),
     )
     print(format_table(result))

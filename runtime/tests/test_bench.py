@@ -62,7 +62,11 @@ def test_repeats_give_every_ratio_an_interval_and_settle_pyramid_against_sd(tmp_
     bundle = write_bundle(tmp_path / "b", tiers, {"mode": "pyramid"})
     prompts = ["Once upon a time", "The cat"]
     modes = ["ar", "sd", "lookup", "pyramid-exact"]
-    result = run_bench(bundle, prompts, modes, max_new_tokens=8, repeats=2, peers=())
+    seen: list[tuple[int, int]] = []
+    result = run_bench(
+        bundle, prompts, modes, max_new_tokens=8, repeats=2, peers=(), progress=lambda n, t: seen.append((n, t))
+    )
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]  # after each prompt of each round
     for row in result.rows:
         lo, hi = row["speed_interval"]
         assert lo <= row["speed_vs_ar"] <= hi
