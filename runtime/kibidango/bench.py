@@ -345,21 +345,21 @@ def run_bench(
         }
         result.rows.append(row)
     result.notes += _pyramid_vs_sd(result.rows, cells, len(prompts), repeats)
+    best = max(
+        (m for m in modes if m != "ar" and result.rows[modes.index(m)]["speed_vs_ar"] is not None),
+        key=lambda m: result.rows[modes.index(m)]["speed_vs_ar"],
+        default=None,
+    )
     for name, c in other_cells.items():
-        point, lo, hi = bootstrap_ratio(c, cells["ar"]) if len(c) > 1 else (_speed(c) / _speed(cells["ar"]), None, None)
+        point, lo, hi = bootstrap_ratio(c, cells["ar"])
         result.rows.append(
             {
                 "mode": f"ar on {name}",
                 "tokens": sum(n for n, _ in c),
                 "speed_vs_ar": point,
-                "speed_interval": (lo, hi) if lo is not None else None,
-                "note": f"{_speed(c):.1f} tokens/s; ar on this bundle's target {_speed(cells['ar']):.1f}",
+                "speed_interval": (lo, hi) if len(c) > 1 else None,
+                "note": f"{point * ar_tps:.1f} tokens/s; ar on this bundle's target {ar_tps:.1f}",
             }
-        )
-        best = max(
-            (m for m in modes if m != "ar" and result.rows[modes.index(m)]["speed_vs_ar"] is not None),
-            key=lambda m: result.rows[modes.index(m)]["speed_vs_ar"],
-            default=None,
         )
         if best is not None and len(c) > 1:
             point, lo, hi = bootstrap_ratio(cells[best], c)
@@ -411,10 +411,6 @@ def run_bench(
                 f"with it the model predicts {tokens_per_round / (k * c + verify):.2f}x"
             )
     return result
-
-
-def _speed(cells: list[tuple[int, float]]) -> float:
-    return sum(n for n, _ in cells) / sum(s for _, s in cells)
 
 
 def _other_targets(paths, target, threads: int | None, kv_cache: str | None) -> dict:

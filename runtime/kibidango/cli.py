@@ -10,7 +10,7 @@ from pathlib import Path
 from kibidango.backends.base import ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
 from kibidango.schema import describe
-from kibidango.speculative import MODES
+from kibidango.speculative import MODES, REQUEST_SETTINGS
 
 STATE_HELP = (
     "the cascade's budget ledger and the session memory "
@@ -87,24 +87,7 @@ def _adapter_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    keys = (
-        "variant",
-        "k",
-        "ngram",
-        "ngram_min",
-        "lookup_k",
-        "l_D",
-        "l_Q",
-        "p_min",
-        "adaptive",
-        "k_max",
-        "lookup",
-        "tau_Q",
-        "tau_T",
-    )
-    keys += ("divergence",)
-    keys += ("temperature", "top_p", "seed")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    return {k: getattr(args, k) for k in REQUEST_SETTINGS if getattr(args, k, None) is not None}
 
 
 def _generate(args: argparse.Namespace) -> None:

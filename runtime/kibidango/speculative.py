@@ -54,7 +54,7 @@ import numpy as np
 from kibidango.backends.base import ContextLengthError, Model, Session
 from kibidango.distributions import Sampler, verify
 
-__all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "TIERS", "VARIANTS", "lookup_drafts"]
+__all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "REQUEST_SETTINGS", "TIERS", "VARIANTS", "lookup_drafts"]
 
 MODES = ("ar", "sd", "pyramid", "lookup")
 TIERS = {
@@ -65,6 +65,29 @@ TIERS = {
 }
 """The tiers each mode runs on."""
 VARIANTS = ("fuzzy", "assisted", "exact")
+
+
+REQUEST_SETTINGS = (
+    "variant",
+    "k",
+    "ngram",
+    "ngram_min",
+    "lookup_k",
+    "l_D",
+    "l_Q",
+    "p_min",
+    "adaptive",
+    "k_max",
+    "lookup",
+    "tau_Q",
+    "tau_T",
+    "divergence",
+    "temperature",
+    "top_p",
+    "seed",
+)
+"""The :class:`DecodeConfig` fields one request may set (the CLI's decoding options, the server's
+request fields); the mode, the token budget and stop ids are set apart."""
 
 
 @dataclass

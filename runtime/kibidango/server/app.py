@@ -45,7 +45,7 @@ from kibidango.server.chat_template import TemplateBoundError, render_chat
 from kibidango.server.metrics import Stats, scheduler_metrics
 from kibidango.server.scheduler import HEALTH_STALL_S, Generation, Scheduler
 from kibidango.server.schema import ChatRequest, CompletionRequest, Decoding
-from kibidango.speculative import TIERS, Metrics
+from kibidango.speculative import REQUEST_SETTINGS, TIERS, Metrics
 
 log = logging.getLogger("kibidango.server")
 
@@ -233,29 +233,7 @@ def create_app(
             return error(
                 400, f"max_tokens: {max_tokens} exceeds this server's limit of {max_tokens_limit}", "max_tokens"
             )
-        kw = {
-            k: getattr(req, k)
-            for k in (
-                "temperature",
-                "top_p",
-                "seed",
-                "mode",
-                "variant",
-                "k",
-                "l_D",
-                "l_Q",
-                "p_min",
-                "adaptive",
-                "k_max",
-                "lookup",
-                "tau_Q",
-                "tau_T",
-                "divergence",
-                "ngram",
-                "ngram_min",
-                "lookup_k",
-            )
-        }
+        kw = {k: getattr(req, k) for k in ("mode", *REQUEST_SETTINGS)}
         kw["max_new_tokens"] = max_tokens
         if kw["mode"] and any(t not in pipe.models for t in TIERS[kw["mode"]]):
             return error(400, f"mode: {kw['mode']} needs tiers this server did not load", "mode")
