@@ -153,18 +153,22 @@ verify: setup
 # held-out story openings, on both backends; three interleaved rounds give each ratio a bootstrap interval.
 # sd is measured fixed, adaptive and over the n-gram tier (`sd+...`: a mode's own settings; `lk12+nm2`:
 # the tier proposes 12 tokens per match of 2+ tokens, chosen on the 22 held-out story openings that
-# prompts.txt leaves out, see docs/status.md); torch
+# prompts.txt leaves out, see docs/status.md); `table`: the bundle's static n-gram table (the target's
+# own continuations of the training stories' openings, counted; eval/bench_family.py) proposes where
+# the text's own n-grams do not, `tk8` up to 8 tokens, under sd's tiers or as draftless lookup (chosen
+# on the same held-out openings); torch
 # with the draft's single-token steps compiled (--compile: the draft's eager step is per-call overhead).
 SHARED_DIR   ?= $(or $(KIBIDANGO_SHARED),$(CURDIR)/../shared)
 BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
 BENCH_ARGS    = --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
-  --modes ar,sd,sd+adaptive,sd+lookup,sd+lookup+lk12+nm2,sd+adaptive+lookup,lookup,pyramid,pyramid-exact,pyramid-assisted \
+  --modes ar,sd,sd+adaptive,sd+lookup,sd+lookup+lk12+nm2,sd+adaptive+lookup,sd+lookup+lk12+nm2+table+tk8,lookup,lookup+k12+nm2+table+tk8,pyramid,pyramid-exact,pyramid-assisted \
   --max-new-tokens 64 --repeats 3 $(ARGS)
 # llama.cpp's threads for the benchmark: the runtime's default is half the CPUs, but each ratio should
 # be to ar at its best count, which on the 2-core machines measured here is both cores (ar 270
 # tokens/s against 219 on one); on another machine, set it to that machine's best.
 BENCH_LLAMACPP_THREADS ?= 2
-$(BENCH_BUNDLE)/bundle.json:
+# The bench bundles are rebuilt when the script that builds them changes (the n-gram table came so).
+$(BENCH_BUNDLE)/bundle.json: eval/bench_family.py
 	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE)
 # llama.cpp's verification of k+1 tokens costs ~2 one-token steps over F16 weights on these CPUs
 # (its batched F16 kernels convert every weight again) and ~1.5 over F32 (lossless too, but a slower
@@ -172,10 +176,10 @@ $(BENCH_BUNDLE)/bundle.json:
 # targets in the same rounds (--ar-gguf): a ratio over a slower baseline is not a faster decoder.
 BENCH_BUNDLE_F32 ?= $(KIBIDANGO_HOME)/bench_family_f32
 BENCH_BUNDLE_Q8  ?= $(KIBIDANGO_HOME)/bench_family_q8_0
-$(BENCH_BUNDLE_F32)/bundle.json:
+$(BENCH_BUNDLE_F32)/bundle.json: eval/bench_family.py
 	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE_F32) --gguf f32
-$(BENCH_BUNDLE_Q8)/bundle.json:
-	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE_Q8) --gguf Q8_0
+$(BENCH_BUNDLE_Q8)/bundle.json: eval/bench_family.py
+	$(PY) -m eval.bench_family --out $(BENCH_BUNDLE_Q8) --gguf Q8_0 --table-prompts 0
 
 # A measuring target runs through eval.record, which keeps its output for make report.
 RECORD = $(PY) -m eval.record

@@ -410,7 +410,7 @@ class Batcher:
             )
         wrapped = {name: BatchedModel(name, model, self) for name, model in self.raw.items()}
         pipe.models = wrapped
-        pipe.decoder = Decoder(wrapped)
+        pipe.decoder = Decoder(wrapped, pipe.decoder.ngram_table)
         if pipe.adapters is not None:
             pipe.adapters = _ThreadAdapters(self, pipe.adapters)
         self.engine = threading.Thread(target=self._engine, name="kibidango-batcher", daemon=True)
@@ -561,5 +561,5 @@ class Batcher:
         for tier in self.tiers.values():
             tier.close()
         self.pipe.models = self.raw
-        self.pipe.decoder = Decoder(self.raw)
+        self.pipe.decoder = Decoder(self.raw, self.pipe.decoder.ngram_table)
         self.pipe.adapters = self.real_adapters

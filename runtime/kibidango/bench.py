@@ -45,6 +45,8 @@ _OPTIONS = {  # a mode's own setting after "+": its name -> (DecodeConfig field,
     "k": ("k", int),
     "lk": ("lookup_k", int),
     "nm": ("ngram_min", int),
+    "table": ("ngram_table", None),
+    "tk": ("table_k", int),
     "p": ("p_min", float),
     "lD": ("l_D", int),
     "lQ": ("l_Q", int),
@@ -58,7 +60,8 @@ def parse_mode(spec: str) -> tuple[str, str | None, dict]:
     """A benchmarked mode: ``ar``, ``sd``, ``lookup``, ``pyramid`` or ``pyramid-<variant>``, then
     settings of its own after ``+``, so that one run compares several settings of a mode side by
     side: ``adaptive``, ``lookup`` (the n-gram tier under the draft), ``k<n>``, ``kmax<n>``,
-    ``p<x>`` (p_min), ``lD<n>``, ``lQ<n>``, ``lk<n>`` (lookup_k), ``nm<n>`` (ngram_min) — e.g.
+    ``p<x>`` (p_min), ``lD<n>``, ``lQ<n>``, ``lk<n>`` (lookup_k), ``nm<n>`` (ngram_min), ``table``
+    (the bundle's n-gram table), ``tk<n>`` (table_k) — e.g.
     ``sd+adaptive+lookup``, ``sd+lookup+lk12+nm2``, ``sd+k6+p0.3`` — and the
     threads it decodes with, ``t<n>`` (one-token steps) and ``tb<n>`` (llama.cpp's batches), so that
     each mode runs at its own best thread count: ``ar+t2,sd+t1+tb2``.
@@ -73,7 +76,7 @@ def parse_mode(spec: str) -> tuple[str, str | None, dict]:
         if name not in _OPTIONS or (_OPTIONS[name][1] is None) != (name == option):
             raise ValueError(
                 f"--modes {spec!r}: unknown setting {option!r} "
-                "(adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>, lk<n>, nm<n>, t<n>, tb<n>)"
+                "(adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>, lk<n>, nm<n>, table, tk<n>, t<n>, tb<n>)"
             )
         field_name, kind = _OPTIONS[name]
         try:
@@ -269,7 +272,7 @@ def run_bench(
         kv_cache=kv_cache,
         compile=compile,
     )
-    decoder = Decoder(base.models)
+    decoder = base.decoder
     ids = [base.encode(p) for p in prompts]
     threads_of = _Threads(base.models, backend)
     other_ar = _other_targets(ar_ggufs, base.models["target"], threads, kv_cache)
@@ -522,14 +525,14 @@ def format_table(result: BenchResult) -> str:
         "mode",
         "tokens",
         "tokens/s vs ar",
-        "acceptance (draft / qualifier)",
+        "acceptance (by proposer)",
         "target fwd/token",
         "mean accepted len",
     ]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in result.rows:
         acc = r.get("acceptance") or {}
-        acc_s = " / ".join(f"{acc[s]:.3f}" for s in ("draft", "qualifier") if acc.get(s) is not None) or "-"
+        acc_s = ", ".join(f"{s} {a:.3f}" for s, a in acc.items() if a is not None) or "-"
         speed = f"{r['speed_vs_ar']:.2f}x" if r.get("speed_vs_ar") is not None else "-"
         if r.get("speed_interval"):
             speed += " [{:.2f}, {:.2f}]".format(*r["speed_interval"])

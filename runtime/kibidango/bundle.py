@@ -137,6 +137,14 @@ class Bundle:
         path = self._part("escalation")
         return None if path is None else EscalationDetector.load(path)
 
+    def ngram_table(self, vocab_size: int | None = None):
+        """The static n-gram table (``ngrams/ngrams.npz``: the target's own outputs counted;
+        :mod:`kibidango.ngrams`), or None. ``vocab_size``: the target's, which it must match."""
+        from kibidango.ngrams import NgramTable
+
+        path = self._part("ngrams")
+        return None if path is None else NgramTable.load(path, vocab_size)
+
     def cascade(self) -> dict[str, Any] | None:
         """Stage 6C's cascade thresholds (``cascade/cascade.json``), or None."""
         from kibidango.integrity import read_json

@@ -27,6 +27,15 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lookup-k", dest="lookup_k", type=int, help="sd --lookup: tokens the n-gram tier proposes per match (0: --k)"
     )
+    g.add_argument(
+        "--ngram-table",
+        dest="ngram_table",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sd, lookup, pyramid: the bundle's n-gram table (the target's own outputs, counted) proposes where "
+        "the text's own n-grams do not",
+    )
+    g.add_argument("--table-k", dest="table_k", type=int, help="--ngram-table: the most tokens it proposes at once")
     g.add_argument("--l-d", dest="l_D", type=int, help="pyramid: draft tokens per qualifier pass")
     g.add_argument("--l-q", dest="l_Q", type=int, help="pyramid: buffered tokens per target pass")
     g.add_argument(
@@ -331,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         default="ar,sd,pyramid",
         help="comma list of ar, sd, lookup, pyramid, pyramid-exact, pyramid-assisted; a mode may carry its own "
         "settings after '+' (adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>, lk<n> (lookup_k), nm<n> "
-        "(ngram_min); threads t<n>, and tb<n> for llama.cpp's batches): "
-        "sd,sd+adaptive+lookup,sd+lookup+lk12+nm2,sd+k6+p0.3,ar+t2,sd+t1+tb2",
+        "(ngram_min), table (the bundle's n-gram table), tk<n> (table_k); threads t<n>, and tb<n> for llama.cpp's "
+        "batches): sd,sd+adaptive+lookup,sd+lookup+lk12+nm2,sd+lookup+table,sd+k6+p0.3,ar+t2,sd+t1+tb2",
     )
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=1)

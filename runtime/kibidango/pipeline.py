@@ -26,6 +26,7 @@ from kibidango.backends import load_model
 from kibidango.backends.base import Model
 from kibidango.bundle import Bundle, BundleError, load_bundle
 from kibidango.confidence import Calibrator, score_answer
+from kibidango.ngrams import NgramTable
 from kibidango.router import Router
 from kibidango.speculative import TIERS, DecodeConfig, Decoder, Metrics
 
@@ -55,13 +56,14 @@ class Pipeline:
         router_threshold: float = 0.0,
         calibrator: Calibrator | None = None,
         default_adapter: str | None = None,
+        ngram_table: NgramTable | None = None,
     ):
         self.tokenizer = tokenizer
         self.models = models
         self.defaults = defaults
         self.bundle = bundle
         self.backend = backend
-        self.decoder = Decoder(models)
+        self.decoder = Decoder(models, ngram_table)
         if adapter not in ("auto", "none") and (adapters is None or adapter not in adapters.adapters.domains):
             have = ", ".join(adapters.adapters.domains) if adapters is not None else "none"
             raise BundleError(f"--adapter {adapter!r}: no such domain adapter (the bundle has: {have})")
@@ -143,8 +145,22 @@ class Pipeline:
             adapter, default = "none", None
         cascade = bundle.cascade() or {}
         threshold = float((cascade.get("router") or {}).get("threshold", 0.0))
+        ngram_table = bundle.ngram_table(models["target"].vocab_size)
+        if cfg.ngram_table and ngram_table is None and cfg.mode != "ar":
+            raise BundleError(f"{bundle.root}: ngram_table is set, but the bundle ships no n-gram table (ngrams/)")
         return cls(
-            tokenizer, models, cfg, bundle, backend, adapter, loaded, router, threshold, bundle.calibrator(), default
+            tokenizer,
+            models,
+            cfg,
+            bundle,
+            backend,
+            adapter,
+            loaded,
+            router,
+            threshold,
+            bundle.calibrator(),
+            default,
+            ngram_table,
         )
 
     def encode(self, prompt: str) -> list[int]:

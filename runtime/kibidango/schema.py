@@ -83,6 +83,11 @@ class BundleManifest:
     calibration: str | None = _doc("The confidence calibrator of stage 2G.", default=None)
     escalation: str | None = _doc("The escalation detector of stage 6B.", default=None)
     cascade: str | None = _doc("The cascade thresholds and cloud prices chosen by stage 6C.", default=None)
+    ngrams: str | None = _doc(
+        "A static n-gram table (``ngrams/ngrams.npz``): the target's own continuations of prompts it is not "
+        "judged on, counted; proposes tokens where decoding sets ``ngram_table`` (``kibidango.ngrams``).",
+        default=None,
+    )
     tuned_defaults: dict[str, dict[str, Any]] = _doc(
         "Per backend (torch, llamacpp), decoding settings measured fastest (``kibidango tune`` / stage 1F); "
         "read over ``runtime_defaults``.",
@@ -119,13 +124,13 @@ class BundleManifest:
         return dataclasses.replace(self, **changes)
 
     def part(self, name: str) -> str | None:
-        """The path of one of the bundle's parts (router, calibration, escalation, cascade)."""
+        """The path of one of the bundle's parts (router, calibration, escalation, cascade, ngrams)."""
         if name not in _PARTS:
             raise KeyError(name)
         return getattr(self, name)
 
 
-_PARTS = ("router", "calibration", "escalation", "cascade")
+_PARTS = ("router", "calibration", "escalation", "cascade", "ngrams")
 
 
 def _value(kind: Any, value: Any, where: str, path: str) -> Any:

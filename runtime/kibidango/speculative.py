@@ -37,6 +37,11 @@ Adaptive speculation (sd, lookup, pyramid; lossless modes stay lossless, tested 
                 less often); ``lookup_k`` (sd): tokens the tier proposes per match, apart from the
                 draft's ``k`` — its proposals cost nothing, while a verification costs nearly as
                 much for 12 tokens as for 5 on a CPU, so it may propose more than the draft.
+  ``ngram_table``  (sd, lookup, pyramid) the bundle's static n-gram table
+                (:class:`kibidango.ngrams.NgramTable`: the target's own outputs on other prompts,
+                counted; llama.cpp's static lookup cache) proposes up to ``table_k`` tokens where
+                the text's own n-grams (``lookup``) find nothing, before the draft model (sd,
+                pyramid) or a plain target step (lookup); verified as certain proposals.
   ``adaptive``  the draft length (k; l_D in pyramid) follows the recent acceptance: +2 after a
                 round whose drafts were all accepted, -1 after a rejection, within [1, k_max]
                 (HF assisted generation's "heuristic" schedule), starting at k / l_D.
@@ -53,6 +58,7 @@ import numpy as np
 
 from kibidango.backends.base import ContextLengthError, Model, Session
 from kibidango.distributions import Sampler, verify
+from kibidango.ngrams import NgramTable
 
 __all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "REQUEST_SETTINGS", "TIERS", "VARIANTS", "lookup_drafts"]
 
@@ -73,6 +79,8 @@ REQUEST_SETTINGS = (
     "ngram",
     "ngram_min",
     "lookup_k",
+    "ngram_table",
+    "table_k",
     "l_D",
     "l_Q",
     "p_min",
@@ -102,6 +110,10 @@ class DecodeConfig:
     """lookup: the shortest suffix that counts as a match."""
     lookup_k: int = 0
     """sd with lookup: tokens the n-gram tier proposes per match (0: the draft's k)."""
+    ngram_table: bool = False
+    """sd, lookup, pyramid: the bundle's n-gram table proposes where the text's own n-grams do not."""
+    table_k: int = 6
+    """ngram_table: the most tokens the table proposes at once."""
     l_D: int = 4
     """pyramid: tokens the draft proposes per qualifier pass."""
     l_Q: int = 8
@@ -124,11 +136,11 @@ class DecodeConfig:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("k", "ngram", "ngram_min", "lookup_k", "l_D", "l_Q", "k_max", "max_new_tokens", "seed"):
+        for name in ("k", "ngram", "ngram_min", "lookup_k", "table_k", "l_D", "l_Q", "k_max", "max_new_tokens", "seed"):
             value = getattr(self, name)
             if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name}: {value!r} is not a whole number")
-        for name in ("adaptive", "lookup"):
+        for name in ("adaptive", "lookup", "ngram_table"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not true or false")
         for name in ("tau_Q", "tau_T", "p_min", "temperature", "top_p"):
@@ -144,7 +156,7 @@ class DecodeConfig:
             raise ValueError(f"mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant {self.variant!r}: use one of {', '.join(VARIANTS)}")
-        for name in ("k", "ngram", "ngram_min", "l_D", "l_Q", "k_max"):
+        for name in ("k", "ngram", "ngram_min", "table_k", "l_D", "l_Q", "k_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.ngram_min > self.ngram:
@@ -313,8 +325,10 @@ class Decoder:
     """Runs one request at a time over the given models (``target``, and ``draft`` /
     ``qualifier`` as the mode needs), keeping a KV-cache session per model between rounds."""
 
-    def __init__(self, models: dict[str, Model]):
+    def __init__(self, models: dict[str, Model], ngram_table: NgramTable | None = None):
+        """``ngram_table``: the bundle's static n-gram table (what ``ngram_table=True`` reads)."""
         self.models = models
+        self.ngram_table = ngram_table
 
     def generate(self, prompt_ids: list[int], cfg: DecodeConfig, metrics: Metrics | None = None) -> Iterator[list[int]]:
         """Yield the newly committed tokens of each round; fill ``metrics`` as it goes."""
@@ -324,6 +338,8 @@ class Decoder:
             raise ValueError(f"mode {cfg.mode} needs the {', '.join(missing)} tier(s), which are not loaded")
         if not prompt_ids:
             raise ValueError("the prompt is empty (no tokens)")
+        if cfg.ngram_table and self.ngram_table is None and cfg.mode != "ar":
+            raise ValueError("ngram_table: this bundle ships no n-gram table (ngrams/)")
         context = min(self.models[t].context_length for t in tiers)
         if len(prompt_ids) >= context:
             raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens; the context holds {context}")
@@ -398,14 +414,27 @@ class Decoder:
                 row = session.feed([token])[0]
         return tokens, dists
 
+    def _free_proposals(self, tokens: list[int], cfg: DecodeConfig, lookup: bool, n: int, room: int):
+        """Proposals that cost no model: the text's own n-grams (``lookup``: up to ``n`` tokens),
+        else the bundle's n-gram table (``cfg.ngram_table``: up to ``table_k``), never more than
+        ``room``. Returns (tokens, the tier that proposed them), ([], "") when neither has any."""
+        if lookup:
+            found = lookup_drafts(tokens, min(n, room), cfg.ngram, cfg.ngram_min)
+            if found:
+                return found, "lookup"
+        if cfg.ngram_table:
+            found = self.ngram_table.propose(tokens, min(cfg.table_k, room))
+            if found:
+                return found, "table"
+        return [], ""
+
     def _sd_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
         k = min(length.now, remaining - 1)  # room for the bonus token
-        if cfg.lookup and k >= 1:
-            n_lookup = min(cfg.lookup_k, remaining - 1) if cfg.lookup_k else k
-            found = lookup_drafts(committed, n_lookup, cfg.ngram, cfg.ngram_min)
+        if k >= 1:
+            found, tier = self._free_proposals(committed, cfg, cfg.lookup, cfg.lookup_k or k, remaining - 1)
             if found:  # free proposals: the draft model is not run this round
-                out = self._target_verifies(sessions, committed, found, None, sampler, rng, metrics, "lookup")
-                if not cfg.lookup_k:  # the tier proposes the draft's length: its outcome moves it too
+                out = self._target_verifies(sessions, committed, found, None, sampler, rng, metrics, tier)
+                if tier == "lookup" and not cfg.lookup_k:  # proposed the draft's length: moves it too
                     length.update(len(found), len(out) - 1)
                 return out
         drafts, q = self._propose(sessions["draft"], committed, k, sampler, rng, cfg.p_min) if k >= 1 else ([], [])
@@ -429,11 +458,12 @@ class Decoder:
 
     def _lookup_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
         k = min(length.now, remaining - 1)  # room for the bonus token
-        drafts = lookup_drafts(committed, k, cfg.ngram, cfg.ngram_min) if k >= 1 else []
+        drafts, tier = self._free_proposals(committed, cfg, True, k, remaining - 1) if k >= 1 else ([], "")
         if not drafts:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
-        out = self._target_verifies(sessions, committed, drafts, None, sampler, rng, metrics, "lookup")
-        length.update(len(drafts), len(out) - 1)
+        out = self._target_verifies(sessions, committed, drafts, None, sampler, rng, metrics, tier)
+        if tier == "lookup":
+            length.update(len(drafts), len(out) - 1)
         return out
 
     def _pyramid_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
@@ -445,7 +475,7 @@ class Decoder:
         buffer_q: list[np.ndarray] = []  # the qualifier's distribution at each buffered position
         while len(buffer) < l_q:
             n_draft = min(length.now, l_q - len(buffer))
-            found = lookup_drafts(committed + buffer, n_draft, cfg.ngram, cfg.ngram_min) if cfg.lookup else []
+            found, _ = self._free_proposals(committed + buffer, cfg, cfg.lookup, n_draft, l_q - len(buffer))
             if found:  # free, certain proposals for the qualifier to verify
                 drafts, d = found, None
             else:

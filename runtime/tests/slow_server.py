@@ -64,7 +64,7 @@ class Server:
         batching = app_kw.get("parallel", 1) > 1
         if delay and not batching:
             pipe.models = {name: SlowModel(m, delay) for name, m in pipe.models.items()}
-            pipe.decoder = Decoder(pipe.models)
+            pipe.decoder = Decoder(pipe.models, pipe.decoder.ngram_table)
         self.pipe = pipe
         self.app = create_app(pipe, model_name="kibidango-tiny", stall_seconds=stall_seconds, **app_kw)
         if delay and batching:  # a batching server: every batched forward sleeps

@@ -84,10 +84,16 @@ def test_a_mode_may_carry_its_own_settings_so_one_run_compares_them():
     assert parse_mode("sd+k6+p0.3") == ("sd", None, {"k": 6, "p_min": 0.3})
     assert parse_mode("pyramid-exact+lD3+lQ6") == ("pyramid", "exact", {"l_D": 3, "l_Q": 6})
     assert parse_mode("sd+t1+tb2") == ("sd", None, {"threads": 1, "threads_batch": 2})
+    assert parse_mode("lookup+k12+nm2+table+tk8") == (
+        "lookup",
+        None,
+        {"k": 12, "ngram_min": 2, "ngram_table": True, "table_k": 8},
+    )
     for bad, why in [
         ("sdx", "unknown mode 'sdx'"),
         ("sd+fast", "unknown setting 'fast'"),
         ("sd+pX", "unknown"),
+        ("sd+table2", "unknown setting 'table2'"),
         ("ar+t0", "at least 1 thread"),
     ]:
         with pytest.raises(ValueError, match=why):

@@ -32,6 +32,8 @@ class Decoding(BaseModel):
     ngram: int | None = Field(None, ge=1, le=16)
     ngram_min: int | None = Field(None, ge=1, le=16)
     lookup_k: int | None = Field(None, ge=0, le=32)
+    ngram_table: bool | None = None
+    table_k: int | None = Field(None, ge=1, le=32)
     variant: Literal["fuzzy", "assisted", "exact"] | None = None
     k: int | None = Field(None, ge=1, le=32)
     l_D: int | None = Field(None, ge=1, le=32)

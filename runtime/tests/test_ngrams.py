@@ -1,0 +1,171 @@
+"""The static n-gram table: counting, proposing, its file, and decoding with it (lossless)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from kibidango.bundle import BundleError
+from kibidango.distributions import Sampler
+from kibidango.ngrams import NgramTable
+from kibidango.speculative import DecodeConfig, Decoder, Metrics
+from tests.conftest import PROMPTS, STORIES, needs_stories
+
+
+def test_each_context_keeps_its_most_frequent_follower_and_counts():
+    table = NgramTable.build([[1, 5, 9, 7], [1, 5, 9, 7], [2, 5, 9, 8]], vocab_size=16, n_max=3)
+    assert table.entries[(5, 9)] == (7, 2, 3)  # 7 twice, 8 once
+    assert table.entries[(2, 5, 9)] == (8, 1, 1) and table.entries[(9,)] == (7, 2, 3)
+    assert (1, 5, 9, 7) not in table.entries  # contexts are at most n_max tokens
+    with pytest.raises(ValueError, match="token id 16 is outside the vocabulary of 16"):
+        NgramTable.build([[1, 16]], vocab_size=16)
+
+
+def test_proposals_follow_the_longest_known_context_while_it_is_sure():
+    seqs = [[3, 4, 5, 6, 7]] * 3 + [[9, 4, 5, 1]] * 2
+    table = NgramTable.build(seqs, vocab_size=16, n_max=3)
+    assert table.propose([3, 4, 5], 8) == [6, 7]  # (3, 4, 5) -> 6, then (4, 5, 6) -> 7, then nothing
+    assert table.propose([9, 4, 5], 8) == [1]  # the longest context decides: (9, 4, 5) -> 1 (twice)
+    assert table.propose([0, 4, 5], 8) == [6, 7]  # (0, 4, 5) unseen: (4, 5) -> 6 in 3 of 5
+    assert table.propose([3, 4, 5], 1) == [6]
+    assert table.propose([0, 0, 5], 8) == []  # only the one-token context (5,) is known: below ngram_min
+    assert table.propose([0, 0, 5], 8, ngram_min=1) == [6, 7]
+    assert table.propose([0, 4, 5], 8, min_share=0.7) == []  # (4, 5) -> 6 in 60% of its occurrences
+    once = NgramTable.build([[3, 4, 5, 6]], vocab_size=16, n_max=3)
+    assert once.propose([3, 4, 5], 8) == [] and once.propose([3, 4, 5], 8, min_count=1) == [6]
+
+
+def test_the_file_round_trips_and_a_bad_one_is_refused_by_name(tmp_path):
+    table = NgramTable.build([[1, 2, 3, 4, 2, 3, 5], [7, 2, 3, 4]], vocab_size=8, n_max=3)
+    path = table.save(tmp_path / "ngrams.npz")
+    back = NgramTable.load(path, vocab_size=8)
+    assert back.entries == table.entries and back.n_max == 3 and back.vocab_size == 8
+
+    with pytest.raises(BundleError, match="counted over a vocabulary of 8; the model has 512"):
+        NgramTable.load(path, vocab_size=512)
+    good = dict(np.load(path))
+
+    def broken(name, **arrays):
+        bad = tmp_path / name
+        with open(bad, "wb") as f:
+            np.savez(f, **{**good, **arrays})
+        return bad
+
+    with pytest.raises(BundleError, match=r"outside the vocabulary of 8"):
+        NgramTable.load(broken("ids.npz", next=good["next"] + 8))
+    with pytest.raises(BundleError, match="a count is below 1 or above"):
+        NgramTable.load(broken("counts.npz", count=good["total"] + 1))
+    with pytest.raises(BundleError, match="not left-padded"):
+        NgramTable.load(broken("pad.npz", contexts=good["contexts"][:, ::-1]))
+    with pytest.raises(BundleError, match="one row per context"):
+        NgramTable.load(broken("rows.npz", total=good["total"][:-1]))
+    rest = {k: v for k, v in good.items() if k != "total"}
+    with open(tmp_path / "missing.npz", "wb") as f:
+        np.savez(f, **rest)
+    with pytest.raises(BundleError, match="missing array total"):
+        NgramTable.load(tmp_path / "missing.npz")
+    (tmp_path / "text.npz").write_text("not a table")
+    with pytest.raises(BundleError, match="text.npz: not an n-gram table"):
+        NgramTable.load(tmp_path / "text.npz")
+
+
+def _ar(family, prompt, n=40):
+    cfg = DecodeConfig(mode="ar", max_new_tokens=n)
+    return [t for chunk in Decoder(family).generate(prompt, cfg) for t in chunk]
+
+
+@pytest.fixture(scope="module")
+def target_table(family):
+    """The target's own greedy continuations of prompts other than PROMPTS, counted."""
+    others = [[1, p, q] for p in (7, 21, 38, 52) for q in (4, 30)]
+    return NgramTable.build([p + _ar(family, p) for p in others], vocab_size=64)
+
+
+def test_decoding_with_the_table_gives_the_targets_tokens(family, target_table):
+    decoder = Decoder(family, target_table)
+    used = 0
+    for prompt in PROMPTS:
+        ar = _ar(family, prompt)
+        for kw in (
+            {"mode": "lookup", "k": 4},
+            {"mode": "lookup", "k": 4, "table_k": 2, "adaptive": True},
+            {"mode": "sd", "k": 3},
+            {"mode": "sd", "k": 3, "lookup": True, "lookup_k": 8, "ngram_min": 2},
+            {"mode": "pyramid", "variant": "exact", "l_D": 2, "l_Q": 6, "lookup": True},
+        ):
+            m = Metrics(kw["mode"])
+            cfg = DecodeConfig(max_new_tokens=40, ngram_table=True, **kw)
+            assert [t for chunk in decoder.generate(prompt, cfg, m) for t in chunk] == ar, kw
+            used += m.num_accepted_tokens.get("table", 0)
+            assert m.num_draft_tokens.get("table", 0) <= m.verify_steps * cfg.table_k
+    assert used > 0  # the table did propose, and the target accepted some of it
+
+
+def test_sampling_with_the_table_keeps_the_targets_distribution(family):
+    """The table proposes one token after [1, 5, 9] (certain); the first sampled token still
+    follows the target's distribution there."""
+    table = NgramTable.build([[1, 5, 9, 12]] * 3, vocab_size=64)
+    assert table.propose([1, 5, 9], 4) == [12]
+    p = Sampler(temperature=1.0).probs(family["target"].new_session().feed([1, 5, 9])[-1])
+    support = np.flatnonzero(p > 0.02)
+    counts: dict[int, int] = {}
+    n = 1500
+    for seed in range(n):
+        cfg = DecodeConfig(mode="lookup", max_new_tokens=2, temperature=1.0, seed=seed, ngram_table=True)
+        first = next(Decoder({"target": family["target"]}, table).generate([1, 5, 9], cfg))[0]
+        counts[first] = counts.get(first, 0) + 1
+    observed = [counts.get(int(t), 0) for t in support] + [n - sum(counts.get(int(t), 0) for t in support)]
+    expected = [n * p[t] for t in support] + [n * (1 - p[support].sum())]
+    assert chisquare(observed, expected).pvalue > 0.001
+
+
+def test_without_a_table_the_setting_is_refused(family):
+    with pytest.raises(ValueError, match="ships no n-gram table"):
+        next(Decoder(family).generate([1, 5], DecodeConfig(mode="lookup", ngram_table=True)))
+    assert _ar(family, [1, 5], 4) == [  # ar never proposes: the setting is harmless there
+        t
+        for c in Decoder(family).generate([1, 5], DecodeConfig(mode="ar", ngram_table=True, max_new_tokens=4))
+        for t in c
+    ]
+    with pytest.raises(ValueError, match="table_k must be >= 1"):
+        DecodeConfig(table_k=0)
+
+
+def test_a_bundle_ships_its_table_hashed(tmp_path):
+    from kibidango import Pipeline, write_bundle
+    from kibidango.bundle import load_bundle
+
+    needs_stories()
+    plain = Pipeline.from_bundle(
+        write_bundle(tmp_path / "plain", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar"}), mode="ar"
+    )
+    prompts = ["Once upon a time", "Lily and Ben went to the park", "The cat sat"]
+    seqs = [plain.encode(p) + plain.generate(p, max_new_tokens=32).token_ids for p in prompts]
+
+    def finalize(table):
+        def write(root):
+            (root / "ngrams").mkdir()
+            table.save(root / "ngrams" / "ngrams.npz")
+            return {"ngrams": "ngrams/ngrams.npz"}
+
+        return write
+
+    tiers = {"target": {"hf": STORIES, "vocab_size": 512}}
+    bundle = write_bundle(
+        tmp_path / "b", tiers, {"mode": "lookup"}, finalize=finalize(NgramTable.build(seqs, vocab_size=512))
+    )
+    pipe = Pipeline.from_bundle(bundle, ngram_table=True)
+    prompt = "A little dog"
+    got = pipe.generate(prompt, max_new_tokens=32)
+    assert got.token_ids == plain.generate(prompt, max_new_tokens=32).token_ids
+    assert got.metrics.num_draft_tokens.get("table", 0) > 0
+
+    with pytest.raises(BundleError, match="ships no n-gram table"):
+        Pipeline.from_bundle(tmp_path / "plain", mode="lookup", ngram_table=True)
+    wrong = write_bundle(tmp_path / "w", tiers, {"mode": "lookup"}, finalize=finalize(NgramTable.build(seqs, 1024)))
+    with pytest.raises(BundleError, match="counted over a vocabulary of 1024; the model has 512"):
+        Pipeline.from_bundle(wrong)
+    (bundle / "ngrams" / "ngrams.npz").write_bytes(b"tampered")
+    with pytest.raises(BundleError, match="ngrams/ngrams.npz"):
+        load_bundle(bundle)
