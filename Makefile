@@ -156,12 +156,12 @@ verify: setup
 # prompts.txt leaves out, see docs/status.md); `table`: the bundle's static n-gram table (the target's
 # own continuations of the training stories' openings, counted; eval/bench_family.py) proposes where
 # the text's own n-grams do not, `tk8` up to 8 tokens, under sd's tiers or as draftless lookup (chosen
-# on the same held-out openings); torch
+# on the same held-out openings; each beside the same mode without the table, its control); torch
 # with the draft's single-token steps compiled (--compile: the draft's eager step is per-call overhead).
 SHARED_DIR   ?= $(or $(KIBIDANGO_SHARED),$(CURDIR)/../shared)
 BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
 BENCH_ARGS    = --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
-  --modes ar,sd,sd+adaptive,sd+lookup,sd+lookup+lk12+nm2,sd+adaptive+lookup,sd+lookup+lk12+nm2+table+tk8,lookup,lookup+k12+nm2+table+tk8,pyramid,pyramid-exact,pyramid-assisted \
+  --modes ar,sd,sd+adaptive,sd+lookup,sd+lookup+lk12+nm2,sd+adaptive+lookup,sd+lookup+lk12+nm2+table+tk8,lookup,lookup+k12+nm2,lookup+k12+nm2+table+tk8,pyramid,pyramid-exact,pyramid-assisted \
   --max-new-tokens 64 --repeats 3 $(ARGS)
 # llama.cpp's threads for the benchmark: the runtime's default is half the CPUs, but each ratio should
 # be to ar at its best count, which on the 2-core machines measured here is both cores (ar 270

@@ -348,6 +348,7 @@ def run_bench(
         }
         result.rows.append(row)
     result.notes += _pyramid_vs_sd(result.rows, cells, len(prompts), repeats)
+    result.notes += _table_vs_without(cells, len(prompts), repeats)
     best = max(
         (m for m in modes if m != "ar" and result.rows[modes.index(m)]["speed_vs_ar"] is not None),
         key=lambda m: result.rows[modes.index(m)]["speed_vs_ar"],
@@ -455,6 +456,24 @@ def _pyramid_vs_sd(rows: list[dict], cells: dict, n_prompts: int, repeats: int) 
         f"best pyramid ({by_name[best_p]['mode']}) / best sd ({best_f}): {point:.2f}x [{lo:.2f}, {hi:.2f}] "
         f"(95% bootstrap over {n_prompts} prompts x {repeats} rounds): {verdict}"
     ]
+
+
+def _table_vs_without(cells: dict, n_prompts: int, repeats: int) -> list[str]:
+    """Each mode that reads the n-gram table (``+table``) against the same mode without it
+    (``+table`` and ``+tk<n>`` dropped), where both ran: the table's contribution, with an interval."""
+    notes = []
+    for m in cells:
+        options = m.split("+")
+        if "table" not in options[1:]:
+            continue
+        control = "+".join(o for o in options if o != "table" and not (o.startswith("tk") and o[2:].isdigit()))
+        if control in cells and len(cells[m]) > 1:
+            point, lo, hi = bootstrap_ratio(cells[m], cells[control])
+            notes.append(
+                f"{m} / {control} (the n-gram table's contribution): {point:.2f}x [{lo:.2f}, {hi:.2f}] "
+                f"(95% bootstrap over {n_prompts} prompts x {repeats} rounds)"
+            )
+    return notes
 
 
 def _hf_generate(pipe: Pipeline, prompt_ids: list[int], max_new_tokens: int, assistant: bool) -> tuple[float, int]:

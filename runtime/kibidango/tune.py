@@ -4,7 +4,9 @@ best tokens/s on held-out prompts, per backend.
 Candidates: ``sd`` with each ``k``; ``sd`` at the longest ``k`` stopped by each ``p_min``; ``sd``
 adaptive (from the shortest ``k`` up to ``k_max``) without and with each ``p_min``; ``lookup`` (no
 draft model) with each ``lookup_k``, fixed and adaptive, and under sd's draft at the longest ``k``
-and pyramid's at the longest pair; ``pyramid`` ``exact`` with each (``l_D``,
+and pyramid's at the longest pair; where the bundle ships an n-gram table (``ngrams/``), ``lookup``
+at the longest ``lookup_k`` and sd's lookup at the longest ``k`` with the table under them;
+``pyramid`` ``exact`` with each (``l_D``,
 ``l_Q``), and at the longest pair stopped by each ``p_min`` and adaptive; ``pyramid`` ``fuzzy`` and
 ``assisted`` with each (``l_D``, ``l_Q``) and (``tau_Q``, ``tau_T``). Each candidate
 decodes every prompt greedily and is timed against target-only decoding (``ar``) on the same
@@ -49,7 +51,8 @@ GRID = {
 }
 
 
-def candidates(grid: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def candidates(grid: dict[str, Any] | None = None, table: bool = False) -> list[dict[str, Any]]:
+    """``table``: the bundle ships an n-gram table, so candidates that use it are added."""
     g = {**GRID, **(grid or {})}
     adaptive = {"adaptive": True, "k_max": g["k_max"]}
     out: list[dict[str, Any]] = [{"mode": "sd", "k": k} for k in g["k"]]
@@ -59,6 +62,9 @@ def candidates(grid: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         out.append({"mode": "lookup", "k": k, **(adaptive if adapt else {})})
     if g["lookup_k"]:  # lookup under the draft: sd's longest k
         out.append({"mode": "sd", "k": max(g["k"]), "lookup": True})
+    if g["lookup_k"] and table:
+        out.append({"mode": "lookup", "k": max(g["lookup_k"]), "ngram_table": True})
+        out.append({"mode": "sd", "k": max(g["k"]), "lookup": True, "ngram_table": True})
     out += [{"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q} for d, q in g["lengths"]]
     d, q = max(g["lengths"], key=lambda pair: pair[1])
     out += [{"mode": "pyramid", "variant": "exact", "l_D": d, "l_Q": q, "p_min": p} for p in g["p_min"]]
@@ -149,7 +155,7 @@ def tune(
     _, ar_out, _ = _decode(pipe, ids, ar_cfg)
     ar_nll = float(np.mean([_target_nll(pipe, p, o) for p, o in zip(ids, ar_out)]))
     result = TuneResult(pipe.backend)
-    cands = candidates(grid)
+    cands = candidates(grid, table=pipe.decoder.ngram_table is not None)
     for n, cand in enumerate(cands, 1):
         cfg = pipe.config(**base, **{"tau_Q": 0.0, "tau_T": 0.0, "divergence": "tv", **cand})
         seconds, outs, metrics = _decode(pipe, ids, cfg)
@@ -195,7 +201,20 @@ def tune(
             result.best[mode] = max(mine, key=lambda r: r["speed_vs_ar"])
     if ok:
         best = max(ok, key=lambda r: r["speed_vs_ar"])
-        keys = ("mode", "variant", "k", "l_D", "l_Q", "p_min", "adaptive", "k_max", "lookup", "tau_Q", "tau_T")
+        keys = (
+            "mode",
+            "variant",
+            "k",
+            "l_D",
+            "l_Q",
+            "p_min",
+            "adaptive",
+            "k_max",
+            "lookup",
+            "ngram_table",
+            "tau_Q",
+            "tau_T",
+        )
         result.chosen = {k: best[k] for k in keys if k in best}
         result.chosen_speed = best["speed_vs_ar"]
         if best["speed_vs_ar"] < 1.0:  # nothing beats the target alone here
@@ -210,6 +229,7 @@ def describe(c: dict[str, Any]) -> str:
     extra = f" adaptive<={c['k_max']}" if c.get("adaptive") else ""
     extra += f" p_min={c['p_min']}" if c.get("p_min") else ""
     extra += " +lookup" if c.get("lookup") else ""
+    extra += " +table" if c.get("ngram_table") else ""
     if c["mode"] in ("sd", "lookup"):
         return f"{c['mode']} k={c['k']}{extra}"
     tau = f" tau={c['tau_Q']}/{c['tau_T']}" if "tau_Q" in c else ""
@@ -220,15 +240,13 @@ def format_tune(result: TuneResult, top: int = 12) -> str:
     lines = [
         f"backend {result.backend}: {len(result.rows)} candidates, each timed against ar right after it",
         "",
-        "| candidate | tokens/s vs ar | acceptance (draft / qualifier) | target fwd/token | agreement with ar | "
+        "| candidate | tokens/s vs ar | acceptance (by proposer) | target fwd/token | agreement with ar | "
         "target perplexity vs ar | admissible |",
         "|---|---:|---|---:|---:|---:|---|",
     ]
     for r in sorted(result.rows, key=lambda r: -r["speed_vs_ar"])[:top]:
         name = describe(r)
-        acc = " / ".join(
-            f"{r['acceptance'][s]:.2f}" for s in ("draft", "qualifier") if r["acceptance"].get(s) is not None
-        )
+        acc = ", ".join(f"{s} {a:.2f}" for s, a in r["acceptance"].items() if a is not None)
         ppl = (
             "identical"
             if r["lossless"] and r["ppl_increase"] == 0

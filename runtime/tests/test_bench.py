@@ -56,6 +56,16 @@ def test_bootstrap_ratio_is_paired_over_cells():
     assert lo < point < hi
 
 
+def test_a_mode_with_the_table_is_compared_with_itself_without_it():
+    from kibidango.bench import _table_vs_without
+
+    slow = [(10, s) for s in (1.0, 2.0, 4.0, 0.5)]
+    fast = [(10, s / 2) for s in (1.0, 2.0, 4.0, 0.5)]
+    cells = {"ar": slow, "lookup+k12+nm2": slow, "lookup+k12+nm2+table+tk8": fast, "sd+table": fast}
+    (note,) = _table_vs_without(cells, 4, 1)  # sd+table has no control among the modes
+    assert note.startswith("lookup+k12+nm2+table+tk8 / lookup+k12+nm2 (the n-gram table's contribution): 2.00x")
+
+
 def test_repeats_give_every_ratio_an_interval_and_settle_pyramid_against_sd(tmp_path):
     needs_stories()
     tiers = {t: {"hf": STORIES, "vocab_size": 512} for t in ("draft", "qualifier", "target")}

@@ -117,6 +117,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "hi", "mode": "warp"}', "mode"),
     ("/v1/completions", b'{"prompt": "hi", "tau_Q": 7}', "tau_Q"),
     ("/v1/completions", b'{"prompt": "hi", "l_D": 9, "l_Q": 2}', "l_D"),
+    ("/v1/completions", b'{"prompt": "hi", "mode": "lookup", "ngram_table": true}', "ngram_table"),
     ("/v1/completions", ('{"prompt": "' + "Once upon a time " * 300 + '"}').encode(), "prompt"),
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages"),

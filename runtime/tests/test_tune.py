@@ -33,6 +33,11 @@ def test_the_grid_covers_every_mode_and_variant():
     assert {"mode": "pyramid", "variant": "exact", "l_D": 2, "l_Q": 4, "p_min": 0.5} in full
     assert {"mode": "sd", "k": 4, "lookup": True} in full
     assert {"mode": "pyramid", "variant": "exact", "l_D": 2, "l_Q": 4, "lookup": True} in full
+    assert not any(c.get("ngram_table") for c in full)  # a bundle without an n-gram table
+    tabled = candidates({**GRID, "lookup_k": (3,)}, table=True)
+    assert {"mode": "lookup", "k": 3, "ngram_table": True} in tabled
+    assert {"mode": "sd", "k": 4, "lookup": True, "ngram_table": True} in tabled
+    assert len(tabled) == len(candidates({**GRID, "lookup_k": (3,)})) + 2
 
 
 def test_tuned_defaults_are_written_and_read_per_backend(tmp_path):

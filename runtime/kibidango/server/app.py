@@ -241,6 +241,8 @@ def create_app(
             pipe.config(**kw)
         except ValueError as e:
             return error(400, str(e))
+        if kw["ngram_table"] and (kw["mode"] or pipe.defaults.mode) != "ar" and pipe.decoder.ngram_table is None:
+            return error(400, "ngram_table: this server's bundle ships no n-gram table", "ngram_table")
         if req.adapter is not None:
             known = pipe.adapters.adapters.domains if pipe.adapters is not None else []
             if req.adapter not in ("auto", "none", *known):
