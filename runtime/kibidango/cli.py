@@ -178,6 +178,9 @@ def _inspect(args: argparse.Namespace) -> None:
     if meta.adapters:
         default = f"; default where no domain adapter is routed: {meta.default_adapter}" if meta.default_adapter else ""
         print("adapters: " + ", ".join(f"{a.domain} ({', '.join(a.formats)})" for a in meta.adapters) + default)
+    if meta.ngrams:
+        table = bundle.ngram_table()
+        print(f"n-gram table: {meta.ngrams} ({len(table):,} contexts of up to {table.n_max} tokens; --ngram-table)")
     if meta.stage_cache_keys:
         print(f"built from (stage: cache key): {json.dumps(meta.stage_cache_keys, sort_keys=True)}")
     files = meta.files

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from scipy.stats import chisquare
@@ -160,6 +164,26 @@ def test_a_bundle_ships_its_table_hashed(tmp_path):
     got = pipe.generate(prompt, max_new_tokens=32)
     assert got.token_ids == plain.generate(prompt, max_new_tokens=32).token_ids
     assert got.metrics.num_draft_tokens.get("table", 0) > 0
+
+    def kb(*args):
+        return subprocess.run([sys.executable, "-m", "kibidango", *args], capture_output=True, text=True, timeout=300)
+
+    shown = kb("inspect", str(bundle))
+    assert shown.returncode == 0 and "n-gram table: ngrams/ngrams.npz (" in shown.stdout
+    cli = kb(
+        "generate",
+        "--bundle",
+        str(bundle),
+        "--ngram-table",
+        "--table-k",
+        "4",
+        "--max-new-tokens",
+        "32",
+        "--stats",
+        prompt,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stderr[cli.stderr.index("{") :])["num_draft_tokens"].get("table", 0) > 0
 
     with pytest.raises(BundleError, match="ships no n-gram table"):
         Pipeline.from_bundle(tmp_path / "plain", mode="lookup", ngram_table=True)
