@@ -249,22 +249,32 @@ def stamp_release(src: str | Path, dest: str | Path, release: dict[str, Any]) ->
     return with_meta(src, dest, release=release)
 
 
-def with_meta(src: str | Path, dest: str | Path, **updates: Any) -> Path:
+def with_meta(src: str | Path, dest: str | Path, _add_files: dict[str, Path] | None = None, **updates: Any) -> Path:
     """A copy of the bundle at ``src`` (files hard-linked where the filesystem allows) whose
     bundle.json has the fields ``updates`` set (:class:`kibidango.schema.BundleManifest`), with
     bundle.json's digest file rewritten. Every listed file is verified first; the copy is written
-    beside ``dest`` and renamed into place."""
+    beside ``dest`` and renamed into place. ``_add_files``: bundle path -> a file copied there and
+    listed (replacing a listed file of that path)."""
     source = load_bundle(src, verify=True)
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    for entry in source.manifest.files:
+    added = dict(_add_files or {})
+    files = [e for e in source.manifest.files if e.path not in added]
+    for entry in files:
         target = tmp / entry.path
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(source.root / entry.path, target)
         except OSError:  # another filesystem, or no hard links: a copy
             shutil.copy2(source.root / entry.path, target)
+    for rel, path in added.items():
+        target = contained(tmp, rel, f"{dest}: {rel}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+        files.append(FileEntry(path=rel, size=target.stat().st_size, sha256=sha256_file(target)))
+    if added:
+        updates["files"] = sorted(files, key=lambda e: e.path)
     return _seal(tmp, source.manifest.replace(**updates), dest)
 
 

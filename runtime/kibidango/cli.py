@@ -240,6 +240,23 @@ def _tune(args: argparse.Namespace) -> None:
         print(f"written: {write_tuned(args.bundle, args.write, args.backend, result.chosen, report)}")
 
 
+def _ngram_table(args: argparse.Namespace) -> None:
+    from kibidango.bench import read_prompts
+    from kibidango.ngrams import count_outputs, with_ngram_table
+    from kibidango.pipeline import Pipeline
+
+    pipe = Pipeline.from_bundle(args.bundle, backend=args.backend, mode="ar", adapter="none", threads=args.threads)
+    prompts = read_prompts(args.prompts)
+
+    def progress(n: int, total: int) -> None:
+        if n % 16 == 0 or n == total:
+            print(f"  {n}/{total} prompts continued", file=sys.stderr, flush=True)
+
+    table = count_outputs(pipe, prompts, args.max_new_tokens, progress)
+    print(f"n-gram table: {len(table):,} contexts from the target's continuations of {len(prompts)} prompts")
+    print(f"written: {with_ngram_table(args.bundle, args.out, table)} (decode with --ngram-table)")
+
+
 def _serve(args: argparse.Namespace) -> None:
     from kibidango.server.launch import serve
 
@@ -375,6 +392,22 @@ def main(argv: list[str] | None = None) -> int:
         "--write", metavar="DIR", help="write a copy of the bundle with the chosen settings as its defaults"
     )
     tun.set_defaults(func=_tune)
+
+    ngr = sub.add_parser(
+        "ngram-table",
+        help="write a copy of a bundle with a static n-gram table of the target's own continuations of prompts",
+    )
+    ngr.add_argument("--bundle", required=True)
+    ngr.add_argument(
+        "--prompts",
+        required=True,
+        help="prompts like the workload's, not the ones you measure on (one per line, or JSONL)",
+    )
+    ngr.add_argument("--out", required=True, metavar="DIR", help="the copy of the bundle with the table")
+    ngr.add_argument("--max-new-tokens", type=int, default=64, help="tokens the target continues each prompt with")
+    ngr.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    ngr.add_argument("--threads", type=int)
+    ngr.set_defaults(func=_ngram_table)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--bundle", required=True)

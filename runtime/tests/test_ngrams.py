@@ -193,3 +193,41 @@ def test_a_bundle_ships_its_table_hashed(tmp_path):
     (bundle / "ngrams" / "ngrams.npz").write_bytes(b"tampered")
     with pytest.raises(BundleError, match="ngrams/ngrams.npz"):
         load_bundle(bundle)
+
+
+def test_kibidango_ngram_table_writes_a_copy_that_ships_one(tmp_path):
+    """`kibidango ngram-table` continues the prompts with the bundle's target, counts them and writes
+    a copy of the bundle with the table (the source stays as it was); decoding with it is lossless."""
+    from kibidango import Pipeline, write_bundle
+    from kibidango.bundle import load_bundle
+
+    needs_stories()
+    src = write_bundle(tmp_path / "src", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar"})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nLily and Ben went to the park\nThe cat sat on the mat\n")
+    made = subprocess.run(
+        [sys.executable, "-m", "kibidango", "ngram-table", "--bundle", str(src), "--prompts", str(prompts)]
+        + ["--out", str(tmp_path / "out"), "--max-new-tokens", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    assert "3/3 prompts continued" in made.stderr and "written:" in made.stdout
+    out = load_bundle(tmp_path / "out")  # every file verified, the table among them
+    assert out.manifest.ngrams == "ngrams/ngrams.npz" and any(f.path == "ngrams/ngrams.npz" for f in out.manifest.files)
+    assert load_bundle(src).manifest.ngrams is None
+    table = out.ngram_table(512)
+    plain = Pipeline.from_bundle(src)
+    assert len(table) == len(
+        NgramTable.build(
+            [
+                plain.encode(p) + plain.generate(p, max_new_tokens=32).token_ids
+                for p in prompts.read_text().splitlines()
+            ],
+            vocab_size=512,
+        )
+    )
+    pipe = Pipeline.from_bundle(tmp_path / "out", mode="lookup", ngram_table=True)
+    got = pipe.generate("A little dog", max_new_tokens=32)
+    assert got.token_ids == plain.generate("A little dog", max_new_tokens=32).token_ids
