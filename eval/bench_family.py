@@ -93,10 +93,7 @@ def ngram_table(family: Path, prompts: int, batch: int = 64):
 
     from kibidango.ngrams import NgramTable
 
-    stories, held_out = _split(family)
-    held = {_opening(d) for d in held_out}
-    openings = [o for o in dict.fromkeys(_opening(d) for d in stories[: len(stories) - len(held_out)]) if o not in held]
-    openings = openings[:prompts]
+    openings = training_openings(family)[:prompts]
     tok = AutoTokenizer.from_pretrained(family / "target")
     model = AutoModelForCausalLM.from_pretrained(family / "target", dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # no stop token: the full budget, as the benchmark decodes
@@ -119,6 +116,16 @@ def ngram_table(family: Path, prompts: int, batch: int = 64):
     table = NgramTable.build(sequences, vocab_size=model.config.vocab_size)
     print(f"n-gram table: {len(table)} contexts from {len(sequences)} continuations of training openings", flush=True)
     return table
+
+
+def training_openings(family: Path | None = None) -> list[str]:
+    """The distinct 8-word openings of the family's training stories that no held-out story opens
+    with (what the n-gram table is counted over)."""
+    from eval.shared_data import SHARED
+
+    stories, held_out = _split(family or SHARED / "models" / "bench-family")
+    held = {_opening(d) for d in held_out}
+    return [o for o in dict.fromkeys(_opening(d) for d in stories[: len(stories) - len(held_out)]) if o not in held]
 
 
 def _opening(doc: str) -> str:

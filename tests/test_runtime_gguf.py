@@ -315,3 +315,18 @@ def test_selection_prompts_are_held_out_openings_the_bench_does_not_use():
     bench = (family / "prompts.txt").read_text(encoding="utf-8").splitlines()
     assert len(chosen) == 22 and not set(chosen) & set(bench)
     assert all(len(p.split()) <= 8 for p in chosen) and len(set(chosen)) == len(chosen)
+
+
+def test_the_bench_familys_ngram_table_counts_training_openings_only():
+    """The bench bundle's n-gram table continues training-story openings: none is a benchmark or a
+    selection prompt (nor any held-out story's opening), so the bench judges it on unseen text."""
+    family = SHARED / "models" / "bench-family"
+    if not (family / "target" / "model.safetensors").is_file():
+        pytest.skip(f"needs the bench family at {family}")
+    from eval.bench_family import ngram_table, selection_prompts, training_openings
+
+    openings = training_openings()
+    bench = (family / "prompts.txt").read_text(encoding="utf-8").splitlines()
+    assert len(openings) > 600 and not set(openings) & (set(bench) | set(selection_prompts()))
+    table = ngram_table(family, prompts=2, batch=2)
+    assert table.vocab_size == 512 and len(table) > 50  # 2 continuations of 64 tokens, counted
