@@ -106,6 +106,27 @@ def test_decoding_with_the_table_gives_the_targets_tokens(family, target_table):
     assert used > 0  # the table did propose, and the target accepted some of it
 
 
+def test_batched_requests_with_the_table_get_the_tokens_they_get_alone(family, target_table):
+    """Under the server's continuous batching (kibidango.batching) the table stays with the decoder."""
+    from kibidango.batching import Batcher
+    from kibidango.pipeline import Pipeline
+    from tests.test_batching import _together
+
+    cfgs = [
+        DecodeConfig(mode=m, k=3, lookup=True, max_new_tokens=12 + 2 * i, ngram_table=True)
+        for i, m in enumerate(("lookup", "sd", "lookup", "sd"))
+    ]
+    alone = [_ar(family, p, c.max_new_tokens) for p, c in zip(PROMPTS, cfgs)]
+    pipe = Pipeline(None, dict(family), cfgs[0], ngram_table=target_table)
+    batcher = Batcher(pipe, slots=4)
+    try:
+        assert pipe.decoder.ngram_table is target_table
+        assert _together(batcher, pipe, PROMPTS[:4], cfgs) == alone
+    finally:
+        batcher.close()
+    assert pipe.decoder.ngram_table is target_table
+
+
 def test_sampling_with_the_table_keeps_the_targets_distribution(family):
     """The table proposes one token after [1, 5, 9] (certain); the first sampled token still
     follows the target's distribution there."""
