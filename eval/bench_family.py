@@ -59,11 +59,13 @@ def build(out: Path, gguf_type: str | None = "f16", family: Path | None = None, 
         table = ngram_table(family, table_prompts) if table_prompts else None
 
         def finalize(root: Path) -> dict:
+            from kibidango.ngrams import TABLE_PATH
+
             if table is None:
                 return {}
-            (root / "ngrams").mkdir()
-            table.save(root / "ngrams" / "ngrams.npz")
-            return {"ngrams": "ngrams/ngrams.npz"}
+            (root / TABLE_PATH).parent.mkdir(parents=True)
+            table.save(root / TABLE_PATH)
+            return {"ngrams": TABLE_PATH}
 
         if out.exists():
             shutil.rmtree(out)

@@ -249,17 +249,17 @@ def stamp_release(src: str | Path, dest: str | Path, release: dict[str, Any]) ->
     return with_meta(src, dest, release=release)
 
 
-def with_meta(src: str | Path, dest: str | Path, _add_files: dict[str, Path] | None = None, **updates: Any) -> Path:
+def with_meta(src: str | Path, dest: str | Path, add_files: dict[str, Path] | None = None, **updates: Any) -> Path:
     """A copy of the bundle at ``src`` (files hard-linked where the filesystem allows) whose
     bundle.json has the fields ``updates`` set (:class:`kibidango.schema.BundleManifest`), with
     bundle.json's digest file rewritten. Every listed file is verified first; the copy is written
-    beside ``dest`` and renamed into place. ``_add_files``: bundle path -> a file copied there and
+    beside ``dest`` and renamed into place. ``add_files``: bundle path -> a file copied there and
     listed (replacing a listed file of that path)."""
     source = load_bundle(src, verify=True)
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    added = dict(_add_files or {})
+    added = dict(add_files or {})
     files = [e for e in source.manifest.files if e.path not in added]
     for entry in files:
         target = tmp / entry.path

@@ -171,4 +171,4 @@ def with_ngram_table(src: str | Path, dest: str | Path, table: NgramTable) -> Pa
 
     with tempfile.TemporaryDirectory(prefix="kbd-ngrams-") as tmp:
         path = table.save(Path(tmp) / "ngrams.npz")
-        return with_meta(src, dest, _add_files={TABLE_PATH: path}, ngrams=TABLE_PATH)
+        return with_meta(src, dest, add_files={TABLE_PATH: path}, ngrams=TABLE_PATH)
