@@ -123,6 +123,8 @@ class NgramTable:
                 arrays = {name: npz[name] for name in _FIELDS}
         except (OSError, ValueError) as e:
             raise BundleError(f"{path}: not an n-gram table ({e})") from None
+        if any(not np.issubdtype(a.dtype, np.integer) for a in arrays.values()) or arrays["vocab_size"].shape != ():
+            raise BundleError(f"{path}: not an n-gram table (arrays of whole numbers, vocab_size one number)")
         contexts, nxt, count, total = (arrays[n] for n in ("contexts", "next", "count", "total"))
         table_vocab = int(arrays["vocab_size"])
         if contexts.ndim != 2 or contexts.shape[1] < 1 or any(a.shape != (len(contexts),) for a in (nxt, count, total)):

@@ -179,7 +179,9 @@ class DecodeConfig:
 class Metrics:
     """Per request, named like vLLM's speculative-decoding metrics. Stage ``draft`` is the
     draft's proposals to its verifier (the target in sd, the qualifier in pyramid); stage
-    ``qualifier`` is the qualifier's buffer offered to the target (pyramid)."""
+    ``qualifier`` is the qualifier's buffer offered to the target (pyramid); stages ``lookup`` and
+    ``table`` are the n-gram tiers' proposals to the target (the text's own n-grams, the bundle's
+    table; in pyramid they count as ``draft``)."""
 
     mode: str
     prompt_tokens: int = 0

@@ -62,6 +62,10 @@ def test_the_file_round_trips_and_a_bad_one_is_refused_by_name(tmp_path):
         NgramTable.load(broken("counts.npz", count=good["total"] + 1))
     with pytest.raises(BundleError, match="not left-padded"):
         NgramTable.load(broken("pad.npz", contexts=good["contexts"][:, ::-1]))
+    with pytest.raises(BundleError, match="arrays of whole numbers"):
+        NgramTable.load(broken("floats.npz", next=good["next"].astype(float)))
+    with pytest.raises(BundleError, match="arrays of whole numbers"):
+        NgramTable.load(broken("vocab.npz", vocab_size=np.array([8, 8])))
     with pytest.raises(BundleError, match="one row per context"):
         NgramTable.load(broken("rows.npz", total=good["total"][:-1]))
     rest = {k: v for k, v in good.items() if k != "total"}
