@@ -46,6 +46,7 @@ __all__ = [
     "load_bundle",
     "stamp_release",
     "with_meta",
+    "with_ngram_table",
     "write_bundle",
 ]
 
@@ -276,6 +277,19 @@ def with_meta(src: str | Path, dest: str | Path, add_files: dict[str, Path] | No
     if added:
         updates["files"] = sorted(files, key=lambda e: e.path)
     return _seal(tmp, source.manifest.replace(**updates), dest)
+
+
+def with_ngram_table(src: str | Path, dest: str | Path, table) -> Path:
+    """A copy of the bundle at ``src`` that ships ``table`` (a :class:`kibidango.ngrams.NgramTable`)
+    at ``ngrams/ngrams.npz``, replacing any table it had, listed and hashed in bundle.json like
+    every file; every file of ``src`` is verified first (:func:`with_meta`)."""
+    import tempfile
+
+    from kibidango.ngrams import TABLE_PATH
+
+    with tempfile.TemporaryDirectory(prefix="kbd-ngrams-") as tmp:
+        path = table.save(Path(tmp) / "ngrams.npz")
+        return with_meta(src, dest, add_files={TABLE_PATH: path}, ngrams=TABLE_PATH)
 
 
 def _seal(tmp: Path, manifest: BundleManifest, root: Path) -> Path:

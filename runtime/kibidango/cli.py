@@ -242,7 +242,8 @@ def _tune(args: argparse.Namespace) -> None:
 
 def _ngram_table(args: argparse.Namespace) -> None:
     from kibidango.bench import read_prompts
-    from kibidango.ngrams import count_outputs, with_ngram_table
+    from kibidango.bundle import with_ngram_table
+    from kibidango.ngrams import count_outputs
     from kibidango.pipeline import Pipeline
 
     pipe = Pipeline.from_bundle(args.bundle, backend=args.backend, mode="ar", adapter="none", threads=args.threads)

@@ -14,7 +14,8 @@ context's occurrences), then again after that token, up to ``k`` tokens. Its pro
 dictionary lookup; the target verifies them as certain proposals, so decoding stays lossless.
 
 :func:`count_outputs` builds one from a pipeline's own greedy continuations of prompts, and
-:func:`with_ngram_table` writes a copy of a bundle that ships it (``kibidango ngram-table``).
+:func:`kibidango.bundle.with_ngram_table` writes a copy of a bundle that ships it
+(``kibidango ngram-table``).
 
 Stored as ``.npz`` (numpy, no pickles): ``contexts`` (int32, one row per context, left-padded
 with -1 to ``n_max``), ``next``, ``count``, ``total`` (int32 per row) and ``vocab_size``.
@@ -30,7 +31,7 @@ import numpy as np
 
 from kibidango.integrity import BundleError
 
-__all__ = ["NgramTable", "TABLE_PATH", "count_outputs", "with_ngram_table"]
+__all__ = ["NgramTable", "TABLE_PATH", "count_outputs"]
 
 TABLE_PATH = "ngrams/ngrams.npz"
 """Where a bundle keeps its table (bundle.json's ``ngrams``)."""
@@ -150,27 +151,12 @@ def count_outputs(pipe, prompts: list[str], max_new_tokens: int = 64, progress=N
     """The table of ``pipe``'s target over its own greedy continuations (``ar``, the bundle's stop
     ids) of ``prompts``, each counted with its prompt. The prompts should be the workload's, and
     not the ones the table will be judged on. ``progress(done, total)`` after each prompt."""
-    from kibidango.speculative import Metrics
-
     sequences = []
     for i, prompt in enumerate(prompts, 1):
         ids = pipe.encode(prompt)
         cfg = pipe.config(mode="ar", temperature=0.0, max_new_tokens=max_new_tokens)
-        out = [t for chunk in pipe.decoder.generate(ids, cfg, Metrics("ar")) for t in chunk]
+        out = [t for chunk in pipe.decoder.generate(ids, cfg) for t in chunk]
         sequences.append(ids + out)
         if progress is not None:
             progress(i, len(prompts))
     return NgramTable.build(sequences, vocab_size=pipe.models["target"].vocab_size)
-
-
-def with_ngram_table(src: str | Path, dest: str | Path, table: NgramTable) -> Path:
-    """A copy of the bundle at ``src`` that ships ``table`` at :data:`TABLE_PATH` (replacing any
-    table it had), listed and hashed in bundle.json like every file; every file of ``src`` is
-    verified first (:func:`kibidango.bundle.with_meta`)."""
-    import tempfile
-
-    from kibidango.bundle import with_meta
-
-    with tempfile.TemporaryDirectory(prefix="kbd-ngrams-") as tmp:
-        path = table.save(Path(tmp) / "ngrams.npz")
-        return with_meta(src, dest, add_files={TABLE_PATH: path}, ngrams=TABLE_PATH)
