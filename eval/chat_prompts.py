@@ -3,8 +3,8 @@ and ``kibidango ngram-table`` (JSONL, one ``{"prompt": ...}`` per row).
 
     python -m eval.chat_prompts --bundle B --rows 0:300 --out table.jsonl     (prompts to count a table on)
     python -m eval.chat_prompts --bundle B --rows 969:999 --out bench.jsonl   (prompts to measure on)
-    python -m eval.chat_prompts --bundle B --rows 300:999 --with-input --limit 30 --out edit.jsonl
-                                            (rows that carry a text to work on: edit, rewrite, summarise)
+    python -m eval.chat_prompts --bundle B --rows 300:999 --min-input 150 --out quote.jsonl
+                                (rows that carry a text to work on: summarise, edit, list from it)
 
 Rows of ../shared's Alpaca-GPT4 demo (``llamafactory_demo/alpaca_en_demo.json``, 999 rows), the
 instruction and its input as the user's turn, through the bundle tokenizer's own chat template
@@ -21,8 +21,8 @@ from pathlib import Path
 SOURCE = "llamafactory_demo/alpaca_en_demo.json"
 
 
-def render(bundle: Path, start: int, stop: int, with_input: bool = False, limit: int | None = None) -> list[str]:
-    """The rows ``start:stop`` (``with_input``: only those with an input text; at most ``limit``)."""
+def render(bundle: Path, start: int, stop: int, min_input: int = 0, limit: int | None = None) -> list[str]:
+    """The rows ``start:stop`` whose input text has ``min_input`` characters or more, ``limit`` at most."""
     from transformers import AutoTokenizer
 
     from eval.shared_data import SHARED
@@ -35,7 +35,7 @@ def render(bundle: Path, start: int, stop: int, with_input: bool = False, limit:
     if not tokenizer.chat_template:
         raise SystemExit(f"{bundle}: the tokenizer has no chat template")
     out = []
-    chosen = [r for r in rows[start:stop] if r.get("input") or not with_input][:limit]
+    chosen = [r for r in rows[start:stop] if len(r.get("input") or "") >= min_input][:limit]
     for row in chosen:
         user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
         messages = [{"role": "user", "content": user}]
@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundle", type=Path, required=True, help="whose tokenizer's chat template renders them")
     parser.add_argument("--rows", required=True, metavar="START:STOP", help="a range of the source's rows")
     parser.add_argument(
-        "--with-input", action="store_true", help="only rows with an input text (the answer works on the prompt's text)"
+        "--min-input",
+        type=int,
+        default=0,
+        metavar="CHARS",
+        help="only rows whose input text has this many characters (the answer works on a text in the prompt)",
     )
     parser.add_argument("--limit", type=int, help="at most this many rows")
     parser.add_argument("--out", type=Path, required=True)
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         start, stop = (int(x) for x in args.rows.split(":"))
     except ValueError:
         parser.error(f"--rows {args.rows!r}: START:STOP, two whole numbers")
-    prompts = render(args.bundle, start, stop, args.with_input, args.limit)
+    prompts = render(args.bundle, start, stop, args.min_input, args.limit)
     args.out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts), encoding="utf-8")
     print(f"{args.out}: {len(prompts)} prompts (rows {start}:{stop} of {SOURCE})", file=sys.stderr)
     return 0

@@ -38,8 +38,11 @@ def test_rows_are_rendered_through_the_bundles_chat_template(tmp_path):
         assert prompt.startswith("<user>" + row["instruction"]) and prompt.endswith("<assistant>")
         assert not row["input"] or f"\n\n{row['input']}" in prompt
     edit = tmp_path / "edit.jsonl"
-    assert main(["--bundle", str(bundle), "--rows", "0:999", "--with-input", "--limit", "4", "--out", str(edit)]) == 0
-    with_input = [r for r in json.loads(ALPACA.read_text(encoding="utf-8")) if r["input"]][:4]
+    assert (
+        main(["--bundle", str(bundle), "--rows", "0:999", "--min-input", "150", "--limit", "4", "--out", str(edit)])
+        == 0
+    )
+    with_input = [r for r in json.loads(ALPACA.read_text(encoding="utf-8")) if len(r["input"]) >= 150][:4]
     got = [json.loads(line)["prompt"] for line in edit.read_text().splitlines()]
     assert len(got) == 4 and all(f"\n\n{r['input']}" in p for p, r in zip(got, with_input, strict=True))
     with pytest.raises(SystemExit, match="has rows 0:999"):
