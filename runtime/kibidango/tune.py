@@ -37,7 +37,7 @@ import numpy as np
 
 from kibidango.confidence import score_answer
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import Metrics
+from kibidango.speculative import REQUEST_SETTINGS, Metrics
 
 __all__ = ["TuneResult", "candidates", "describe", "format_tune", "tune", "write_tuned", "write_tuned_backends"]
 
@@ -201,21 +201,8 @@ def tune(
             result.best[mode] = max(mine, key=lambda r: r["speed_vs_ar"])
     if ok:
         best = max(ok, key=lambda r: r["speed_vs_ar"])
-        keys = (
-            "mode",
-            "variant",
-            "k",
-            "l_D",
-            "l_Q",
-            "p_min",
-            "adaptive",
-            "k_max",
-            "lookup",
-            "ngram_table",
-            "tau_Q",
-            "tau_T",
-        )
-        result.chosen = {k: best[k] for k in keys if k in best}
+        # the candidate's own settings: a row also carries its measurements, none a decoding setting
+        result.chosen = {k: best[k] for k in ("mode", *REQUEST_SETTINGS) if k in best}
         result.chosen_speed = best["speed_vs_ar"]
         if best["speed_vs_ar"] < 1.0:  # nothing beats the target alone here
             result.chosen, result.chosen_speed = {"mode": "ar"}, 1.0
