@@ -146,8 +146,8 @@ class Pipeline:
         cascade = bundle.cascade() or {}
         threshold = float((cascade.get("router") or {}).get("threshold", 0.0))
         ngram_table = bundle.ngram_table(models["target"].vocab_size)
-        if cfg.ngram_table and ngram_table is None and cfg.mode != "ar":
-            raise BundleError(f"{bundle.root}: ngram_table is set, but the bundle ships no n-gram table (ngrams/)")
+        if why := Decoder(models, ngram_table).table_missing(cfg):
+            raise BundleError(f"{bundle.root}: {why}")
         return cls(
             tokenizer,
             models,

@@ -332,6 +332,13 @@ class Decoder:
         self.models = models
         self.ngram_table = ngram_table
 
+    def table_missing(self, cfg: DecodeConfig) -> str | None:
+        """Why ``cfg`` cannot run here (it reads the n-gram table and there is none), else None.
+        ``ar`` never reads the table, so it runs with the setting on."""
+        if cfg.ngram_table and cfg.mode != "ar" and self.ngram_table is None:
+            return "ngram_table is set, but the bundle ships no n-gram table (ngrams/)"
+        return None
+
     def generate(self, prompt_ids: list[int], cfg: DecodeConfig, metrics: Metrics | None = None) -> Iterator[list[int]]:
         """Yield the newly committed tokens of each round; fill ``metrics`` as it goes."""
         tiers = TIERS[cfg.mode]
@@ -340,8 +347,8 @@ class Decoder:
             raise ValueError(f"mode {cfg.mode} needs the {', '.join(missing)} tier(s), which are not loaded")
         if not prompt_ids:
             raise ValueError("the prompt is empty (no tokens)")
-        if cfg.ngram_table and self.ngram_table is None and cfg.mode != "ar":
-            raise ValueError("ngram_table: this bundle ships no n-gram table (ngrams/)")
+        if why := self.table_missing(cfg):
+            raise ValueError(why)
         context = min(self.models[t].context_length for t in tiers)
         if len(prompt_ids) >= context:
             raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens; the context holds {context}")

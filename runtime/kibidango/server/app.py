@@ -238,11 +238,11 @@ def create_app(
         if kw["mode"] and any(t not in pipe.models for t in TIERS[kw["mode"]]):
             return error(400, f"mode: {kw['mode']} needs tiers this server did not load", "mode")
         try:
-            pipe.config(**kw)
+            cfg = pipe.config(**kw)
         except ValueError as e:
             return error(400, str(e))
-        if kw["ngram_table"] and (kw["mode"] or pipe.defaults.mode) != "ar" and pipe.decoder.ngram_table is None:
-            return error(400, "ngram_table: this server's bundle ships no n-gram table", "ngram_table")
+        if why := pipe.decoder.table_missing(cfg):
+            return error(400, why, "ngram_table")
         if req.adapter is not None:
             known = pipe.adapters.adapters.domains if pipe.adapters is not None else []
             if req.adapter not in ("auto", "none", *known):
