@@ -27,6 +27,7 @@ def render(bundle: Path, start: int, stop: int, min_input: int = 0, limit: int |
 
     from eval.shared_data import SHARED
     from kibidango import load_bundle
+    from methods.training.chat import prompt_text
 
     rows = json.loads((SHARED / "data" / SOURCE).read_text(encoding="utf-8"))
     if not 0 <= start < stop <= len(rows):
@@ -37,8 +38,7 @@ def render(bundle: Path, start: int, stop: int, min_input: int = 0, limit: int |
     out = []
     chosen = [r for r in rows[start:stop] if len(r.get("input") or "") >= min_input][:limit]
     for row in chosen:
-        user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-        messages = [{"role": "user", "content": user}]
+        messages = [{"role": "user", "content": prompt_text(row["instruction"], row.get("input") or "")}]
         out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return out
 

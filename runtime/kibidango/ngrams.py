@@ -151,10 +151,10 @@ def count_outputs(pipe, prompts: list[str], max_new_tokens: int = 64, progress=N
     """The table of ``pipe``'s target over its own greedy continuations (``ar``, the bundle's stop
     ids) of ``prompts``, each counted with its prompt. The prompts should be the workload's, and
     not the ones the table will be judged on. ``progress(done, total)`` after each prompt."""
+    cfg = pipe.config(mode="ar", temperature=0.0, max_new_tokens=max_new_tokens)
     sequences = []
     for i, prompt in enumerate(prompts, 1):
         ids = pipe.encode(prompt)
-        cfg = pipe.config(mode="ar", temperature=0.0, max_new_tokens=max_new_tokens)
         out = [t for chunk in pipe.decoder.generate(ids, cfg) for t in chunk]
         sequences.append(ids + out)
         if progress is not None:

@@ -145,10 +145,7 @@ class Pipeline:
             adapter, default = "none", None
         cascade = bundle.cascade() or {}
         threshold = float((cascade.get("router") or {}).get("threshold", 0.0))
-        ngram_table = bundle.ngram_table(models["target"].vocab_size)
-        if why := Decoder(models, ngram_table).table_missing(cfg):
-            raise BundleError(f"{bundle.root}: {why}")
-        return cls(
+        pipe = cls(
             tokenizer,
             models,
             cfg,
@@ -160,8 +157,11 @@ class Pipeline:
             threshold,
             bundle.calibrator(),
             default,
-            ngram_table,
+            bundle.ngram_table(models["target"].vocab_size),
         )
+        if why := pipe.decoder.table_missing(cfg):
+            raise BundleError(f"{bundle.root}: {why}")
+        return pipe
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
