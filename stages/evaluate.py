@@ -256,12 +256,16 @@ def _quality(table: list[dict], policies: list[str]) -> dict:
         source = rs[0]["source"]
         per = {}
         for p in policies:
-            passes = sum(bool(r["answers"][p]["passed"]) for r in rs)
+            # a judge error is no verdict on the answer (the judge ran it again first): counted apart
+            judged = [r for r in rs if r["answers"][p].get("outcome") != "judge_error"]
+            passes = sum(bool(r["answers"][p]["passed"]) for r in judged)
             per[p] = {
                 "passes": passes,
-                "rate": passes / len(rs),
-                "ci": list(wilson(passes, len(rs))),
-                "mean_score": sum(r["answers"][p]["score"] for r in rs) / len(rs),  # the judge's graded score
+                "judged": len(judged),
+                "judge_errors": len(rs) - len(judged),
+                "rate": passes / len(judged) if judged else 0.0,
+                "ci": list(wilson(passes, len(judged))) if judged else [0.0, 1.0],
+                "mean_score": sum(r["answers"][p]["score"] for r in judged) / len(judged) if judged else 0.0,
                 "past_context": sum(r["answers"][p]["finish_reason"] == "context" for r in rs),
             }
         metric = _METRIC.get(source, "pass_rate") if key in {r["sample"] for r in rs} else "pass_rate"
@@ -270,8 +274,9 @@ def _quality(table: list[dict], policies: list[str]) -> dict:
         ppl = math.exp(sum(x["nll"] * x["tokens"] for x in scored) / tokens) if tokens else None
         out[key] = {"n": len(rs), "metric": metric, "policies": per, "reference_perplexity": ppl}
         if {"auto", "none"} <= set(policies):  # paired: the same tasks with and without the adapters
+            both = [r for r in rs if all(r["answers"][p].get("outcome") != "judge_error" for p in ("auto", "none"))]
             out[key]["auto_vs_none"] = mcnemar(
-                *({r["id"]: bool(r["answers"][p]["passed"]) for r in rs} for p in ("auto", "none"))
+                *({r["id"]: bool(r["answers"][p]["passed"]) for r in both} for p in ("auto", "none"))
             )
     return out
 
@@ -387,6 +392,12 @@ def _card(r: dict) -> str:
         for key, q in r["quality"].items()
         if q.get("seen_by_base")
     ]
+    errors = {p: v["judge_errors"] for p, v in r["quality"].get("all", {}).get("policies", {}).items()}
+    if any(errors.values()):
+        lines.append(
+            "\nJudge errors (no verdict after the judge's own retries; counted apart, not as failures, and judged "
+            "again by a rerun): " + ", ".join(f"`{p}` {n}" for p, n in errors.items()) + "."
+        )
     size = r["size"]
     lines += [
         "",

@@ -151,6 +151,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "pairs": len(pairs),
         "unresolved": status["unresolved"],
         "skipped_budget": status["skipped_budget"],
+        "held_judge_error": status["held_judge_error"],
         "spend_usd": report["spend_usd"],
         "budget_usd": cfg.budget_usd,
         "top_tier_only_usd": report["top_tier_only_usd"],
@@ -168,6 +169,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         + f"; spent ${report['spend_usd']:.4f} of ${cfg.budget_usd:g} "
         f"(top tier only: ${report['top_tier_only_usd']:.4f}, cut {report['cost_cut']:.0%})"
         + (f"; {status['skipped_budget']} rows skipped at the budget" if status["skipped_budget"] else "")
+        + (f"; {status['held_judge_error']} rows held (judge errors)" if status["held_judge_error"] else "")
         + (f"; DEAD tiers: {', '.join(cascade.dead)}" if cascade.dead else "")
     )
     return StageResult(
@@ -241,7 +243,7 @@ def _replay(events: list[dict], path: Path, resend: bool = False) -> _State:
         elif kind == "unconfirmed":  # charged its worst case by an earlier attempt, to be asked again
             sent.pop(key, None)
             state.spent += e["usd"]
-        elif kind == "verdict":
+        elif kind == "verdict" and not e.get("retryable"):  # an answer the judge could not judge: again
             state.done[key] = e
     state.lost = sent  # in flight at the kill: maybe served and billed
     return state
@@ -259,10 +261,12 @@ class _Cascade:
         self._dead_lock = threading.Lock()
 
     def _resolved(self, row_id: str, upto: int) -> bool:
-        """True once a tier before ``upto`` passed the row, or the budget skipped it."""
+        """True once a tier before ``upto`` passed the row, or the budget skipped it, or its answer
+        got no verdict in this run (the judge's sandbox failed: the row is held, never escalated to a
+        dearer tier for the judge's fault; a rerun judges that answer again, without paying)."""
         for tier in self.cfg.tiers[:upto]:
             e = self.state.done.get((row_id, tier.name))
-            if e is not None and (e.get("passed") or e["event"] == "skipped"):
+            if e is not None and (e.get("passed") or e["event"] == "skipped" or e.get("retryable")):
                 return True
         return False
 
@@ -311,6 +315,8 @@ class _Cascade:
             "score": float(verdict.score),
             "reason": verdict.reason,
         }
+        if verdict.outcome == "judge_error" and verdict.details.get("retryable"):
+            event["retryable"] = True
         self.journal.write(event)
         self.state.done[key] = event
 
@@ -452,6 +458,7 @@ def _outcomes(cfg: Config, rows: list[dict], ledger: list[dict], state: _State) 
     for entry in ledger:
         spent_by_row[entry["row"]] += entry["usd"]
     skipped = {k[0] for k, e in state.done.items() if e["event"] == "skipped"}
+    unjudged = {k[0] for k, e in state.done.items() if e.get("retryable")}
     status: Counter[str] = Counter()
     pairs = []
     for r in rows:
@@ -472,6 +479,8 @@ def _outcomes(cfg: Config, rows: list[dict], ledger: list[dict], state: _State) 
             status["paired"] += 1
         elif r["id"] in skipped:
             status["skipped_budget"] += 1
+        elif r["id"] in unjudged:
+            status["held_judge_error"] += 1
         else:
             status["unresolved"] += 1
     return pairs, status
@@ -553,7 +562,9 @@ def _card(r: dict) -> str:
     lines += [
         "",
         f"- critical failures in: {r['rows']:,}; corrected pairs: **{r['pairs']:,}**; unresolved (every tier "
-        f"failed): {s.get('unresolved', 0):,}; skipped at the budget: {s.get('skipped_budget', 0):,}",
+        f"failed): {s.get('unresolved', 0):,}; skipped at the budget: {s.get('skipped_budget', 0):,}; held "
+        f"because the judge gave no verdict (not escalated; a rerun judges them again, unpaid): "
+        f"{s.get('held_judge_error', 0):,}",
         f"- spend: **${r['spend_usd']:.4f}** of a ${r['budget_usd']:g} budget; pairs per dollar: "
         f"{r['pairs_per_usd']:.1f}",
         f"- every row sent to the top tier ({r['top_tier']}) instead, from the same token counts: "

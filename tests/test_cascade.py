@@ -406,3 +406,43 @@ def test_a_missing_key_stops_the_run_before_anything_is_paid(monkeypatch, tmp_pa
     with pytest.raises(KibidangoError, match=f"teacher tier open: environment variable {OPENAI_KEY_ENV} is not set"):
         _run({"tiers": tiers, "budget_usd": 1.0}, _inputs(tmp_path), tmp_path)
     assert not (tmp_path / "work" / "journal.jsonl").read_text()  # not even the free tier was asked
+
+
+def test_an_answer_the_judge_could_not_judge_is_held_not_escalated(monkeypatch, tmp_path):
+    """A verdict the judge never gave (its sandbox failed after its own retries: a retryable
+    ``judge_error``) is the machine's fault, not the answer's: the row is not sent on to a dearer
+    tier, the card counts it apart, and a rerun judges the same answer again without paying for it."""
+    import stages.teach_cascade as stage
+    from methods.judges import Verdict
+
+    inputs = _inputs(tmp_path, n_math=2, n_easy=0)
+    real = stage.mined_judges
+    broken = {"on": True}
+
+    def judges(mined):
+        out = real(mined)
+        math = out["math"]
+
+        def flaky(task, answer):
+            if broken["on"] and task.id == "m0":
+                return Verdict(False, 0.0, "judge error: sandbox", "judge_error", 0.0, {"retryable": True})
+            return math(task, answer)
+
+        flaky.kind = math.kind
+        return {**out, "math": flaky}
+
+    monkeypatch.setattr(stage, "mined_judges", judges)
+    tiers = [
+        {"name": "cheap", "kind": "reference", "usd_per_answer": 0.01},
+        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
+    ]
+    cfg = {"tiers": tiers, "budget_usd": 1.0}
+    result, out = _run(cfg, inputs, tmp_path)
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    assert sorted((e["row"], e["tier"]) for e in ledger) == [("m0", "cheap"), ("m1", "cheap")]  # m0: not escalated
+    assert result.metrics["pairs"] == 1 and result.metrics["held_judge_error"] == 1
+    assert "held because the judge gave no verdict" in (out / "COST_CARD.md").read_text()
+    broken["on"] = False  # the rerun (same work dir, same journal): m0's answer judged again, not bought again
+    result, out = _run(cfg, inputs, tmp_path, name="again")
+    assert result.metrics["pairs"] == 2 and result.metrics["held_judge_error"] == 0
+    assert result.metrics["spend_usd"] == pytest.approx(0.02)

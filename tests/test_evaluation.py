@@ -297,3 +297,30 @@ def test_mcnemar_counts_the_discordant_tasks_and_tests_them_exactly():
     assert (test["n"], test["a_only"], test["b_only"]) == (19, 8, 1)
     assert abs(test["p"] - 2 * (1 + 9) / 2**9) < 1e-12  # two-sided exact binomial, P(X <= 1 | 9, 1/2) x 2
     assert mcnemar(a, a)["p"] == 1.0 and mcnemar(a, a)["a_only"] == 0
+
+
+def test_a_judge_error_is_counted_apart_never_as_a_failure():
+    """An answer the judge gave no verdict on (its sandbox failed, after the judge's own retries)
+    is left out of the pass rate and the paired test, and counted as a judge error."""
+    from stages.evaluate import _quality
+
+    def row(i: int, auto: str, none: str) -> dict:
+        answer = lambda outcome: {  # noqa: E731
+            "outcome": outcome,
+            "passed": outcome == "passed",
+            "score": float(outcome == "passed"),
+            "finish_reason": "stop",
+        }
+        return {
+            "id": f"t{i}",
+            "sample": "mbpp",
+            "source": "mbpp",
+            "domain": "code",
+            "answers": {"auto": answer(auto), "none": answer(none)},
+        }
+
+    table = [row(0, "passed", "failed"), row(1, "judge_error", "passed"), row(2, "failed", "judge_error")]
+    q = _quality(table, ["auto", "none"])["mbpp"]
+    assert q["policies"]["auto"] == {**q["policies"]["auto"], "passes": 1, "judged": 2, "judge_errors": 1, "rate": 0.5}
+    assert q["policies"]["none"]["rate"] == 0.5 and q["policies"]["none"]["judge_errors"] == 1
+    assert q["auto_vs_none"]["a_only"] == 1 and q["auto_vs_none"]["b_only"] == 0  # only t0 has both verdicts

@@ -191,6 +191,45 @@ def test_a_forged_verdict_is_never_a_pass(code):
         assert not verdict.passed and verdict.outcome in ("error", "failed"), (junk, verdict)
 
 
+def test_the_program_cannot_choose_the_names_the_tests_run_with(code):
+    """The harness's helpers are reachable from the program (``import __main__``), so it can send a
+    "ready" message of its own. Whatever it says, the tests' namespace is built from the task: a
+    name is bound only where the tests use it, never a dunder (``__builtins__``: the tests would run
+    with the program's ``all``), never a builtin the task does not define, and a module only under
+    its own name or the one the task's own code imports it as."""
+    forge = (
+        "import __main__ as m\n"
+        "_real = m._send\n"
+        "def _quiet(fd, obj):\n"
+        "    if 'ready' not in obj:\n"
+        "        _real(fd, obj)\n"
+        "m._send = _quiet\n"
+        "_real(m._wfd, {'ready': {'callables': ['add', 'all', 'isinstance'], 'values': {{VALUES}},"
+        " 'modules': {'math': 'cmath', 'json': 'json'}}})\n"
+        "def add(a, b):\n"
+        "    return -1\n"
+    )
+    builtins_bool = "'__builtins__': {'d': [['all', {'type': 'bool'}], ['abs', {'type': 'bool'}]]}"
+    cases = [
+        (builtins_bool, "assert all(x == 3 for x in [add(1, 2)])"),
+        ("'all': {'type': 'bool'}", "assert all(x == 3 for x in [add(1, 2)])"),
+        ("'expected': {'i': '-1'}", "expected = 3\nassert add(1, 2) == expected"),
+        ("", "assert math.floor(add(1, 2)) == 3 or math.pi == 0"),  # 'math' -> cmath is not bound
+    ]
+    for values, test in cases:
+        task = Task("forge", "?", reference="import math\n", tests=(test,))
+        verdict = code(task, forge.replace("{VALUES}", values))
+        assert not verdict.passed and verdict.outcome in ("failed", "error"), (values, test, verdict)
+    # the same task passes a right program: the names it uses are bound from the task and the program
+    right = "import math\ndef add(a, b):\n    return a + b\n"
+    assert code(Task("ok", "?", reference="import math\n", tests=("assert math.floor(add(1, 2)) == 3",)), right).passed
+    # a malformed "ready" is the program's fault (an error), never the judge's (no verdict)
+    for bad in ("'x'", "{'callables': 5, 'values': {}}", "{'callables': [], 'values': []}"):
+        program = f"import __main__ as m\nm._send(m._wfd, {{'ready': {bad}}})\nimport os\nos._exit(0)\n"
+        verdict = code(MBPP, program)
+        assert verdict.outcome == "error" and "unreadable" in verdict.reason, (bad, verdict)
+
+
 def test_malformed_tester_output_is_a_judge_error_never_an_exception():
     from methods.judges.code import _read_counts
 
@@ -236,6 +275,158 @@ def test_the_disk_is_capped(code):
     )
     verdict = code(MBPP, program)
     assert verdict.outcome == "error" and ("No space left" in verdict.reason or "File too large" in verdict.reason)
+
+
+def _run_beside(code, hostile: str, neighbours: int, delay: float, task=MBPP) -> list:
+    """``hostile`` judged, and ``neighbours`` right answers judged while it runs (four slots)."""
+    import threading
+
+    import methods.judges.code as code_module
+
+    right = "def add(a, b):\n    return a + b + int(a == b == 0)\n"
+    out: list = []
+    slots = code_module._SLOTS
+    code_module._SLOTS = threading.BoundedSemaphore(neighbours + 1)
+    try:
+        bad = threading.Thread(target=lambda: out.append(("hostile", code(task, hostile))))
+        bad.start()
+        time.sleep(delay)
+        good = [threading.Thread(target=lambda: out.append(("right", code(task, right)))) for _ in range(neighbours)]
+        for t in good:
+            t.start()
+        for t in (*good, bad):
+            t.join(120)
+    finally:
+        code_module._SLOTS = slots
+    return out
+
+
+def test_one_answer_cannot_make_its_neighbours_judge_errors(code):
+    """RLIMIT_NPROC counts a uid's processes on the whole machine: a candidate holding 60 sleeping
+    processes as ``nobody`` made every sandbox judged beside it fail to start. As root each
+    sandbox runs as a uid of its own (and in a pids cgroup of its own where there is one)."""
+    from methods.judges.code import isolation
+
+    if not isolation()["own_uid"]:
+        pytest.skip("a uid per sandbox needs root and unprivileged user namespaces")
+    hog = (
+        "import _posixsubprocess, os, sys, time\n"
+        "held = 0\n"
+        "for _ in range(200):\n"
+        "    r, w = os.pipe()\n"
+        "    try:\n"
+        "        _posixsubprocess.fork_exec([sys.executable, '-c', 'import time; time.sleep(30)'],"
+        " [sys.executable.encode()], True, (), None, None, -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None,"
+        " -1, -1, None, False)\n"
+        "        held += 1\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    finally:\n"
+        "        os.close(r)\n"
+        "        os.close(w)\n"
+        "time.sleep(4)\n"
+        "def add(a, b):\n"
+        "    return held\n"
+    )
+    verdicts = _run_beside(code, hog, neighbours=2, delay=1.5)
+    right = [v for who, v in verdicts if who == "right"]
+    assert len(right) == 2 and all(v.passed for v in right), right
+    hostile = next(v for who, v in verdicts if who == "hostile")
+    assert hostile.outcome == "failed" and "AssertionError" in hostile.reason  # it held its processes, and failed
+
+
+def test_a_sandbox_failure_is_judged_again_and_never_counted_as_the_answers(monkeypatch):
+    """A verdict the machine produced (a sandbox that could not start, a tester that gave nothing
+    readable) is not the answer's: the judge runs the answer again, and after its last attempt
+    says ``judge_error`` with ``infrastructure``, which the stages count apart from failures."""
+    import methods.judges.code as code_module
+    from methods.judges.code import CodeJudge, SandboxResult
+
+    calls = []
+    real = code_module.run_sandboxed
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(11, "Resource temporarily unavailable")
+        if len(calls) == 2:
+            return SandboxResult("exited", 1, "", "setpriv: failed to execute bwrap", 0.01), None
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(code_module, "run_sandboxed", flaky)
+    monkeypatch.setattr(code_module.time, "sleep", lambda s: None)
+    judge = CodeJudge(wall_seconds=8, cpu_seconds=3, memory_mb=512, weak_sandbox_ok=True)
+    verdict = judge(Task("t", "?", tests=MBPP.tests[:2]), "def add(a, b):\n    return a + b\n")
+    assert verdict.passed and verdict.details["attempts"] == 3 and len(calls) == 3, verdict
+
+    calls.clear()
+    monkeypatch.setattr(
+        code_module, "run_sandboxed", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(OSError(11, "no"))
+    )
+    verdict = judge(MBPP, "def add(a, b):\n    return a + b\n")
+    assert verdict.outcome == "judge_error" and verdict.details["infrastructure"] and len(calls) == 3
+    assert not verdict.passed
+
+
+def test_only_tmp_is_writable_even_without_the_audit_hook(code):
+    """The sandbox's ``/``, ``/dev`` and ``/dev/shm`` were writable tmpfs without a size cap (a child
+    process, which the audit hook does not follow, wrote 304 MB there). They are read-only: the
+    16 MB ``/tmp`` is the one writable place."""
+    child = (
+        "import json, os\n"
+        "wrote = []\n"
+        "for d in ['/', '/dev', '/dev/shm', '/usr', '/proc', '/tmp']:\n"
+        "    try:\n"
+        "        with open(os.path.join(d, 'kb-fill'), 'wb') as f:\n"
+        "            f.write(b'x' * (1 << 20))\n"
+        "        wrote.append(d)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "open('/tmp/out.json', 'w').write(json.dumps(wrote))\n"
+    )
+    program = (
+        "import _posixsubprocess, json, os, sys, time\n"
+        "r, w = os.pipe()\n"
+        f"_posixsubprocess.fork_exec([sys.executable, '-c', {child!r}], [sys.executable.encode()], True, (), None,"
+        " None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, -1, -1, None, False)\n"
+        "for _ in range(200):\n"
+        "    if os.path.exists('/tmp/out.json'):\n"
+        "        break\n"
+        "    time.sleep(0.02)\n"
+        "time.sleep(0.1)\n"
+        "wrote = json.load(open('/tmp/out.json'))\n"
+    )
+    verdict = code(Task("ro", "?", tests=("assert wrote == ['/tmp'], wrote",)), program)
+    assert verdict.passed, verdict
+
+
+def test_the_memory_limit_holds_for_the_answer_as_a_whole(code):
+    """``memory_mb`` was a limit per process: 5 children of 200 MB each peaked at 1,065 MB under
+    256 MB and passed. With a cgroup per sandbox the limit is the answer's, all its processes
+    together: past it the kernel kills one, and the verdict is an error naming the limit."""
+    from methods.judges.code import isolation
+
+    if not isolation()["cgroup"]:
+        pytest.skip("a memory limit for all of an answer's processes needs a cgroup this process may make (root)")
+    small = make_judge("code", wall_seconds=10, cpu_seconds=5, memory_mb=256)
+    child = "x = bytearray(200 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\nimport time\ntime.sleep(4)\n"
+    program = (
+        "import _posixsubprocess, os, sys, time\n"
+        "for _ in range(5):\n"
+        "    r, w = os.pipe()\n"
+        f"    _posixsubprocess.fork_exec([sys.executable, '-c', {child!r}], [sys.executable.encode()], True, (), None,"
+        " None, -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, -1, -1, None, False)\n"
+        "    os.close(r)\n"
+        "    os.close(w)\n"
+        "time.sleep(3)\n"
+        "def add(a, b):\n"
+        "    return a + b + int(a == b == 0)\n"
+    )
+    verdict = small(MBPP, program)
+    assert verdict.outcome == "error" and "memory limit (256 MB" in verdict.reason, verdict
+    assert verdict.details["peak_memory_mb"] <= 256
+    fine = small(MBPP, "def add(a, b):\n    return a + b + int(a == b == 0)\n")
+    assert fine.passed and 0 < fine.details["peak_memory_mb"] < 256, fine
 
 
 def _sandbox_processes(marker: str) -> list[int]:
@@ -323,11 +514,17 @@ def test_the_sandboxes_start_without_forking_the_judges_process(code, monkeypatc
     monkeypatch.setattr(subprocess.Popen, "__init__", record)
     verdict = code(MBPP, "def add(a, b):\n    return a + b\n")
     assert verdict.outcome == "failed" and len(spawns) == 2  # it ran: the candidate's sandbox and the tester's
+    iso = verdict.details["isolation"]
+    uids = []
     for argv, preexec in spawns:
         assert preexec is None and os.path.basename(argv[0]) == "prlimit", argv
         assert "--cpu=3:4" in argv and f"--as={512 << 20}" in argv and "--core=0" in argv
-        if os.geteuid() == 0 and verdict.details["isolation"]["user_nobody"]:
-            assert argv[argv.index("--") + 1].endswith("setpriv") and "--reuid=65534" in argv
+        if iso["own_uid"]:
+            setpriv = argv[argv.index("--") + 1 :]
+            assert setpriv[0].endswith("setpriv") and setpriv[1].startswith("--reuid="), argv
+            uids.append(int(setpriv[1].removeprefix("--reuid=")))
+    if iso["own_uid"]:  # each sandbox a uid of its own, none of them a user's (nor nobody)
+        assert len(set(uids)) == 2 and all(u >= 1_000_000_000 for u in uids), uids
 
 
 def test_judged_programs_wait_for_a_slot_before_their_wall_limit_starts(code, monkeypatch):
@@ -356,8 +553,9 @@ def test_judged_programs_wait_for_a_slot_before_their_wall_limit_starts(code, mo
 def test_the_sandbox_says_how_it_isolates(code):
     verdict = code(MBPP, "def add(a, b):\n    return a + b\n")
     iso = verdict.details["isolation"]
-    assert set(iso) == {"kind", "network_namespace", "user_nobody", "python"}
+    assert set(iso) == {"kind", "network_namespace", "user_nobody", "own_uid", "cgroup", "python"}
     assert iso["kind"] == "bubblewrap" and iso["network_namespace"] and iso["user_nobody"]
+    assert iso["own_uid"] == (os.geteuid() == 0)
 
 
 # ---- llm judge: against a real OpenAI-compatible server on 127.0.0.1 ----------------------------

@@ -66,9 +66,16 @@ def sandbox_note(specs: dict) -> str:
 
     iso = isolation()
     if iso["kind"] == "bubblewrap":
+        uid = "a uid of its own per sandbox" if iso["own_uid"] else "uid 65534 shared by every sandbox"
+        memory = (
+            f"a memory and process limit per answer (cgroup v{iso['cgroup']})"
+            if iso["cgroup"]
+            else "a memory limit per process (no cgroup here)"
+        )
         return (
-            "Code answers ran in bubblewrap (own PID, network and mount namespaces, a private size-capped tmpfs, "
-            "uid 65534, rlimits; the tests in a second sandbox; docs/security.md)."
+            "Code answers ran in bubblewrap (own PID, network and mount namespaces, a read-only root and a private "
+            f"size-capped /tmp, {uid}, {memory}, rlimits; the tests in a second sandbox; a sandbox that failed is run "
+            "again, and a verdict it never gave is counted apart as a judge error; docs/security.md)."
         )
     return (
         "Code answers ran in the WEAKER FALLBACK sandbox (bubblewrap could not run; the recipe set weak_sandbox_ok): "

@@ -41,7 +41,10 @@ result: never a pass, never an exception).
 from __future__ import annotations
 
 import ast
+import dataclasses
+import errno
 import json
+import logging
 import os
 import re
 import resource
@@ -52,11 +55,15 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 from methods.judges.base import Task, Verdict
+from methods.judges.confine import Cgroup, UidLease, cgroup_support
+
+log = logging.getLogger("kibidango.judges.code")
 
 __all__ = ["CodeJudge", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "isolation", "run_sandboxed"]
 
@@ -305,14 +312,23 @@ elif _ready == "malformed" or not ({"ready", "crash"} & set(_ready)):
 elif "crash" in _ready:
     _result["crash"] = str(_ready["crash"])[:400]
 else:
-    # the candidate's names, never one that would shadow a builtin the tests rely on; the modules
-    # it imported, imported here from the same standard library (tests may use them unimported)
+    # The namespace is the task's: a name is bound only where the tests use it (``wanted``, read
+    # from the tests by the judge), never a dunder, never one that would shadow a builtin unless the
+    # task defines that name itself; the candidate's message can only fill those names. A module
+    # the program imported is bound under its own name (``import math``), and the task's own
+    # imports (its reference's, its prompt's) are bound last, from this sandbox's standard library.
     import importlib
     _ns = {"__name__": "__main__"}
-    _shadow = set(_spec["may_shadow"])
-    _own = lambda k: isinstance(k, str) and k.isidentifier() and (k in _shadow or not hasattr(builtins, k))
-    try:
-        _got = _ready["ready"]
+    _want, _shadow = set(_spec["wanted"]), set(_spec["may_shadow"])
+    def _own(k):
+        return (isinstance(k, str) and k in _want and not k.startswith("__")
+                and (k in _shadow or not hasattr(builtins, k)))
+    _got = _ready["ready"]
+    _shape = (isinstance(_got, dict) and isinstance(_got.get("callables"), list)
+              and isinstance(_got.get("values"), dict) and isinstance(_got.get("modules", {}), dict))
+    if not _shape:
+        _result["gone"] = "the program sent an unreadable reply"
+    else:
         for _k in _got["callables"]:
             if _own(_k):
                 _ns[_k] = _proxy(_k)
@@ -323,30 +339,41 @@ else:
                 except Exception:
                     pass
         for _k, _m in _got.get("modules", {}).items():
-            if _own(_k):
+            if _own(_k) and _m == _k:
                 try:
-                    _ns[_k] = importlib.import_module(str(_m))
+                    _ns[_k] = importlib.import_module(_k)
                 except Exception:
                     pass
-        if _spec["setup"]:
-            exec(compile(_spec["setup"], "test_setup.py", "exec"), _ns)
-    except _Gone as e:
-        _result["gone"] = str(e)
-    except BaseException as e:
-        _result["setup_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    else:
-        for _i, _test in enumerate(_spec["tests"]):
+    for _k, (_m, _attr) in _spec["modules"].items():
+        if _own(_k):
             try:
-                exec(compile(_test, f"test_{_i}.py", "exec"), _ns)
-                _result["passed"] += 1
-            except _Gone as e:
-                _result["errors"].append(f"test {_i}: {e}")
-            except BaseException as e:
-                _result["errors"].append(f"test {_i}: {type(e).__name__}: {str(e)[:200]}")
-        if _state["gone"] == "timeout":
-            _result["timeout"] = True
-        elif _state["gone"]:
-            _result["gone"] = _state["gone"]
+                _v = importlib.import_module(_m)
+                if _attr is not None:
+                    _v = getattr(_v, _attr) if hasattr(_v, _attr) else importlib.import_module(_m + "." + _attr)
+                _ns[_k] = _v
+            except Exception:
+                _ns.pop(_k, None)
+    if "gone" not in _result:
+        try:
+            if _spec["setup"]:
+                exec(compile(_spec["setup"], "test_setup.py", "exec"), _ns)
+        except _Gone as e:
+            _result["gone"] = str(e)
+        except BaseException as e:
+            _result["setup_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        else:
+            for _i, _test in enumerate(_spec["tests"]):
+                try:
+                    exec(compile(_test, f"test_{_i}.py", "exec"), _ns)
+                    _result["passed"] += 1
+                except _Gone as e:
+                    _result["errors"].append(f"test {_i}: {e}")
+                except BaseException as e:
+                    _result["errors"].append(f"test {_i}: {type(e).__name__}: {str(e)[:200]}")
+            if _state["gone"] == "timeout":
+                _result["timeout"] = True
+            elif _state["gone"]:
+                _result["gone"] = _state["gone"]
 sys.stdout.write(json.dumps(_result) + "\n")
 sys.stdout.flush()
 """
@@ -378,6 +405,10 @@ class SandboxResult:
     stderr: str
     seconds: float
     isolation: dict = field(default_factory=dict)
+    peak_memory_bytes: int | None = None
+    """The candidate sandbox's peak memory, all its processes together (None without a cgroup)."""
+    oom_kills: int = 0
+    """Its processes the kernel killed for passing the sandbox's memory limit."""
 
 
 def _interpreter() -> tuple[str, list[str]]:
@@ -403,42 +434,48 @@ def _bwrap_argv(python: str, extra: list[str], limits: SandboxLimits, info_fd: i
     for path in extra:
         argv += ["--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp"]
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/"]  # the size-capped /tmp is the one writable place
     argv += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
     return argv + ["--setenv", "LANG", "C.UTF-8", "--", python]
 
 
 @lru_cache(maxsize=1)
 def isolation() -> dict:
-    """How code is sandboxed on this machine: ``kind`` is ``bubblewrap`` (``outside_uid``: the
-    uid the sandbox has outside, 65534 where unprivileged user namespaces allow it) or ``fallback``
-    (``network_namespace``/``user_nobody``: what ``unshare`` could do)."""
+    """How code is sandboxed on this machine: ``kind`` is ``bubblewrap`` or ``fallback``
+    (``network_namespace``/``user_nobody``: what ``unshare`` could do). ``own_uid``: each sandbox
+    runs outside as a uid of its own (as root, where unprivileged user namespaces allow it;
+    :mod:`methods.judges.confine`); ``cgroup``: the cgroup version each sandbox gets one of (its
+    memory limit then holds for all its processes together), or None."""
     python, extra = _interpreter()
+    cgroup = cgroup_support()
     if shutil.which("bwrap"):
-        for as_nobody in (True, False) if os.geteuid() == 0 else (False,):
-            if _bwrap_runs(python, extra, as_nobody):
+        for own_uid in (True, False) if os.geteuid() == 0 else (False,):
+            if _bwrap_runs(python, extra, own_uid):
                 return {
                     "kind": "bubblewrap",
                     "python": python,
                     "binds": extra,
-                    "outside_uid": _NOBODY if as_nobody else os.geteuid(),
+                    "own_uid": own_uid,
+                    "cgroup": cgroup["version"] if cgroup else None,
                     "network_namespace": True,
                     "user_nobody": True,
                 }
-    return {"kind": "fallback", **_fallback()}
+    return {"kind": "fallback", "own_uid": False, "cgroup": None, **_fallback()}
 
 
-def _bwrap_runs(python: str, extra: list[str], as_nobody: bool) -> bool:
+def _bwrap_runs(python: str, extra: list[str], own_uid: bool) -> bool:
     r, w = os.pipe()
     try:
-        argv = _bwrap_argv(python, extra, SandboxLimits(), w)
-        prefix = _spawn_prefix(None, as_nobody)
-        done = subprocess.run(
-            [*(prefix or []), *argv, "-I", "-c", "pass"],
-            capture_output=True,
-            timeout=20,
-            pass_fds=(w,),
-            preexec_fn=_drop if as_nobody and prefix is None else None,
-        )
+        with UidLease() if own_uid else nullcontext() as uid:
+            argv = _bwrap_argv(python, extra, SandboxLimits(), w)
+            prefix = _spawn_prefix(None, uid)
+            done = subprocess.run(
+                [*(prefix or []), *argv, "-I", "-c", "pass"],
+                capture_output=True,
+                timeout=20,
+                pass_fds=(w,),
+                preexec_fn=_limits(None, uid) if uid is not None and prefix is None else None,
+            )
         return done.returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
@@ -472,14 +509,14 @@ def _fallback() -> dict:
     return {"network_namespace": False, "user_nobody": False, "python": sys.executable, "argv": []}
 
 
-def _drop() -> None:
+def _drop(uid: int) -> None:
     os.setgroups([])
-    os.setgid(_NOBODY)
-    os.setuid(_NOBODY)
+    os.setgid(uid)
+    os.setuid(uid)
 
 
-def _spawn_prefix(limits: SandboxLimits | None, as_nobody: bool) -> list[str] | None:
-    """``limits`` and the drop to ``nobody`` as programs that apply them and exec the sandbox
+def _spawn_prefix(limits: SandboxLimits | None, uid: int | None) -> list[str] | None:
+    """``limits`` and the drop to ``uid`` as programs that apply them and exec the sandbox
     (util-linux's ``prlimit`` and ``setpriv``), or None where one is missing (then a
     ``preexec_fn`` does it). So no Python runs between fork and exec, and :mod:`subprocess` spawns
     with vfork: a ``preexec_fn`` makes it fork() the judge's whole process, and in a stage that
@@ -487,28 +524,32 @@ def _spawn_prefix(limits: SandboxLimits | None, as_nobody: bool) -> list[str] | 
     after each fork then takes a copy-on-write fault — two spawns per judged answer made the
     small preset's 1B decode 3-4x slower, most of its time in the kernel."""
     prlimit, setpriv = shutil.which("prlimit"), shutil.which("setpriv")
-    if (limits is not None and prlimit is None) or (as_nobody and setpriv is None):
+    if (limits is not None and prlimit is None) or (uid is not None and setpriv is None):
         return None
     argv = []
     if limits is not None:  # the same limits, in the same order before the drop, as _limits()
         argv += [prlimit, f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}", f"--as={limits.memory_bytes}"]
         argv += [f"--fsize={limits.file_bytes}", f"--nofile={limits.open_files}", f"--nproc={limits.processes}"]
         argv += ["--core=0", "--"]
-    if as_nobody:
-        argv += [setpriv, f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", "--"]
+    if uid is not None:
+        argv += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
     return argv
 
 
-def _limits(limits: SandboxLimits, as_nobody: bool):
+def _limits(limits: SandboxLimits | None, uid: int | None):
     def apply() -> None:
+        if limits is None:
+            if uid is not None:
+                _drop(uid)
+            return
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if as_nobody:
-            _drop()
+        if uid is not None:
+            _drop(uid)
 
     return apply
 
@@ -517,35 +558,76 @@ class _Sandboxed:
     """One process in its sandbox; :meth:`kill` ends it and everything it started, and returns
     only once they are gone."""
 
-    def __init__(self, source: str, fds: tuple[int, int], limits: SandboxLimits, iso: dict, files: dict, cwd: Path):
+    def __init__(
+        self,
+        source: str,
+        fds: tuple[int, int],
+        limits: SandboxLimits,
+        iso: dict,
+        files: dict,
+        cwd: Path,
+        uid: int | None = None,
+        cgroup: Cgroup | None = None,
+    ):
+        """``uid``: the uid it runs as outside (bubblewrap as root: a leased one); ``cgroup``: the
+        cgroup its namespace's init is moved into once bubblewrap has made the namespaces (see
+        :meth:`started`)."""
         self.info = None
+        self.cgroup = cgroup
         if iso["kind"] == "bubblewrap":
             info_r, info_w = os.pipe()
             argv = _bwrap_argv(iso["python"], iso["binds"], limits, info_w)
-            as_nobody = iso["outside_uid"] == _NOBODY and os.geteuid() == 0
             pass_fds = (*fds, info_w)
         else:
             info_r = info_w = None
             argv = [*iso["argv"], iso["python"]]
-            as_nobody = False  # unshare -S/-G drops to nobody itself
+            uid = None  # unshare -S/-G drops to nobody itself
             pass_fds = fds
             if iso["user_nobody"]:
                 os.chown(cwd, _NOBODY, _NOBODY)
-        prefix = _spawn_prefix(limits, as_nobody)
-        self.proc = subprocess.Popen(
-            [*(prefix or []), *argv, "-I", "-c", source, *map(str, fds)],
-            cwd=cwd,
-            env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"},
-            stdin=subprocess.PIPE,
-            stdout=files["stdout"],
-            stderr=files["stderr"],
-            pass_fds=pass_fds,
-            preexec_fn=_limits(limits, as_nobody) if prefix is None else None,
-            start_new_session=True,
-        )
+        prefix = _spawn_prefix(limits, uid)
+        self._info_fd = None
+        try:
+            self.proc = subprocess.Popen(
+                [*(prefix or []), *argv, "-I", "-c", source, *map(str, fds)],
+                cwd=cwd,
+                env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"},
+                stdin=subprocess.PIPE,
+                stdout=files["stdout"],
+                stderr=files["stderr"],
+                pass_fds=pass_fds,
+                preexec_fn=_limits(limits, uid) if prefix is None else None,
+                start_new_session=True,
+            )
+        except BaseException:
+            for fd in (info_r, info_w):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        self._info_fd = info_r
         if info_w is not None:
             os.close(info_w)
-            self.info = _read_info(info_r)
+
+    def started(self) -> None:
+        """Wait for bubblewrap to report its namespace's init (the pid :meth:`kill` kills), and move
+        that init into the sandbox's cgroup: what it starts from then on is born inside. Called
+        after both sandboxes are spawned, so that their set-ups overlap, and before the program is
+        fed, so nothing of the program runs outside. (Namespaces made inside a memory cgroup made
+        each judged answer 10 ms slower; the interpreter's start-up stays charged outside.)"""
+        if self._info_fd is not None:
+            fd, self._info_fd = self._info_fd, None
+            self.info = _read_info(fd)
+            if self.cgroup is not None:
+                child = (self.info or {}).get("child-pid")
+                if not child:
+                    raise OSError(errno.ESRCH, "the sandbox reported no process to confine")
+                self.cgroup.add(int(child))
+
+    def _close_info(self) -> None:
+        """Read what bubblewrap reported, if :meth:`started` did not (the pid to kill)."""
+        if self._info_fd is not None:
+            fd, self._info_fd = self._info_fd, None
+            self.info = _read_info(fd)
 
     def feed(self, data: bytes) -> None:
         try:
@@ -555,6 +637,7 @@ class _Sandboxed:
             pass
 
     def kill(self) -> int:
+        self._close_info()
         if self.proc.poll() is not None:
             return self.proc.returncode
         child = (self.info or {}).get("child-pid")
@@ -597,11 +680,13 @@ def run_sandboxed(
     test_setup: str = "",
     weak_sandbox_ok: bool = False,
     may_shadow: tuple[str, ...] = (),
+    imports: dict[str, tuple[str, str | None]] | None = None,
 ) -> tuple[SandboxResult, dict | None]:
     """Run ``program`` then ``setup`` in the candidate's sandbox and ``tests`` (after
     ``test_setup``, which only the tester sees) in the tester's, where the program's names are
-    bound — except those that would shadow a builtin the tests use, unless ``may_shadow`` names
-    them (the functions the task asks for: MBPP's ``sum``); returns the candidate's process result
+    bound where the tests use them — except those that would shadow a builtin, unless ``may_shadow``
+    names them (the functions the task asks for: MBPP's ``sum``) — and ``imports`` (the task's own:
+    name -> (module, attribute or None), :func:`task_imports`) bound over them; returns the candidate's process result
     and the tester's count (``passed``, ``total``, ``errors``, and
     ``crash``/``gone``/``timeout``/``setup_error`` when they apply), or None when the tester gave
     nothing readable."""
@@ -613,7 +698,7 @@ def run_sandboxed(
             "run here; set weak_sandbox_ok: true in the code judge's settings to accept the weaker fallback"
         )
     with _SLOTS:  # the wall limit starts when the program gets a slot, not while it queues for one
-        return _run(program, tests, setup, limits, test_setup, may_shadow, iso)
+        return _run(program, tests, setup, limits, test_setup, may_shadow, imports or {}, iso)
 
 
 # Programs judged at once, across threads: an answering stage judges each answer as it finishes, up to
@@ -622,29 +707,49 @@ def run_sandboxed(
 _SLOTS = threading.BoundedSemaphore(max(2, os.cpu_count() or 2))
 
 
-def _run(program, tests, setup, limits: SandboxLimits, test_setup, may_shadow, iso: dict):
+def _run(program, tests, setup, limits: SandboxLimits, test_setup, may_shadow, imports, iso: dict):
     work = Path(tempfile.mkdtemp(prefix="kibidango-judge-"))
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     started = time.monotonic()
     candidate = tester = None
+    own = ExitStack()  # the sandboxes' leased uids and cgroups, given back last
     try:
         (work / "candidate").mkdir()
         (work / "tester").mkdir()
+        uids, groups = [None, None], [None, None]
+        if iso["kind"] == "bubblewrap" and iso.get("own_uid"):
+            uids = [own.enter_context(UidLease()) for _ in range(2)]
+        support = cgroup_support() if iso.get("cgroup") else None
+        if support is not None:  # the candidate's: the tester runs the task's own code, as a uid of its own
+            groups[0] = Cgroup(support, limits.memory_bytes, limits.processes)
+            own.callback(groups[0].remove)
         files = {k: open(work / f"{k}.txt", "wb") for k in ("stdout", "stderr", "tester_stdout", "tester_stderr")}
-        candidate = _Sandboxed(_CANDIDATE, (req_r, resp_w), limits, iso, files, work / "candidate")
+        cwd = work / "candidate"
+        candidate = _Sandboxed(_CANDIDATE, (req_r, resp_w), limits, iso, files, cwd, uids[0], groups[0])
         os.close(req_r)
         os.close(resp_w)
         req_r = resp_w = -1
         tester_files = {"stdout": files["tester_stdout"], "stderr": files["tester_stderr"]}
-        tester = _Sandboxed(_TESTER, (req_w, resp_r), limits, _tester_iso(iso), tester_files, work / "tester")
+        tester = _Sandboxed(
+            _TESTER, (req_w, resp_r), limits, _tester_iso(iso), tester_files, work / "tester", uids[1], groups[1]
+        )
+        candidate.started()
+        tester.started()
         os.close(req_w)
         os.close(resp_r)
         req_w = resp_r = -1
         for f in files.values():
             f.close()
         candidate.feed((json.dumps({"program": program, "setup": setup}) + "\n").encode())
-        spec = {"tests": list(tests), "setup": test_setup, "wall": limits.wall_seconds, "may_shadow": list(may_shadow)}
+        spec = {
+            "tests": list(tests),
+            "setup": test_setup,
+            "wall": limits.wall_seconds,
+            "may_shadow": list(may_shadow),
+            "wanted": sorted(_names_used([*tests, test_setup])),
+            "modules": imports,
+        }
         tester.feed(json.dumps(spec).encode())
         status = "exited"
         try:
@@ -662,10 +767,12 @@ def _run(program, tests, setup, limits: SandboxLimits, test_setup, may_shadow, i
         stderr = (work / "stderr.txt").read_bytes()[: limits.output_chars * 4].decode("utf-8", "replace")
         if counts is None:
             stderr += (work / "tester_stderr.txt").read_bytes()[-2000:].decode("utf-8", "replace")
-        where = {k: iso[k] for k in ("kind", "network_namespace", "user_nobody", "python")}
+        where = {k: iso.get(k) for k in ("kind", "network_namespace", "user_nobody", "own_uid", "cgroup", "python")}
         result = SandboxResult(
             status, returncode, stdout[: limits.output_chars], stderr[: limits.output_chars], seconds, where
         )
+        if groups[0] is not None:
+            result.peak_memory_bytes, result.oom_kills = groups[0].peak_bytes(), groups[0].oom_kills()
         return result, counts
     finally:
         for proc in (tester, candidate):
@@ -674,6 +781,7 @@ def _run(program, tests, setup, limits: SandboxLimits, test_setup, may_shadow, i
         for fd in (req_r, req_w, resp_r, resp_w):
             if fd >= 0:
                 os.close(fd)
+        own.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -719,6 +827,11 @@ class CodeJudge:
     cpu_seconds: int = 5
     memory_mb: int = 1024
     weak_sandbox_ok: bool = False
+    attempts: int = 3
+    """Runs of one answer when the sandbox itself failed (it could not start, the tester gave
+    nothing readable): such a verdict is the machine's, never the answer's; after the last
+    attempt it is a ``judge_error`` with ``details["infrastructure"]``, which the stages count
+    apart from failures."""
     kind: str = "code"
 
     def __call__(self, task: Task, answer: str) -> Verdict:
@@ -736,37 +849,104 @@ class CodeJudge:
             wall_seconds=self.wall_seconds, cpu_seconds=self.cpu_seconds, memory_bytes=self.memory_mb << 20
         )
         shadow = _defined_names(task.reference) + ((task.entry_point,) if task.entry_point else ())
-        result, counts = run_sandboxed(program, tests, task.setup, limits, test_setup, self.weak_sandbox_ok, shadow)
-        cost = time.monotonic() - started
+        imports = task_imports(task.reference, task.prompt, task.setup)
+        for attempt in range(1, max(1, self.attempts) + 1):
+            try:
+                result, counts = run_sandboxed(
+                    program, tests, task.setup, limits, test_setup, self.weak_sandbox_ok, shadow, imports
+                )
+            except OSError as e:  # a sandbox could not be made (no uid, no cgroup, no process left)
+                verdict = Verdict(False, 0.0, f"judge error: the sandbox could not start ({e})", "judge_error")
+                verdict.details["infrastructure"] = True
+            else:
+                verdict = self._verdict(result, counts)
+            verdict.details["attempts"] = attempt
+            if not verdict.details.get("infrastructure"):
+                break
+            verdict.details["retryable"] = True  # a later run judges it again
+            if attempt < self.attempts:
+                log.warning(f"task {task.id}: {verdict.reason}; judging it again (attempt {attempt + 1})")
+                time.sleep(0.25 * 2**attempt)
+        return dataclasses.replace(verdict, cost=time.monotonic() - started)
+
+    def _verdict(self, result: SandboxResult, counts: dict | None) -> Verdict:
         details = {"isolation": result.isolation, "seconds": round(result.seconds, 3), "returncode": result.returncode}
+        if result.peak_memory_bytes is not None:
+            details["peak_memory_mb"] = round(result.peak_memory_bytes / (1 << 20), 1)
         # SIGXCPU at the soft CPU limit; SIGKILL at the hard one (a program that replaced the handler)
         cpu = result.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
             result.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and result.seconds >= self.cpu_seconds
         )
         if result.status == "timeout" or (cpu and (counts is None or counts["passed"] < counts["total"])):
             limit = "CPU" if cpu else "wall"
-            return Verdict(False, 0.0, f"timeout: the {limit} limit was reached", "timeout", cost, details)
+            return Verdict(False, 0.0, f"timeout: the {limit} limit was reached", "timeout", 0.0, details)
+        if result.oom_kills:
+            reason = (
+                f"error: the program passed the sandbox's memory limit ({self.memory_mb} MB for all its processes "
+                f"together): {result.oom_kills} process(es) killed"
+            )
+            return Verdict(False, 0.0, reason, "error", 0.0, details)
         if counts is None:
             why = _last_error(result.stderr) or "no readable result"
-            return Verdict(
-                False, 0.0, f"judge error: the tester gave no readable result ({why})", "judge_error", cost, details
-            )
+            reason = f"judge error: the tester gave no readable result ({why})"
+            return Verdict(False, 0.0, reason, "judge_error", 0.0, {**details, "infrastructure": True})
         if "crash" in counts:
-            return Verdict(False, 0.0, f"error: {counts['crash']}", "error", cost, details)
+            return Verdict(False, 0.0, f"error: {counts['crash']}", "error", 0.0, details)
         if "setup_error" in counts:
             reason = f"judge error: the task's test setup failed: {counts['setup_error']}"
-            return Verdict(False, 0.0, reason, "judge_error", cost, details)
+            return Verdict(False, 0.0, reason, "judge_error", 0.0, details)
         passed, total = counts["passed"], counts["total"]
         if "gone" in counts and passed < total:
             why = _last_error(result.stderr) or f"status {result.returncode}"
-            return Verdict(
-                False, passed / total if total else 0.0, f"error: {counts['gone']} ({why})", "error", cost, details
-            )
+            score = passed / total if total else 0.0
+            return Verdict(False, score, f"error: {counts['gone']} ({why})", "error", 0.0, details)
         score = passed / total if total else 0.0
         if passed == total:
-            return Verdict(True, 1.0, f"all {total} tests passed", "passed", cost, details)
+            return Verdict(True, 1.0, f"all {total} tests passed", "passed", 0.0, details)
         first = str(counts["errors"][0]) if counts["errors"] else "no detail"
-        return Verdict(False, score, f"{passed}/{total} tests passed; {first}", "failed", cost, details)
+        return Verdict(False, score, f"{passed}/{total} tests passed; {first}", "failed", 0.0, details)
+
+
+def _names_used(sources: list[str]) -> set[str]:
+    """Every name the tests (and their setup) use: the only names the tester binds. A name one
+    of them assigns locally is harmless to bind as well; a source that does not parse uses none."""
+    names: set[str] = set()
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue
+        names.update(node.id for node in ast.walk(tree) if isinstance(node, ast.Name))
+    return {n for n in names if not n.startswith("__")}
+
+
+def task_imports(*sources: str) -> dict[str, tuple[str, str | None]]:
+    """The top-level imports of a task's own code (its reference solution, prompt, setup): name ->
+    (module, attribute or None). The tester binds them itself, so a test that uses ``math`` gets
+    the standard library's, whatever the program sent. A source that does not parse as a whole (a
+    HumanEval prompt ends in a bare signature) is read line by line."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for source in sources:
+        try:
+            body = ast.parse(source).body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            body = []
+            for line in source.splitlines():
+                if re.match(r"(import|from)\s", line):
+                    try:
+                        body += ast.parse(line).body
+                    except (SyntaxError, ValueError):
+                        continue
+        for node in body:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    top = alias.name.split(".")[0]
+                    out[alias.asname or top] = (alias.name if alias.asname else top, None)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    if alias.name != "*":
+                        out[alias.asname or alias.name] = (node.module, alias.name)
+    return out
 
 
 def _defined_names(reference: str) -> tuple[str, ...]:

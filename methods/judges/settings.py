@@ -33,9 +33,17 @@ class CodeJudgeSettings(_Settings):
     kind: Literal["code"] = "code"
     wall_seconds: float = Field(10.0, gt=0, description="Wall-clock limit of one answer's run.")
     cpu_seconds: int = Field(5, gt=0, description="CPU-time limit (RLIMIT_CPU).")
-    memory_mb: int = Field(1024, gt=0, description="Address-space limit (RLIMIT_AS).")
+    memory_mb: int = Field(
+        1024,
+        gt=0,
+        description="Memory limit: per process (RLIMIT_AS), and for all the answer's processes together where the "
+        "sandbox gets a cgroup of its own.",
+    )
     weak_sandbox_ok: bool = Field(
         False, description="Judge code without bubblewrap (unshare + audit hook): weaker isolation, opted into."
+    )
+    attempts: int = Field(
+        3, ge=1, le=10, description="Runs of an answer whose sandbox failed (the machine's fault, never the answer's)."
     )
 
 
