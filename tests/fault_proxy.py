@@ -1,9 +1,12 @@
 """A fault-injecting HTTP proxy for tests: in front of a real OpenAI-compatible server on
 127.0.0.1, it forwards requests and, per the script it is given, answers a request with a timeout
 (forwarded, then held past the client's timeout: served, perhaps billed, never received), a 429
-with Retry-After, a 500, a reply whose JSON is cut in half, or the server's real reply with its
-``usage`` replaced (``usage=<JSON>``, NaN allowed; ``usage=absent`` removes it). It records every request it
-forwarded upstream (the server's requests: what a paid endpoint would bill)."""
+with Retry-After (``429``: 1 second; ``429-soon``: "soon", neither a number nor a date), a 500, a
+reply whose JSON is cut in half, the server's real reply with its ``usage`` replaced
+(``usage=<JSON>``, NaN allowed; ``usage=absent`` removes it), or padded with 64 MB of spaces
+(``huge``: with its Content-Length; ``huge-unsized``: without one, ended by closing the connection).
+It records every request it forwarded upstream (the server's requests: what a paid endpoint would
+bill)."""
 
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ class FaultProxy:
         self.server.server_close()
 
     def script(self, *faults: str) -> None:
-        """Faults for the next chat requests, in order: timeout, 429, 500, truncate, usage=<JSON>, ok."""
+        """Faults for the next chat requests, in order: timeout, 429, 429-soon, 500, truncate, usage=<JSON>,
+        huge, huge-unsized, ok."""
         with self._lock:
             self.faults.extend(faults)
 
@@ -67,8 +71,9 @@ class FaultProxy:
                 fault = self.faults.popleft() if self.faults else "ok"
                 if fault != "ok":
                     self.injected.append(fault)
-        if fault == "429":
-            return self._reply(handler, 429, b'{"error": {"message": "slow down"}}', {"Retry-After": "1"})
+        if fault in ("429", "429-soon"):
+            after = "1" if fault == "429" else "soon"
+            return self._reply(handler, 429, b'{"error": {"message": "slow down"}}', {"Retry-After": after})
         if fault == "500":
             return self._reply(handler, 500, b'{"error": {"message": "injected failure"}}')
         status, data, ctype = self._forward(handler, body)
@@ -85,7 +90,26 @@ class FaultProxy:
             else:
                 reply["usage"] = json.loads(fault.removeprefix("usage="))
             data = json.dumps(reply).encode()  # NaN stays NaN, as a careless provider might send it
+        if fault.startswith("huge"):
+            return self._huge(handler, status, data, sized=fault == "huge")
         return self._reply(handler, status, data, {"Content-Type": ctype})
+
+    @staticmethod
+    def _huge(handler: BaseHTTPRequestHandler, status: int, data: bytes, sized: bool) -> None:
+        pad = b" " * (1 << 20)
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        if sized:
+            handler.send_header("Content-Length", str(len(data) + 64 * len(pad)))
+        handler.end_headers()
+        handler.close_connection = True
+        try:
+            handler.wfile.write(data[:-1])
+            for _ in range(64):
+                handler.wfile.write(pad)
+            handler.wfile.write(data[-1:])
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
     def _forward(self, handler: BaseHTTPRequestHandler, body: bytes | None) -> tuple[int, bytes, str]:
         if body is not None:

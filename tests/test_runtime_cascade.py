@@ -136,18 +136,21 @@ def test_exhausted_retries_answer_locally_and_the_breaker_opens(pipe, proxy, tmp
 
 
 def test_budget_spent_answers_locally_and_never_overspends(pipe, proxy, tmp_path):
-    casc = _cascade(pipe, proxy, tmp_path, budget_limit=0.0015)
+    from kibidango.cascade.client import Endpoint
+
+    worst = Endpoint("x", "m", None, 0.01, 0.02).worst_case_usd([{"role": "user", "content": "Once upon a time"}], 16)
+    limit = 1.3 * worst  # the first call fits; the spend and one more worst case soon do not
+    casc = _cascade(pipe, proxy, tmp_path, budget_limit=limit)
     tiers = [casc.answer("Once upon a time", max_new_tokens=4) for _ in range(4)]
     assert tiers[0].tier == "cloud" and tiers[-1].flags[-1] == "budget_exhausted" and tiers[-1].tier == "local"
     state = casc.ledger.state()
-    assert state.settled_usd <= 0.0015 + 1e-12 and state.settled_usd == pytest.approx(sum(t.usd for t in tiers))
+    assert state.settled_usd <= limit + 1e-12 and state.settled_usd == pytest.approx(sum(t.usd for t in tiers))
     assert tiers[-1].budget_left_usd == pytest.approx(state.left_usd)
 
 
 HOSTILE_USAGE = (
     '{"prompt_tokens": -100000000, "completion_tokens": -100000000, "total_tokens": -200000000}',
     '{"prompt_tokens": NaN, "completion_tokens": NaN, "total_tokens": NaN}',
-    '{"prompt_tokens": 1000000000000, "completion_tokens": 1000000000000, "total_tokens": 2000000000000}',
     '{"prompt_tokens": "twelve", "completion_tokens": [3], "total_tokens": null}',
     '{"prompt_tokens": 1.5, "completion_tokens": 2, "total_tokens": 3.5}',
     '{"completion_tokens": 3}',
@@ -156,9 +159,10 @@ HOSTILE_USAGE = (
 
 
 def test_a_reply_never_credits_the_budget(pipe, proxy, tmp_path):
-    """Hostile usage from the provider (negative, NaN, huge, strings, fractions, a missing count,
-    none at all) is charged at the call's reservation, counted as untrusted, never credited: the
-    number of paid calls a budget allows stays what the worst case allows."""
+    """Hostile usage from the provider (negative, NaN, strings, fractions, a missing count, none
+    at all) is charged at the call's reservation, counted as untrusted, never credited: the number
+    of paid calls a budget allows stays what the worst case allows. (Credible usage dearer than the
+    reservation is recorded as reported: the next test.)"""
     import sqlite3
 
     casc = _cascade(pipe, proxy, tmp_path, max_retries=0)
@@ -193,6 +197,80 @@ def test_a_reply_never_credits_the_budget(pipe, proxy, tmp_path):
     tiers = [casc.answer("Once upon a time", max_new_tokens=4).tier for _ in range(6)]
     assert len(proxy.forwarded) - before == 3 and tiers.count("cloud") == 3
     assert casc.ledger.state().settled_usd <= budget
+
+
+def test_a_reply_dearer_than_its_reservation_is_recorded_as_reported_and_stops_spending(pipe, proxy, tmp_path):
+    """The worst case a call reserved was not the worst case (a provider billing what it billed): the
+    reply's credible cost is recorded as reported, never truncated to the reservation, and every
+    process on that ledger stops spending until someone checks the bill and reconciles
+    (``kibidango budget --reconcile``)."""
+    from kibidango.cascade.ledger import Ledger, holds
+    from kibidango.cli import main
+
+    casc = _cascade(pipe, proxy, tmp_path, max_retries=0, budget_limit=100.0)
+    proxy.script('usage={"prompt_tokens": 1000000, "completion_tokens": 0, "total_tokens": 1000000}')
+    r = casc.answer("Once upon a time", max_new_tokens=4)
+    assert r.tier == "cloud" and r.cloud.over_reservation and not r.cloud.usage_untrusted
+    assert r.usd == pytest.approx(1_000_000 * 0.01 / 1000) and r.usd > r.cloud.reserved  # $10 recorded, not truncated
+    assert casc.ledger.state().settled_usd == pytest.approx(10.0)
+    sent = len(proxy.forwarded)
+    again = casc.answer("Once upon a time", max_new_tokens=4)  # $90 left, but on hold
+    assert again.tier == "local" and again.flags[-1] == "budget_exhausted" and len(proxy.forwarded) == sent
+    other = Ledger(tmp_path, 100.0, "month")  # another process on the same state directory
+    with pytest.raises(Exception, match="on hold"):
+        other.reserve(0.01)
+    assert len(holds(tmp_path)) == 1
+    assert main(["budget", "--state-dir", str(tmp_path), "--reconcile", "--note", "bill checked"]) == 0
+    assert holds(tmp_path) == [] and casc.ledger.state().settled_usd == pytest.approx(10.0)  # the record stands
+    assert casc.answer("Once upon a time", max_new_tokens=4).tier == "cloud"
+
+
+def test_a_429_with_an_unreadable_retry_after_is_retried_and_not_charged(pipe, proxy, tmp_path):
+    """Retry-After "soon" is neither seconds nor an HTTP date: the client backs off as for any 429
+    and sends again; the 429 is not charged."""
+    casc = _cascade(pipe, proxy, tmp_path)
+    proxy.script("429-soon")
+    r = casc.answer("Once upon a time", max_new_tokens=4)
+    assert r.tier == "cloud" and r.cloud.retries["rate_limited"] == 1 and r.cloud.attempts == 2, r.cloud
+    assert r.usd < r.cloud.reserved  # only the answered attempt, at its usage
+
+
+def test_a_reply_larger_than_the_cap_is_refused_as_it_streams_in(pipe, proxy, tmp_path):
+    """A 64 MB reply body (with its length declared, or without one) is refused, not read whole: a
+    malformed attempt (maybe billed: charged its worst case), then the next attempt answers."""
+    import resource
+
+    casc = _cascade(pipe, proxy, tmp_path)
+    for fault in ("huge", "huge-unsized"):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        proxy.script(fault)
+        r = casc.answer("Once upon a time", max_new_tokens=4)
+        assert r.tier == "cloud" and r.cloud.retries["malformed"] == 1 and r.cloud.attempts == 2, (fault, r.cloud)
+        grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        assert grown_mb < 32, (fault, grown_mb)  # never held the 64 MB
+
+
+def test_the_reservation_bounds_what_an_honest_server_bills(instruct_server, monkeypatch, tmp_path):
+    """The reservation was the messages' content bytes plus 64 tokens, whatever the number of
+    messages: 60 messages (59 empty) reserved $0.098 and the server billed $0.498. It now bounds
+    each message as JSON plus the template's tokens around it: a real ChatML template's count (the
+    server's own usage) stays within it, and the ledger records that count, below the reservation."""
+    from kibidango.cascade.client import Endpoint, PaidClient
+    from kibidango.cascade.ledger import Ledger
+
+    base, key = instruct_server
+    monkeypatch.setenv(OPENAI_KEY_ENV, key)
+    endpoint = Endpoint(base, "smollm2", OPENAI_KEY_ENV, usd_per_1k_prompt=1.0, usd_per_1k_completion=1.0)
+    client = PaidClient(endpoint, Ledger(tmp_path, 100.0, "total"))
+    for messages in (
+        [{"role": "user", "content": ""}] * 59 + [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "é" * 50}],
+        [{"role": "user", "content": "Add up: " + " ".join("1234567890" * 3 for _ in range(10))}],  # a token per digit
+    ):
+        r = client.chat(messages, max_tokens=16)
+        assert r.status == "ok" and r.prompt_tokens <= endpoint.worst_case_tokens(messages), r
+        assert not r.over_reservation and r.usd == pytest.approx((r.prompt_tokens + r.completion_tokens) / 1000)
+    assert client.ledger.over == 0 and client.ledger.untrusted == 0
 
 
 def test_validation_band_and_the_local_band(pipe, proxy, tmp_path):

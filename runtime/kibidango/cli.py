@@ -290,6 +290,25 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _budget(args: argparse.Namespace) -> None:
+    from kibidango.cascade.ledger import holds, reconcile, spend
+    from kibidango.cascade.state import default_state_dir
+
+    state = Path(args.state_dir) if args.state_dir else default_state_dir()
+    if not (state / "ledger.sqlite").is_file():
+        raise FileNotFoundError(f"{state}: no budget ledger here (ledger.sqlite); pass --state-dir")
+    if args.reconcile:
+        print(f"lifted {reconcile(state, args.note)} hold(s); the recorded amounts stand")
+    print(f"ledger: {state / 'ledger.sqlite'}")
+    for period, v in spend(state).items():
+        print(f"  {period}: settled ${v['settled_usd']:.6f}, reserved in flight ${v['reserved_usd']:.6f}")
+    for h in holds(state):
+        print(
+            f"  ON HOLD: entry {h['entry']} ({h['note'] or 'no note'}) reported ${h['reported_usd']:.6f} against a "
+            f"${h['reserved_usd']:.6f} reservation; check the provider's bill, then --reconcile"
+        )
+
+
 def _loadtest(args: argparse.Namespace) -> None:
     from kibidango.server.loadtest import format_load, run_load
 
@@ -460,6 +479,16 @@ def main(argv: list[str] | None = None) -> int:
     _adapter_args(srv)
     _pin_arg(srv)
     srv.set_defaults(func=_serve)
+
+    bud = sub.add_parser(
+        "budget", help="the cloud budget ledger: spend per period, and holds (a reply that cost more than reserved)"
+    )
+    bud.add_argument("--state-dir", help=STATE_HELP)
+    bud.add_argument(
+        "--reconcile", action="store_true", help="lift every hold, once the provider's bill has been checked"
+    )
+    bud.add_argument("--note", default="", help="why the holds were lifted (kept in the ledger)")
+    bud.set_defaults(func=_budget)
 
     load = sub.add_parser("loadtest", help="a bounded load test of running servers: latency, throughput, none lost")
     load.add_argument(

@@ -6,10 +6,12 @@ One call (:meth:`PaidClient.chat`):
 
 1. the key is read from the environment variable the :class:`Endpoint` names, at call time (none
    named: a local endpoint that needs no key); it never appears in a reply, an error or a log line;
-2. with a :class:`~kibidango.cascade.ledger.Ledger`, the call's **worst case** — prompt tokens
-   bounded by the prompt's UTF-8 bytes plus a template allowance (no tokenizer makes more tokens
-   than bytes, bar special tokens), completion tokens by ``max_tokens`` — is reserved first; no room:
-   nothing is sent (``budget_exhausted``);
+2. with a :class:`~kibidango.cascade.ledger.Ledger`, the call's **worst case** is reserved first
+   (no room: nothing is sent, ``budget_exhausted``): prompt tokens bounded by every message's UTF-8
+   bytes as JSON (role, content, name: a byte-level tokenizer makes no more tokens than bytes, bar
+   special tokens, which are fewer), plus the chat template's tokens around each message
+   (``message_tokens``) and around the conversation (``template_tokens``: a default system prompt),
+   completion tokens by ``max_tokens``;
 3. up to ``max_attempts`` HTTP requests. Retried, counted by cause, with exponential backoff and
    full jitter (or the 429's ``Retry-After``): ``rate_limited``, ``server_error`` (5xx),
    ``connection``, ``timeout`` and ``malformed`` (truncated JSON, no choices, no text). A timed-out
@@ -19,8 +21,10 @@ One call (:meth:`PaidClient.chat`):
    ``rejected`` (this request will not get better);
 4. each reservation is **settled**: every unread attempt's at its worst case, the answered one's at
    the cost its reported usage gives — or at its reservation when the usage is absent, not whole
-   numbers, negative or dearer than the worst case (the ledger's rule: a reply never credits the
-   budget) — and the rest **released**.
+   numbers or negative (the ledger's rule: a reply never credits the budget); a cost above the
+   worst case is recorded as reported and puts the ledger on hold until reconciled — and the rest
+   **released**. A reply body is read up to ``max_reply_bytes``; a larger one is refused unread
+   (``malformed``).
 
 Statuses: ``ok``, ``refused``, ``rejected``, ``failed`` (attempts exhausted), ``budget_exhausted``,
 ``no_key``. A caller decides what each means to it (the cloud tier answers locally, a teacher tier
@@ -30,6 +34,8 @@ is declared dead, a judge stops the stage).
 from __future__ import annotations
 
 import email.utils
+import functools
+import json
 import logging
 import os
 import random
@@ -54,7 +60,11 @@ __all__ = [
 log = logging.getLogger("kibidango.cascade.client")
 
 TEMPLATE_TOKENS = 64
-"""Allowance for the chat template's tokens around the prompt in the worst-case cost."""
+"""Allowance for the chat template's tokens around the conversation (a default system prompt) in
+the worst-case cost."""
+MESSAGE_TOKENS = 16
+"""Allowance for the chat template's tokens around each message (ChatML's ``<|im_start|>role\n``
+and ``<|im_end|>\n`` are 5), beyond the message's own bytes."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,10 @@ class Endpoint:
     """First backoff; doubles per retry, full jitter, capped at 30 s."""
     name: str = ""
     """What errors and ledger notes call it (default: the model)."""
+    template_tokens: int = TEMPLATE_TOKENS
+    message_tokens: int = MESSAGE_TOKENS
+    max_reply_bytes: int = 8 << 20
+    """A reply body larger than this is refused unread (a malformed attempt, maybe billed)."""
 
     @property
     def label(self) -> str:
@@ -79,9 +93,13 @@ class Endpoint:
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return (prompt_tokens * self.usd_per_1k_prompt + completion_tokens * self.usd_per_1k_completion) / 1000
 
+    def worst_case_tokens(self, messages: list[dict]) -> int:
+        """The most prompt tokens the provider can bill for ``messages`` (see the module)."""
+        size = sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8")) for m in messages)
+        return size + self.message_tokens * len(messages) + self.template_tokens
+
     def worst_case_usd(self, messages: list[dict], max_tokens: int) -> float:
-        prompt = "".join(str(m.get("content") or "") for m in messages)
-        return self.cost(len(prompt.encode("utf-8")) + TEMPLATE_TOKENS, max_tokens)
+        return self.cost(self.worst_case_tokens(messages), max_tokens)
 
 
 @dataclass
@@ -105,6 +123,9 @@ class PaidReply:
     reserved: float = 0.0
     """The worst case reserved for one attempt."""
     usage_untrusted: bool = False
+    over_reservation: bool = False
+    """The answered attempt reported more than its reservation: recorded as reported, and the
+    ledger is on hold until reconciled."""
     """The answered attempt was charged its reservation: its reported cost was not credible."""
     seconds: float = 0.0
 
@@ -139,7 +160,13 @@ class PaidClient:
                 import openai
 
                 # a rotated key (or another endpoint) replaces the client
-                client = openai.OpenAI(base_url=e.base_url, api_key=key, timeout=e.timeout_s, max_retries=0)
+                client = openai.OpenAI(
+                    base_url=e.base_url,
+                    api_key=key,
+                    timeout=e.timeout_s,
+                    max_retries=0,
+                    http_client=_capped_http_client(e.max_reply_bytes, e.timeout_s),
+                )
                 self._clients = {(key, e): client}
             return self._clients[(key, e)]
 
@@ -208,6 +235,7 @@ class PaidClient:
             elif i == reply.unread and reply.text is not None:
                 amount = self.ledger.settle(rid, usd)
                 reply.usage_untrusted = amount != usd
+                reply.over_reservation = usd is not None and amount > worst + 1e-12
                 charged += amount
             else:
                 self.ledger.release(rid)
@@ -266,6 +294,7 @@ class PaidClient:
                 AttributeError,
                 IndexError,
                 TypeError,
+                ReplyTooLarge,
                 openai.APIResponseValidationError,
             ) as err:
                 reply.retries["malformed"] += 1  # truncated JSON, no choices, no text
@@ -287,6 +316,60 @@ class PaidClient:
         body = getattr(err, "body", None)
         message = body.get("message") if isinstance(body, dict) and isinstance(body.get("message"), str) else str(err)
         return self.clean(message[:limit])
+
+
+class ReplyTooLarge(Exception):
+    """A reply body past the endpoint's ``max_reply_bytes`` (refused as it streamed in)."""
+
+
+def _capped_http_client(limit: int, timeout: float):
+    """The openai client's own HTTP client (its defaults), whose replies stop at ``limit`` bytes:
+    a 64 MB body is refused as it streams in, not read whole. The HTTP library is the one this
+    openai version builds on (httpx, or httpx2 from openai 3)."""
+    import importlib
+
+    import openai
+
+    http = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
+
+    class Capped(http.SyncByteStream):
+        def __init__(self, stream):
+            self._stream = stream
+
+        def __iter__(self):
+            seen = 0
+            for chunk in self._stream:
+                seen += len(chunk)
+                if seen > limit:
+                    raise _too_large(limit)
+                yield chunk
+
+        def close(self):
+            self._stream.close()
+
+    class Transport(http.HTTPTransport):
+        def handle_request(self, request):
+            response = super().handle_request(request)
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                response.close()
+                raise _too_large(limit)
+            response.stream = Capped(response.stream)
+            return response
+
+    return openai.DefaultHttpxClient(transport=Transport(), timeout=timeout)
+
+
+def _too_large(limit: int) -> Exception:
+    """A :class:`ReplyTooLarge` the openai client passes on unwrapped (it re-raises its own errors)."""
+    return _openai_reply_too_large()(f"the reply is larger than {limit:,} bytes")
+
+
+@functools.cache
+def _openai_reply_too_large() -> type:
+    import openai
+
+    return type("ReplyTooLarge", (ReplyTooLarge, openai.OpenAIError), {})
 
 
 def credible_usage(usage) -> tuple[int | None, int | None]:
@@ -312,12 +395,17 @@ def backoff_seconds(base: float, attempt: int) -> float:
 
 
 def retry_after_seconds(headers) -> float | None:
-    """Seconds from a Retry-After header (delta seconds or an HTTP date), capped at 60."""
+    """Seconds from a Retry-After header (delta seconds or an HTTP date), capped at 60; None when it
+    is absent or neither."""
     value = headers.get("retry-after") if headers is not None else None
     if not value:
         return None
     try:
         return min(60.0, max(0.0, float(value)))
     except ValueError:
+        pass
+    try:  # an HTTP date; anything else ("soon") says nothing: the caller's own backoff applies
         when = email.utils.parsedate_to_datetime(value)
-        return min(60.0, max(0.0, when.timestamp() - time.time())) if when else None
+        return min(60.0, max(0.0, when.timestamp() - time.time()))
+    except (TypeError, ValueError, OverflowError, IndexError):
+        return None

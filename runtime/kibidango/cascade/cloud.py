@@ -37,6 +37,11 @@ class CloudReply:
     """``ok``, ``degraded`` (failed or breaker open), ``budget_exhausted``, ``no_key``."""
     error: str | None = None
     seconds: float = 0.0
+    reserved: float = 0.0
+    """The worst case reserved for one attempt."""
+    usage_untrusted: bool = False
+    over_reservation: bool = False
+    """It reported more than its reservation: recorded as reported, and the ledger is on hold."""
 
 
 class CloudClient:
@@ -95,7 +100,8 @@ class CloudClient:
             return reply
         paid = self.paid.chat(messages, max_tokens or self.cfg.max_tokens)
         reply.text, reply.usd, reply.attempts, reply.retries = paid.text, paid.usd, paid.attempts, paid.retries
-        reply.seconds = paid.seconds
+        reply.seconds, reply.reserved = paid.seconds, paid.reserved
+        reply.usage_untrusted, reply.over_reservation = paid.usage_untrusted, paid.over_reservation
         if paid.status in ("ok", "budget_exhausted", "no_key"):
             reply.status = paid.status
         else:  # refused, rejected, failed: answered locally
@@ -107,6 +113,8 @@ class CloudClient:
             self._outcome(reply.text is not None)
         if paid.usage_untrusted:
             self.counts["usage_untrusted"] += 1
+        if paid.over_reservation:
+            self.counts["over_reservation"] += 1
         self.counts[reply.status] += 1
         for cause, n in reply.retries.items():
             self.counts[f"retry_{cause}"] += n

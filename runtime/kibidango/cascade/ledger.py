@@ -6,9 +6,12 @@ cost: in one ``BEGIN IMMEDIATE`` transaction (one writer at a time, across proce
 period's settled spend plus its open reservations plus the new amount must stay within the limit,
 or nothing is reserved and the caller answers locally. After the call the reservation is
 **settled** with the cost the provider's reported usage gives, or **released** when the call failed
-before anything could be billed. A settled cost lies in [0, reservation]: a cost that cannot be
-trusted — absent, not a number, negative, NaN, or above the worst case — is charged **at the
-reservation**, with a warning and ``usage_untrusted`` counted; a reply never credits the budget. A
+before anything could be billed. A cost that cannot be trusted — absent, not a number, negative,
+NaN — is charged **at the reservation**, with a warning and ``usage_untrusted`` counted; a reply
+never credits the budget. A credible cost **above** its reservation (the worst case was not the
+worst case) is recorded at what it reports, never truncated, and puts the ledger on **hold**: no
+reservation succeeds, in any process sharing the state directory, until someone checks the
+provider's bill and lifts it (:func:`reconcile`, ``kibidango budget --reconcile``). A
 reservation whose process died is still counted: it may have been paid, so :meth:`Ledger.reap`
 charges it at its reserved amount — the spend can overshoot the truth, never the limit. A
 reservation records its process's id and start token (boot id + start time), so a process that
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from kibidango.cascade.state import Database, pid_alive, process_token
 
-__all__ = ["BudgetExceeded", "Ledger", "LedgerState", "period_of", "trusted_cost"]
+__all__ = ["BudgetExceeded", "Ledger", "LedgerState", "holds", "period_of", "reconcile", "spend", "trusted_cost"]
 
 log = logging.getLogger("kibidango.cascade.ledger")
 
@@ -49,6 +52,16 @@ CREATE TABLE IF NOT EXISTS entries (
     updated REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS entries_period ON entries (period, state);
+CREATE TABLE IF NOT EXISTS holds (
+    id TEXT PRIMARY KEY,
+    entry TEXT NOT NULL,
+    reserved_usd REAL NOT NULL,
+    reported_usd REAL NOT NULL,
+    note TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    lifted REAL,
+    lifted_note TEXT
+);
 """
 _COLUMNS = {"token": "TEXT", "untrusted": "INTEGER NOT NULL DEFAULT 0"}  # added after the first release
 
@@ -87,22 +100,14 @@ class Ledger:
         if not _dollars(limit_usd):
             raise ValueError(f"budget limit: a finite, non-negative number of dollars, not {limit_usd!r}")
         period_of(period)  # validates
-        self._db = Database(
-            Path(state_dir) / "ledger.sqlite", synchronous="FULL"
-        )  # a settled cost survives a power cut
+        self._db = _database(state_dir)  # synchronous=FULL: a settled cost survives a power cut
         self.path = self._db.path
         self.limit_usd = float(limit_usd)
         self.period = period
         self._host = os.uname().nodename
         self._token = process_token()
         self.untrusted = 0  # settlements charged at the reservation because the reported cost was not credible
-        with self._db.transaction() as db:
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                db.execute(statement)
-            have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
-            for column, kind in _COLUMNS.items():
-                if column not in have:
-                    db.execute(f"ALTER TABLE entries ADD COLUMN {column} {kind}")
+        self.over = 0  # settlements whose credible cost was above their reservation (each put the ledger on hold)
 
     @staticmethod
     def _totals(db: sqlite3.Connection, period: str) -> tuple[float, float]:
@@ -121,6 +126,15 @@ class Ledger:
             raise ValueError(f"a reservation is a finite, non-negative number of dollars, not {usd!r}")
         period = period_of(self.period)
         with self._db.transaction() as db:
+            hold = db.execute(
+                "SELECT entry, reserved_usd, reported_usd FROM holds WHERE lifted IS NULL ORDER BY created LIMIT 1"
+            ).fetchone()
+            if hold is not None:
+                raise BudgetExceeded(
+                    f"spending is on hold: a reply reported ${hold[2]:.6f} against a ${hold[1]:.6f} reservation "
+                    f"(entry {hold[0]}); check the provider's bill, then lift it with `kibidango budget --reconcile` "
+                    f"({self.path})"
+                )
             settled, reserved = self._totals(db, period)
             if settled + reserved + usd > self.limit_usd + 1e-12:
                 left = max(0.0, self.limit_usd - settled - reserved)
@@ -138,22 +152,38 @@ class Ledger:
 
     def settle(self, rid: str, usd) -> float:
         """Record what the call cost; returns the amount recorded. ``usd`` is what the provider's
-        usage gives, or None when the reply had none: a cost that is not a finite number in
-        [0, reservation] is charged at the reservation (:func:`trusted_cost`) — never credited,
-        never above the worst case that was checked against the limit."""
+        usage gives, or None when the reply had none: a cost that is not a finite, non-negative
+        number is charged at the reservation (:func:`trusted_cost`), never credited; a credible
+        cost above the reservation is recorded as reported and puts the ledger on hold (see the
+        module)."""
         with self._db.transaction() as db:
-            row = db.execute("SELECT state, reserved_usd FROM entries WHERE id = ?", (rid,)).fetchone()
+            row = db.execute("SELECT state, reserved_usd, note FROM entries WHERE id = ?", (rid,)).fetchone()
             if row is None or row[0] != "reserved":
                 raise KeyError(f"reservation {rid}: {'unknown' if row is None else row[0]}")
-            amount, trusted = trusted_cost(usd, float(row[1]))
+            reserved = float(row[1])
+            amount, trusted = trusted_cost(usd, reserved)
+            over = trusted and amount > reserved + 1e-12
+            now = time.time()
             db.execute(
                 "UPDATE entries SET state='settled', settled_usd=?, updated=?, untrusted=? WHERE id=?",
-                (amount, time.time(), 0 if trusted else 1, rid),
+                (amount, now, 0 if trusted else 1, rid),
             )
+            if over:
+                db.execute(
+                    "INSERT INTO holds (id, entry, reserved_usd, reported_usd, note, created)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (uuid.uuid4().hex, rid, reserved, amount, row[2], now),
+                )
         if not trusted:
             self.untrusted += 1
             log.warning(
                 f"reservation {rid}: the reported cost {usd!r} is not credible; charged the reserved ${amount:.6f}"
+            )
+        if over:
+            self.over += 1
+            log.error(
+                f"reservation {rid}: the reply reported ${amount:.6f}, above its ${reserved:.6f} reservation; "
+                f"recorded as reported and spending is ON HOLD until `kibidango budget --reconcile` ({self.path})"
             )
         return amount
 
@@ -203,11 +233,65 @@ class Ledger:
 
 
 def trusted_cost(usd, reserved: float) -> tuple[float, bool]:
-    """``(amount to charge, whether the reported cost was credible)``: a finite number in
-    [0, reserved] is charged as is; anything else (None, not a number, negative, NaN, infinite,
-    above the worst case) is charged at ``reserved``."""
-    ok = _dollars(usd) and usd <= reserved + 1e-12
-    return (min(float(usd), reserved), True) if ok else (reserved, False)
+    """``(amount to charge, whether the reported cost was credible)``: a finite, non-negative
+    number is charged as is (above ``reserved`` too: never truncated); anything else (None, not a
+    number, negative, NaN, infinite) is charged at ``reserved``."""
+    return (float(usd), True) if _dollars(usd) else (reserved, False)
+
+
+def _migrate(db: Database) -> None:
+    with db.transaction() as conn:
+        for statement in filter(str.strip, _SCHEMA.split(";")):
+            conn.execute(statement)
+        have = {row[1] for row in conn.execute("PRAGMA table_info(entries)")}
+        for column, kind in _COLUMNS.items():
+            if column not in have:
+                conn.execute(f"ALTER TABLE entries ADD COLUMN {column} {kind}")
+
+
+def _database(state_dir: str | Path) -> Database:
+    db = Database(Path(state_dir) / "ledger.sqlite", synchronous="FULL")
+    _migrate(db)
+    return db
+
+
+def holds(state_dir: str | Path) -> list[dict]:
+    """The ledger's holds not yet lifted: each reply that reported more than its reservation."""
+    rows = (
+        _database(state_dir)
+        .connection()
+        .execute(
+            "SELECT id, entry, reserved_usd, reported_usd, note, created FROM holds WHERE lifted IS NULL"
+            " ORDER BY created"
+        )
+        .fetchall()
+    )
+    keys = ("id", "entry", "reserved_usd", "reported_usd", "note", "created")
+    return [dict(zip(keys, row)) for row in rows]
+
+
+def spend(state_dir: str | Path) -> dict[str, dict[str, float]]:
+    """Per period: dollars settled and dollars reserved by calls in flight."""
+    rows = (
+        _database(state_dir)
+        .connection()
+        .execute(
+            "SELECT period, COALESCE(SUM(CASE WHEN state='settled' THEN settled_usd END), 0),"
+            " COALESCE(SUM(CASE WHEN state='reserved' THEN reserved_usd END), 0) FROM entries GROUP BY period"
+            " ORDER BY period"
+        )
+        .fetchall()
+    )
+    return {period: {"settled_usd": float(a), "reserved_usd": float(b)} for period, a, b in rows}
+
+
+def reconcile(state_dir: str | Path, note: str = "") -> int:
+    """Lift every hold (someone checked the provider's bill; the recorded amounts stand); returns
+    how many were lifted."""
+    with _database(state_dir).transaction() as db:
+        return db.execute(
+            "UPDATE holds SET lifted = ?, lifted_note = ? WHERE lifted IS NULL", (time.time(), note[:200])
+        ).rowcount
 
 
 def _dollars(x) -> bool:
