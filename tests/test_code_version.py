@@ -128,8 +128,8 @@ def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(bas
     assert changed == {"1B", "1C", "1E", "1F", "1R", "2F", "2G", "9"}
     src = _source("kibidango.bundle")
     edited = src.replace("def load_bundle(", "def load_bundle(  # edited\n    ", 1).replace(
-        "    root = Path(path)\n    if is_packed(root):",
-        "    root = Path(path)\n    KB_EDITED = 1\n    if is_packed(root):",
+        "    if is_packed(root):",
+        "    KB_EDITED = 1\n    if is_packed(root):",
         1,
     )
     assert edited != src

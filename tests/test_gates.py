@@ -99,7 +99,7 @@ def test_a_working_bundle_passes_and_a_broken_one_fails_the_tiny_gates(stage0, t
     result = _gate({"bundle": good, "evaluation": tmp_path / "good" / "9" / "k"}, tmp_path / "g1", tiny_gates)
     assert result.failure is None and result.metrics["releasable"] == 1
     stamped = load_bundle(tmp_path / "g1" / "bundle")
-    assert stamped.manifest.release["releasable"] is True and len(stamped.manifest.release["gates"]) == len(tiny_gates)
+    assert stamped.manifest.release.releasable is True and len(stamped.manifest.release.gates) == len(tiny_gates)
 
     bad = _evaluate(_shuffled(STORIES, tmp_path / "shuffled"), tmp_path / "bad", stage0)
     inputs = {"bundle": bad, "evaluation": tmp_path / "bad" / "9" / "k"}
@@ -109,14 +109,14 @@ def test_a_working_bundle_passes_and_a_broken_one_fails_the_tiny_gates(stage0, t
     assert "| 9 | all/reference_perplexity |" in result.failure  # the stage each value came from
     with caplog.at_level(logging.WARNING, logger="kibidango.bundle"):
         stamped = load_bundle(tmp_path / "g2" / "bundle")
-    assert stamped.manifest.release["releasable"] is False and "NOT releasable" in caplog.text
+    assert stamped.manifest.release.releasable is False and "NOT releasable" in caplog.text
     assert "Not releasable" in (tmp_path / "g2" / "GATES_CARD.md").read_text()
 
-    failed = stamped.manifest.release["failed"]
+    failed = stamped.manifest.release.failed
     waived = _gate(inputs, tmp_path / "g3", tiny_gates, waive=failed)
     assert waived.failure is None and waived.metrics["gates_waived"] == len(failed)
     release = load_bundle(tmp_path / "g3" / "bundle").manifest.release
-    assert release["waived"] == failed and release["releasable"] is True
+    assert release.waived == failed and release.releasable is True
 
 
 def test_a_gate_on_a_metric_nobody_measured_names_the_metrics_there_are(tmp_path):
@@ -169,7 +169,7 @@ def test_failed_gates_publish_the_stamped_bundle_and_fail_the_flow_on_every_run(
         with pytest.raises(KibidangoError, match=r"stage 9A \(gates\): quality gates failed: gold-answer"):
             execute_stage("9A", cfg, inputs, ctx)
     (published,) = [p for p in (workspace / "store" / "9A").iterdir() if not p.name.startswith(".")]
-    assert load_bundle(published / "bundle").manifest.release["failed"] == ["gold-answer-perplexity"]
+    assert load_bundle(published / "bundle").manifest.release.failed == ["gold-answer-perplexity"]
     assert (
         "| gold-answer-perplexity | 9 | all/reference_perplexity | 1.9e+06 | <= 512 | **FAIL** |"
         in (published / "GATES_CARD.md").read_text()

@@ -82,10 +82,10 @@ def test_9a_registers_every_judged_bundle_and_champion_follows_only_releasable_o
     monkeypatch.setenv("KIBIDANGO_CACHE", str(cache))
     uri = f"models:/{name}@champion"
     loaded = load_bundle(uri)
-    assert loaded.digest == digest and loaded.manifest.release["releasable"] is True
+    assert loaded.digest == digest and loaded.manifest.release.releasable is True
     assert loaded.root == cache / "registry" / name / str(v1.version)
     assert Pipeline.from_bundle(uri).generate("Once upon a time", max_new_tokens=4).token_ids
-    assert load_bundle(f"models:/{name}/2").manifest.release["releasable"] is False
+    assert load_bundle(f"models:/{name}/2").manifest.release.releasable is False
 
     # a cached download altered on disk is refused by the bundle's own hashes
     weights = loaded.root / "tiers" / "target" / "hf" / "model.safetensors"

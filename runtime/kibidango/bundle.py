@@ -183,10 +183,16 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
     if is_registry_uri(path):
         path = fetch_registered(path)
     root = Path(path)
+    expect = (expect_sha256 or os.environ.get("KIBIDANGO_BUNDLE_SHA256") or "").removeprefix("sha256:").strip().lower()
     if is_packed(root):
         cache = unpacked_cache(root)
         if not (cache / "bundle.json").is_file():
-            unpack_bundle(root, cache)
+            unpack_bundle(root, cache, expect_sha256=expect or None)  # the pin is checked before unpacking
+            try:
+                return load_bundle(cache, verify, expect)
+            except BundleError:  # refused: what this load unpacked goes with it
+                shutil.rmtree(cache, ignore_errors=True)
+                raise
         root = cache
     manifest = root / "bundle.json"
     try:
@@ -194,7 +200,6 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
     except FileNotFoundError as e:
         raise BundleError(f"{root}: not a bundle (no bundle.json)") from e
     digest = sha256_bytes(raw)
-    expect = (expect_sha256 or os.environ.get("KIBIDANGO_BUNDLE_SHA256") or "").removeprefix("sha256:").strip().lower()
     if expect and digest != expect:
         raise BundleError(f"{manifest}: sha256 {digest}, but {expect} was expected (pinned): refused")
     if verify:
@@ -236,8 +241,8 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
     bundle = Bundle(root, meta, tiers, digest, unlisted)
     _check_shared_tokenizer(bundle)
     release = meta.release
-    if isinstance(release, dict) and release.get("releasable") is False:
-        failed = ", ".join(str(g) for g in release.get("failed", [])) or "?"
+    if release is not None and not release.releasable:
+        failed = ", ".join(release.failed) or "?"
         log.warning(
             f"{root}: this bundle is NOT releasable: quality gates failed ({failed}); see bundle.json 'release'"
         )

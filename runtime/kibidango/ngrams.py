@@ -116,16 +116,7 @@ class NgramTable:
         """The table at ``path``; BundleError naming the file and what is wrong with it.
         ``vocab_size``: the model's, which every token id must be below."""
         path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                missing = [name for name in _FIELDS if name not in npz.files]
-                if missing:
-                    raise BundleError(f"{path}: not an n-gram table (missing array {', '.join(missing)})")
-                arrays = {name: npz[name] for name in _FIELDS}
-        except (OSError, ValueError) as e:
-            raise BundleError(f"{path}: not an n-gram table ({e})") from None
-        if any(not np.issubdtype(a.dtype, np.integer) for a in arrays.values()) or arrays["vocab_size"].shape != ():
-            raise BundleError(f"{path}: not an n-gram table (arrays of whole numbers, vocab_size one number)")
+        arrays = _read_arrays(path)
         contexts, nxt, count, total = (arrays[n] for n in ("contexts", "next", "count", "total"))
         table_vocab = int(arrays["vocab_size"])
         if contexts.ndim != 2 or contexts.shape[1] < 1 or any(a.shape != (len(contexts),) for a in (nxt, count, total)):
@@ -145,6 +136,60 @@ class NgramTable:
             for row, a, b, c in zip(contexts.tolist(), nxt.tolist(), count.tolist(), total.tolist())
         }
         return cls(entries, contexts.shape[1], table_vocab)
+
+
+_MAX_N = 64  # the longest context a table may hold
+_MAX_EXPANSION = 256  # bytes the arrays may declare per byte of the file (a real table compresses ~3-5x)
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The table's arrays, their shapes and types checked from the ``.npy`` headers before any
+    array is read (a 0.2 MB file declaring 600 MB of rows is refused unread); a file that is not
+    a readable ``.npz`` (empty, truncated) is a BundleError naming it."""
+    import zipfile
+
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as z:
+            names = {n.removesuffix(".npy"): n for n in z.namelist()}
+            missing = [name for name in _FIELDS if name not in names]
+            if missing:
+                raise BundleError(f"{path}: not an n-gram table (missing array {', '.join(missing)})")
+            headers = {}
+            for name in _FIELDS:
+                with z.open(names[name]) as fh:
+                    version = np.lib.format.read_magic(fh)
+                    read = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    headers[name] = read(fh, max_header_size=10_000)
+            _check_headers(path, headers, size)
+            arrays = {}
+            for name in _FIELDS:
+                with z.open(names[name]) as fh:
+                    arrays[name] = np.lib.format.read_array(fh, allow_pickle=False)
+    except BundleError:
+        raise
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, NotImplementedError) as e:
+        raise BundleError(f"{path}: not an n-gram table ({type(e).__name__}: {str(e)[:200]})") from None
+    return arrays
+
+
+def _check_headers(path: Path, headers: dict, size: int) -> None:
+    """``headers``: name -> (shape, fortran_order, dtype) as the ``.npy`` files declare them."""
+    for name, (_, _, dtype) in headers.items():
+        if not np.issubdtype(dtype, np.integer) or dtype.itemsize > 8:
+            raise BundleError(f"{path}: not an n-gram table ({name}: arrays of whole numbers)")
+    rows, n_max = headers["contexts"][0] if len(headers["contexts"][0]) == 2 else (-1, -1)
+    if headers["vocab_size"][0] != ():
+        raise BundleError(f"{path}: not an n-gram table (arrays of whole numbers, vocab_size one number)")
+    if rows < 0 or not 1 <= n_max <= _MAX_N or any(headers[n][0] != (rows,) for n in ("next", "count", "total")):
+        raise BundleError(f"{path}: contexts, next, count and total do not have one row per context")
+    declared = sum(int(np.prod(shape)) * dtype.itemsize for shape, _, dtype in headers.values())
+    if declared > max(1 << 20, _MAX_EXPANSION * size):
+        raise BundleError(f"{path}: its arrays declare {declared:,} bytes in a {size:,}-byte file: refused unread")
 
 
 def count_outputs(pipe, prompts: list[str], max_new_tokens: int = 64, progress=None) -> NgramTable:

@@ -7,8 +7,12 @@ dictionary, with the size and sha256 of every original file.
       files/<path>.zst   one zstd frame per bundle file
 
 :func:`unpack_bundle` restores the bundle byte for byte and refuses a file whose size or sha256
-differs, naming it, and refuses a pack.json whose paths would read or write outside the pack or
-the output directory (absolute paths, ``..``, symlinks that lead out) before it writes anything;
+differs, naming it. Before it writes anything it refuses a pack.json whose paths would read or
+write outside the pack or the output directory (absolute paths, ``..``, symlinks that lead out),
+one that declares more bytes than :func:`max_unpacked_bytes` allows or than the disk has free,
+and — given the manifest digest the user pinned — one whose ``bundle.json`` is not that one.
+Each file is decompressed as a stream (hashed and written as it comes, never held whole) and
+stops at the size pack.json declares; whatever a refused unpack wrote is removed.
 :func:`load_bundle` (``kibidango.bundle``) unpacks a packed bundle into a cache directory first
 and then verifies the bundle itself.
 """
@@ -24,10 +28,22 @@ from typing import Any
 
 from kibidango.integrity import BundleError, contained, read_json, sha256_file
 
-__all__ = ["PACK_SCHEMA", "pack_bundle", "unpack_bundle", "is_packed", "unpacked_cache"]
+__all__ = ["PACK_SCHEMA", "max_unpacked_bytes", "pack_bundle", "unpack_bundle", "is_packed", "unpacked_cache"]
 
 PACK_SCHEMA = 1
 _SAMPLE = 16 * 1024  # bytes per dictionary training sample
+_CHUNK = 1 << 20  # bytes decompressed at a time
+_DEFAULT_MAX_UNPACKED = 64 << 30  # the llama31-8b preset's bundle is ~10 GB
+
+
+def max_unpacked_bytes() -> int:
+    """The most a pack may declare: ``$KIBIDANGO_MAX_UNPACKED_BYTES``, else 64 GiB."""
+    value = os.environ.get("KIBIDANGO_MAX_UNPACKED_BYTES", "")
+    if not value:
+        return _DEFAULT_MAX_UNPACKED
+    if not value.isdigit():
+        raise BundleError(f"$KIBIDANGO_MAX_UNPACKED_BYTES: a whole number of bytes, not {value!r}")
+    return int(value)
 
 
 def _zstd():
@@ -119,10 +135,12 @@ def pack_bundle(
     return meta
 
 
-def unpack_bundle(packed_dir: str | Path, out_dir: str | Path) -> Path:
+def unpack_bundle(packed_dir: str | Path, out_dir: str | Path, expect_sha256: str | None = None) -> Path:
     """Restore a packed bundle into ``out_dir``: every file decompressed with the pack's
     dictionary and checked against its size and sha256 before the directory is renamed into
-    place. A mismatch raises :class:`BundleError` naming the file."""
+    place. A mismatch raises :class:`BundleError` naming the file. ``expect_sha256``: the
+    manifest digest pinned (``--expect-sha256``), checked against pack.json's ``bundle.json``
+    entry before anything is written."""
     zstd = _zstd()
     src, out = Path(packed_dir), Path(out_dir)
     where = src / "pack.json"
@@ -132,6 +150,14 @@ def unpack_bundle(packed_dir: str | Path, out_dir: str | Path) -> Path:
         raise BundleError(f"{where}: pack schema {found!r}, this runtime reads {PACK_SCHEMA}")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     entries = _checked_entries(src, tmp, meta, where)  # every path checked before anything is written
+    if expect_sha256:
+        manifest = next((e for e, _, _ in entries if e["path"] == "bundle.json"), None)
+        if manifest is None or manifest["sha256"] != expect_sha256:
+            found = manifest["sha256"] if manifest else "no bundle.json"
+            raise BundleError(
+                f"{where}: bundle.json sha256 {found}, but {expect_sha256} was expected (pinned): refused"
+            )
+    _check_room(out, sum(e["size"] for e, _, _ in entries), where)
     dictionary = zstd.ZstdCompressionDict(contained(src, meta.get("dictionary"), f"{where}: dictionary").read_bytes())
     if dictionary.dict_id() != meta.get("dictionary_id"):
         raise BundleError(f"{src}: {meta['dictionary']} is not the dictionary the files were packed with")
@@ -141,20 +167,46 @@ def unpack_bundle(packed_dir: str | Path, out_dir: str | Path) -> Path:
         for e, packed, dest in entries:
             if not packed.is_file():
                 raise BundleError(f"{src}: packed file {e['packed']} (of {e['path']}) is missing")
-            try:
-                data = dctx.decompress(packed.read_bytes(), max_output_size=e["size"])
-            except zstd.ZstdError as err:
-                raise BundleError(f"{src}: {e['packed']} does not decompress ({err}): corrupted") from err
-            if len(data) != e["size"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
-                raise BundleError(f"{src}: {e['path']} unpacks to content that does not match its sha256 in pack.json")
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(data)
+            _unpack_file(zstd, dctx, packed, dest, e, src)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _unpack_file(zstd, dctx, packed: Path, dest: Path, e: dict, src: Path) -> None:
+    """One packed file into ``dest``: decompressed a chunk at a time, hashed as it comes, stopped
+    past the size pack.json declares."""
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(packed, "rb") as fh, dctx.stream_reader(fh) as reader, open(dest, "wb") as out:
+            while chunk := reader.read(_CHUNK):
+                size += len(chunk)
+                if size > e["size"]:
+                    break
+                digest.update(chunk)
+                out.write(chunk)
+    except zstd.ZstdError as err:
+        raise BundleError(f"{src}: {e['packed']} does not decompress ({err}): corrupted") from err
+    if size != e["size"] or digest.hexdigest() != e["sha256"]:
+        raise BundleError(f"{src}: {e['path']} unpacks to content that does not match its sha256 in pack.json")
+
+
+def _check_room(out: Path, declared: int, where: Path) -> None:
+    """Refuse a pack that declares more than the runtime unpacks, or than the disk has free."""
+    limit = max_unpacked_bytes()
+    if declared > limit:
+        raise BundleError(
+            f"{where}: the files declare {declared:,} bytes, more than the {limit:,} this runtime unpacks "
+            "(set KIBIDANGO_MAX_UNPACKED_BYTES to allow more): refused"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if declared > free:
+        raise BundleError(f"{where}: the files declare {declared:,} bytes; {out.parent} has {free:,} free: refused")
 
 
 def _checked_entries(src: Path, tmp: Path, meta: dict, where: Path) -> list[tuple[dict, Path, Path]]:
@@ -167,6 +219,7 @@ def _checked_entries(src: Path, tmp: Path, meta: dict, where: Path) -> list[tupl
         if (
             not isinstance(e, dict)
             or not isinstance(e.get("size"), int)
+            or isinstance(e["size"], bool)
             or e["size"] < 0
             or not isinstance(e.get("sha256"), str)
         ):

@@ -20,7 +20,7 @@ from typing import Any
 
 from kibidango.integrity import BundleError
 
-__all__ = ["SCHEMA_VERSION", "AdapterEntry", "BundleManifest", "FileEntry", "TierEntry", "describe"]
+__all__ = ["SCHEMA_VERSION", "AdapterEntry", "BundleManifest", "FileEntry", "Release", "TierEntry", "describe"]
 
 SCHEMA_VERSION = 2
 """2: no ``created``, ``pipeline_git_sha``, ``stage_git_shas`` or ``mlflow_run_ids`` (version 1 had
@@ -46,6 +46,16 @@ class TierEntry:
     hidden_size: int | None = _doc("Hidden size of the model.", default=None)
     layers: int | None = _doc("Decoder layers.", default=None)
     quantization: dict[str, str] = _doc("Per weight form (hf, gguf), its quantization.", default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Release:
+    releasable: bool = _doc("True when every quality gate passed or was waived.")
+    gates: list[dict[str, Any]] = _doc(
+        "Each gate: name, metric, threshold, value, passed, waived.", default_factory=list
+    )
+    failed: list[str] = _doc("The gates that failed (not waived).", default_factory=list)
+    waived: list[str] = _doc("The gates waived on purpose (``waive:`` in the recipe).", default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -96,9 +106,7 @@ class BundleManifest:
     tuning: dict[str, dict[str, Any]] = _doc(
         "Per backend, the tuner's measurements behind ``tuned_defaults`` (speeds, acceptance).", default_factory=dict
     )
-    release: dict[str, Any] | None = _doc(
-        "The quality gates' verdict (stage 9A): releasable, gates, failed, waived.", default=None
-    )
+    release: Release | None = _doc("The quality gates' verdict (stage 9A).", default=None)
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> BundleManifest:
@@ -197,7 +205,7 @@ def _json(value: Any) -> Any:
 def describe() -> str:
     """Every field of bundle.json with its type and description (Markdown)."""
     lines = []
-    for cls in (BundleManifest, TierEntry, FileEntry, AdapterEntry):
+    for cls in (BundleManifest, TierEntry, FileEntry, AdapterEntry, Release):
         lines += [f"### {cls.__name__}", "", "| field | type | description |", "|---|---|---|"]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):

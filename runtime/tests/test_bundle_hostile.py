@@ -235,9 +235,9 @@ def test_bundle_json_is_read_through_its_schema(clean, tmp_path, edit, message):
 def test_every_schema_field_is_described_and_written_fields_round_trip(clean):
     import dataclasses
 
-    from kibidango.schema import AdapterEntry, BundleManifest, FileEntry, TierEntry, describe
+    from kibidango.schema import AdapterEntry, BundleManifest, FileEntry, Release, TierEntry, describe
 
-    for cls in (BundleManifest, TierEntry, FileEntry, AdapterEntry):
+    for cls in (BundleManifest, TierEntry, FileEntry, AdapterEntry, Release):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no description"
             assert f"`{f.name}`" in describe()

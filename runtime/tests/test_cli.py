@@ -51,3 +51,72 @@ def test_generate_through_the_cascade(tmp_path):
     missing = _kb(*args, "--cascade", str(tmp_path / "nope.json"), "x")
     assert missing.returncode == 2 and "nope.json: cannot read the cascade config" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_bad_inputs_get_one_line_naming_the_file_never_a_traceback(tmp_path, capsys):
+    """Each of these crashed the CLI with a traceback: a release verdict of the wrong shape, a
+    cascade config that is a number, ``true``, 5,000 levels deep, binary, keyed by numbers, or
+    whose cloud model is not a name; a tier whose weights are a pickle (never unpickled)."""
+    import hashlib
+    import pickle
+    import shutil
+
+    needs_stories()
+    bundle = write_bundle(
+        tmp_path / "b", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]}
+    )
+
+    released = tmp_path / "released"
+    shutil.copytree(bundle, released)
+    meta = json.loads((released / "bundle.json").read_text())
+    meta["release"] = {"releasable": False, "gates": [], "failed": 5, "waived": []}
+    raw = json.dumps(meta).encode()
+    (released / "bundle.json").write_bytes(raw)
+    (released / "bundle.json.sha256").write_text(hashlib.sha256(raw).hexdigest() + "  bundle.json\n")
+    cases = [(("inspect", str(released)), "bundle.json: release.failed is not a list")]
+
+    cloud = {
+        "base_url": "http://127.0.0.1:9/v1",
+        "api_key_env": "K",
+        "usd_per_1k_prompt": 0,
+        "usd_per_1k_completion": 0,
+    }
+    configs = {
+        "cloud5.json": ('{"cloud": 5}', "cloud: an object, not int"),
+        "cloudtrue.json": ('{"cloud": true}', "cloud: an object, not bool"),
+        "deep.json": ("[" * 5000 + "]" * 5000, "deep.json: nested too deeply"),
+        "deep.yaml": ("a: " + "[" * 5000 + "]" * 5000, "deep.yaml: nested too deeply"),
+        "keys.yaml": ("1: x\ndraft: {}\n", "keys.yaml: 1 is not a field name"),
+        "model5.json": (json.dumps({"cloud": {**cloud, "model": 5}}), "cloud.model: the model's name"),
+        "modellist.json": (json.dumps({"cloud": {**cloud, "model": ["a"]}}), "cloud.model: the model's name"),
+    }
+    for name, (text, message) in configs.items():
+        (tmp_path / name).write_text(text)
+        cases.append((("generate", "hi", "--bundle", str(bundle), "--cascade", str(tmp_path / name)), message))
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00binary")
+    cases.append(
+        (
+            ("generate", "hi", "--bundle", str(bundle), "--cascade", str(tmp_path / "binary.json")),
+            "binary.json: not UTF-8",
+        )
+    )
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("UNPICKLED",))
+
+    weights = tmp_path / "pickled"
+    shutil.copytree(STORIES, weights)
+    (weights / "model.safetensors").unlink()
+    (weights / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Evil()}))
+    pickled = write_bundle(tmp_path / "p", {"target": {"hf": weights, "vocab_size": 512}}, {"mode": "ar"})
+    cases.append((("generate", "hi", "--bundle", str(pickled)), "weights could not be loaded"))
+
+    from kibidango.cli import main
+
+    for argv, message in cases:  # in this process: an exception would fail the test here
+        state = ("--state-dir", str(tmp_path / "state")) if argv[0] == "generate" else ()
+        code = main([*argv, *state])
+        out, err = capsys.readouterr()
+        assert code == 2 and message in err and err.startswith("error: "), (argv, err[-600:])
+        assert "UNPICKLED" not in out + err

@@ -76,6 +76,34 @@ def test_the_file_round_trips_and_a_bad_one_is_refused_by_name(tmp_path):
     (tmp_path / "text.npz").write_text("not a table")
     with pytest.raises(BundleError, match="text.npz: not an n-gram table"):
         NgramTable.load(tmp_path / "text.npz")
+    raw = (tmp_path / "rows.npz").read_bytes()
+    for name, data in (("empty.npz", b""), ("cut.npz", raw[:100]), ("half.npz", raw[: len(raw) // 2])):
+        (tmp_path / name).write_bytes(data)  # a crash (EOFError, BadZipFile) before: now the file, named
+        with pytest.raises(BundleError, match=f"{name}: not an n-gram table"):
+            NgramTable.load(tmp_path / name)
+
+
+def test_a_table_declaring_more_than_it_could_hold_is_refused_unread(tmp_path):
+    """A 0.6 MB file whose headers declare 600 MB of rows cost 225 MB of memory before its shape
+    check; the headers are read first, and such a file is refused without reading its arrays."""
+    import resource
+    import zipfile
+
+    rows = 30_000_000
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        for name, shape in (("contexts", (rows, 2)), *((n, (rows,)) for n in ("next", "count", "total"))):
+            with z.open(f"{name}.npy", "w") as fh:  # zeros written a MiB at a time: this test holds none of it
+                np.lib.format.write_array_header_1_0(fh, {"descr": "<i4", "fortran_order": False, "shape": shape})
+                for _ in range(int(np.prod(shape)) * 4 >> 20):
+                    fh.write(bytes(1 << 20))
+                fh.write(bytes(int(np.prod(shape)) * 4 % (1 << 20)))
+        with z.open("vocab_size.npy", "w") as fh:
+            np.lib.format.write_array(fh, np.array(512, np.int32))
+    assert (tmp_path / "bomb.npz").stat().st_size < 1 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(BundleError, match="declare 600,000,004 bytes in a .*-byte file: refused unread"):
+        NgramTable.load(tmp_path / "bomb.npz")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 32 << 10  # KiB: not one array read
 
 
 def _ar(family, prompt, n=40):

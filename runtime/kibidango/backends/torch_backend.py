@@ -11,6 +11,7 @@ compiled kernels' rounding cannot change what a lossless mode outputs."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 from kibidango.backends import attention
 from kibidango.backends.base import ContextLengthError
+from kibidango.integrity import BundleError
 
 __all__ = ["TorchModel", "TorchSession"]
 
@@ -86,7 +88,14 @@ class TorchModel:
         hf_logging.disable_progress_bar()  # one bar per tier per load is noise in a CLI
         self.name = name or Path(path).name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(self.device).eval()
+        try:  # safetensors only: a bundle carries no pickles (a .bin is refused, never unpickled)
+            self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True)
+        except (OSError, ValueError, pickle.UnpicklingError) as e:
+            raise BundleError(
+                f"{path}: the tier's weights could not be loaded ({type(e).__name__}: {str(e)[:300]}); a tier ships "
+                "its weights as safetensors"
+            ) from None
+        self.hf = self.hf.to(self.device).eval()
         attention.install(self.hf)
         self.vocab_size = self.hf.config.vocab_size
         self.context_length = getattr(self.hf.config, "max_position_embeddings", 2048)

@@ -124,6 +124,8 @@ def _read(path: Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise CascadeConfigError(f"{path}: cannot read the cascade config ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise CascadeConfigError(f"{path}: not UTF-8 text (byte {e.start}): a cascade config is JSON or YAML") from None
     if path.suffix in (".yaml", ".yml"):
         try:
             import yaml
@@ -133,11 +135,15 @@ def _read(path: Path) -> dict:
             doc = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise CascadeConfigError(f"{path}: not valid YAML: {e}") from None
+        except RecursionError:
+            raise CascadeConfigError(f"{path}: nested too deeply to read") from None
     else:
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
             raise CascadeConfigError(f"{path}: not valid JSON: line {e.lineno}: {e.msg}") from None
+        except RecursionError:
+            raise CascadeConfigError(f"{path}: nested too deeply to read") from None
     if not isinstance(doc, dict):
         raise CascadeConfigError(f"{path}: a cascade config is an object, not {type(doc).__name__}")
     return doc
@@ -163,12 +169,15 @@ def _integer(doc: dict, key: str, where: str, lo: int, hi: int) -> int:
 
 def parse_cascade(doc: dict, where: str) -> CascadeConfig:
     """A :class:`CascadeConfig` from a merged document; ``where`` names its sources in errors."""
+    _names(doc, where)
     unknown = set(doc) - _TOP
     if unknown:
         raise CascadeConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(_TOP)}")
-    for section in ("draft", "qualifier", "router", "escalation"):
+    for section in ("draft", "qualifier", "router", "escalation", "cloud"):
         if section in doc and not isinstance(doc[section], dict):
-            raise CascadeConfigError(f"{where}.{section}: an object")
+            raise CascadeConfigError(f"{where}: {section}: an object, not {type(doc[section]).__name__}")
+        if section in doc:
+            _names(doc[section], f"{where}: {section}")
     draft, qual = doc.get("draft", {}), doc.get("qualifier", {})
     router, esc = doc.get("router", {}), doc.get("escalation", {})
     kw: dict[str, Any] = {"source": where}
@@ -193,6 +202,13 @@ def parse_cascade(doc: dict, where: str) -> CascadeConfig:
 _MAX_TOKENS = 1_000_000  # a bound on any token count a config names (a typo'd 1e12 is an error, not an overflow)
 
 
+def _names(doc: dict, where: str) -> None:
+    """Every key of ``doc`` is a field name (a string): YAML allows numbers and lists as keys."""
+    bad = [k for k in doc if not isinstance(k, str)]
+    if bad:
+        raise CascadeConfigError(f"{where}: {bad[0]!r} is not a field name (a {type(bad[0]).__name__}, not a string)")
+
+
 def _cloud(c: Any, where: str) -> CloudConfig:
     if not isinstance(c, dict):
         raise CascadeConfigError(f"{where}: an object")
@@ -209,6 +225,10 @@ def _cloud(c: Any, where: str) -> CloudConfig:
     if not isinstance(c["api_key_env"], str) or not _ENV_NAME.match(c["api_key_env"]):
         # never echo the value: it may be a key pasted where its variable's name belongs
         raise CascadeConfigError(f"{where}.api_key_env: the NAME of an environment variable (A-Z, 0-9, _), not a key")
+    if not isinstance(c["model"], str) or not c["model"].strip() or len(c["model"]) > 256:
+        raise CascadeConfigError(
+            f"{where}.model: the model's name, a non-empty string (not {type(c['model']).__name__})"
+        )
     kw: dict[str, Any] = {k: c[k] for k in ("base_url", "model", "api_key_env")}
     for key, lo, hi in (
         ("usd_per_1k_prompt", 0, None),
