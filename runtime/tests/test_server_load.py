@@ -7,6 +7,7 @@ earlier exchanges; the cascade's model answers with its tier."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import httpx
@@ -251,6 +252,7 @@ def test_a_chat_template_prompts_with_one_bos(tmp_path):
         ("{{ 'x'.ljust(10 ** 10) }}", "larger than this server renders"),
         ("{% for i in range(9000) %}{{ 'y' * 999 }}{% endfor %}", "more than 1,048,576 characters"),
         ("{{ raise_exception('no system role') }}", "refused this conversation: no system role"),
+        ("{{ (['x'.center(1000000)] * 600) | join }}", "needed more than 256 MB"),  # 600 MB in one C call
     ],
 )
 def test_a_hostile_chat_template_is_refused_within_bounds_and_health_answers(tmp_path, template, why):
@@ -289,3 +291,35 @@ def test_a_hostile_chat_template_is_refused_within_bounds_and_health_answers(tmp
     assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template", r.text
     assert why in r.json()["error"]["message"]
     assert clock.monotonic() - started < 30 and health and set(health) == {200}
+
+
+def test_a_template_that_allocates_in_one_call_costs_the_server_nothing(tmp_path):
+    """``(['x'.center(1000000)] * 600) | join`` passes every bound on items (the call's argument
+    and the list's length are small) and allocates 600 MB in one C call no clock interrupts: the
+    server's RSS stayed at 1.2 GB after the 400. Templates render in worker processes with an
+    address-space cap: the request gets its 400 and the server's memory does not move."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from kibidango.pipeline import Pipeline
+    from kibidango.server.app import create_app
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    needs_stories()
+    hf = tmp_path / "hf"
+    shutil.copytree(STORIES, hf)
+    (hf / "chat_template.jinja").write_text("{{ (['x'.center(1000000)] * 600) | join }}{{ bos_token }}")
+    bundle = write_bundle(tmp_path / "b", {"target": {"hf": hf, "vocab_size": 512}}, {"mode": "ar", "stop_ids": [2]})
+    with TestClient(create_app(Pipeline.from_bundle(bundle))) as client:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        client.post("/v1/chat/completions", json=body)  # the worker started, the server warm
+        before = rss_mb()
+        for _ in range(3):
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and "needed more than 256 MB" in r.json()["error"]["message"], r.text
+        assert rss_mb() - before < 50
+        assert client.get("/health").status_code == 200

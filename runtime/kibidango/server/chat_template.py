@@ -1,81 +1,119 @@
-"""A bundle's chat template, rendered within bounds.
+"""A bundle's chat template, rendered within bounds — in a process of its own.
 
 The template is code that came with the bundle; a request's messages are data it runs on. The
-server renders it (off its event loop) in a Jinja sandbox like transformers' own (immutable, the
-same ``tojson``, ``raise_exception``, ``strftime_now`` and loop controls) with bounds transformers
-does not set:
-
-- ``*`` and ``**`` whose result would pass ``max_chars`` (a string, a list, a power) are refused;
-- a call with an integer argument over ``max_chars`` (``'x'.ljust(10**10)``) is refused;
-- ``range`` yields at most ``max_range`` numbers;
-- the output stops at ``max_chars`` characters;
-- rendering stops after ``seconds`` (a trace function on the rendering thread checks the clock:
-  a loop that prints nothing is stopped too).
+server never renders it in its own process: :func:`render_chat` sends each render to a small pool
+of worker processes (:mod:`kibidango.server.template_worker`: a bounded Jinja sandbox, and an
+address-space cap no value check can match — a C-level ``join`` of 600 MB passes every bound on
+items and cannot be interrupted by a clock). A render that outlives its time is answered here
+and its worker killed; a worker that died is replaced. The server's memory never holds what a
+template allocates.
 
 Past any bound: :class:`TemplateBoundError`, which the server answers with a clear 400.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import queue
+import select
+import subprocess
 import sys
+import threading
 import time
-from datetime import datetime
-from functools import lru_cache
 
 __all__ = ["TemplateBoundError", "render_chat"]
 
+_WORKERS = 2
+"""Renders at once (each a process); more wait for one."""
+_MEMORY_MB = 256
+"""What a render may allocate beyond the worker's own interpreter."""
+
 
 class TemplateBoundError(ValueError):
-    """The chat template went past a bound (time, size) or failed on this conversation."""
+    """The chat template went past a bound (time, size, memory) or failed on this conversation."""
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str, max_chars: int, max_range: int):
-    import jinja2
-    import jinja2.ext
-    from jinja2.exceptions import SecurityError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+class _Worker:
+    def __init__(self, memory_mb: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-s", "-m", "kibidango.server.template_worker", "--memory-mb", str(memory_mb)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        )
+        self._buf = b""
 
-    def too_big(n) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and abs(n) > max_chars
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
-    class Bounded(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**"])
+    def render(self, request: dict, timeout: float) -> dict | None:
+        """The worker's reply, or None when it gave none in ``timeout`` seconds (then killed) or died."""
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError:
+            self.kill()
+            return None
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.kill()
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                self.kill()
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
 
-        def call_binop(self, context, operator, left, right):
-            if operator == "**" and isinstance(left, int | float) and isinstance(right, int | float):
-                if abs(right) > 64 and abs(left) > 1:
-                    raise SecurityError(f"the power {left!r} ** {right!r} is larger than this server renders")
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, str | list | tuple | bytes) and isinstance(n, int) and len(seq) * n > max_chars:
-                        raise SecurityError(f"a value of {len(seq) * n:,} items is larger than this server renders")
-            return super().call_binop(context, operator, left, right)
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
-            if any(too_big(a) for a in (*args, *kwargs.values())):
-                raise SecurityError("a call with an argument larger than this server renders")
-            return super().call(__context, __obj, *args, **kwargs)
 
-    def bounded_range(*args):
-        r = range(*args)
-        if len(r) > max_range:
-            raise SecurityError(f"range of {len(r):,} numbers; this server renders at most {max_range:,}")
-        return r
+class _Pool:
+    def __init__(self, size: int, memory_mb: int):
+        self.memory_mb = memory_mb
+        self.idle: queue.Queue[_Worker | None] = queue.Queue()
+        for _ in range(size):
+            self.idle.put(None)  # started on first use
+        self._all: list[_Worker] = []
+        self._lock = threading.Lock()
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+    def render(self, request: dict, timeout: float) -> dict | None:
+        worker = self.idle.get()
+        try:
+            if worker is None or not worker.alive():
+                worker = _Worker(self.memory_mb)
+                with self._lock:
+                    self._all.append(worker)
+            reply = worker.render(request, timeout)
+            if reply is None or reply.get("bound"):
+                worker.kill()  # out of time or memory: a fresh process for the next render
+            return reply
+        finally:
+            self.idle.put(worker if worker is not None and worker.alive() else None)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._all:
+                worker.kill()
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(
-        range=bounded_range, raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f)
-    )
-    return env.from_string(template)
+
+_POOL = _Pool(_WORKERS, _MEMORY_MB)
+atexit.register(_POOL.close)
 
 
 def render_chat(
@@ -86,40 +124,22 @@ def render_chat(
     max_range: int = 10_000,
 ) -> str:
     """The prompt the tokenizer's chat template makes of ``turns`` (with the generation prompt),
-    within the bounds above; call it on a worker thread (the time bound traces that thread)."""
-    from jinja2.exceptions import SecurityError, TemplateError
-
-    try:
-        template = _compile(tokenizer.chat_template, max_chars, max_range)
-    except TemplateError as e:
-        raise TemplateBoundError(f"the bundle's chat template does not compile: {e}") from None
+    rendered by a worker process within the bounds of :mod:`kibidango.server.template_worker`;
+    blocking (call it off the event loop)."""
     context = {**getattr(tokenizer, "special_tokens_map", {}), "messages": turns, "add_generation_prompt": True}
     context.update(tools=None, documents=None)
-    deadline = time.monotonic() + seconds
-
-    def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        return trace
-
-    out: list[str] = []
-    size = 0
-    previous = sys.gettrace()
-    sys.settrace(trace)  # this thread only
-    try:
-        for piece in template.generate(**context):
-            size += len(piece)
-            if size > max_chars:
-                raise TemplateBoundError(f"the bundle's chat template made more than {max_chars:,} characters")
-            out.append(piece)
-    except TimeoutError:
-        raise TemplateBoundError(f"the bundle's chat template took more than {seconds:g} s to render") from None
-    except SecurityError as e:
-        raise TemplateBoundError(f"the bundle's chat template went past this server's bounds: {e}") from None
-    except TemplateError as e:
-        raise TemplateBoundError(f"the bundle's chat template refused this conversation: {e}") from None
-    except (RecursionError, MemoryError, OverflowError) as e:
-        raise TemplateBoundError(f"the bundle's chat template failed: {type(e).__name__}") from None
-    finally:
-        sys.settrace(previous)
-    return "".join(out)
+    request = {
+        "template": tokenizer.chat_template,
+        "context": context,
+        "seconds": seconds,
+        "max_chars": max_chars,
+        "max_range": max_range,
+    }
+    reply = _POOL.render(request, timeout=seconds + 3.0)  # the worker's own clock first; then it is killed
+    if reply is None:
+        raise TemplateBoundError(
+            f"the bundle's chat template took more than {seconds:g} s to render (or its renderer died): stopped"
+        )
+    if "error" in reply:
+        raise TemplateBoundError(str(reply["error"]))
+    return str(reply["text"])
