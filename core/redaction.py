@@ -55,9 +55,23 @@ def is_secret_key(key: Any) -> bool:
     return not k.lower().endswith("_env") and bool(_KEY.search(k))
 
 
+_USERINFO = re.compile(r"(?<=://)[^\s/?#@]+(?=@)")
+"""A URL's credentials: ``http://user:pass@host``, ``postgresql://user:pass@host/db`` (the
+``MLFLOW_TRACKING_URI`` of a tracking server or database)."""
+_QUERY_SECRET = re.compile(
+    r"(?i)(?<=[?&;])((?:password|passwd|pwd|token|access_token|api_key|apikey|key|secret|sig|signature)=)[^&;#\s]+"
+)
+"""A secret in a URL's query string (``?password=...``, a presigned URL's ``Signature=``)."""
+
+
 def redact_text(text: str) -> str:
-    """``text`` with every value that looks like a key replaced by ``***``."""
-    return _VALUE.sub(REDACTED, text) if isinstance(text, str) else text
+    """``text`` with every value that looks like a key, and every URL's credentials, replaced by
+    ``***``."""
+    if not isinstance(text, str):
+        return text
+    text = _USERINFO.sub(REDACTED, text)
+    text = _QUERY_SECRET.sub(lambda m: m.group(1) + REDACTED, text)
+    return _VALUE.sub(REDACTED, text)
 
 
 def redact(value: Any) -> Any:

@@ -32,6 +32,7 @@ def _run(args: argparse.Namespace) -> None:
     # Preflight: missing or empty sources fail here, with a plain message, before Prefect starts.
     describe_plan(plan, args.force)
 
+    from core.redaction import redact_text
     from flows.pipeline import pipeline, preset_flows
     from flows.workspace import home, reap_orphan_prefect_servers, tracking_uri
 
@@ -57,7 +58,9 @@ def _run(args: argparse.Namespace) -> None:
         card = Path(a.path) / "data_card.md"
         if card.is_file():
             print(f"  data card     {card}")
-    print(f"MLflow          {tracking_uri()}  experiment '{plan.experiment}'  (make mlflow-ui; make compare)")
+    print(
+        f"MLflow          {redact_text(tracking_uri())}  experiment '{plan.experiment}'  (make mlflow-ui; make compare)"
+    )
     from flows.showcase import show_bundle
 
     show_bundle(artifacts)

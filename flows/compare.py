@@ -11,6 +11,7 @@ import datetime as dt
 
 import mlflow
 
+from core.redaction import redact_text
 from flows.tracking import TAG
 from flows.workspace import tracking_uri
 
@@ -43,7 +44,7 @@ def compare_table(experiment: str, metrics: list[str] | None = None, stage: str 
     if not runs:
         return (
             f"no {'stage ' + stage if stage else 'stage'} runs in experiment {experiment!r} (tracking URI "
-            f"{tracking_uri()})"
+            f"{redact_text(tracking_uri())})"
         )
     if not metrics:
         names = sorted(runs[0].data.metrics)

@@ -86,6 +86,43 @@ def test_every_log_record_is_redacted(capsys):
     assert PLANTED["OPENAI_API_KEY"] not in err and "abcdefghijklmnopqrstuv" not in err and "calling with ***" in err
 
 
+def test_credentials_in_a_tracking_uri_reach_no_output(capsys, monkeypatch):
+    """``MLFLOW_TRACKING_URI=http://user:pass@host`` (or a database URL with a password) reached
+    ``kibidango inspect``'s error and the flow's closing log line: a URL's userinfo and a secret in
+    its query string are redacted wherever text is (log records, printed lines, the CLI's errors)."""
+    from core.redaction import redact_text
+    from kibidango.cli import main
+
+    for uri, secret in (
+        ("http://alice:s3cretpw@mlflow.internal:5000", "s3cretpw"),
+        ("postgresql://bob:pgs3cret@db.internal:5432/mlflow", "pgs3cret"),
+        ("https://tok3nonly@mlflow.internal", "tok3nonly"),
+        ("https://mlflow.internal/?token=qu3rysecret&x=1", "qu3rysecret"),
+    ):
+        clean = redact_text(f"MLflow: {uri}  experiment 'kibidango-tiny'")
+        assert secret not in clean and ("mlflow.internal" in clean or "db.internal" in clean), clean
+    assert redact_text("see https://example.org/a@b") == "see https://example.org/a@b"  # no userinfo: kept
+
+    install_log_redaction()
+    logger = logging.getLogger("kibidango.test.redaction")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    try:  # the flow's closing line, as flows/pipeline.py logs it
+        logger.info("MLflow: %s  experiment '%s'", "http://alice:s3cretpw@mlflow.internal:5000", "kibidango-tiny")
+        logger.warning("MLflow: %s  experiment '%s'", "http://alice:s3cretpw@mlflow.internal:5000", "kibidango-tiny")
+    finally:
+        logger.removeHandler(handler)
+    assert "s3cretpw" not in capsys.readouterr().err
+
+    for uri in ("http://alice:s3cretpw@127.0.0.1:9", "postgresql://bob:s3cretpw@127.0.0.1:9/db"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+        assert main(["inspect", "models:/kb@champion"]) == 2
+        captured = capsys.readouterr()
+        assert "s3cretpw" not in captured.out + captured.err and "127.0.0.1:9" in captured.err, captured.err
+
+
 def _grep(root: Path, needles: list[str]) -> list[str]:
     hits = []
     for p in root.rglob("*"):

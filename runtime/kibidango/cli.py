@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kibidango.backends.base import ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
+from kibidango.integrity import without_credentials
 from kibidango.schema import describe
 from kibidango.speculative import MODES, REQUEST_SETTINGS
 
@@ -509,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (BundleError, ContextLengthError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {without_credentials(str(e))}", file=sys.stderr)
         return 2
     return 0
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-__all__ = ["BundleError", "contained", "parse_json", "read_json", "sha256_bytes", "sha256_file"]
+__all__ = ["BundleError", "contained", "parse_json", "read_json", "sha256_bytes", "sha256_file", "without_credentials"]
 
 
 class BundleError(Exception):
@@ -27,6 +28,15 @@ def sha256_file(path: Path) -> str:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+_USERINFO = re.compile(r"(?<=://)[^\s/?#@]+(?=@)")
+
+
+def without_credentials(text: str) -> str:
+    """``text`` with every URL's credentials (``http://user:pass@host``) replaced by ``***``: a
+    tracking URI or endpoint in an error message shows where, never who."""
+    return _USERINFO.sub("***", text)
 
 
 def read_json(path: Path, missing: str) -> Any:

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kibidango.integrity import BundleError, sha256_file
+from kibidango.integrity import BundleError, sha256_file, without_credentials
 
 __all__ = ["DIGEST_TAG", "PREFIX", "fetch", "is_registry_uri", "parse"]
 
@@ -58,11 +58,14 @@ def fetch(uri: str) -> Path:
         raise BundleError(
             f"{uri}: a bundle from the MLflow Model Registry needs mlflow: pip install 'kibidango[registry]'"
         ) from None
-    client = MlflowClient()
     try:
+        client = MlflowClient()
         mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, str(version))
     except MlflowException as e:
-        raise BundleError(f"{uri}: {e.message} (tracking URI {client.tracking_uri})") from None
+        raise BundleError(without_credentials(f"{uri}: {e.message} (tracking URI {client.tracking_uri})")) from None
+    except Exception as e:  # the tracking store could not be reached at all (a database driver missing, ...)
+        where = without_credentials(os.environ.get("MLFLOW_TRACKING_URI", "the default tracking URI"))
+        raise BundleError(without_credentials(f"{uri}: {where}: {type(e).__name__}: {str(e)[:300]}")) from None
     digest = (mv.tags or {}).get(DIGEST_TAG)
     if not digest:
         raise BundleError(f"{uri}: version {mv.version} has no {DIGEST_TAG} tag: not a kibidango bundle")
