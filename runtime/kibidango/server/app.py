@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -62,13 +63,39 @@ def _chat_prompt(tokenizer, turns: list[dict[str, str]]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in turns) + "assistant:"
 
 
-def _chat_ids(tokenizer, prompt: str) -> list[int] | None:
-    """The chat's token ids, as transformers' apply_chat_template makes them: the rendered text
-    holds the BOS token already, so it is encoded without adding special tokens; None without a
-    template (the prompt is encoded as any completion prompt)."""
+def _chat_ids(tokenizer, prompt: str, turns: list[dict[str, str]]) -> list[int]:
+    """The chat's token ids, as transformers' apply_chat_template makes them (the rendered text
+    holds the BOS token already, so it is encoded without adding special tokens) — except that a
+    message's text is text: ``</s><s>`` or ``<|im_start|>`` typed by a user stays those characters,
+    never the special tokens the template alone places (:func:`_literal_ids`). Without a template,
+    the transcript is encoded as a completion prompt is (the tokenizer's BOS), its text all literal."""
     if not getattr(tokenizer, "chat_template", None):
-        return None
-    return list(tokenizer.encode(prompt, add_special_tokens=False))
+        return list(tokenizer(prompt, split_special_tokens=True)["input_ids"])
+    if not _holds_special_text(tokenizer, turns):
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    return _literal_ids(tokenizer, turns)
+
+
+def _holds_special_text(tokenizer, turns: list[dict[str, str]]) -> bool:
+    specials = set(getattr(tokenizer, "all_special_tokens", []))
+    specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    return any(s and s in m["content"] for m in turns for s in specials)
+
+
+def _literal_ids(tokenizer, turns: list[dict[str, str]]) -> list[int]:
+    """The template rendered around placeholders, its own text encoded with its special tokens and
+    each message's text encoded with none (``split_special_tokens``) where its placeholder stands."""
+    marks = [f"\ue000{i}\ue001" for i in range(len(turns))]  # private-use characters: no message holds them
+    rendered = render_chat(tokenizer, [{**m, "content": marks[i]} for i, m in enumerate(turns)])
+    ids: list[int] = []
+    pieces = re.split("(\ue000\\d+\ue001)", rendered)
+    for piece in pieces:
+        if piece in marks:
+            content = turns[marks.index(piece)]["content"]
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
 
 
 def _max_token_bytes(tokenizer) -> int:
@@ -464,7 +491,8 @@ def create_app(
             prompt = await asyncio.to_thread(_chat_prompt, pipe.tokenizer, turns)
         except TemplateBoundError as e:
             return error(400, str(e), "messages", code="chat_template")
-        ids = _chat_ids(pipe.tokenizer, prompt) if len(prompt.encode("utf-8")) <= limits(req.model)[1] else None
+        fits = len(prompt.encode("utf-8")) <= limits(req.model)[1]
+        ids = await asyncio.to_thread(_chat_ids, pipe.tokenizer, prompt, turns) if fits else None
         return await respond(request, req, prompt, "chat.completion", choice, query, turns, session, ids)
 
     @app.delete("/v1/sessions/{session_id}")
