@@ -186,15 +186,64 @@ def _on_graph(path: Path, spec: PresetFile) -> dict[str, StagePlan]:
 
 
 def set_override(config: dict, dotted: str, value: Any) -> None:
-    """``set_override(cfg, "dedup.threshold", 0.6)``; integer parts index lists."""
-    *parents, last = dotted.split(".")
+    """``set_override(cfg, "dedup.threshold", 0.6)``; integer parts index lists. A path that
+    does not fit the config (a key under a number, a list index that is not a number or is out of
+    range, an empty part) is a KibidangoError naming the part."""
+    parts = dotted.split(".")
+    if any(not p for p in parts):
+        raise KibidangoError(f"{dotted}: an empty part in the key")
     node: Any = config
-    for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-    if isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
+    for i, part in enumerate(parts):
+        here = ".".join(parts[: i + 1])
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
+                raise KibidangoError(f"{here}: {part!r} is not an index of a list of {len(node)}")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            where = ".".join(parts[:i]) or "(the stage's config)"
+            raise KibidangoError(f"{here}: {where} is a {type(node).__name__}, not a table or a list")
+
+
+class _NoAliases(yaml.SafeLoader):
+    """YAML without anchors' aliases: an override is one value, never a graph (``&a [*a, *a]``
+    nested ten deep is a billion items; ``&a [*a]`` is infinite)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed", self.peek_event().start_mark
+            )
+        return super().compose_node(parent, index)
+
+
+_MAX_OVERRIDE = 10_000
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """``STAGE.KEY.PATH=VALUE`` as (stage, key path, value parsed as YAML); a malformed one is a
+    KibidangoError naming it."""
+    target, eq, text = item.partition("=")
+    stage, _, key = target.partition(".")
+    if not eq or not stage or not key:
+        raise KibidangoError(f"override {item[:200]!r}: expected STAGE.KEY=VALUE, e.g. 0.dedup.threshold=0.6")
+    if len(text) > _MAX_OVERRIDE:
+        raise KibidangoError(f"override {target}: a value of {len(text):,} characters (at most {_MAX_OVERRIDE:,})")
+    try:
+        value = yaml.load(text, Loader=_NoAliases)  # noqa: S506 - a SafeLoader without aliases
+    except yaml.YAMLError as e:
+        raise KibidangoError(f"override {target}: not a YAML value: {str(e)[:200]}") from None
+    except RecursionError:
+        raise KibidangoError(f"override {target}: nested too deeply") from None
+    return stage, key, value
 
 
 _LOADED: dict[tuple, Preset] = {}
@@ -224,6 +273,7 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
     if spec.graph is not None:
         spec = spec.model_copy(update={"stages": _on_graph(path, spec)})
     configs: dict[str, StageConfig] = {}
+    parsed = [parse_override(item) for item in overrides or []]
     for sid, plan in spec.stages.items():
         config: dict[str, Any] = {}
         if plan.recipe:
@@ -232,13 +282,12 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
                 raise KibidangoError(f"{path}: stage {sid}: recipe file not found: {recipe}")
             config.update(_read_yaml(recipe) or {})
         config.update(plan.config)
-        for item in overrides or []:
-            target, eq, value = item.partition("=")
-            stage, _, key = target.partition(".")
-            if not eq or not key:
-                raise KibidangoError(f"override {item!r}: expected STAGE.KEY=VALUE, e.g. 0.dedup.threshold=0.6")
+        for stage, key, value in parsed:
             if stage == sid:
-                set_override(config, key, yaml.safe_load(value))
+                try:
+                    set_override(config, key, value)
+                except KibidangoError as e:
+                    raise KibidangoError(f"override {stage}.{key}: {e}") from None
         secrets = find_secrets(config)
         if secrets:
             raise KibidangoError(

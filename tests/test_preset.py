@@ -157,3 +157,20 @@ def test_a_stage_has_one_name_everywhere():
     with pytest.raises(KibidangoError, match=r"stage 'calibration' is not in this preset; its stages: 0 \(curate\)"):
         stage_ids("calibration", order)
     assert "stage 2G (calibrate): key" in describe_plan(load_preset("tiny"))
+
+
+def test_an_override_that_does_not_fit_names_its_key(tmp_path):
+    """A wrong path or a YAML alias bomb crashed with TypeError, ValueError, IndexError or
+    RecursionError: each is an error naming the override's key."""
+    path = _preset(tmp_path, {"sources": SRC})
+    for bad, message in (
+        ("0.sources.x.limit=5", r"override 0\.sources\.x\.limit: sources\.x: 'x' is not an index of a list of 1"),
+        ("0.sources.7.limit=5", r"sources\.7: '7' is not an index of a list of 1"),
+        ("0.dedup.threshold.x=1", r"dedup\.threshold\.x: dedup\.threshold is a float, not a table"),
+        ("0.dedup..threshold=1", r"an empty part"),
+        ("0.title=" + "&a [" + "*a, " * 9 + "*a]", r"override 0\.title: not a YAML value: .*aliases"),
+        ("0.title=&a [*a]", r"override 0\.title: not a YAML value: .*aliases"),
+        ("0.title=" + "[" * 3000 + "]" * 3000, r"override 0\.title: (nested too deeply|not a YAML value)"),
+    ):
+        with pytest.raises(KibidangoError, match=message):
+            load_preset(path, ["0.dedup.threshold=0.7", bad])
