@@ -120,7 +120,7 @@ class RowLog:
     :class:`methods.journal.Journal`."""
 
     def __init__(self, path: Path):
-        self._journal = Journal(path)
+        self._journal = Journal(path, check=lambda row: None if isinstance(row.get("id"), str) else "no row id")
         # a torn last line (a kill mid-write) is a row not finished: it is done again
         self.rows: dict[str, dict] = {row["id"]: row for row in self._journal.events if row.get("event") != "torn"}
         self.resumed = len(self.rows)

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from core.contract import KibidangoError
@@ -37,36 +38,44 @@ class JournalDamaged(KibidangoError):
 
 class Journal:
     """Events of a run (``work_dir/<name>.jsonl``): ``events`` holds those of earlier attempts
-    (``resumed`` of them, torn fragments included as ``torn`` events) followed by this attempt's."""
+    (``resumed`` of them, torn fragments included as ``torn`` events) followed by this attempt's.
+    ``check(event)``: why a parsed event cannot be what this journal's writer wrote (a field
+    missing or of the wrong type), or None; such a line is damaged like one that is not JSON."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, check: Callable[[dict], str | None] | None = None):
         self.path = path
         self.events: list[dict] = []
         self.torn: list[dict] = []
         self._pending: dict | None = None  # a trailing torn line not yet acknowledged
-        lines = path.read_bytes().decode("utf-8", "replace").split("\n") if path.is_file() else []
-        ends_cleanly = not lines or lines[-1] == ""
-        if ends_cleanly and lines:
-            lines.pop()
-        acked = {e.get("line") for e in map(_parse, lines) if e is not None and e.get("event") == "torn"}
-        for n, line in enumerate(lines, 1):
-            event = _parse(line)
+        raw = path.read_bytes().split(b"\n") if path.is_file() else []
+        if raw and raw[-1] == b"":
+            raw.pop()
+        texts = [_decode(line) for line in raw]
+        events = [_parse(t, check) for t in texts]
+        for n, (text, event) in enumerate(zip(texts, events), 1):
             if event is not None and event.get("event") == "torn":
-                continue  # an acknowledgement on a line of its own: its fragment is already in place
+                # an acknowledgement on a line of its own: only right after the cut line it names
+                if event.get("line") == n - 1 and n >= 2 and events[n - 2] is None:
+                    continue
+                raise JournalDamaged(
+                    f"{path}: line {n} marks line {event.get('line')!r} as cut by a kill, but it does not follow "
+                    "that line: this journal's writer never wrote it. " + _RESTORE
+                )
             if event is None:
-                last = n == len(lines)
+                fragment = text if text is not None else raw[n - 1].decode("utf-8", "replace")
+                last = n == len(raw)
                 suffix = _ack(n)
-                if line.endswith(suffix):  # a fragment acknowledged on its own line
-                    line, acknowledged = line[: -len(suffix)], True
+                if text is not None and text.endswith(suffix):  # a fragment acknowledged on its own line
+                    fragment, acknowledged = text[: -len(suffix)], True
                 else:
-                    acknowledged = n in acked
+                    acknowledged = n < len(raw) and texts[n] == _ack(n)
                 if not last and not acknowledged:
+                    why = "is not UTF-8" if text is None else "is damaged"
                     raise JournalDamaged(
-                        f"{path}: line {n} is damaged ({line[:80]!r}) and is not the last line, so it is not a write "
-                        "cut by a kill: the journal was changed after it was written. Restore it from a backup; "
-                        "nothing in it can prove which requests were sent (deleting it would pay for them again)"
+                        f"{path}: line {n} {why} ({fragment[:80]!r}) and is not the last line, so it is not a write "
+                        "cut by a kill: the journal was changed after it was written. " + _RESTORE
                     )
-                event = {"event": "torn", "line": n, "text": line[:2000]}
+                event = {"event": "torn", "line": n, "text": fragment[:2000]}
                 self.torn.append(event)
                 if last and not acknowledged:
                     self._pending = {"line": n}
@@ -98,9 +107,29 @@ def _ack(line: int) -> str:
     return json.dumps({"event": "torn", "line": line})
 
 
-def _parse(line: str) -> dict | None:
+_RESTORE = (
+    "Restore it from a backup; nothing in it can prove which requests were sent (deleting it would pay for them again)"
+)
+
+
+def _decode(line: bytes) -> str | None:
+    """A line as written (the writer writes UTF-8), or None: bytes that are not UTF-8 were not
+    written by it, and replacing them would read a changed request id as another one."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _parse(line: str | None, check: Callable[[dict], str | None] | None = None) -> dict | None:
+    if line is None:
+        return None
     try:
         event = json.loads(line)
     except (json.JSONDecodeError, RecursionError):
         return None
-    return event if isinstance(event, dict) and isinstance(event.get("event", ""), str) else None
+    if not isinstance(event, dict) or not isinstance(event.get("event", ""), str):
+        return None
+    if event.get("event") == "torn":  # an acknowledgement: a line number and nothing else
+        return event if set(event) == {"event", "line"} and type(event["line"]) is int else None
+    return event if check is None or check(event) is None else None

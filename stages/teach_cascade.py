@@ -104,7 +104,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     log.info(f"{len(rows):,} critical failures to the teachers, {len(held):,} held out for the retraining's evaluation")
     judges = mined_judges(inputs["mined"])
-    journal = Journal(work_dir / "journal.jsonl")
+    journal = Journal(work_dir / "journal.jsonl", check=_check_event)
     resend = os.environ.get("KIBIDANGO_RESEND_UNCONFIRMED", "") not in ("", "0")
     state = _replay(journal.events, journal.path, resend)
     by_id, tiers = {r["id"]: r for r in rows}, {t.name: t for t in cfg.tiers}
@@ -178,6 +178,31 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
 
 
 _HARMLESS = ("verdict", "error", "skipped", "dead", "unconfirmed")  # a cut one of these pays nothing again
+
+_NUMBER = (int, float)
+_EVENTS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "sent": {"row": str, "tier": str, "reserved": _NUMBER},
+    "reply": {"row": str, "tier": str, "usd": _NUMBER, "text": str},
+    "error": {"row": str, "tier": str, "usd": _NUMBER},
+    "skipped": {"row": str, "tier": str, "usd": _NUMBER},
+    "dead": {"row": str, "tier": str, "usd": _NUMBER},
+    "unconfirmed": {"row": str, "tier": str, "usd": _NUMBER},
+    "verdict": {"row": str, "tier": str, "passed": bool, "outcome": str, "score": _NUMBER, "reason": str},
+}
+"""The fields each event of the journal has, as the stage writes them."""
+
+
+def _check_event(e: dict) -> str | None:
+    """Why ``e`` is not an event this stage wrote (a kind it does not write, a field missing or of
+    another type), or None: such a line is damaged, never read (:class:`methods.journal.Journal`)."""
+    fields = _EVENTS.get(e.get("event"))
+    if fields is None:
+        return f"event {e.get('event')!r} is not one this stage writes"
+    for name, kind in fields.items():
+        value = e.get(name)
+        if not isinstance(value, kind) or (kind is _NUMBER and isinstance(value, bool)):
+            return f"{name}: missing or not a {kind}"
+    return None
 
 
 class _State:
