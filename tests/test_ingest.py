@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +213,29 @@ def test_fuzzing_the_reader_with_hostile_rows_crashes_nothing():
     result = fuzz(seconds=20, rounds=400, seed=1)
     assert result["counts"]["rows_tried"] >= 1_000 and result["counts"]["quarantined"] > 0
     assert result["crashes"] == [], result["crashes"][0]
+
+
+def test_a_small_gzip_of_newlines_is_read_a_chunk_at_a_time(tmp_path):
+    """41 KB of gzip holding 41 MB of newlines cost ~400 MB of memory when the file was split whole;
+    it is read a MiB at a time (and holds no rows)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "newlines.jsonl.gz"
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        for _ in range(40):
+            f.write(b"\n" * (1 << 20))
+        f.write(json.dumps({"instruction": "last", "output": "row"}).encode() + b"\n")
+    assert path.stat().st_size < 64_000
+    probe = (
+        "import resource, sys\n"
+        "from methods.curation.ingest import SourceSpec, records\n"
+        "spec = SourceSpec(name='n', path=sys.argv[1], format='alpaca', license='-')\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "rows = [r for _, r in records(spec)]\n"
+        "print(len(rows), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, cwd=repo)
+    rows, grown_mb = map(int, done.stdout.split())
+    assert rows == 1 and grown_mb < 64, (done.stdout, done.stderr[-500:])

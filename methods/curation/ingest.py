@@ -193,30 +193,84 @@ def records(spec: SourceSpec) -> Iterator[tuple[int, dict | Reject]]:
         yield from _hf_records(spec)
         return
     path = Path(spec.path)
-    data = _read_bytes(path)
+    head = _head(path)
     stem = path.name[:-3] if path.name.endswith(".gz") else path.name
     if spec.format == "text" and not stem.endswith((".json", ".jsonl")):
-        yield from _text_records(spec, data)
-    elif stem.endswith(".json") and data.lstrip()[:1] == b"[":
-        yield from _json_array_records(spec, data)
+        yield from _text_records(spec, _lines(path, head))
+    elif stem.endswith(".json") and _first_char(head) == "[":
+        yield from _json_array_records(spec, _read_bytes(path))
     else:
-        yield from _jsonl_records(spec, data)
+        yield from _jsonl_records(spec, _lines(path, head))
 
 
 _BOMS = ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+_CHUNK = 1 << 20
+_MAX_LINE = 64 << 20  # a JSONL row or text line longer than this is refused, not held
+_MAX_WHOLE = 1 << 30  # a file read whole (a JSON array, UTF-16) may be at most this, decompressed
+
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of the file, decompressed (its byte-order mark, its first character)."""
+    try:
+        with _open(path) as f:
+            return f.read(4096)
+    except (OSError, EOFError, zlib.error) as e:
+        raise SourceError(f"{path}: cannot read: {e}") from e
+
+
+def _first_char(head: bytes) -> str:
+    """The first character that is not white space, whatever the byte-order mark says."""
+    bare = {codecs.BOM_UTF8: "utf-8", codecs.BOM_UTF16_LE: "utf-16-le", codecs.BOM_UTF16_BE: "utf-16-be"}
+    for bom, encoding in bare.items():
+        if head.startswith(bom):
+            return head[len(bom) :].decode(encoding, "ignore").lstrip()[:1]
+    return head.decode("utf-8", "ignore").lstrip()[:1]
+
+
+def _strip_bom(data: bytes) -> bytes:
+    return data[len(codecs.BOM_UTF8) :] if data.startswith(codecs.BOM_UTF8) else data
+
+
+def _lines(path: Path, head: bytes) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of every line, read a MiB at a time: a 41 KB gzip of newlines (41 MB
+    of empty lines) costs a MiB, not the 400 MB of splitting it whole. A UTF-16 file (its BOM) is
+    re-encoded whole, within :data:`_MAX_WHOLE`; a line past :data:`_MAX_LINE` is refused."""
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        yield from enumerate(_read_bytes(path).split(b"\n"), start=1)
+        return
+    line_no, rest, first = 0, b"", True
+    try:
+        with _open(path) as f:
+            while chunk := f.read(_CHUNK):
+                if first:
+                    chunk, first = _strip_bom(chunk), False
+                *whole, rest = (rest + chunk).split(b"\n")
+                for raw in whole:
+                    line_no += 1
+                    yield line_no, raw
+                if len(rest) > _MAX_LINE:
+                    raise SourceError(f"{path}:{line_no + 1}: a line of more than {_MAX_LINE:,} bytes")
+    except (OSError, EOFError, zlib.error) as e:
+        raise SourceError(f"{path}: cannot read: {e}") from e
+    yield line_no + 1, rest
 
 
 def _read_bytes(path: Path) -> bytes:
-    """The file's bytes as UTF-8: gunzipped, a UTF-8 byte-order mark dropped, UTF-16 (with its
-    BOM) re-encoded."""
+    """The file's bytes as UTF-8: gunzipped (at most :data:`_MAX_WHOLE`), a UTF-8 byte-order mark
+    dropped, UTF-16 (with its BOM) re-encoded."""
     try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = f.read()
-        else:
-            data = path.read_bytes()
+        with _open(path) as f:
+            data = f.read(_MAX_WHOLE + 1)
     except (OSError, EOFError, zlib.error) as e:
         raise SourceError(f"{path}: cannot read: {e}") from e
+    if len(data) > _MAX_WHOLE:
+        raise SourceError(
+            f"{path}: more than {_MAX_WHOLE:,} bytes to read whole (write it as JSONL: read a line at a time)"
+        )
     for bom, encoding in _BOMS:
         if data.startswith(bom):
             if encoding == "utf-8":
@@ -243,8 +297,8 @@ def _why(e: Exception) -> str:
     return f"unreadable JSON value: {str(e)[:120]}"
 
 
-def _jsonl_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, dict | Reject]]:
-    for line_no, raw in enumerate(data.split(b"\n"), start=1):
+def _jsonl_records(spec: SourceSpec, lines: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, dict | Reject]]:
+    for line_no, raw in lines:
         if not raw.strip():
             continue
         try:
@@ -348,11 +402,11 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _text_records(spec: SourceSpec, data: bytes) -> Iterator[tuple[int, dict | Reject]]:
+def _text_records(spec: SourceSpec, lines: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, dict | Reject]]:
     doc: list[str] = []
     start = 0
     previous_blank = True
-    for line_no, raw in enumerate(data.split(b"\n"), start=1):
+    for line_no, raw in lines:
         try:
             line = raw.decode("utf-8").rstrip("\r")
         except UnicodeDecodeError as e:
