@@ -429,6 +429,49 @@ def test_the_memory_limit_holds_for_the_answer_as_a_whole(code):
     assert fine.passed and 0 < fine.details["peak_memory_mb"] < 256, fine
 
 
+def test_the_sandboxs_loopback_is_its_own(code):
+    """bubblewrap's network namespace has one interface, a loopback that is up and private: a
+    process in the sandbox (one the audit hook does not follow) reaches its own 127.0.0.1 and
+    nothing listening on the host's."""
+    import socket
+
+    host = socket.create_server(("127.0.0.1", 0))
+    port = host.getsockname()[1]
+    child = (
+        "import json, socket\n"
+        "seen = {}\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        "    seen['host'] = 'reached'\n"
+        "except OSError as e:\n"
+        "    seen['host'] = type(e).__name__\n"
+        "own = socket.create_server(('127.0.0.1', 0))\n"
+        "socket.create_connection(own.getsockname(), timeout=2)\n"
+        "seen['own'] = 'reached'\n"
+        "open('/tmp/net.json', 'w').write(json.dumps(seen))\n"
+    )
+    program = (
+        "import _posixsubprocess, json, os, sys, time\n"
+        "r, w = os.pipe()\n"
+        f"_posixsubprocess.fork_exec([sys.executable, '-c', {child!r}], [sys.executable.encode()], True, (), None,"
+        " None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, -1, -1, None, False)\n"
+        "for _ in range(250):\n"
+        "    if os.path.exists('/tmp/net.json'):\n"
+        "        break\n"
+        "    time.sleep(0.02)\n"
+        "time.sleep(0.1)\n"
+        "seen = json.load(open('/tmp/net.json'))\n"
+    )
+    try:
+        verdict = code(
+            Task("net", "?", tests=("assert seen == {'host': 'ConnectionRefusedError', 'own': 'reached'}, seen",)),
+            program,
+        )
+    finally:
+        host.close()
+    assert verdict.passed, verdict
+
+
 def _sandbox_processes(marker: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
