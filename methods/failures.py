@@ -181,4 +181,5 @@ def verdict_record(v, kind: str) -> dict:
         "judge_seconds": float(v.cost),
         "judge_usd": float(v.details.get("usd", 0.0)),
         "retryable": bool(v.details.get("retryable", False)),
+        "format_failure": bool(v.details.get("format_failure")),
     }

@@ -142,6 +142,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
     for d in sorted({r["domain"] for r in table}):
         d_rate, d_failed, d_judged = _failure_rate([r for r in table if r["domain"] == d])
         domains[d] = {"tested": sum(1 for r in table if r["domain"] == d), "failed": d_failed, "judged": d_judged}
+        domains[d]["format_failures"] = sum(1 for r in table if r["domain"] == d and r.get("format_failure"))
         domains[d]["failure_rate"] = d_rate
     samples = {}
     for s in cfg.samples:
@@ -168,6 +169,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "failed": failed,
         "failure_rate": rate,
         "judge_errors": len(table) - judged,
+        "format_failures": sum(1 for r in table if r.get("format_failure")),
         "outcomes": dict(Counter(r["outcome"] for r in table)),
         "domains": domains,
         "samples": samples,
@@ -188,6 +190,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "failed": failed,
         "failure_rate": rate,
         "judge_errors": stats["judge_errors"],
+        "format_failures": stats["format_failures"],
         "rows_generated": generated,
         "rows_resumed": resumed,
         "rows_rejudged": rejudged,
@@ -236,17 +239,21 @@ def _card(stats: dict) -> str:
         )
     lines += [
         "",
-        "| domain | judge | tested | with a verdict | failed | failure rate |",
-        "|---|---|---:|---:|---:|---:|",
+        "| domain | judge | tested | with a verdict | failed | of which format (no runnable code) | failure rate |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for d, v in stats["domains"].items():
         lines.append(
             f"| {d} | {stats['judges'].get(d, '?')} | {v['tested']:,} | {v['judged']:,} | {v['failed']:,} "
-            f"| {v['failure_rate']:.1%} |"
+            f"| {v.get('format_failures', 0):,} | {v['failure_rate']:.1%} |"
         )
     lines += [
         f"| **all** | | {stats['tested']:,} | {stats['judged']:,} | {stats['failed']:,} | "
-        f"**{stats['failure_rate']:.1%}** |",
+        f"{stats.get('format_failures', 0):,} | **{stats['failure_rate']:.1%}** |",
+        "",
+        "A format failure is an answer whose code the judge could not find or parse (after taking it out of its "
+        "fences and prose as EvalPlus's sanitizer does): a failure of the answer's form, counted apart from wrong "
+        "answers.",
         "",
         *_levels_table(stats.get("levels", {})),
         f"Judge errors (no verdict): {stats['judge_errors']:,}. Mean answer length {stats['mean_tokens']:.1f} tokens; "

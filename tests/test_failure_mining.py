@@ -412,3 +412,31 @@ def test_answers_decoded_together_are_the_answers_decoded_alone(student):
     assert all(abs(a.mean_logprob - b.mean_logprob) < 1e-9 for a, b in zip(got, want))
     assert stats.feeds > stats.forwards  # forwards were shared
     assert together.pipeline.models["target"] is together.model  # closed: the pipeline decodes alone again
+
+
+def test_format_failures_are_counted_apart_from_wrong_answers():
+    """An answer whose code could not be found or parsed failed its format, not its task: 1B's
+    figures and card count those apart (the code judge marks them ``format_failure``)."""
+    from methods.failures import verdict_record
+    from methods.judges import Task, make_judge
+    from stages.mine_failures import Config, _card, _figures
+
+    judge = make_judge("code", weak_sandbox_ok=True)
+    task = Task("t", "?", tests=("assert add(1, 2) == 3",))
+    unformatted = verdict_record(judge(task, "I am not able to write this."), "code")
+    assert unformatted["outcome"] == "error" and unformatted["format_failure"]
+
+    def row(i, record):
+        return {"id": f"r{i}", "sample": "s", "domain": "code", "tokens": 5, "finish_reason": "stop", **record}
+
+    wrong = {"outcome": "failed", "passed": False, "score": 0.0, "judge_usd": 0.0, "format_failure": False}
+    table = [row(0, unformatted), row(1, wrong), row(2, {**wrong, "outcome": "passed", "passed": True})]
+    cfg = Config.model_validate(
+        {
+            "samples": [{"name": "s", "source": "mbpp", "path": "mbpp.jsonl", "domain": "code", "size": 3}],
+            "judges": {"code": {"kind": "code"}},
+        }
+    )
+    metrics, stats = _figures(cfg, table, {}, 3, 0, 0, 1.0)
+    assert metrics["format_failures"] == 1 and stats["failed"] == 2 and stats["domains"]["code"]["format_failures"] == 1
+    assert "of which format (no runnable code)" in _card(stats)

@@ -738,3 +738,46 @@ def test_judge_settings_are_typed_per_kind_and_match_the_judges():
     ):
         with pytest.raises(ValidationError, match=message):
             HeldOutTasks.model_validate({"samples": [sample], "judges": judges})
+
+
+# ---- what the code judge runs of an answer ------------------------------------------------------
+
+
+def test_the_program_is_found_however_the_answer_wraps_it():
+    """The demo's last code answer was judged "SyntaxError": its code sat before a lone closing
+    fence and prose. Fences open or closed, prose before or after, test calls after the function,
+    a body completing a given signature: the program is what the judge runs (EvalPlus's sanitizer)."""
+    from methods.judges.extract import extract_program, format_failure
+
+    square = "def solve(xs):\n    return sum(x * x for x in xs)"
+    for answer in (
+        square + "\n```\nThis squares each number and adds them up.",  # the demo's answer
+        "Here is the function:\n```python\n" + square + "\n```\nIt works.",
+        "```python\n" + square + "\n",  # a fence left open at the end of the tokens
+        "Sure!\n" + square + "\n\nExplanation: it uses a generator.",
+        "```\n" + square + "\nprint(solve([1, 2]))\nassert solve([]) == 0\n```",
+        square + "\nif __name__ == '__main__':\n    print(solve([3]))\n",
+    ):
+        program = extract_program(answer, ("solve",))
+        assert format_failure(program) is None and program.strip() == square, (answer, program)
+    helper = (
+        "import math\n\nK = 2\n\ndef helper(x):\n    return x * K\n\ndef unused():\n    return 0\n\n"
+        "def f(x):\n    return helper(x)\n"
+    )
+    kept = extract_program(helper + "print(f(3))\n", ("f",))
+    assert "def helper" in kept and "K = 2" in kept and "import math" in kept and "print" not in kept
+    prompt = 'def inc(x):\n    """Return x + 1."""\n'
+    body = extract_program("    return x + 1\n```\nThat adds one.", ("inc",), prompt)
+    assert body.strip().endswith("return x + 1") and body.startswith("def inc(x):")
+    for nothing in ("I am not sure how to do that.", "", "```\n```"):
+        assert format_failure(extract_program(nothing, ("f",))) is not None, nothing
+
+
+def test_a_format_failure_is_an_error_the_stages_count_apart(code):
+    verdict = code(MBPP, "I cannot write that function.")
+    assert verdict.outcome == "error" and verdict.details["format_failure"] and not verdict.passed
+    wrapped = code(
+        Task("w", "?", reference="def add(a, b):\n    return a + b\n", tests=MBPP.tests[:2]),
+        "def add(a, b):\n    return a + b\n```\nThis adds two numbers.",
+    )
+    assert wrapped.passed, wrapped

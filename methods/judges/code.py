@@ -13,17 +13,21 @@ Two processes per task, each in its own **bubblewrap** sandbox (:func:`run_sandb
   passed and prints the count, which the judge reads from the tester's stdout: a channel the
   candidate has no handle on. A candidate that exits, crashes or hangs mid-test fails that test
   and every later one; it cannot read the tests (they are not in its sandbox), and whatever it
-  prints is only its stdout.
+  prints is only its stdout. The tests' namespace is built from the task: the program's names are
+  bound only where the tests use them (never a dunder, never a builtin the task does not define),
+  and the task's own imports over them, whatever the program's "ready" message claims.
 
 Each sandbox (``bwrap --unshare-all --new-session --die-with-parent``): its own PID namespace (every
 process dies with the sandbox: the judge kills the namespace's init and waits for it), its own
-network namespace (no interface but a loopback that is down), its own mount namespace with only
-``/usr`` (and the interpreter's prefix when it lives elsewhere) bound read-only, a private tmpfs
-``/tmp`` of ``disk_bytes`` as its only writable place, a fresh ``/proc`` and a minimal ``/dev``;
-no repository, no ``../shared``, no home, no ``/etc``; an empty environment (no API key); uid and gid
-65534 inside, and — when the judge runs as root and the kernel allows unprivileged user namespaces —
-``nobody`` outside too. Resource limits (CPU seconds, address space, file size, open files,
-processes) and a wall-clock limit hold for both.
+network namespace (one loopback, up and its own), its own mount namespace with only ``/usr`` (and
+the interpreter's prefix when it lives elsewhere) bound read-only, ``/`` and ``/dev`` read-only, a
+private tmpfs ``/tmp`` of ``disk_bytes`` as its only writable place, a fresh ``/proc``; no
+repository, no ``../shared``, no home, no ``/etc``; an empty environment (no API key); uid and gid
+65534 inside, and — when the judge runs as root and the kernel allows unprivileged user
+namespaces — a uid of its own outside (:mod:`methods.judges.confine`), so one answer's processes
+count against no other's. Resource limits (CPU seconds, address space, file size, open files,
+processes) and a wall-clock limit hold for both; where a cgroup can be made, the candidate's
+memory and process limits hold for all its processes together.
 
 Where bubblewrap cannot run, code is judged only when the settings opt into the weaker fallback
 (``weak_sandbox_ok``): the same two processes, the candidate under ``unshare --net`` as ``nobody``
@@ -35,7 +39,8 @@ cards. The audit hook also runs inside bubblewrap, where it only gives clearer e
 Outcomes: ``passed`` (every test passed), ``failed`` (it ran; some tests failed; ``score`` is the
 share that passed), ``timeout`` (wall or CPU limit), ``error`` (it crashed, hit a limit, or did
 something the sandbox refuses; the reason says which), ``judge_error`` (the tester gave no readable
-result: never a pass, never an exception).
+result after ``attempts`` runs — the machine's failure, retryable, never the answer's: never a pass,
+never an exception, counted apart by the stages).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from pathlib import Path
 
 from methods.judges.base import Task, Verdict
 from methods.judges.confine import Cgroup, UidLease, cgroup_support
+from methods.judges.extract import extract_program, format_failure
 
 log = logging.getLogger("kibidango.judges.code")
 
@@ -808,15 +814,6 @@ def _read_counts(data: bytes) -> dict | None:
     return counts if ok else None
 
 
-def extract_code(answer: str) -> str:
-    """The program in an answer: the first fenced block if there is one, else the whole text."""
-    if "```" in answer:
-        body = answer.split("```", 2)[1]
-        first, _, rest = body.partition("\n")
-        return rest if first.strip().isalpha() else body  # a language tag on the fence line
-    return answer
-
-
 @dataclass
 class CodeJudge:
     """Runs the answer's program against ``task.tests`` (MBPP: assert statements) or HumanEval's
@@ -842,9 +839,15 @@ class CodeJudge:
         if task.entry_point:  # HumanEval: the check function (the tester's alone), then one call of it
             test_setup = "\n".join(tests)
             tests = [f"check({task.entry_point})"]
-        program = extract_code(answer)
-        if task.entry_point and not re.search(rf"^def {re.escape(task.entry_point)}\s*\(", program, re.MULTILINE):
-            program = task.prompt + program  # HumanEval: a body completing the prompt's signature
+        # the names the task calls: HumanEval's entry point, or the reference's functions the tests use
+        used = _names_used(tests)
+        entry = (
+            (task.entry_point,) if task.entry_point else tuple(n for n in _defined_names(task.reference) if n in used)
+        )
+        program = extract_program(answer, entry, task.prompt if task.entry_point else "")
+        if why := format_failure(program):  # nothing to run: the answer's format, not its logic, failed
+            details = {"format_failure": why, "attempts": 0}
+            return Verdict(False, 0.0, f"error: {why}", "error", time.monotonic() - started, details)
         limits = SandboxLimits(
             wall_seconds=self.wall_seconds, cpu_seconds=self.cpu_seconds, memory_bytes=self.memory_mb << 20
         )
