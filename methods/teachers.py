@@ -7,7 +7,10 @@ from an environment variable), and a journal of every paid request.
   (``base_url``, ``model``, ``api_key_env`` — the variable's *name* —, prices per 1K prompt and
   completion tokens, ``max_tokens``, ``concurrency``), or ``kind: reference``, which answers with
   the dataset's gold answer at a flat ``usd_per_answer`` (the stand-in for the costliest,
-  human-written tier).
+  human-written tier), or ``kind: self``: the student itself, sampled ``samples`` times at
+  ``temperature`` and judged by the task's own judge, its first passing answer taken
+  (rejection-sampling fine-tuning / STaR: Yuan et al. 2023, arXiv 2308.01825; Zelikman et al. 2022,
+  arXiv 2203.14465), priced as local compute at the tier's per-1K-token prices.
 - :class:`TeacherClient`: one tier's calls under the run's :class:`~kibidango.cascade.ledger.Ledger`
   (a request is sent only when its **worst-case** cost fits what is left, so the spend never
   passes the limit); 401/403/404 and a connection that never opens make the tier **dead**
@@ -45,7 +48,14 @@ class TierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(description="The tier's name in tables, metrics and errors.")
-    kind: Literal["openai", "reference"] = Field("openai", description="An endpoint, or the dataset's gold answer.")
+    kind: Literal["openai", "reference", "self"] = Field(
+        "openai",
+        description="An endpoint; the dataset's gold answer; or `self`: the student sampled `samples` times and "
+        "judged, its first passing answer taken (STaR / rejection sampling), priced as local compute.",
+    )
+    samples: int = Field(
+        8, ge=1, le=256, description="`self`: answers sampled per failure before it escalates to the next tier."
+    )
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint (…/v1); None when `serve` is set.")
     model: str | None = Field(None, description="The model name sent to the endpoint.")
     api_key_env: str | None = Field(None, description="Name of the environment variable holding the key.")
@@ -78,6 +88,11 @@ class TierConfig(BaseModel):
 
     @model_validator(mode="after")
     def _where(self) -> TierConfig:
+        if self.kind == "self":
+            if any(x is not None for x in (self.base_url, self.serve, self.serve_input, self.model)):
+                raise ValueError(f"tier {self.name!r}: a `self` tier samples the stage's `student` input, no endpoint")
+            if self.samples > 1 and self.temperature <= 0:
+                raise ValueError(f"tier {self.name!r}: {self.samples} samples at temperature 0 are one answer")
         if self.kind == "openai":
             if sum(x is not None for x in (self.base_url, self.serve, self.serve_input)) != 1:
                 raise ValueError(f"tier {self.name!r}: give exactly one of `base_url`, `serve` or `serve_input`")
@@ -102,6 +117,9 @@ def worst_case_usd(tier: TierConfig, prompt: str) -> float:
     at most its UTF-8 bytes plus a template allowance, completion tokens at most ``max_tokens``)."""
     if tier.kind == "reference":
         return tier.usd_per_answer
+    if tier.kind == "self":  # every sample reads the prompt and writes at most max_tokens
+        one = _endpoint(tier, "local").worst_case_usd([{"role": "user", "content": prompt}], tier.max_tokens)
+        return tier.samples * one
     messages = [{"role": "system", "content": tier.system}, {"role": "user", "content": prompt}]
     return _endpoint(tier, tier.base_url or "").worst_case_usd(messages, tier.max_tokens)
 

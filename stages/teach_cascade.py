@@ -1,10 +1,15 @@
 """Stage 1D — cascaded teachers: every critical failure of 1C is answered by the cheapest teacher
 tier first, and escalated to the next, pricier tier only when 1B's judge rejects the answer.
 
-Tiers (the recipe's ordered ``tiers``; :mod:`methods.teachers`) are OpenAI-compatible endpoints
-or ``kind: reference`` (the dataset's gold answer at a flat price). A tier with ``serve`` is a
-local model the stage serves itself: its checkpoint (a GGUF file, or a transformers directory
-converted to GGUF in the work directory) under llama-cpp-python's server on 127.0.0.1.
+Tiers (the recipe's ordered ``tiers``; :mod:`methods.teachers`) are OpenAI-compatible endpoints,
+``kind: reference`` (the dataset's gold answer at a flat price), or ``kind: self``: the student
+itself (the ``student`` input, stage 1A's — or a later round's retrained — checkpoint), sampled
+up to ``samples`` times at ``temperature`` and judged by the task's own judge; the first answer
+that passes is the correction (STaR / rejection-sampling fine-tuning), priced as local compute at
+the tier's per-1K-token prices, journaled, budgeted and never re-sampled by a rerun like any paid
+request. A tier with ``serve`` is a local model the stage serves itself: its checkpoint (a GGUF
+file, or a transformers directory converted to GGUF in the work directory) under
+llama-cpp-python's server on 127.0.0.1.
 
 The budget is hard: a request leaves only if its worst-case cost fits what is left; once nothing
 fits, the remaining rows are skipped and counted. Every paid request is journaled before it is
@@ -29,12 +34,14 @@ tier, priced from the same token counts.
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -48,6 +55,7 @@ from core.progress import Progress
 from kibidango.cascade.ledger import BudgetExceeded, Ledger
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
+from methods.measure.generate import Answerer, once
 from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
 from methods.training.models import base_file
 
@@ -68,6 +76,7 @@ class Config(StageConfig):
         "on: the retraining round measures its failure rate on them (held_out.jsonl).",
     )
     serve_n_ctx: int = Field(512, gt=0, description="Context of locally served tiers.")
+    student_tier: str = Field("target", description="Tier directory of the `student` input a `self` tier samples.")
     serve_chat_format: str = Field(
         "alpaca",
         description="llama-cpp-python chat format of locally served tiers; `family`: the family's own training "
@@ -81,6 +90,19 @@ class Config(StageConfig):
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique: {names}")
         return self
+
+    def student_dir(self, inputs: dict[str, Path]) -> Path | None:
+        """The checkpoint a `self` tier samples (None without one)."""
+        if not any(t.kind == "self" for t in self.tiers):
+            return None
+        if "student" not in inputs:
+            raise KibidangoError(
+                "a `self` tier samples the student: wire stage 1A (or a round's 1R) as input 'student'"
+            )
+        path = inputs["student"] / self.student_tier
+        if not (path / "config.json").is_file():
+            raise KibidangoError(f"the student input has no transformers checkpoint at {path}")
+        return path
 
 
 def external_inputs(cfg: Config) -> dict[str, str]:
@@ -128,7 +150,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             f"resuming: {len(state.done):,} (row, tier) pairs settled, {len(state.lost)} in flight at the kill "
             f"(charged, {'sent again: --resend-unconfirmed' if resend else 'not resent'}), ${state.spent:.4f} spent"
         )
-    cascade = _Cascade(cfg, rows, judges, journal, state, ledger)
+    cascade = _Cascade(cfg, rows, judges, journal, state, ledger, cfg.student_dir(inputs))
     try:
         with ExitStack() as stack:
             urls = _serve(cfg, inputs, work_dir, stack)
@@ -138,6 +160,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             for tier in cfg.tiers:
                 cascade.run_tier(tier, clients.get(tier.name))
     finally:
+        cascade.close()
         journal.close()
 
     spent = ledger.state().settled_usd
@@ -275,7 +298,7 @@ def _replay(events: list[dict], path: Path, resend: bool = False) -> _State:
 
 
 class _Cascade:
-    def __init__(self, cfg, rows, judges, journal, state, ledger: Ledger):
+    def __init__(self, cfg, rows, judges, journal, state, ledger: Ledger, student: Path | None = None):
         self.cfg = cfg
         self.rows = rows
         self.judges = judges
@@ -284,6 +307,8 @@ class _Cascade:
         self.ledger = ledger
         self.dead: list[str] = []
         self._dead_lock = threading.Lock()
+        self._student = student
+        self._samplers: dict[str, once] = {}  # per self tier: the student, loaded when a row reaches it
 
     def _resolved(self, row_id: str, upto: int) -> bool:
         """True once a tier before ``upto`` passed the row, or the budget skipped it, or its answer
@@ -353,6 +378,8 @@ class _Cascade:
         def sent(reserved: float) -> None:
             self.journal.write({"event": "sent", "row": row["id"], "tier": tier.name, "reserved": reserved})
 
+        if tier.kind == "self":
+            return self._self_taught(tier, row, sent)
         if tier.kind == "reference":
             worst = worst_case_usd(tier, row["prompt"])
             try:
@@ -392,10 +419,56 @@ class _Cascade:
         self.journal.write(event)
         return event
 
+    def _self_taught(self, tier: TierConfig, row: dict, sent) -> dict | None:
+        """The student's own answers to ``row``, sampled until the judge passes one (at most
+        ``tier.samples``): the reply is the first that passed, or the last sampled, at what the
+        tokens cost. The worst case (every sample at ``max_tokens``) is reserved and journaled
+        before the first sample, so a killed run's rerun never samples the row again."""
+        key = (row["id"], tier.name)
+        worst = worst_case_usd(tier, row["prompt"])
+        try:
+            rid = self.ledger.reserve(worst, note=f"teacher {tier.name}")
+        except BudgetExceeded:
+            return self._skipped(key)
+        sent(worst)
+        if tier.name not in self._samplers:
+            with self._dead_lock:
+                self._samplers.setdefault(
+                    tier.name,
+                    once(lambda: Answerer(self._student, tier.max_tokens, parallel=tier.concurrency)),
+                )
+        student = self._samplers[tier.name]()
+        judge, task = self.judges[row["domain"]], task_of(row)
+        prompt_tokens, completion_tokens, text, started = 0, 0, "", time.monotonic()
+        drawn = 0
+        for i in range(tier.samples):
+            answer = student.sample(row["instruction"], row["input"], tier.temperature, _sample_seed(row["id"], i))
+            drawn += 1
+            prompt_tokens += len(student.prompt_ids(row["instruction"], row["input"]))
+            completion_tokens += answer.tokens
+            text = answer.text
+            if answer.text.strip() and judge(task, answer.text).passed:
+                break
+        usd = self.ledger.settle(rid, tier.usd(prompt_tokens, completion_tokens))
+        event = {"event": "reply", "row": row["id"], "tier": tier.name, "usd": usd, "attempts": drawn, "retries": {}}
+        event.update(seconds=round(time.monotonic() - started, 3), text=text, prompt_tokens=prompt_tokens)
+        event.update(completion_tokens=completion_tokens)
+        self.journal.write(event)
+        return event
+
+    def close(self) -> None:
+        for sampler in self._samplers.values():
+            sampler.close()
+
     def _skipped(self, key: tuple[str, str]) -> None:
         event = {"event": "skipped", "row": key[0], "tier": key[1], "reason": "budget", "usd": 0.0}
         self.journal.write(event)
         self.state.done[key] = event
+
+
+def _sample_seed(row_id: str, i: int) -> int:
+    """The seed of a row's ``i``-th sample: the same answers on every run."""
+    return int.from_bytes(hashlib.sha256(f"kibidango/self-tier/v1:{row_id}:{i}".encode()).digest()[:4], "big")
 
 
 def _serve(cfg: Config, inputs: dict[str, Path], work_dir: Path, stack: ExitStack) -> dict[str, str]:

@@ -446,3 +446,73 @@ def test_an_answer_the_judge_could_not_judge_is_held_not_escalated(monkeypatch, 
     result, out = _run(cfg, inputs, tmp_path, name="again")
     assert result.metrics["pairs"] == 2 and result.metrics["held_judge_error"] == 0
     assert result.metrics["spend_usd"] == pytest.approx(0.02)
+
+
+def _student(tmp_path: Path) -> Path:
+    """Stage 1A's output as 1D reads it: a ``target/`` checkpoint (stories260K: a story model)."""
+    stories = SHARED / "models" / "stories260K" / "hf"
+    if not (stories / "model.safetensors").is_file():
+        pytest.skip(f"needs {stories}")
+    student = tmp_path / "student"
+    student.mkdir()
+    shutil.copytree(stories, student / "target")
+    return student
+
+
+def test_the_self_tier_takes_the_first_answer_its_judge_passes(tmp_path, monkeypatch):
+    """The student answers its own failures: up to ``samples`` sampled answers, judged by the task's
+    judge; the first that passes is the pair (tier ``self``), a row none of them passes escalates.
+    Each row's sampling is priced from its tokens, reserved and journaled before the first
+    sample, and a killed run's rerun never samples a row it paid for."""
+    import methods.measure.generate as generate
+
+    drawn: list[tuple[str, int]] = []
+    real = generate.Answerer.sample
+
+    def counted(self, instruction, input_, temperature, seed):
+        drawn.append((instruction, seed))
+        return real(self, instruction, input_, temperature, seed)
+
+    monkeypatch.setattr(generate.Answerer, "sample", counted)
+    inputs = {**_inputs(tmp_path, n_math=2, n_easy=2), "student": _student(tmp_path)}
+    tiers = [
+        {
+            "name": "self",
+            "kind": "self",
+            "samples": 3,
+            "temperature": 0.9,
+            "max_tokens": 12,
+            "concurrency": 2,
+            "usd_per_1k_prompt": 0.001,
+            "usd_per_1k_completion": 0.002,
+        },
+        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
+    ]
+    result, out = _run({"tiers": tiers, "budget_usd": 1.0}, inputs, tmp_path)
+    pairs = {p["id"]: p for p in map(json.loads, (out / "pairs.jsonl").read_text().splitlines())}
+    assert {pairs[f"e{i}"]["tier"] for i in range(2)} == {"self"}  # any answer passes: the first sample
+    assert {pairs[f"m{i}"]["tier"] for i in range(2)} == {"gold"}  # a story model never gets the number
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    selfs = {e["row"]: e for e in ledger if e["tier"] == "self"}
+    assert {r: e["attempts"] for r, e in selfs.items()} == {"e0": 1, "e1": 1, "m0": 3, "m1": 3}
+    assert len(drawn) == 8 and all(e["usd"] > 0 and e["completion_tokens"] > 0 for e in selfs.values())
+    price = sum(e["prompt_tokens"] * 0.001 + e["completion_tokens"] * 0.002 for e in selfs.values()) / 1000
+    assert result.metrics["spend_usd/self"] == pytest.approx(price) and result.metrics["answered_by/self"] == 2
+
+    # a rerun of the same work: nothing is sampled again
+    drawn.clear()
+    again, _ = _run({"tiers": tiers, "budget_usd": 1.0}, inputs, tmp_path, name="again")
+    assert drawn == [] and again.metrics["pairs"] == 4
+
+    # a kill after a row's `sent` and before its reply: charged its worst case, never sampled again
+    journal = tmp_path / "work" / "journal.jsonl"
+    kept = [line for line in journal.read_text().splitlines() if '"row": "m1"' not in line]
+    journal.write_text(
+        "\n".join(kept + [json.dumps({"event": "sent", "row": "m1", "tier": "self", "reserved": 0.3})]) + "\n"
+    )
+    drawn.clear()
+    killed, out = _run({"tiers": tiers, "budget_usd": 1.0}, inputs, tmp_path, name="killed")
+    assert not [d for d in drawn if "number" in d[0] or "apples" in d[0]], drawn  # m1 not sampled again
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    m1 = [e for e in ledger if e["row"] == "m1"]
+    assert [e["tier"] for e in m1] == ["self", "gold"] and m1[0]["usd"] == pytest.approx(0.3)

@@ -119,13 +119,13 @@ def test_an_edit_to_the_cascade_or_the_server_changes_no_stage(baseline):
 
 def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(baseline):
     """The speculative decoder runs in the stages that generate with the runtime (1B, 1C and 1R
-    through failure mining's answerer, 1E's draft agreement, 1F's tuning, 2F's task check, 2G's
-    answers, 9's evaluation); no other stage's key moves."""
+    through failure mining's answerer, 1D's self tier sampling the student, 1E's draft agreement,
+    1F's tuning, 2F's task check, 2G's answers, 9's evaluation); no other stage's key moves."""
     src = _source("kibidango.speculative")
     edited = src.replace("class Decoder:\n", "class Decoder:\n    KB_EDITED = 1\n", 1)
     assert edited != src
     changed = {sid for sid, v in _versions({"kibidango.speculative": edited}).items() if v != baseline[sid]}
-    assert changed == {"1B", "1C", "1E", "1F", "1R", "2F", "2G", "9"}
+    assert changed == {"1B", "1C", "1D", "1E", "1F", "1R", "2F", "2G", "9"}
     src = _source("kibidango.bundle")
     edited = src.replace("def load_bundle(", "def load_bundle(  # edited\n    ", 1).replace(
         "    if is_packed(root):",
@@ -134,4 +134,4 @@ def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(bas
     )
     assert edited != src
     changed = {sid for sid, v in _versions({"kibidango.bundle": edited}).items() if v != baseline[sid]}
-    assert changed and changed <= {"1B", "1C", "1E", "1F", "1R", "2F", "2G", "9", "X", "9A"}, changed
+    assert changed and changed <= {"1B", "1C", "1D", "1E", "1F", "1R", "2F", "2G", "9", "X", "9A"}, changed

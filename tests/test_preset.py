@@ -127,8 +127,8 @@ def test_a_preset_on_the_graph_states_only_where_it_differs(tmp_path):
     gpu = load_preset("llama31-8b")
     assert "P" not in gpu.spec.stages and gpu.needs("1A") == {"data": "0"} and gpu.needs("1B") == graph["1B"]
     # an optional input ("1T?") is dropped where its stage is left out, kept (as "1T") where it runs
-    assert gpu.needs("1D") == {"critical": "1C", "mined": "1B"} and "1T" not in gpu.spec.stages
-    assert load_preset("tiny").needs("1D") == {"critical": "1C", "mined": "1B", "teachers": "1T"}
+    assert gpu.needs("1D") == {"critical": "1C", "mined": "1B", "student": "1A"} and "1T" not in gpu.spec.stages
+    assert load_preset("tiny").needs("1D") == {"critical": "1C", "mined": "1B", "teachers": "1T", "student": "1A"}
 
     def preset(**spec) -> str:
         path = tmp_path / "g.yaml"

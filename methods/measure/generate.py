@@ -126,6 +126,28 @@ class Answerer:
             mean = feats["mean_logprob"] if feats else None
             return Answer(text, len(out), finish, mean, time.monotonic() - started)
 
+    def sample(self, instruction: str, input_: str, temperature: float, seed: int) -> Answer:
+        """One sampled answer (``temperature``, the runtime's sampler seeded with ``seed``: the
+        same seed gives the same answer), in the family's chat format; ``mean_logprob`` is not
+        scored (None)."""
+        with self._turn():
+            started = time.monotonic()
+            ids = self.prompt_ids(instruction, input_)
+            room = self.model.context_length - len(ids)
+            if room < 1:
+                return Answer("", 0, "context", None, time.monotonic() - started)
+            result = self.pipeline.generate(
+                ids,
+                stop=self.stop,
+                max_new_tokens=min(self.config.max_new_tokens, room),
+                adapter="none",
+                temperature=temperature,
+                seed=seed,
+            )
+            out = [t for t in result.token_ids if t not in self.config.stop_ids]
+            finish = result.metrics.finish_reason or ("length" if len(out) >= self.config.max_new_tokens else "stop")
+            return Answer(result.text, len(out), finish, None, time.monotonic() - started)
+
     def _decode(
         self, ids: list[int], adapter: str | None = None, rows: list | None = None
     ) -> tuple[str, list[int], str]:
