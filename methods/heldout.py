@@ -34,10 +34,20 @@ from methods.curation.split import BENCHMARKS
 from methods.failures import RowLog, row_key, sample
 from methods.judges import Task, make_judges
 from methods.judges.settings import JudgeSettings
-from methods.ladder import check_levels, ladder_rows
+from methods.ladder import LEVELS, check_levels, ladder_rows
 from methods.training.chat import load_split, prompt_text
 
-__all__ = ["HeldOutSample", "HeldOutTasks", "Judged", "answer_and_judge", "parallel_field", "select_tasks"]
+__all__ = [
+    "Band",
+    "HeldOutSample",
+    "HeldOutTasks",
+    "Judged",
+    "answer_and_judge",
+    "band_rows",
+    "choose_band",
+    "parallel_field",
+    "select_tasks",
+]
 
 log = logging.getLogger("kibidango.heldout")
 
@@ -52,6 +62,45 @@ def parallel_field():
     )
 
 
+class Band(StageConfig):
+    """Where a ladder sample mines: the levels at which the student passes between ``low`` and
+    ``high`` of its tasks — it fails there often enough to be taught and passes often enough to
+    learn from a correction — found by answering ``probe`` mining tasks of every level first."""
+
+    low: float = Field(0.1, ge=0, le=1, description="The lowest pass rate of a level in the band.")
+    high: float = Field(0.9, ge=0, le=1, description="The highest pass rate of a level in the band.")
+    probe: int = Field(12, ge=1, description="Mining tasks per level answered to measure the pass rates.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Band:
+        if self.low > self.high:
+            raise ValueError(f"band: low {self.low} is above high {self.high}")
+        return self
+
+
+def choose_band(rates: dict[int, tuple[int, int]], band: Band) -> list[int]:
+    """The levels whose pass rate (``rates``: level -> (passed, answered)) lies in [low, high];
+    when none does, the level(s) nearest that range (the lowest of equals): a student that passes
+    nothing is taught where it is closest to passing."""
+
+    def rate(level: int) -> float:
+        passed, n = rates[level]
+        return passed / n if n else 0.0
+
+    levels = sorted(rates)
+    inside = [lv for lv in levels if band.low <= rate(lv) <= band.high]
+    if inside or not levels:
+        return inside
+    distance = {lv: max(band.low - rate(lv), rate(lv) - band.high) for lv in levels}
+    return [min(levels, key=lambda lv: (distance[lv], lv))]
+
+
+def band_rows(domain: str, levels: list[int], probe: int, size: int, seed: int) -> list[dict]:
+    """A band's mining rows: ``size`` tasks beyond the ``probe`` tasks of each of its ``levels``
+    (those come first: the same tasks the probe answered)."""
+    return ladder_rows(domain, levels, "mining", probe * len(levels) + size, seed)
+
+
 class HeldOutSample(StageConfig):
     name: str = Field(description="Label of this sample in the table and the metrics.")
     source: Literal["gsm8k", "mbpp", "humaneval", "stage0", "ladder"] = Field(
@@ -63,6 +112,11 @@ class HeldOutSample(StageConfig):
         None, description="stage0: the stage-0 domain to sample; ladder: math or code; benchmarks: their own."
     )
     levels: list[int] | None = Field(None, description="ladder: the levels to draw from, `size` spread evenly.")
+    band: Band | None = Field(
+        None,
+        description="ladder, instead of `levels`: mine where the student sits between band.low and band.high, "
+        "found by a probe of every level (then `size` more tasks spread over the band's levels).",
+    )
     size: int = Field(gt=0, description="Rows to test (fewer when fewer are held out).")
     optional: bool = Field(True, description="Skip with a warning when the benchmark file is absent.")
 
@@ -71,8 +125,10 @@ class HeldOutSample(StageConfig):
         if self.source in ("stage0", "ladder"):
             if not self.domain or self.path:
                 raise ValueError(f"sample {self.name!r}: a {self.source} sample names a `domain` and no `path`")
-            if self.source == "ladder":
+            if self.source == "ladder" and self.band is None:
                 check_levels(self.name, self.domain, self.levels)
+            if self.band is not None and (self.source != "ladder" or self.levels is not None):
+                raise ValueError(f"sample {self.name!r}: a `band` is a ladder sample's, instead of its `levels`")
         elif not self.path:
             raise ValueError(f"sample {self.name!r}: benchmark {self.source} needs its `path`")
         if self.levels is not None and self.source != "ladder":
@@ -141,10 +197,14 @@ def select_tasks(cfg: HeldOutTasks, data: Path, seen: set[str]) -> tuple[list[di
                     pool.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": task})
             excluded[s.name] = 0
         elif s.source == "ladder":  # the mining part: no stage-0 source reads it (methods/ladder)
-            pool = ladder_rows(s.domain, s.levels, "mining", s.size, cfg.seed)
+            if s.band is not None:  # the probe: `probe` tasks of every level (the band is chosen on them)
+                every = list(range(1, LEVELS[s.domain] + 1))
+                pool = ladder_rows(s.domain, every, "mining", s.band.probe * len(every), cfg.seed)
+            else:
+                pool = ladder_rows(s.domain, s.levels, "mining", s.size, cfg.seed)
             excluded[s.name] = 0
             rows += [{**r, "sample": s.name, "source": s.source, "domain": s.sample_domain} for r in pool]
-            if len(pool) < s.size:
+            if len(pool) < s.size and s.band is None:
                 log.warning(f"sample {s.name!r}: {len(pool)} ladder tasks, fewer than its size {s.size}")
             continue
         else:

@@ -33,7 +33,7 @@ from core.hashing import file_sha256
 from core.progress import report_metrics
 from methods.evaluation import wilson
 from methods.failures import failure_rate, task_record, training_texts, verdict_record
-from methods.heldout import HeldOutTasks, answer_and_judge, select_tasks
+from methods.heldout import HeldOutTasks, answer_and_judge, band_rows, choose_band, select_tasks
 from methods.judges import sandbox_note
 from methods.measure.generate import Answerer, once
 from methods.training.chat import load_split
@@ -107,6 +107,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
 
     started = time.monotonic()
     try:
+        bands = {}
+        if any(s.band is not None for s in cfg.samples):  # the probe first, then the band's rows
+            probed, _ = answer_and_judge(cfg, rows, work_dir, "1B probe", answer, cfg.parallel)
+            rows, bands = _banded(cfg, rows, probed)
         table, resumed = answer_and_judge(cfg, rows, work_dir, "1B answers", answer, cfg.parallel)
     finally:
         answerer.close()
@@ -120,6 +124,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             f"first: {first}. The answers are kept: a rerun judges only these again."
         )
     metrics, stats = _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds)
+    stats["bands"] = bands
+    for name, b in bands.items():
+        metrics[f"band/{name}/lowest"], metrics[f"band/{name}/highest"] = min(b["levels"]), max(b["levels"])
+        for level, p in b["probe"].items():
+            metrics[f"probe_pass_rate/{name}/L{level}"] = p["rate"]
     _write_table(table, out_dir)
     (out_dir / "mining.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
     (out_dir / "MINING_CARD.md").write_text(_card(stats))
@@ -130,6 +139,39 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         + f"; {generated:,} generated now, {resumed:,} resumed"
     )
     return StageResult(metrics, ["MINING_CARD.md", "mining.json"], summary, tables={"answers.json": "answers.jsonl"})
+
+
+def _banded(cfg: Config, rows: list[dict], probed: list[dict]) -> tuple[list[dict], dict]:
+    """The rows to mine once the probe is answered: each band sample's band rows (its probe's
+    tasks at the band's levels first, then ``size`` more there), every other sample's rows as
+    they were; and per band sample the band and the probe's pass rate per level."""
+    bands, out = {}, []
+    for s in cfg.samples:
+        mine = [(r, p) for r, p in zip(rows, probed) if r["sample"] == s.name]
+        if s.band is None:
+            out += [r for r, _ in mine]
+            continue
+        rates: dict[int, tuple[int, int]] = {}
+        for r, p in mine:
+            if p["outcome"] != "judge_error":
+                passed, n = rates.get(r["level"], (0, 0))
+                rates[r["level"]] = (passed + bool(p["passed"]), n + 1)
+        levels = choose_band(rates, s.band)
+        bands[s.name] = {
+            "levels": levels,
+            "low": s.band.low,
+            "high": s.band.high,
+            "probe": {
+                lv: {"passed": a, "answered": n, "rate": a / n if n else 0.0} for lv, (a, n) in sorted(rates.items())
+            },
+        }
+        chosen = band_rows(s.domain, levels, s.band.probe, s.size, cfg.seed)
+        out += [{**r, "sample": s.name, "source": s.source, "domain": s.sample_domain} for r in chosen]
+        log.info(
+            f"sample {s.name}: band levels {levels} (pass rates in [{s.band.low:.0%}, {s.band.high:.0%}] on the "
+            f"probe: " + ", ".join(f"L{lv} {a}/{n}" for lv, (a, n) in sorted(rates.items())) + f"); {len(chosen)} rows"
+        )
+    return out, bands
 
 
 def _failure_rate(rows) -> tuple[float, int, int]:
@@ -222,6 +264,29 @@ def _levels_table(levels: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _bands_table(bands: dict) -> list[str]:
+    """The probe of each band sample: the student's pass rate per level on the mining part, and
+    the levels chosen (where it sits between the band's bounds)."""
+    lines = []
+    for name, b in bands.items():
+        lines += [
+            f"Band of `{name}`: levels {', '.join(map(str, b['levels']))}, where the student passed between "
+            f"{b['low']:.0%} and {b['high']:.0%} of the probe's mining tasks (or nearest to that, when no level "
+            "did); chosen on the mining part only, never the evaluation part.",
+            "",
+            "| level | probe passed / answered | pass rate (95% Wilson) | in the band |",
+            "|---:|---:|---:|:---:|",
+        ]
+        for level, p in b["probe"].items():
+            lo, hi = wilson(p["passed"], p["answered"])
+            mark = "yes" if int(level) in b["levels"] else ""
+            lines.append(
+                f"| {level} | {p['passed']} / {p['answered']} | {p['rate']:.0%} [{lo:.0%}, {hi:.0%}] | {mark} |"
+            )
+        lines.append("")
+    return lines
+
+
 def _card(stats: dict) -> str:
     lines = [
         "# Failure mining (stage 1B)",
@@ -256,6 +321,7 @@ def _card(stats: dict) -> str:
         "answers.",
         "",
         *_levels_table(stats.get("levels", {})),
+        *_bands_table(stats.get("bands", {})),
         f"Judge errors (no verdict): {stats['judge_errors']:,}. Mean answer length {stats['mean_tokens']:.1f} tokens; "
         f"{stats['answers_per_second']:.2f} answers/s answered and judged in this run, "
         f"{stats.get('parallel', 1)} at once ({stats['generated_now']:,} generated, "

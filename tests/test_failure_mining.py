@@ -440,3 +440,42 @@ def test_format_failures_are_counted_apart_from_wrong_answers():
     metrics, stats = _figures(cfg, table, {}, 3, 0, 0, 1.0)
     assert metrics["format_failures"] == 1 and stats["failed"] == 2 and stats["domains"]["code"]["format_failures"] == 1
     assert "of which format (no runnable code)" in _card(stats)
+
+
+def test_the_band_is_chosen_on_the_mining_part_from_the_students_own_rates():
+    """A band sample mines where the student passes between `low` and `high`, measured by a probe
+    of every level's mining tasks; a student that passes nothing mines where it is nearest."""
+    from methods.heldout import Band, choose_band
+
+    band = Band(low=0.1, high=0.9, probe=10)
+    rates = {1: (10, 10), 2: (9, 10), 3: (5, 10), 4: (1, 10), 5: (0, 10), 6: (0, 10)}
+    assert choose_band(rates, band) == [2, 3, 4]
+    assert choose_band({1: (0, 10), 2: (0, 10)}, band) == [1]  # nothing passes: the lowest level
+    assert choose_band({1: (10, 10), 2: (10, 10), 3: (10, 10)}, band) == [1]  # everything passes: nearest
+    with pytest.raises(ValueError, match="above high"):
+        Band(low=0.9, high=0.1)
+
+
+def test_stage_1b_probes_every_level_then_mines_the_band(stage0, student, tmp_path):
+    from stages.mine_failures import Config, run
+
+    cfg = Config.model_validate(
+        {
+            "samples": [{"name": "lm", "source": "ladder", "domain": "math", "band": {"probe": 2}, "size": 3}],
+            "judges": {"math": {"kind": "math"}},
+            "max_new_tokens": 8,
+        }
+    )
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    result = run(cfg, {"data": stage0, "student": student}, out, work)
+    stats = json.loads((out / "mining.json").read_text())
+    band = stats["bands"]["lm"]
+    assert len(band["probe"]) == 7 and all(p["answered"] == 2 for p in band["probe"].values())  # every level
+    assert band["levels"] == [1]  # a story model passes no arithmetic: mined where it is nearest
+    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 + 3 and {r["level"] for r in rows} == {1}  # the probe's level-1 tasks, then 3 more
+    probed = [json.loads(line) for line in (work / "rows.jsonl").read_text().splitlines()]
+    assert len(probed) == 7 * 2 + 3  # the band's probe rows were not answered twice
+    assert result.metrics["band/lm/lowest"] == 1 and "Band of `lm`" in (out / "MINING_CARD.md").read_text()
