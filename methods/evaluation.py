@@ -25,7 +25,7 @@ from core.contract import KibidangoError, StageConfig
 from methods.benchmarks import BENCHMARKS, load_tasks
 from methods.failures import row_key, sample
 from methods.judges import Task
-from methods.ladder import check_levels, ladder_rows
+from methods.ladder import LEVELS, check_levels, ladder_rows
 from methods.training.chat import prompt_text
 
 __all__ = ["EvalSample", "evaluation_tasks", "mcnemar", "seed_tasks", "wilson"]
@@ -42,6 +42,13 @@ class EvalSample(StageConfig):
     path: str | None = Field(None, description="The file (../shared/data/...); not for the ladder.")
     domain: Literal["math", "code"] | None = Field(None, description="ladder: which rungs (the others: their own).")
     levels: list[int] | None = Field(None, description="ladder: the levels, `size` spread evenly over them.")
+    band: str | None = Field(
+        None,
+        description="ladder, instead of `levels`: the levels of the band stage 1B chose for its sample of this name "
+        "(the `mined` input), and `above` levels over it, `size` spread over them; `rest` tasks at each other level.",
+    )
+    above: int = Field(1, ge=0, description="band: levels above the band evaluated with it.")
+    rest: int = Field(0, ge=0, description="band: tasks at each level outside it (where every arm may score 0).")
     size: int = Field(gt=0, description="Tasks to evaluate (fewer when the file has fewer).")
     seen_by_base: str | None = Field(
         None,
@@ -54,7 +61,12 @@ class EvalSample(StageConfig):
         if self.source == "ladder":
             if self.path is not None:
                 raise ValueError(f"evaluation sample {self.name!r}: the ladder is generated; it has no `path`")
-            check_levels(self.name, self.domain, self.levels)
+            if (self.band is None) == (self.levels is None):
+                raise ValueError(f"evaluation sample {self.name!r}: a ladder sample takes `levels` or a `band`")
+            if self.band is None:
+                check_levels(self.name, self.domain, self.levels)
+            elif self.domain not in LEVELS:
+                raise ValueError(f"evaluation sample {self.name!r}: ladder domain {self.domain!r} is not math or code")
         elif self.path is None or self.domain is not None or self.levels is not None:
             raise ValueError(f"evaluation sample {self.name!r}: {self.source} takes a `path` (and no ladder fields)")
         return self
@@ -64,6 +76,49 @@ class EvalSample(StageConfig):
         if self.source == "ladder":
             return self.domain
         return BENCHMARKS[self.source]["domain"] if self.source in BENCHMARKS else SEED_TASKS_DOMAIN
+
+
+def _band_tasks(s: EvalSample, band: list[int] | None, seed: int) -> list[dict]:
+    """A band sample's evaluation tasks: ``size`` over the band and ``above`` levels over it,
+    ``rest`` at each other level of the domain."""
+    if not band:
+        raise KibidangoError(
+            f"evaluation sample {s.name!r}: no band {s.band!r} from stage 1B (wire it as input `mined`, with a ladder "
+            "sample of that name that has a `band`)"
+        )
+    top = min(LEVELS[s.domain], max(band) + s.above)
+    focus = sorted(set(band) | set(range(max(band) + 1, top + 1)))
+    others = [lv for lv in range(1, LEVELS[s.domain] + 1) if lv not in focus]
+    rows = ladder_rows(s.domain, focus, "evaluation", s.size, seed)
+    if s.rest and others:
+        rows += ladder_rows(s.domain, others, "evaluation", s.rest * len(others), seed)
+    return sorted(rows, key=lambda r: r["level"])
+
+
+def mined_bands(mined: Path | None) -> dict[str, list[int]]:
+    """The bands stage 1B chose (its ``mining.json``), by sample name; {} without that input."""
+    if mined is None or not (mined / "mining.json").is_file():
+        return {}
+    bands = json.loads((mined / "mining.json").read_text()).get("bands", {})
+    return {name: [int(level) for level in b["levels"]] for name, b in bands.items()}
+
+
+def mcnemar_power(n: int, gain: float, discordance: float, alpha: float = 0.01) -> float:
+    """The chance that an exact McNemar test (two-sided, at ``alpha``) on ``n`` paired tasks detects
+    a pass-rate ``gain`` when a share ``discordance`` of the tasks come out differently under the
+    two arms: discordant tasks ~ Binomial(n, discordance), of which the better arm's ~
+    Binomial(k, (discordance + gain) / (2 discordance)). Sizes an evaluation before it runs."""
+    import numpy as np
+    from scipy.stats import binom
+
+    if not 0 < discordance <= 1 or not 0 <= gain <= discordance:
+        raise ValueError(f"need 0 <= gain ({gain}) <= discordance ({discordance}) <= 1")
+    share = (discordance + gain) / (2 * discordance)
+    k = np.arange(1, n + 1)
+    # the fewest wins of the better arm among k discordant tasks that reject: 2 P(X >= a) <= alpha
+    wins = binom.isf(alpha / 2, k, 0.5) + 1
+    reject = binom.sf(wins - 1, k, share) * (2 * binom.sf(wins - 1, k, 0.5) <= alpha)
+    return float(np.sum(binom.pmf(k, n, discordance) * reject))
 
 
 def wilson(passes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -119,14 +174,20 @@ def seed_tasks(path: Path, seen: set[str]) -> list[dict]:
     return rows
 
 
-def evaluation_tasks(samples: list[EvalSample], seed: int, seen: set[str]) -> list[dict]:
+def evaluation_tasks(
+    samples: list[EvalSample], seed: int, seen: set[str], bands: dict[str, list[int]] | None = None
+) -> list[dict]:
     """The tasks of each sample, in a fixed order: ``{id, sample, source, domain, instruction,
     input, task}``. ``seen``: :func:`methods.failures.training_texts` of every stage-0 split (a
-    seed task whose text stage 0 holds is left out). A missing file is an error naming it."""
+    seed task whose text stage 0 holds is left out). ``bands``: 1B's bands by sample name
+    (:func:`mined_bands`), for samples with a ``band``. A missing file is an error naming it."""
     rows: list[dict] = []
     for s in samples:
         if s.source == "ladder":  # generated; its evaluation part is read by no other stage
-            pool = ladder_rows(s.domain, s.levels, "evaluation", s.size, seed)
+            if s.band is not None:
+                pool = _band_tasks(s, (bands or {}).get(s.band), seed)
+            else:
+                pool = ladder_rows(s.domain, s.levels, "evaluation", s.size, seed)
             rows += [{**r, "sample": s.name, "source": s.source, "domain": s.sample_domain} for r in pool]
             continue
         path = Path(s.path)

@@ -42,7 +42,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageResult
 from kibidango.backends.base import ContextLengthError
-from methods.evaluation import EvalSample, evaluation_tasks, mcnemar, wilson
+from methods.evaluation import EvalSample, evaluation_tasks, mcnemar, mined_bands, wilson
 from methods.failures import task_record, training_texts, verdict_record
 from methods.heldout import Judged, answer_and_judge, parallel_field
 from methods.judges import sandbox_note
@@ -81,7 +81,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         raise KibidangoError(f"{bundle_dir} is not a bundle (no bundle.json); wire stage X as input 'bundle'")
     data = inputs["data"] / "dataset"
     seen = set().union(*(training_texts(load_split(data, split)) for split in _splits(data)))
-    rows = evaluation_tasks(cfg.samples, cfg.seed, seen)
+    rows = evaluation_tasks(cfg.samples, cfg.seed, seen, mined_bands(inputs.get("mined")))
     if not rows:
         raise KibidangoError("no evaluation tasks: every sample is empty")
     # every adapter loaded at once: batched answers routed to different adapters share each forward

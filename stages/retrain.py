@@ -32,7 +32,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
-from methods.evaluation import EvalSample, evaluation_tasks, mcnemar, wilson
+from methods.evaluation import EvalSample, evaluation_tasks, mcnemar, mcnemar_power, mined_bands, wilson
 from methods.failures import failure_rate, mined_judges, read_jsonl, sample, task_of, training_texts, verdict_record
 from methods.heldout import answer_and_judge, parallel_field
 from methods.measure import lm
@@ -135,7 +135,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         data = inputs["data"] / "dataset"
         splits = list(load_from_disk(str(data)).keys())
         seen = set().union(*(training_texts(load_split(data, split)) for split in splits))
-        tasks = evaluation_tasks(cfg.evaluation, cfg.seed, seen)
+        tasks = evaluation_tasks(cfg.evaluation, cfg.seed, seen, mined_bands(inputs.get("mined")))
         verdicts = {name: _evaluate(path, name, tasks, judges, cfg, work_dir) for name, path in models.items()}
         comparison = _compare(tasks, verdicts)
         with open(out_dir / "evaluation.jsonl", "w", encoding="utf-8") as f:
@@ -294,6 +294,9 @@ def _compare(tasks: list[dict], verdicts: dict[str, dict]) -> dict:
 
         models[name] = {**rate([t["id"] for t in tasks]), "groups": {g: rate(ids) for g, ids in groups.items()}}
     tests = {name: mcnemar(passed("1R"), passed(name)) for name in verdicts if name != "1R"}
+    for t in tests.values():  # what this evaluation could show: a 10-point gain at the discordance it saw
+        d = (t["a_only"] + t["b_only"]) / t["n"] if t["n"] else 0.0
+        t["power_10pt"] = mcnemar_power(t["n"], 0.10, max(d, 0.10)) if t["n"] else 0.0
     return {"models": models, "mcnemar": tests}
 
 
@@ -396,12 +399,14 @@ def _comparison_lines(c: dict, controls: dict) -> list[str]:
     lines += [
         f"| **all** | {first['n']} | " + " | ".join(f"**{cell(c['models'][m])}**" for m in models) + " |",
         "",
-        "Exact McNemar tests on the same tasks (1R passed and the other failed / the reverse; two-sided p):",
+        "Exact McNemar tests on the same tasks (1R passed and the other failed / the reverse; two-sided p). "
+        "Power: the chance this many tasks would show a 10-point gain at p < 0.01, at the share of tasks the two "
+        "arms disagreed on (at least 10%): an evaluation that cannot show the effect cannot deny it either.",
         "",
-        "| comparison | tasks | 1R only | other only | p |",
-        "|---|---:|---:|---:|---:|",
+        "| comparison | tasks | 1R only | other only | p | power (10 points, p < 0.01) |",
+        "|---|---:|---:|---:|---:|---:|",
         *[
-            f"| 1R vs {name} | {t['n']} | {t['a_only']} | {t['b_only']} | {t['p']:.3f} |"
+            f"| 1R vs {name} | {t['n']} | {t['a_only']} | {t['b_only']} | {t['p']:.3f} | {t.get('power_10pt', 0):.0%} |"
             for name, t in c["mcnemar"].items()
         ],
         "",

@@ -324,3 +324,40 @@ def test_a_judge_error_is_counted_apart_never_as_a_failure():
     assert q["policies"]["auto"] == {**q["policies"]["auto"], "passes": 1, "judged": 2, "judge_errors": 1, "rate": 0.5}
     assert q["policies"]["none"]["rate"] == 0.5 and q["policies"]["none"]["judge_errors"] == 1
     assert q["auto_vs_none"]["a_only"] == 1 and q["auto_vs_none"]["b_only"] == 0  # only t0 has both verdicts
+
+
+def test_mcnemar_power_matches_a_simulation_of_the_test():
+    """The power of an exact McNemar test at p < 0.01: what sizes an evaluation (100 paired tasks
+    show a 10-point gain at 20% discordance less than a third of the time)."""
+    import numpy as np
+    from scipy.stats import binomtest
+
+    from methods.evaluation import mcnemar_power
+
+    rng = np.random.default_rng(0)
+    n, d, g, hits, runs = 150, 0.2, 0.1, 0, 2000
+    for _ in range(runs):
+        k = rng.binomial(n, d)
+        hits += bool(k) and binomtest(rng.binomial(k, (d + g) / (2 * d)), k, 0.5).pvalue < 0.01
+    assert abs(mcnemar_power(n, g, d) - hits / runs) < 0.03
+    assert mcnemar_power(100, 0.1, 0.2) < 1 / 3 < 0.9 < mcnemar_power(300, 0.1, 0.2)
+    assert mcnemar_power(100, 0.0, 0.2) < 0.01  # no gain: the test's own false-positive rate
+
+
+def test_a_band_sample_evaluates_on_1bs_band_and_the_level_above(tmp_path):
+    """An evaluation sample with `band` takes the levels stage 1B chose on the mining part (its
+    `mining.json`) and `above` levels over them; `rest` tasks at every other level."""
+    from core.contract import KibidangoError
+    from methods.evaluation import EvalSample, evaluation_tasks, mined_bands
+
+    (tmp_path / "mining.json").write_text(json.dumps({"bands": {"lm": {"levels": [2, 3], "probe": {}}}}))
+    bands = mined_bands(tmp_path)
+    assert bands == {"lm": [2, 3]}
+    s = EvalSample(name="m", source="ladder", domain="math", band="lm", above=1, rest=2, size=30)
+    rows = evaluation_tasks([s], 0, set(), bands)
+    per = {lv: sum(r["level"] == lv for r in rows) for lv in range(1, 8)}
+    assert per == {1: 2, 2: 10, 3: 10, 4: 10, 5: 2, 6: 2, 7: 2}
+    with pytest.raises(KibidangoError, match="no band 'lm' from stage 1B"):
+        evaluation_tasks([s], 0, set(), {})
+    with pytest.raises(ValueError, match="takes `levels` or a `band`"):
+        EvalSample(name="m", source="ladder", domain="math", levels=[1], band="lm", size=3)
