@@ -15,6 +15,12 @@ each stage's config (inline, or a recipe file merged under the inline keys).
 Without ``graph`` the preset lists every stage it runs with its ``needs``. In the graph, an
 input whose upstream ends in ``?`` (``teachers: 1T?``) is optional: a preset that leaves that
 stage out runs the stage without the input.
+
+``rounds: N`` (with a graph) runs the quality loop (1B -> 1C -> 1D -> 1R) N times: round r's
+stages are ``1B.r`` ... ``1R.r``, the same stages with the same recipes (a preset may give one its
+own under ``stages: {"1B.2": ...}``), their own cache keys and MLflow runs; round r mines, teaches
+and retrains round r-1's 1R (``student``), and its 1B reads the last round's 1B (``previous``) so
+that it mines no task an earlier round answered. The stages after the loop read the last round.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ class PresetFile(BaseModel):
         None, description="The base stage graph (recipes/graph.yaml): stage id -> its inputs; `stages` then overrides."
     )
     without: list[str] = Field(default_factory=list, description="Stages of the graph this preset does not run.")
+    rounds: int = Field(
+        1, ge=1, le=5, description="Rounds of the quality loop (1B, 1C, 1D, 1R); round r is 1B.r ... 1R.r (graph only)."
+    )
     stages: dict[str, StagePlan] = Field(default_factory=dict)
     pools: dict[str, str] = Field(
         default_factory=dict,
@@ -85,7 +94,9 @@ class Preset:
         from stages import TAGS
 
         routes = {**self.spec.pools, **(extra or {})}
-        for key in (stage_id, *TAGS.get(stage_id, ())):
+        from stages import base_id
+
+        for key in (stage_id, *TAGS.get(base_id(stage_id), ())):
             if key in routes:
                 return routes[key]
         return None
@@ -185,6 +196,38 @@ def _on_graph(path: Path, spec: PresetFile) -> dict[str, StagePlan]:
     return stages
 
 
+def _with_rounds(path: Path, spec: PresetFile, stages: dict[str, StagePlan]) -> dict[str, StagePlan]:
+    """``stages`` with rounds 2..``spec.rounds`` of the loop added (see the module) and the stages
+    after the loop reading its last round."""
+    from stages import LOOP
+
+    if spec.rounds == 1:
+        return stages
+    missing = [sid for sid in LOOP if sid not in stages]
+    if missing:
+        raise KibidangoError(f"{path}: rounds: {spec.rounds} needs the loop's stages; {', '.join(missing)} not run")
+    last = {sid: sid for sid in LOOP}
+    for r in range(2, spec.rounds + 1):
+        ids = {sid: f"{sid}.{r}" for sid in LOOP}
+        for sid in LOOP:
+            plan = stages[sid]
+            needs = {k: ids.get(up, up) for k, up in plan.needs.items()}
+            if "student" in needs:
+                needs["student"] = last["1R"]  # the last round's retrained student
+            if sid == "1B":
+                needs["previous"] = last["1B"]  # what the earlier rounds mined: never mined again
+            copy = StagePlan(needs=needs, recipe=plan.recipe, config=dict(plan.config))
+            own = spec.stages.get(ids[sid])
+            if own is not None:
+                copy = copy.model_copy(update={k: getattr(own, k) for k in own.model_fields_set})
+            stages[ids[sid]] = copy
+        last = ids
+    for sid, plan in stages.items():  # after the loop: its last round
+        if sid not in LOOP and "." not in sid:
+            plan.needs = {k: last.get(up, up) for k, up in plan.needs.items()}
+    return stages
+
+
 def set_override(config: dict, dotted: str, value: Any) -> None:
     """``set_override(cfg, "dedup.threshold", 0.6)``; integer parts index lists. A path that
     does not fit the config (a key under a number, a list index that is not a number or is out of
@@ -233,6 +276,12 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     KibidangoError naming it."""
     target, eq, text = item.partition("=")
     stage, _, key = target.partition(".")
+    head, _, rest = key.partition(".")
+    if head.isdigit() and rest:  # a round's stage: 1B.2.samples.0.size=5
+        from stages import base_id
+
+        if base_id(f"{stage}.{head}") != f"{stage}.{head}":
+            stage, key = f"{stage}.{head}", rest
     if not eq or not stage or not key:
         raise KibidangoError(f"override {item[:200]!r}: expected STAGE.KEY=VALUE, e.g. 0.dedup.threshold=0.6")
     if len(text) > _MAX_OVERRIDE:
@@ -271,7 +320,9 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
     except ValidationError as e:
         raise _explain(e, str(path)) from e
     if spec.graph is not None:
-        spec = spec.model_copy(update={"stages": _on_graph(path, spec)})
+        spec = spec.model_copy(update={"stages": _with_rounds(path, spec, _on_graph(path, spec))})
+    elif spec.rounds > 1:
+        raise KibidangoError(f"{path}: `rounds` needs a `graph` (the loop's stages and who reads them)")
     configs: dict[str, StageConfig] = {}
     parsed = [parse_override(item) for item in overrides or []]
     for sid, plan in spec.stages.items():

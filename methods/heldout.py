@@ -95,10 +95,12 @@ def choose_band(rates: dict[int, tuple[int, int]], band: Band) -> list[int]:
     return [min(levels, key=lambda lv: (distance[lv], lv))]
 
 
-def band_rows(domain: str, levels: list[int], probe: int, size: int, seed: int) -> list[dict]:
+def band_rows(
+    domain: str, levels: list[int], probe: int, size: int, seed: int, exclude: frozenset[str] = frozenset()
+) -> list[dict]:
     """A band's mining rows: ``size`` tasks beyond the ``probe`` tasks of each of its ``levels``
-    (those come first: the same tasks the probe answered)."""
-    return ladder_rows(domain, levels, "mining", probe * len(levels) + size, seed)
+    (those come first: the same tasks the probe answered), less ``exclude``."""
+    return ladder_rows(domain, levels, "mining", probe * len(levels) + size, seed, exclude)
 
 
 class HeldOutSample(StageConfig):
@@ -179,10 +181,13 @@ class HeldOutTasks(Judged):
         return self
 
 
-def select_tasks(cfg: HeldOutTasks, data: Path, seen: set[str]) -> tuple[list[dict], dict[str, int]]:
+def select_tasks(
+    cfg: HeldOutTasks, data: Path, seen: set[str], exclude: frozenset[str] = frozenset()
+) -> tuple[list[dict], dict[str, int]]:
     """The held-out tasks of ``cfg.samples`` (stage-0 held-out splits ``cfg.held_out_splits`` or
-    benchmark files), ``cfg.seed`` choosing which, in a fixed order; and per sample how many were
-    left out as seen in training (``seen``: :func:`methods.failures.training_texts`)."""
+    benchmark files), ``cfg.seed`` choosing which, in a fixed order, none of ``exclude`` (task ids an
+    earlier round answered); and per sample how many were left out as seen in training (``seen``:
+    :func:`methods.failures.training_texts`)."""
     rows: list[dict] = []
     excluded: dict[str, int] = {}
     taken: set[str] = set()
@@ -199,9 +204,9 @@ def select_tasks(cfg: HeldOutTasks, data: Path, seen: set[str]) -> tuple[list[di
         elif s.source == "ladder":  # the mining part: no stage-0 source reads it (methods/ladder)
             if s.band is not None:  # the probe: `probe` tasks of every level (the band is chosen on them)
                 every = list(range(1, LEVELS[s.domain] + 1))
-                pool = ladder_rows(s.domain, every, "mining", s.band.probe * len(every), cfg.seed)
+                pool = ladder_rows(s.domain, every, "mining", s.band.probe * len(every), cfg.seed, exclude)
             else:
-                pool = ladder_rows(s.domain, s.levels, "mining", s.size, cfg.seed)
+                pool = ladder_rows(s.domain, s.levels, "mining", s.size, cfg.seed, exclude)
             excluded[s.name] = 0
             rows += [{**r, "sample": s.name, "source": s.source, "domain": s.sample_domain} for r in pool]
             if len(pool) < s.size and s.band is None:
@@ -218,7 +223,8 @@ def select_tasks(cfg: HeldOutTasks, data: Path, seen: set[str]) -> tuple[list[di
                     excluded[s.name] += 1  # curated into training by stage 0: not held out
                     continue
                 pool.append({"id": bt.id, "instruction": instruction, "input": input_, "task": bt.task})
-        chosen = [r for r in sample(pool, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in taken][: s.size]
+        ranked = sample(pool, None, cfg.seed, key=lambda r: r["id"])
+        chosen = [r for r in ranked if r["id"] not in taken and r["id"] not in exclude][: s.size]
         if len(chosen) < s.size:
             log.warning(f"sample {s.name!r}: {len(chosen)} held-out rows, fewer than its size {s.size}")
         for r in chosen:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["STAGES", "TAGS", "load_stage", "stage_ids", "stage_name"]
+__all__ = ["LOOP", "STAGES", "TAGS", "base_id", "load_stage", "stage_ids", "stage_name"]
 
 STAGES: dict[str, str] = {
     "0": "stages.curate",
@@ -38,6 +38,17 @@ STAGES: dict[str, str] = {
 }
 
 
+LOOP = ("1B", "1C", "1D", "1R")
+"""The quality loop's stages: a preset with ``rounds: N`` runs them again as ``1B.2`` ... ``1R.N``,
+each round mining the last round's retrained student (flows/preset.py)."""
+
+
+def base_id(stage_id: str) -> str:
+    """The stage a round's copy runs (``1B.2`` -> ``1B``); any other id is its own."""
+    base, dot, n = stage_id.partition(".")
+    return base if dot and n.isdigit() and int(n) >= 2 and base in LOOP else stage_id
+
+
 TAGS: dict[str, tuple[str, ...]] = {
     sid: ("gpu",) for sid in ("P", "1A", "1T", "1R", "1E", "3", "4", "5", "2A", "2B", "2C", "2F")
 }
@@ -50,7 +61,7 @@ def stage_name(stage_id: str) -> str:
     """A stage's one name: its module's (``2G`` -> ``calibrate``), in logs, plans, the report and
     MLflow run names (``2G-calibrate``); ``make stage-2g`` and ``make stage-calibrate`` both rerun it.
     Stages 3, 4 and 5 are one module run on three domains: ``domain_lora``."""
-    return STAGES[stage_id].rsplit(".", 1)[1]
+    return STAGES[base_id(stage_id)].rsplit(".", 1)[1]
 
 
 def stage_ids(given: str, known: list[str]) -> list[str]:
@@ -69,6 +80,6 @@ def stage_ids(given: str, known: list[str]) -> list[str]:
 def load_stage(stage_id: str) -> ModuleType:
     from core.contract import KibidangoError
 
-    if stage_id not in STAGES:
+    if base_id(stage_id) not in STAGES:
         raise KibidangoError(f"unknown stage id {stage_id!r}; known: {', '.join(STAGES)}")
-    return importlib.import_module(STAGES[stage_id])
+    return importlib.import_module(STAGES[base_id(stage_id)])

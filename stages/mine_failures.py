@@ -32,7 +32,7 @@ from core.contract import KibidangoError, StageResult
 from core.hashing import file_sha256
 from core.progress import report_metrics
 from methods.evaluation import wilson
-from methods.failures import failure_rate, task_record, training_texts, verdict_record
+from methods.failures import RowLog, failure_rate, task_record, training_texts, verdict_record
 from methods.heldout import HeldOutTasks, answer_and_judge, band_rows, choose_band, select_tasks
 from methods.judges import sandbox_note
 from methods.measure.generate import Answerer, once
@@ -66,7 +66,8 @@ def external_inputs(cfg: Config) -> dict[str, str]:
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     data = inputs["data"] / "dataset"
     seen = training_texts(load_split(data, "train"))
-    rows, excluded = select_tasks(cfg, data, seen)
+    round_no, earlier = _earlier_rounds(inputs.get("previous"))
+    rows, excluded = select_tasks(cfg, data, seen, earlier)
     if not rows:
         raise KibidangoError("no held-out rows to test: every sample is absent or empty")
     student_dir = inputs["student"] / cfg.tier
@@ -110,7 +111,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         bands = {}
         if any(s.band is not None for s in cfg.samples):  # the probe first, then the band's rows
             probed, _ = answer_and_judge(cfg, rows, work_dir, "1B probe", answer, cfg.parallel)
-            rows, bands = _banded(cfg, rows, probed)
+            rows, bands = _banded(cfg, rows, probed, earlier)
         table, resumed = answer_and_judge(cfg, rows, work_dir, "1B answers", answer, cfg.parallel)
     finally:
         answerer.close()
@@ -124,7 +125,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             f"first: {first}. The answers are kept: a rerun judges only these again."
         )
     metrics, stats = _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds)
-    stats["bands"] = bands
+    stats["bands"], stats["round"], stats["earlier_rounds_tasks"] = bands, round_no, len(earlier)
+    metrics["round"] = round_no
+    # every task this round and the earlier ones answered: the next round mines none of them
+    answered = sorted(earlier | {r["id"] for r in table} | {r["id"] for r in _probed(work_dir)})
+    (out_dir / "answered_tasks.json").write_text(json.dumps({"round": round_no, "ids": answered}))
     for name, b in bands.items():
         metrics[f"band/{name}/lowest"], metrics[f"band/{name}/highest"] = min(b["levels"]), max(b["levels"])
         for level, p in b["probe"].items():
@@ -133,15 +138,42 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     (out_dir / "mining.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
     (out_dir / "MINING_CARD.md").write_text(_card(stats))
     summary = (
-        f"{stats['tested']:,} answers judged, {stats['failed']:,} failures "
+        (f"round {round_no}: " if round_no > 1 else "")
+        + f"{stats['tested']:,} answers judged, {stats['failed']:,} failures "
         f"({stats['failure_rate']:.1%} of {stats['judged']:,} with a verdict), {errors:,} judge errors; "
         + ", ".join(f"{d} {v['failure_rate']:.0%}" for d, v in stats["domains"].items())
         + f"; {generated:,} generated now, {resumed:,} resumed"
     )
-    return StageResult(metrics, ["MINING_CARD.md", "mining.json"], summary, tables={"answers.json": "answers.jsonl"})
+    return StageResult(
+        metrics,
+        ["MINING_CARD.md", "mining.json", "answered_tasks.json"],
+        summary,
+        tables={"answers.json": "answers.jsonl"},
+    )
 
 
-def _banded(cfg: Config, rows: list[dict], probed: list[dict]) -> tuple[list[dict], dict]:
+def _earlier_rounds(previous: Path | None) -> tuple[int, frozenset[str]]:
+    """This round's number and the tasks the earlier rounds answered (the `previous` input: the
+    last round's stage 1B), which this round never mines."""
+    if previous is None:
+        return 1, frozenset()
+    where = previous / "answered_tasks.json"
+    if not where.is_file():
+        raise KibidangoError(f"the previous round's 1B output has no answered_tasks.json ({previous})")
+    done = json.loads(where.read_text())
+    return int(done["round"]) + 1, frozenset(done["ids"])
+
+
+def _probed(work_dir: Path) -> list[dict]:
+    """Every row this run answered (the probe's outside the band included)."""
+    log_ = RowLog(work_dir / "rows.jsonl")
+    log_.close()
+    return list(log_.rows.values())
+
+
+def _banded(
+    cfg: Config, rows: list[dict], probed: list[dict], earlier: frozenset[str] = frozenset()
+) -> tuple[list[dict], dict]:
     """The rows to mine once the probe is answered: each band sample's band rows (its probe's
     tasks at the band's levels first, then ``size`` more there), every other sample's rows as
     they were; and per band sample the band and the probe's pass rate per level."""
@@ -165,7 +197,7 @@ def _banded(cfg: Config, rows: list[dict], probed: list[dict]) -> tuple[list[dic
                 lv: {"passed": a, "answered": n, "rate": a / n if n else 0.0} for lv, (a, n) in sorted(rates.items())
             },
         }
-        chosen = band_rows(s.domain, levels, s.band.probe, s.size, cfg.seed)
+        chosen = band_rows(s.domain, levels, s.band.probe, s.size, cfg.seed, earlier)
         out += [{**r, "sample": s.name, "source": s.source, "domain": s.sample_domain} for r in chosen]
         log.info(
             f"sample {s.name}: band levels {levels} (pass rates in [{s.band.low:.0%}, {s.band.high:.0%}] on the "

@@ -147,8 +147,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
                 record = {"id": t["id"], "sample": t["sample"], "level": t.get("level", 0), "passed": verdict}
                 f.write(json.dumps(record) + "\n")
 
+    mining = inputs["mined"] / "mining.json"
+    round_no = json.loads(mining.read_text()).get("round", 1) if mining.is_file() else 1
     stats = {
         "command": "make stage-1r",
+        "round": round_no,
         "pairs": len(pairs),
         "pair_repeats": cfg.pair_repeats,
         "replay_rows": len(replay),
@@ -330,11 +333,21 @@ def _failure_rate(model_dir: Path, rows: list[dict], judges: dict, cfg: Config, 
 
 
 def _card(s: dict) -> str:
+    round_no = s.get("round", 1)
     lines = [
-        "# Retraining round (stage 1R)",
+        "# Retraining round (stage 1R)" + (f", round {round_no}" if round_no > 1 else ""),
         "",
         f"Every figure below was computed by the stage that wrote this card (`{s['command']}`).",
         "",
+        *(
+            [
+                f"Round {round_no} of the loop: the student it starts from is round {round_no - 1}'s retrained "
+                "student, labelled `1A` in the tables below (the model this round must beat).",
+                "",
+            ]
+            if round_no > 1
+            else []
+        ),
         f"Trained on {s['pairs']:,} corrected pairs from stage 1D (x{s['pair_repeats']}; by tier: "
         + ", ".join(f"{k} {v}" for k, v in sorted(s["pair_tiers"].items()))
         + f") and {s['replay_rows']:,} replay rows of stage 0's train split.",

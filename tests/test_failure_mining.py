@@ -479,3 +479,33 @@ def test_stage_1b_probes_every_level_then_mines_the_band(stage0, student, tmp_pa
     probed = [json.loads(line) for line in (work / "rows.jsonl").read_text().splitlines()]
     assert len(probed) == 7 * 2 + 3  # the band's probe rows were not answered twice
     assert result.metrics["band/lm/lowest"] == 1 and "Band of `lm`" in (out / "MINING_CARD.md").read_text()
+
+
+def test_round_2_mines_no_task_round_1_answered(stage0, student, tmp_path):
+    """Round 2's 1B reads round 1's (`previous`): the tasks round 1 answered (its probe's too) are
+    never drawn again, and what it answered joins the list for round 3."""
+    from stages.mine_failures import Config, run
+
+    cfg = Config.model_validate(
+        {
+            "samples": [
+                {"name": "lm", "source": "ladder", "domain": "math", "band": {"probe": 1}, "size": 2},
+                {"name": "lc", "source": "ladder", "domain": "code", "levels": [1, 2], "size": 2},
+            ],
+            "judges": {"math": {"kind": "math"}, "code": {"kind": "code", "weak_sandbox_ok": True}},
+            "max_new_tokens": 8,
+        }
+    )
+    outs = []
+    for r in (1, 2):
+        out, work = tmp_path / f"out{r}", tmp_path / f"work{r}"
+        out.mkdir()
+        work.mkdir()
+        inputs = {"data": stage0, "student": student, **({"previous": outs[-1]} if outs else {})}
+        result = run(cfg, inputs, out, work)
+        assert result.metrics["round"] == r
+        outs.append(out)
+    first, second = (json.loads((o / "answered_tasks.json").read_text()) for o in outs)
+    round_2 = {json.loads(line)["id"] for line in (outs[1] / "answers.jsonl").read_text().splitlines()}
+    assert round_2 and not round_2 & set(first["ids"]) and len(first["ids"]) == 7 + 2 + 2  # probe, band, lc
+    assert second["round"] == 2 and set(first["ids"]) | round_2 <= set(second["ids"])

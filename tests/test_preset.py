@@ -174,3 +174,31 @@ def test_an_override_that_does_not_fit_names_its_key(tmp_path):
     ):
         with pytest.raises(KibidangoError, match=message):
             load_preset(path, ["0.dedup.threshold=0.7", bad])
+
+
+def test_rounds_run_the_loop_again_on_the_last_rounds_student(tmp_path):
+    """``rounds: 2``: 1B.2 ... 1R.2 are the loop's stages again, with the same recipes, mining and
+    retraining round 1's 1R; 1B.2 reads 1B (what round 1 mined, never mined again); the stages
+    after the loop read round 2."""
+    from stages import base_id, load_stage, stage_name
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"name": "tiny", "experiment": "e", "graph": "recipes/graph.yaml", "rounds": 2}))
+    plan = load_preset(str(path))
+    assert plan.needs("1B.2") == {"student": "1R", "data": "0", "previous": "1B"}
+    assert plan.needs("1C.2") == {"mined": "1B.2", "student": "1R"}
+    assert plan.needs("1D.2") == {"critical": "1C.2", "mined": "1B.2", "teachers": "1T", "student": "1R"}
+    assert plan.needs("1R.2") == {"student": "1R", "pairs": "1D.2", "mined": "1B.2", "data": "0"}
+    assert plan.needs("1E")["teacher"] == "1R.2" and plan.needs("3")["pairs"] == "1D.2"
+    assert plan.needs("9")["mined"] == "1B.2" and plan.needs("1R") == {
+        "student": "1A",
+        "pairs": "1D",
+        "mined": "1B",
+        "data": "0",
+    }
+    order = plan.order()
+    assert order.index("1R") < order.index("1B.2") < order.index("1R.2") < order.index("1E")
+    assert plan.configs["1B.2"] == plan.configs["1B"] and stage_name("1B.2") == "mine_failures"
+    assert base_id("1B.2") == "1B" and base_id("2B") == "2B" and load_stage("1R.2").__name__ == "stages.retrain"
+    over = load_preset(str(path), ["1B.2.max_new_tokens=7"])
+    assert over.configs["1B.2"].max_new_tokens == 7 and over.configs["1B"].max_new_tokens != 7

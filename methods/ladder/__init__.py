@@ -116,14 +116,17 @@ def _generate(domain: str, level: int, seed: int) -> Iterator[LadderTask]:
         yield LadderTask(tid, domain, level, part(domain, key), instruction, input_, output, task, difficulty)
 
 
-def ladder_tasks(domain: str, level: int, which: Part, n: int, seed: int = 0) -> list[LadderTask]:
+def ladder_tasks(
+    domain: str, level: int, which: Part, n: int, seed: int = 0, exclude: frozenset[str] = frozenset()
+) -> list[LadderTask]:
     """The first ``n`` tasks of part ``which`` at ``level`` of ``domain`` (fewer when the level has
-    fewer): deterministic in ``seed``, and a bigger ``n`` extends a smaller one."""
+    fewer), less those whose id is in ``exclude`` (an earlier round's): deterministic in ``seed``,
+    and a bigger ``n`` extends a smaller one."""
     out: list[LadderTask] = []
     if n <= 0:
         return out
     for t in _generate(domain, level, seed):
-        if t.part == which:
+        if t.part == which and t.id not in exclude:
             out.append(t)
             if len(out) == n:
                 break
@@ -138,13 +141,15 @@ def check_levels(sample: str, domain: str | None, levels: list[int] | None) -> N
         raise ValueError(f"sample {sample!r}: `levels` must be distinct levels of {domain}, 1..{LEVELS[domain]}")
 
 
-def ladder_rows(domain: str, levels: list[int], which: Part, size: int, seed: int = 0) -> list[dict]:
+def ladder_rows(
+    domain: str, levels: list[int], which: Part, size: int, seed: int = 0, exclude: frozenset[str] = frozenset()
+) -> list[dict]:
     """``size`` tasks of part ``which``, spread evenly over ``levels`` (the first levels take the
-    remainder), as the held-out stages' rows: ``{id, instruction, input, task, level}``."""
+    remainder), less ``exclude``, as the held-out stages' rows: ``{id, instruction, input, task, level}``."""
     rows = []
     for i, level in enumerate(levels):
         n = size // len(levels) + (i < size % len(levels))
-        for t in ladder_tasks(domain, level, which, n, seed):
+        for t in ladder_tasks(domain, level, which, n, seed, exclude):
             rows.append({"id": t.id, "instruction": t.instruction, "input": t.input, "task": t.task, "level": level})
     return rows
 
