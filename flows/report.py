@@ -30,6 +30,7 @@ from core.records import read_records, shown_path
 from flows.preset import load_preset
 from flows.tracking import TAG
 from flows.workspace import tracking_uri
+from stages import base_id
 
 __all__ = ["write_report", "publish", "summary_table"]
 
@@ -413,6 +414,37 @@ def _routing_lines(runs: dict, artifacts: dict) -> list[str]:
     return [*out, "", _cite("9", runs["9"], artifacts["9"])]
 
 
+def _rounds_lines(runs: dict, artifacts: dict) -> list[str]:
+    """Each round of the loop (``rounds:`` in the preset): its pairs by tier, and its 1R against
+    the student it started from (the last round's 1R) on the same held-out tasks."""
+    later = sorted((int(sid.split(".")[1]), sid) for sid in artifacts if sid != "1R" and base_id(sid) == "1R")
+    if not later:
+        return []
+    out = [
+        "",
+        "### Each round of the loop",
+        "",
+        "Round r mines, teaches and retrains round r-1's student on mining tasks no earlier round saw; each 1R is "
+        "compared with the student it started from on its own held-out evaluation tasks (exact McNemar).",
+        "",
+        "| round | pairs (by first passing tier) | student | 1R | 1R only / student only, p | power (10 points) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r, sid in ([(1, "1R")] if "1R" in artifacts else []) + later:
+        comparison = (_json(Path(artifacts[sid]) / "retrain.json") or {}).get("comparison") or {}
+        teach = _metrics(artifacts, sid.replace("1R", "1D"))
+        tiers = ", ".join(f"{k.split('/', 1)[1]} {int(v)}" for k, v in teach.items() if k.startswith("answered_by/"))
+        test = (comparison.get("mcnemar") or {}).get("1A")
+        models = comparison.get("models") or {}
+        if not test or "1A" not in models:
+            continue
+        out.append(
+            f"| {r} | {int(teach.get('pairs', 0))} ({tiers}) | {_ci(models['1A'])} | {_ci(models['1R'])} | "
+            f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f} | {test.get('power_10pt', 0):.0%} |"
+        )
+    return [*out, "", " ".join(_cite(sid, runs[sid], artifacts[sid]) for _, sid in later if sid in runs)]
+
+
 def _loop_section(runs: dict, artifacts: dict) -> list[str]:
     """Does the quality loop work? Per ladder level: 1A, 1R's controls and 1R on the same held-out
     evaluation tasks (1R's card), and the shipped bundle (stage 9); the teachers' tier split and
@@ -450,15 +482,18 @@ def _loop_section(runs: dict, artifacts: dict) -> list[str]:
             out.append(f"| {g} | {rows[0]['n']} | {cells}{extra if shipped else ' |'}")
         out += [
             "",
-            "Exact McNemar tests (1R passed and the other failed / the reverse): "
+            "Exact McNemar tests (1R passed and the other failed / the reverse; the power to show a 10-point gain "
+            "at p < 0.01 with these tasks): "
             + "; ".join(
                 f"1R vs {name}: {t['a_only']} / {t['b_only']}, p = {t['p']:.3f}"
+                + (f" (power {t['power_10pt']:.0%})" if "power_10pt" in t else "")
                 for name, t in comparison["mcnemar"].items()
             )
             + ".",
             "",
             _cite("1R", runs["1R"], artifacts["1R"]) + (" " + _cite("9", runs["9"], artifacts["9"]) if shipped else ""),
         ]
+    out += _rounds_lines(runs, artifacts)
     out += _routing_lines(runs, artifacts)
     teach = _metrics(artifacts, "1D")
     if teach:

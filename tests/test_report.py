@@ -156,3 +156,37 @@ def test_a_measuring_command_finds_its_presets_artifacts(tmp_path):
     assert newest(store, "X", "tiny", need="router") is None
     assert upstream(store, tiny_x, "1T") == teacher  # X <- 6C <- 2G <- 2B <- 2A <- 1R <- 1D <- 1T
     assert upstream(store, small_x, "1T") is None
+
+
+def test_the_report_shows_each_round_of_the_loop(tmp_path):
+    """With ``rounds: 2`` the report's loop section has a row per round: the pairs by tier, and
+    that round's 1R against the student it started from, with the McNemar test and its power."""
+    from types import SimpleNamespace
+
+    from flows.report import _rounds_lines
+
+    def stage(sid: str, retrain: dict | None, metrics: dict) -> str:
+        where = tmp_path / sid
+        where.mkdir()
+        if retrain is not None:
+            (where / "retrain.json").write_text(json.dumps(retrain))
+        (where / "manifest.json").write_text(json.dumps({"metrics": metrics}))
+        return str(where)
+
+    def compared(before: float, after: float, p: float) -> dict:
+        cell = lambda r: {"rate": r, "ci": [r - 0.05, r + 0.05], "n": 200, "groups": {}}  # noqa: E731
+        test = {"n": 200, "a_only": 30, "b_only": 10, "p": p, "power_10pt": 0.9}
+        return {"comparison": {"models": {"1A": cell(before), "1R": cell(after)}, "mcnemar": {"1A": test}}}
+
+    artifacts = {
+        "1R": stage("1R", compared(0.20, 0.30, 0.002), {}),
+        "1R.2": stage("1R.2", compared(0.30, 0.33, 0.4), {}),
+        "1D": stage("1D", None, {"pairs": 300, "answered_by/self": 150, "answered_by/gold": 150}),
+        "1D.2": stage("1D.2", None, {"pairs": 200, "answered_by/self": 120, "answered_by/gold": 80}),
+    }
+    run = SimpleNamespace(data=SimpleNamespace(tags={}), info=SimpleNamespace(run_id="r"))
+    lines = "\n".join(_rounds_lines({sid: run for sid in artifacts}, artifacts))
+    assert "### Each round of the loop" in lines
+    assert "| 1 | 300 (self 150, gold 150) | 20% [15%, 25%] | 30% [25%, 35%] | 30 / 10, p = 0.002 | 90% |" in lines
+    assert "| 2 | 200 (self 120, gold 80) | 30%" in lines and "p = 0.400" in lines
+    assert _rounds_lines({}, {"1R": artifacts["1R"]}) == []  # one round: no such table
