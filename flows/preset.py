@@ -12,7 +12,9 @@ each stage's config (inline, or a recipe file merged under the inline keys).
                                        # recipes/stage<id>/<name>.yaml by default
         config: {...}                  # validated against the stage's Config
 
-Without ``graph`` the preset lists every stage it runs with its ``needs``. In the graph, an
+``extends: <preset>`` starts from another preset's file (its graph, recipes and stage entries) and
+changes only what it states: a study preset runs the same stages with the same recipes, so with
+the same cache keys. Without ``graph`` the preset lists every stage it runs with its ``needs``. In the graph, an
 input whose upstream ends in ``?`` (``teachers: 1T?``) is optional: a preset that leaves that
 stage out runs the stage without the input.
 
@@ -65,6 +67,11 @@ class PresetFile(BaseModel):
     )
     graph: str | None = Field(
         None, description="The base stage graph (recipes/graph.yaml): stage id -> its inputs; `stages` then overrides."
+    )
+    recipes: str | None = Field(
+        None,
+        description="With a graph: whose recipes the stages read (recipes/stage<id>/<recipes>.yaml; default: `name`). "
+        "A study preset runs another preset's stages with the same recipes, so they are the same cache keys.",
     )
     without: list[str] = Field(default_factory=list, description="Stages of the graph this preset does not run.")
     rounds: int = Field(
@@ -179,7 +186,7 @@ def _on_graph(path: Path, spec: PresetFile) -> dict[str, StagePlan]:
         if sid in spec.without:
             continue
         own = spec.stages.get(sid)
-        recipe = f"recipes/stage{sid}/{spec.name}.yaml"
+        recipe = f"recipes/stage{sid}/{spec.recipes or spec.name}.yaml"
         needs = {str(k): str(v) for k, v in (needs or {}).items()}
         needs = {
             k: v.removesuffix("?") for k, v in needs.items() if v.removesuffix("?") not in spec.without or v[-1:] != "?"
@@ -313,8 +320,28 @@ def _recipe_stamps(path: Path) -> tuple:
     return tuple(sorted((str(p), p.stat().st_mtime_ns) for p in (REPO_ROOT / "recipes").rglob("*.yaml")))
 
 
+def _extended(path: Path, raw: Any) -> Any:
+    """A preset file with ``extends: <preset>``: that preset's file with this one's keys over it
+    (``stages`` merged per stage id, ``recipes`` defaulting to the extended preset's)."""
+    if not isinstance(raw, dict) or "extends" not in raw:
+        return raw
+    base_path = _resolve_path(str(raw["extends"]))
+    base = _read_yaml(base_path)
+    if not isinstance(base, dict) or "extends" in base:
+        raise KibidangoError(f"{path}: extends {raw['extends']!r}, which is not a preset of its own ({base_path})")
+    merged = {**base, **{k: v for k, v in raw.items() if k not in ("extends", "stages")}}
+    left_out = set(map(str, merged.get("without") or []))
+    merged["stages"] = {
+        sid: plan
+        for sid, plan in {**(base.get("stages") or {}), **(raw.get("stages") or {})}.items()
+        if str(sid) not in left_out
+    }
+    merged.setdefault("recipes", base.get("recipes") or base.get("name"))
+    return merged
+
+
 def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
-    raw = _read_yaml(path)
+    raw = _extended(path, _read_yaml(path))
     try:
         spec = PresetFile.model_validate(raw)
     except ValidationError as e:

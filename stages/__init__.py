@@ -17,6 +17,7 @@ STAGES: dict[str, str] = {
     "1T": "stages.stand_in_teachers",
     "1D": "stages.teach_cascade",
     "1R": "stages.retrain",
+    "1S": "stages.retrain",  # the study of the loop (`make study-loop`): 1R's arms beside 1R's own model
     "1E": "stages.distill",
     "3": "stages.domain_lora",
     "4": "stages.domain_lora",
@@ -50,7 +51,7 @@ def base_id(stage_id: str) -> str:
 
 
 TAGS: dict[str, tuple[str, ...]] = {
-    sid: ("gpu",) for sid in ("P", "1A", "1T", "1R", "1E", "3", "4", "5", "2A", "2B", "2C", "2F")
+    sid: ("gpu",) for sid in ("P", "1A", "1T", "1R", "1S", "1E", "3", "4", "5", "2A", "2B", "2C", "2F")
 }
 """Placement tags of the stages (training and compression want a GPU); a preset's ``pools`` route a
 tag, or a stage id, to a Prefect work pool (:mod:`flows.pools`). Where a stage runs never changes

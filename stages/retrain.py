@@ -60,10 +60,12 @@ class Config(StageConfig):
     parallel: int = parallel_field()
     eval_rows: int = Field(300, gt=0, description="Stage-0 validation rows the loss is measured on (forgetting).")
     eval_max_len: int = Field(256, gt=8)
-    controls: list[Literal["random", "replay"]] = Field(
+    controls: list[Literal["random", "replay", "gold", "pairs25", "pairs50"]] = Field(
         ["random", "replay"],
         description="Control retrains with the same budget: `random` (gold answers to randomly drawn mined tasks, "
-        "per domain as many as the pairs) and `replay` (replay rows only).",
+        "per domain as many as the pairs), `replay` (replay rows only), `gold` (the same failures as the pairs, "
+        "each with its gold answer: the top tier alone), `pairs25` / `pairs50` (a quarter / half of the pairs, "
+        "the same replay rows: the sample-efficiency curve).",
     )
     evaluation: list[EvalSample] = Field(
         default_factory=list,
@@ -111,6 +113,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
     if "replay" in cfg.controls:
         mixes["replay"] = sample(stage0_train, len(train_rows) + n_replay, cfg.seed, key=lambda r: r["id"])
+    if "gold" in cfg.controls:
+        mixes["gold"] = [r for r in _gold_pairs(inputs["mined"], pairs) for _ in range(cfg.pair_repeats)] + replay
+    for name, share in (("pairs25", 0.25), ("pairs50", 0.5)):
+        if name in cfg.controls:
+            some = sample(pairs, max(1, round(share * len(pairs))), cfg.seed, key=lambda r: r["id"])
+            mixes[name] = [r for r in some for _ in range(cfg.pair_repeats)] + replay
 
     from transformers import AutoTokenizer
 
@@ -118,9 +126,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     val = load_split(inputs["data"] / "dataset", "validation", limit=cfg.eval_rows)
     loss_before = lm.response_loss(lm.load_causal_lm(student), tokenizer, val, cfg.eval_max_len)
     before = _failure_rate(student, held, judges, cfg, "before")
-    model_dir, last = fine_tune(
-        cfg.train, student, data_file, work_dir, out_dir, cfg.tier, "1R/retrain", cfg.tokenizer_type
-    )
+    if "retrained" in inputs:  # the study (`make study-loop`): 1R's own model, not trained again
+        model_dir, last = inputs["retrained"] / cfg.tier, {}
+        (out_dir / "logs").mkdir(exist_ok=True)
+        shutil.copy2(inputs["retrained"] / "axolotl.yaml", out_dir / "axolotl.yaml")
+    else:
+        model_dir, last = fine_tune(
+            cfg.train, student, data_file, work_dir, out_dir, cfg.tier, "1R/retrain", cfg.tokenizer_type
+        )
     after = _failure_rate(model_dir, held, judges, cfg, "after")
     loss_after = lm.response_loss(lm.load_causal_lm(model_dir), tokenizer, val, cfg.eval_max_len)
 
@@ -230,6 +243,20 @@ def _random_tasks(mined: Path, pairs: list[dict], held: list[dict], judges: dict
             log.warning(
                 f"control random: {kept} of {n} {domain} tasks (1B answered no more with a passing gold answer)"
             )
+    return rows
+
+
+def _gold_pairs(mined: Path, pairs: list[dict]) -> list[dict]:
+    """The ``gold`` control's rows: the same failures as the pairs, each with the dataset's gold
+    answer (what the top tier alone would have taught)."""
+    answered = {r["id"]: r for r in read_jsonl(mined / "answers.jsonl", "the mined input (stage 1B)")}
+    rows = []
+    for p in pairs:
+        reference = answered.get(p["id"], {}).get("reference")
+        if reference:
+            rows.append({"instruction": p["instruction"], "input": p["input"], "output": reference})
+    if len(rows) < len(pairs):
+        log.warning(f"control gold: {len(rows)} of {len(pairs)} pairs have a gold answer in 1B's table")
     return rows
 
 
@@ -381,6 +408,9 @@ _CONTROL_TEXT = {
     "random": "gold answers to tasks drawn at random from what 1B answered, failed or not (per domain as many as "
     "the pairs), with the same replay rows",
     "replay": "replay rows of stage 0 alone, as many as 1R's whole mix",
+    "gold": "the same failures as the pairs, each with its gold answer (the top tier alone), with the same replay rows",
+    "pairs25": "a quarter of the pairs, with the same replay rows (the sample-efficiency curve)",
+    "pairs50": "half of the pairs, with the same replay rows (the sample-efficiency curve)",
 }
 
 

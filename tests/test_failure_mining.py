@@ -368,6 +368,25 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
         assert 0 <= m[f"mcnemar/1R_vs_{control}/p"] <= 1 and f"1R vs {control}" in card
     assert 0 <= m["eval/1R/ladder_math/L2"] <= 1 and "McNemar" in card
 
+    # The study (1S, `make study-loop`): 1R's own model (not trained again) beside the other arms:
+    # gold-only (the same failures, their gold answers) and half of the pairs (the same replay rows).
+    study = cfg.model_copy(update={"controls": ["gold", "pairs50"]})
+    s_out, s_work = tmp_path / "s_out", tmp_path / "s_work"
+    s_out.mkdir()
+    s_work.mkdir()
+    studied = run(study, {**inputs, "retrained": out}, s_out, s_work)
+    assert not (s_work / "sft").exists() and not (s_out / "target").exists()  # 1R itself was not retrained
+    gold_mix = (s_work / "controls" / "gold" / "train.jsonl").read_text().splitlines()
+    half_mix = (s_work / "controls" / "pairs50" / "train.jsonl").read_text().splitlines()
+    assert len(gold_mix) == 24 and gold_mix[12:] == mix[12:] and len(half_mix) == 3 * 2 + 12
+    taught = [json.loads(line)["messages"][-1]["content"] for line in gold_mix[:12]]
+    assert sorted(taught) == sorted(p["reference"] for p in pairs for _ in range(2))
+    verdicts = [json.loads(line) for line in (s_out / "evaluation.jsonl").read_text().splitlines()]
+    assert all(set(v["passed"]) == {"1A", "1R", "gold", "pairs50"} for v in verdicts)
+    first = {v["id"]: v["passed"]["1R"] for v in map(json.loads, (out / "evaluation.jsonl").read_text().splitlines())}
+    assert {v["id"]: v["passed"]["1R"] for v in verdicts} == first  # the same model, the same answers
+    assert 0 <= studied.metrics["mcnemar/1R_vs_gold/p"] <= 1
+
 
 def test_an_answer_that_cannot_start_has_no_confidence(student):
     """A prompt that fills the student's context gets no answer: confidence 0, so it never ranks as

@@ -62,7 +62,9 @@ def test_unknown_key_is_rejected_with_its_name(tmp_path):
 def test_wrong_values_and_unknown_presets_are_explained(tmp_path):
     with pytest.raises(KibidangoError, match=r"'dedup\.threshold': Input should be less than 1"):
         load_preset(_preset(tmp_path, {"sources": SRC, "dedup": {"threshold": 1.5}}))
-    with pytest.raises(KibidangoError, match="unknown preset 'nope'; known presets: llama31-8b, small, tiny"):
+    with pytest.raises(
+        KibidangoError, match="unknown preset 'nope'; known presets: llama31-8b, small, small-study, tiny, tiny-study"
+    ):
         load_preset("nope")
 
 
@@ -202,3 +204,17 @@ def test_rounds_run_the_loop_again_on_the_last_rounds_student(tmp_path):
     assert base_id("1B.2") == "1B" and base_id("2B") == "2B" and load_stage("1R.2").__name__ == "stages.retrain"
     over = load_preset(str(path), ["1B.2.max_new_tokens=7"])
     assert over.configs["1B.2"].max_new_tokens == 7 and over.configs["1B"].max_new_tokens != 7
+
+
+def test_a_study_preset_runs_its_presets_loop_as_it_runs_it_and_every_arm():
+    """``make study-loop`` runs <preset>-study: ``extends`` the preset, so every stage up to 1R has
+    the same config and inputs (the same cache keys: cache hits after make demo), and adds 1S, 1R's
+    stage with every arm beside 1R's own model (``retrained``)."""
+    for name in ("tiny", "small"):
+        base, study = load_preset(name), load_preset(f"{name}-study")
+        assert "1S" not in base.spec.stages and study.needs("1S")["retrained"] == "1R"
+        for sid in ("0", "1A", "1B", "1C", "1D", "1R"):
+            assert study.configs[sid] == base.configs[sid] and study.needs(sid) == base.needs(sid), (name, sid)
+        assert set(study.configs["1S"].controls) == {"random", "replay", "gold", "pairs25", "pairs50"}
+        assert study.configs["1S"].evaluation == base.configs["1R"].evaluation
+        assert not {"9", "X", "2E"} & set(study.spec.stages)
