@@ -144,6 +144,22 @@ def test_eval_cascade_compares_its_escalations_with_6cs_prediction_and_with_rand
     assert against_prediction(records, expected=None)["within_5_points"] is None
 
 
+def test_apgr_is_the_share_of_the_gap_recovered_averaged_over_escalation_shares():
+    """RouteLLM's APGR by hand on 4 queries: local passes the first two, the cloud all four. Escalating
+    in the order 3, 2 (the failures first) recovers the gap at half the queries; random is 0.5."""
+    from eval.cascade_eval import _apgr, apgr
+
+    local, cloud = [1, 1, 0, 0], [1, 1, 1, 1]
+    best = apgr(local, cloud, [0.1, 0.2, 0.9, 0.8], rounds=200)
+    # PGR after escalating k = 0..4 queries: 0, 0.5, 1, 1, 1; trapezoid over shares 0..1 in steps of 1/4
+    assert best["apgr"] == pytest.approx((0 + 0.5) / 2 / 4 + (0.5 + 1) / 2 / 4 + 1 / 4 + 1 / 4)  # 0.6875
+    assert best["share_for_90"] == 0.5 and best["random_share_for_90"] == pytest.approx(0.8)
+    worst = apgr(local, cloud, [0.9, 0.8, 0.1, 0.2], rounds=200)  # the passes escalated first
+    assert worst["apgr"] == pytest.approx(0.25) and worst["apgr"] < 0.5 < best["apgr"]  # PGR 0, 0, 0, 0.5, 1
+    assert best["apgr_ci"][0] <= best["apgr"] <= best["apgr_ci"][1] and "0.688" in _apgr(best)
+    assert apgr([1, 0], [1, 0], [0.5, 0.5])["apgr"] is None  # no gap: nothing to recover
+
+
 def test_eval_cascade_measures_confidence_and_detector_on_its_fresh_answers():
     from eval.cascade_eval import _detection, detection
 
