@@ -121,6 +121,25 @@ def auroc(score: np.ndarray, outcome: np.ndarray) -> float | None:
     return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
+def paired_auroc_difference(a, b, outcome, rounds: int = 2000, seed: int = 0) -> dict:
+    """AUROC of scores ``a`` minus that of scores ``b`` for the same ``outcome`` (the same answers),
+    with a paired bootstrap 95% interval over the answers (resamples with one class skipped);
+    ``difference`` None when the outcome has one class."""
+    a, b, y = (np.asarray(x, dtype=np.float64) for x in (a, b, outcome))
+    point_a, point_b = auroc(a, y), auroc(b, y)
+    if point_a is None or point_b is None:
+        return {"difference": None, "ci": None}
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for _ in range(rounds):
+        idx = rng.integers(0, len(y), size=len(y))
+        da, db = auroc(a[idx], y[idx]), auroc(b[idx], y[idx])
+        if da is not None and db is not None:
+            diffs.append(da - db)
+    ci = [float(np.quantile(diffs, 0.025)), float(np.quantile(diffs, 0.975))] if diffs else None
+    return {"difference": point_a - point_b, "ci": ci}
+
+
 def fit_logistic(x: np.ndarray, y: np.ndarray, features: list[str], l2: float = 1e-3) -> Logistic:
     """Logistic regression on standardised features, fitted with L-BFGS and an L2 penalty: the
     runtime's :class:`kibidango.confidence.Logistic` (Platt scaling is the one-feature case)."""

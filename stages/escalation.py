@@ -9,7 +9,10 @@ router's :func:`kibidango.router.features`, 128-d) and the calibrated confidence
 :class:`kibidango.confidence.EscalationDetector`. The decision threshold is the highest one whose
 recall of failures reaches the recipe's ``recall`` **on the fitting half**; on the evaluation half
 the card gives AUROC, the precision and recall at that threshold, and the precision at the recall
-asked for, beside a confidence-only detector (1 - confidence) as the baseline.
+asked for, beside a confidence-only detector (1 - confidence) as the baseline. The detector
+**earns its place** only when its AUROC beats confidence alone by a paired bootstrap (the 95%
+interval of the difference above 0); otherwise stage 6C never switches it on and stage X ships
+none.
 
 Outputs: ``escalation.json``, ``escalation_eval.json``, ``ESCALATION_CARD.md``.
 """
@@ -25,7 +28,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.confidence import Calibrator, EscalationDetector, Logistic
-from methods.calibration import auroc, fit_logistic, precision_at_recall
+from methods.calibration import auroc, fit_logistic, paired_auroc_difference, precision_at_recall
 from methods.failures import read_jsonl
 
 LIBRARIES = ("torch", "numpy")
@@ -93,6 +96,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     baseline = 1 - np.array([e["confidence"] for e in held])
     eval_at = precision_at_recall(eval_scores, ey, cfg.recall)
     base_at = precision_at_recall(baseline, ey, cfg.recall)
+    versus = paired_auroc_difference(eval_scores, baseline, ey)
     report = {
         "command": "make stage-6b",
         "fitted": fitted,
@@ -104,6 +108,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         "threshold": threshold,
         "auroc": auroc(eval_scores, ey),
         "auroc_confidence_only": auroc(baseline, ey),
+        "auroc_difference": versus["difference"],
+        "auroc_difference_ci": versus["ci"],
+        "earns_its_place": bool(versus["ci"] is not None and versus["ci"][0] > 0),
         "eval_precision_at_threshold": float(ey[flagged].mean()) if flagged.any() else None,
         "eval_recall_at_threshold": float(flagged[ey == 1].mean()) if ey.any() else None,
         "eval_flagged_share": float(flagged.mean()),
@@ -146,7 +153,19 @@ def _card(r: dict) -> str:
         f"| 1 - calibrated confidence | {_f(r['auroc_confidence_only'])} | "
         f"{_f(r['eval_precision_at_recall_confidence_only'])} |",
         "",
-        f"Shipped threshold {r['threshold']:.4f} (chosen on the fitting half for recall {r['recall_asked']:.0%}): "
+        f"Against confidence alone: AUROC difference {_f(r.get('auroc_difference'))} "
+        + (
+            f"[{r['auroc_difference_ci'][0]:.3f}, {r['auroc_difference_ci'][1]:.3f}] (paired bootstrap, 95%)"
+            if r.get("auroc_difference_ci")
+            else "(undefined: one class)"
+        )
+        + (
+            ": it **earns its place** (6C may switch it on; X ships it)."
+            if r.get("earns_its_place")
+            else ": it does **not** beat confidence alone, so 6C never switches it on and X ships no detector."
+        ),
+        "",
+        f"Threshold {r['threshold']:.4f} (chosen on the fitting half for recall {r['recall_asked']:.0%}): "
         f"on the evaluation half it flags {r['eval_flagged_share']:.1%} of answers, precision "
         f"{_f(r['eval_precision_at_threshold'])}, recall {_f(r['eval_recall_at_threshold'])}.",
         "",

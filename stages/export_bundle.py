@@ -160,11 +160,18 @@ def _add_extras(
         ("escalation", cfg.escalation),
         ("cascade", cfg.cascade),
     ):
+        if name and key == "escalation" and not _earns_its_place(inputs[name] / "escalation.json"):
+            continue  # 6B's detector does not beat confidence alone: the bundle ships none
         if name:  # one small JSON each: <key>/<key>.json, read by Bundle.<key>()
             (tmp / key).mkdir()
             shutil.copy2(inputs[name] / f"{key}.json", tmp / key / f"{key}.json")
             extra[key] = f"{key}/{key}.json"
     return extra
+
+
+def _earns_its_place(path: Path) -> bool:
+    """Stage 6B's verdict on its detector: it beat confidence alone (a paired bootstrap)."""
+    return bool(json.loads(path.read_text()).get("metrics", {}).get("earns_its_place", False))
 
 
 def _default_adapter(cfg: Config, inputs: dict[str, Path], shipped: list[dict]) -> str | None:

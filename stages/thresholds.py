@@ -108,8 +108,9 @@ def confidence_grid(queries: list[dict], size: int) -> np.ndarray:
     return np.unique(np.concatenate([[0.0, 1.0 + 1e-9], np.quantile(conf, np.linspace(0, 1, size))]))
 
 
-def sweep(queries: list[dict], cfg: Config) -> list[dict]:
-    """Every threshold combination's quality, escalated share, tier split and $ per 1K queries."""
+def sweep(queries: list[dict], cfg: Config, detector: bool = True) -> list[dict]:
+    """Every threshold combination's quality, escalated share, tier split and $ per 1K queries;
+    with the detector on and off, or (``detector`` False: 6B's did not earn its place) off only."""
     c = cfg.cloud
     n = len(queries)
     grid = confidence_grid(queries, cfg.confidence_grid)
@@ -129,7 +130,7 @@ def sweep(queries: list[dict], cfg: Config) -> list[dict]:
         valid_out = c.verdict_tokens + np.where(local_pass, 0, ref_tok)
         valid_usd = (valid_prompt * c.usd_per_1k_prompt + valid_out * c.usd_per_1k_completion) / 1000
         valid_pass = local_pass | cloud_pass
-        for qual, fall, det in itertools.product(grid, grid, (False, True)):
+        for qual, fall, det in itertools.product(grid, grid, (False, True) if detector else (False,)):
             if fall > qual:
                 continue
             cloud = conf < fall
@@ -190,7 +191,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     queries = _queries(rows, calibrator, detector)
     if not queries:
         raise KibidangoError("stage 2G's evaluation half has no judged query to sweep thresholds on")
-    results = sweep(queries, cfg)
+    earns = bool(detector.metrics.get("earns_its_place", False))  # 6B: it beats confidence alone, or stays off
+    results = sweep(queries, cfg, earns)
     front = pareto(results)
     chosen = choose(results, cfg.max_escalated, len(queries) if cfg.escalation_margin else None)
     local_only = choose(results, 0.0)

@@ -100,6 +100,41 @@ def test_the_detector_learns_what_the_query_says_about_failure(tmp_path):
     )
     # the threshold is chosen on the fitting half (recall 90% there); held out, recall is near it
     assert result.metrics["eval_recall_at_threshold"] >= 0.7
+    # it beats confidence alone by a paired bootstrap: it earns its place (6C may use it, X ships it)
+    assert result.metrics["earns_its_place"] == 1.0 and "earns its place" in (out / "ESCALATION_CARD.md").read_text()
+
+
+def test_a_detector_no_better_than_confidence_is_never_switched_on_nor_shipped(tmp_path):
+    """Queries that say nothing about failure: the detector's AUROC does not beat confidence alone
+    by a paired bootstrap, so 6B says so, 6C sweeps only with it off, and X would ship none."""
+    from methods.calibration import paired_auroc_difference
+    from stages.export_bundle import _earns_its_place
+
+    rng = np.random.default_rng(1)
+    y = rng.random(400) < 0.5
+    noise = paired_auroc_difference(rng.random(400), rng.random(400), y)
+    assert noise["ci"][0] < 0 < noise["ci"][1]
+    sharp = paired_auroc_difference(y + 0.1 * rng.random(400), rng.random(400), y)
+    assert sharp["difference"] > 0.4 and sharp["ci"][0] > 0
+    assert paired_auroc_difference([0.1, 0.2], [0.3, 0.4], [True, True])["difference"] is None
+
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    (cal / "calibration.json").write_text(json.dumps(Calibrator({"torch": 1.0}, None).to_dict()))
+    with open(cal / "answers.jsonl", "w") as f:
+        for i in range(200):
+            passed = bool(rng.random() < 0.5)  # nothing in the query says which
+            answer = {"features": dict.fromkeys(ANSWER_FEATURES, -1.0), "passed": passed, "tokens": 5}
+            answer["outcome"] = "passed" if passed else "failed"
+            row = {"query": f"question number {i}", "split": "fit" if i < 100 else "eval", "domain": "d"}
+            f.write(json.dumps({**row, "base": answer, "adapter": None}) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    result = escalation.run(escalation.Config(recall=0.9), {"calibration": cal}, out)
+    assert result.metrics["earns_its_place"] == 0.0 and "does **not** beat" in (out / "ESCALATION_CARD.md").read_text()
+    assert not _earns_its_place(out / "escalation.json")
+    queries = [_query(True, 0.9)] * 7 + [_query(False, 0.2)] * 3
+    assert {x["detector"] for x in thresholds.sweep(queries, _cfg(), detector=False)} == {False}
 
 
 def test_the_margin_keeps_the_escalated_share_under_the_cap_on_fresh_queries():
