@@ -445,6 +445,77 @@ def _rounds_lines(runs: dict, artifacts: dict) -> list[str]:
     return [*out, "", " ".join(_cite(sid, runs[sid], artifacts[sid]) for _, sid in later if sid in runs)]
 
 
+_ARMS = ("1A", "replay", "pairs25", "pairs50", "1R", "random", "gold")
+"""The study's arms in the order its table reads: the student, the sample-efficiency curve (0, 25,
+50, 100% of the pairs), then the controls 1R must beat (random) and match (gold-only)."""
+
+
+def _study_section(client, plan) -> list[str]:
+    """``make study-loop``'s figures (the latest ``<preset>-study`` flow run's stage 1S): every arm
+    on the same held-out tasks, 1R against each (McNemar), 1R against gold-only for non-inferiority
+    (a paired bootstrap of the difference; the plan: within 3 points at the cascade's lower cost)."""
+    try:
+        flow = _latest_flow_run(client, plan.experiment, f"{plan.name}-study")
+    except KibidangoError:
+        return []
+    runs = _stage_runs(client, flow)
+    where = runs["1S"].data.tags.get(f"{TAG}artifact") if "1S" in runs else None
+    if not where or not Path(where).is_dir():
+        return []
+    comparison = (_json(Path(where) / "retrain.json") or {}).get("comparison") or {}
+    models = comparison.get("models") or {}
+    if "1R" not in models:
+        return []
+    arms = [a for a in _ARMS if a in models]
+    lines = [
+        "",
+        "### The study: every arm on the same tasks (`make study-loop`)",
+        "",
+        "1R's own model beside arms trained with the same recipe and budget: `replay` (no pairs), `pairs25` and "
+        "`pairs50` (a quarter and half of the pairs: the sample-efficiency curve), `random` (gold answers to randomly "
+        "drawn mined tasks) and `gold` (the same failures taught by the top tier alone). Wilson 95% intervals; "
+        "exact McNemar of 1R against each.",
+        "",
+        "| arm | pass rate | 1R only / arm only, p | power (10 points) |",
+        "|---|---:|---:|---:|",
+    ]
+    for arm in arms:
+        test = (comparison.get("mcnemar") or {}).get(arm)
+        versus = "-" if test is None else f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f}"
+        power = "-" if test is None else f"{test.get('power_10pt', 0):.0%}"
+        lines.append(f"| {arm} | {_ci(models[arm])} | {versus} | {power} |")
+    verdicts = Path(where) / "evaluation.jsonl"
+    if "gold" in models and verdicts.is_file():
+        rows = [json.loads(line) for line in verdicts.read_text().splitlines() if line.strip()]
+        pairs = [
+            (r["passed"]["1R"], r["passed"]["gold"])
+            for r in rows
+            if None not in (r["passed"].get("1R"), r["passed"].get("gold"))
+        ]
+        diff, ci = _paired_difference(pairs)
+        verdict = (
+            "non-inferior (the interval's lower end above -3 points)" if ci[0] > -0.03 else "not shown non-inferior"
+        )
+        lines += [
+            "",
+            f"1R (cascade pairs) minus gold-only: {diff:+.1%} [{ci[0]:+.1%}, {ci[1]:+.1%}] (paired bootstrap over "
+            f"{len(pairs)} tasks): {verdict}.",
+        ]
+    return [*lines, "", _cite("1S", runs["1S"], where)]
+
+
+def _paired_difference(pairs: list[tuple[bool, bool]], rounds: int = 2000, seed: int = 0) -> tuple[float, list[float]]:
+    """Mean of a - b over paired outcomes, with a bootstrap 95% interval over the pairs."""
+    import numpy as np
+
+    d = np.array([float(a) - float(b) for a, b in pairs])
+    if not len(d):
+        return 0.0, [0.0, 0.0]
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, len(d), size=(rounds, len(d)))].mean(axis=1)
+    return float(d.mean()), [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
+
+
 def _loop_section(runs: dict, artifacts: dict) -> list[str]:
     """Does the quality loop work? Per ladder level: 1A, 1R's controls and 1R on the same held-out
     evaluation tasks (1R's card), and the shipped bundle (stage 9); the teachers' tier split and
@@ -613,6 +684,7 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
         )
 
     lines += _loop_section(runs, artifacts)
+    lines += _study_section(client, plan)
 
     for title, intro, parts in _SECTIONS:
         body: list[str] = []

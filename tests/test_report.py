@@ -190,3 +190,39 @@ def test_the_report_shows_each_round_of_the_loop(tmp_path):
     assert "| 1 | 300 (self 150, gold 150) | 20% [15%, 25%] | 30% [25%, 35%] | 30 / 10, p = 0.002 | 90% |" in lines
     assert "| 2 | 200 (self 120, gold 80) | 30%" in lines and "p = 0.400" in lines
     assert _rounds_lines({}, {"1R": artifacts["1R"]}) == []  # one round: no such table
+
+
+def test_the_report_has_the_study_when_make_study_loop_ran(tmp_path):
+    """The latest ``<preset>-study`` flow run's 1S: every arm's pass rate, 1R against each, and 1R
+    against gold-only with a paired bootstrap for non-inferiority."""
+    from types import SimpleNamespace
+
+    from flows.report import _paired_difference, _study_section
+    from flows.tracking import TAG
+
+    rates = {"1A": 0.2, "replay": 0.21, "pairs25": 0.24, "pairs50": 0.27, "1R": 0.30, "random": 0.22, "gold": 0.31}
+    models = {m: {"rate": r, "ci": [r - 0.05, r + 0.05], "n": 100, "groups": {}} for m, r in rates.items()}
+    tests = {m: {"n": 100, "a_only": 12, "b_only": 4, "p": 0.08, "power_10pt": 0.3} for m in rates if m != "1R"}
+    where = tmp_path / "1S"
+    where.mkdir()
+    (where / "retrain.json").write_text(json.dumps({"comparison": {"models": models, "mcnemar": tests}}))
+    with open(where / "evaluation.jsonl", "w") as f:
+        for i in range(100):
+            f.write(json.dumps({"id": f"t{i}", "passed": {"1R": i < 30, "gold": i < 31}}) + "\n")
+
+    run = lambda tags, **info: SimpleNamespace(data=SimpleNamespace(tags=tags), info=SimpleNamespace(**info))  # noqa: E731
+    flow = run({}, run_id="flow", experiment_id="e")
+    stage = run({f"{TAG}stage_id": "1S", f"{TAG}artifact": str(where), "mlflow.parentRunId": "flow"}, run_id="s")
+
+    class Client:
+        def get_experiment_by_name(self, name):
+            return SimpleNamespace(experiment_id="e")
+
+        def search_runs(self, ids, filter_string, **kw):
+            return [stage] if "parentRunId" in filter_string else [flow]
+
+    lines = "\n".join(_study_section(Client(), SimpleNamespace(experiment="kibidango-tiny", name="tiny")))
+    assert "### The study" in lines and "| pairs25 | 24% [19%, 29%] | 12 / 4, p = 0.080 | 30% |" in lines
+    assert "1R (cascade pairs) minus gold-only: -1.0%" in lines and "non-inferior" in lines
+    diff, ci = _paired_difference([(True, False)] * 10 + [(False, False)] * 10)
+    assert diff == pytest.approx(0.5) and ci[0] <= 0.5 <= ci[1]
