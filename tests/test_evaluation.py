@@ -102,11 +102,16 @@ def test_evaluation_tasks_are_never_mined_taught_or_trained_on(stage0):
     mined_ids: set[str] = set()
     for preset in ("tiny", "llama31-8b"):  # what 1B would mine, at every size its recipe could ask
         recipe = yaml.safe_load(Path(f"recipes/stage1B/{preset}.yaml").read_text())
-        recipe["samples"] = [  # the benchmark and ladder samples (the ladder's: 100 per level)
-            {**s, "size": 100 * len(s["levels"]) if s["source"] == "ladder" else 10_000}
-            for s in recipe["samples"]
-            if s["source"] != "stage0"
-        ]
+
+        def wide(s: dict, every: dict = {"math": list(range(1, 8)), "code": list(range(1, 7))}) -> dict:  # noqa: B006
+            # a band may land on any level of its domain
+            if s["source"] != "ladder":
+                return {**s, "size": 10_000}
+            levels = s.get("levels") or every[s["domain"]]
+            return {**{k: v for k, v in s.items() if k != "band"}, "levels": levels, "size": 100 * len(levels)}
+
+        # the benchmark and ladder samples (the ladder's: 100 per level)
+        recipe["samples"] = [wide(s) for s in recipe["samples"] if s["source"] != "stage0"]
         recipe["judges"] = {k: v for k, v in recipe["judges"].items() if v["kind"] != "llm"} or {
             "math": {"kind": "math"}
         }
