@@ -50,6 +50,7 @@ from methods.failures import task_record, training_texts, verdict_record
 from methods.heldout import HeldOutTasks, answer_and_judge, select_tasks
 from methods.judges import sandbox_note
 from methods.measure.generate import ScoredAnswerer
+from methods.training.adapter_manifest import ships
 from methods.training.chat import encode, load_split, messages, prompt_text
 
 RESUMABLE = True
@@ -96,7 +97,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     target = inputs["target"] / cfg.tier
     if not (target / "config.json").is_file():
         raise KibidangoError(f"the target input has no transformers checkpoint at {target}")
-    adapter_dirs = sorted(p for p in inputs.values() if (p / "adapter.json").is_file())
+    # the adapters that ship (a domain adapter its stage's check found no better is left out, as X leaves it)
+    adapter_dirs = sorted(p for p in inputs.values() if (p / "adapter.json").is_file() and ships(p))
     router = Router.load(inputs["router"] / "router.json") if "router" in inputs else None
 
     answerer = ScoredAnswerer(target, cfg.max_new_tokens, adapter_dirs, parallel=cfg.parallel)

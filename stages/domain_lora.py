@@ -4,7 +4,12 @@ cascaded teachers (1D), on top of the student (the retrained 1R target, or 1A's)
 with different ``domain`` configs, so each adapter is its own cached, forceable stage.
 
 Measured: the domain's validation loss with and without the adapter, and the general (all
-domains) validation loss with it, so a modifier that hurts everything else shows.
+domains) validation loss with it, so a modifier that hurts everything else shows. With a ``check``
+(held-out tasks of the domain: the ladder's mining part or benchmark mining halves, less every
+task 1B mined — the ``mined`` input — so none the pairs came from), the target answers each task
+with and without the adapter; the adapter **ships** only when it passes more of them than the
+weights it modifies by an exact McNemar test (p < ``ship_p``): ``adapter.json`` says so, and
+stages 6A (routing), 2G (calibration) and X (the bundle) leave out an adapter that does not ship.
 
 Outputs: ``adapter/`` (peft format: adapter_config.json + adapter_model.safetensors),
 ``adapter.gguf`` (llama.cpp LoRA, converted with llama.cpp's own converter), ``adapter.json`` (the
@@ -22,7 +27,9 @@ import yaml
 from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
-from methods.failures import read_jsonl
+from methods.evaluation import mcnemar
+from methods.failures import read_jsonl, task_record, training_texts, verdict_record
+from methods.heldout import HeldOutTasks, answer_and_judge, select_tasks
 from methods.llama_cpp_tools import convert_lora_to_gguf
 from methods.measure import lm
 from methods.training import axolotl
@@ -51,6 +58,12 @@ class Config(StageConfig):
     eval_rows: int = Field(200, gt=0, description="Validation rows of the domain (and of all domains) for the loss.")
     eval_max_len: int = Field(256, gt=8)
     gguf: bool = Field(True, description="Also write the adapter as a llama.cpp GGUF LoRA.")
+    check: HeldOutTasks | None = Field(
+        None,
+        description="Held-out tasks of the domain (mining part; 1B's mined tasks excluded) the target answers with "
+        "and without the adapter: it ships only when it passes more (exact McNemar, p < ship_p). None: unchecked.",
+    )
+    ship_p: float = Field(0.05, gt=0, le=1, description="The McNemar p below which a better adapter ships.")
 
     @model_validator(mode="after")
     def _lora(self) -> Config:
@@ -129,18 +142,67 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     if cfg.gguf and Path(base).is_dir():
         convert_lora_to_gguf(adapter, base, out_dir / "adapter.gguf", "f32")
         files["gguf"] = ["adapter.gguf"]
-    write_adapter_manifest(
-        out_dir,
-        files,
-        domain=cfg.domain,
-        base_tier=cfg.tier,
-        base_model=base,
-        lora=cfg.train.lora.model_dump(),
-        metrics=metrics,
-    )
+    fields = {"domain": cfg.domain, "base_tier": cfg.tier, "base_model": base, "lora": cfg.train.lora.model_dump()}
+    write_adapter_manifest(out_dir, files, **fields, metrics=metrics)
+    check = None
+    if cfg.check is not None:
+        check = _check(cfg, base, out_dir, data, inputs.get("mined"), work_dir)
+        metrics.update({f"check/{k}": float(v) for k, v in check.items() if isinstance(v, int | float)})
+        write_adapter_manifest(out_dir, files, **fields, metrics=metrics, ships=check["ships"], check=check)
     summary = (
         f"domain {cfg.domain}: validation loss {metrics['domain_val_loss_base']:.3f} -> "
         f"{metrics['domain_val_loss_adapter']:.3f} with the adapter ({len(own)} rows); all domains "
         f"{metrics['all_val_loss_base']:.3f} -> {metrics['all_val_loss_adapter']:.3f}"
+        + (
+            f"; held-out tasks {check['base_passes']}/{check['tasks']} -> {check['adapter_passes']}/{check['tasks']} "
+            f"(p={check['p']:.3f}): {'ships' if check['ships'] else 'NOT shipped'}"
+            if check
+            else ""
+        )
     )
     return StageResult(metrics, ["adapter.json", "axolotl.yaml"], summary)
+
+
+def _check(cfg: Config, base: str, out_dir: Path, data: Path, mined: Path | None, work_dir: Path) -> dict:
+    """The domain's held-out tasks answered with and without the adapter: passes, the exact McNemar
+    test, and whether it ships."""
+    import json
+
+    from methods.measure.generate import ScoredAnswerer, once
+
+    seen = training_texts(load_split(data, "train"))
+    answered = mined / "answered_tasks.json" if mined is not None else None
+    exclude = frozenset(json.loads(answered.read_text())["ids"]) if answered and answered.is_file() else frozenset()
+    rows, _ = select_tasks(cfg.check, data, seen, exclude)
+    rows = [r for r in rows if r["domain"] == cfg.domain]
+    if not rows:
+        raise KibidangoError(f"domain {cfg.domain}: the check has no held-out task of this domain")
+    answerer = once(lambda: ScoredAnswerer(base, cfg.check.max_new_tokens, [out_dir], parallel=cfg.check.parallel))
+    verdicts = {}
+    try:
+        for arm, adapter in (("base", None), ("adapter", cfg.domain)):
+
+            def answer(row: dict, prior: dict | None, judge, adapter=adapter) -> dict:
+                text = (
+                    prior["answer"] if prior else answerer().answer(row["instruction"], row["input"], adapter)[0].text
+                )
+                v = verdict_record(judge(row["task"], text), judge.kind)
+                return {**task_record(row), "answer": text, **v}
+
+            table, _ = answer_and_judge(
+                cfg.check, rows, work_dir / "check" / arm, f"{cfg.domain} check ({arm})", answer
+            )
+            verdicts[arm] = {r["id"]: r["passed"] for r in table if r["outcome"] != "judge_error"}
+    finally:
+        answerer.close()
+    test = mcnemar(verdicts["adapter"], verdicts["base"])
+    better = test["a_only"] > test["b_only"] and test["p"] < cfg.ship_p
+    return {
+        "tasks": test["n"],
+        "base_passes": sum(verdicts["base"].values()),
+        "adapter_passes": sum(verdicts["adapter"].values()),
+        "adapter_only": test["a_only"],
+        "base_only": test["b_only"],
+        "p": test["p"],
+        "ships": bool(better),
+    }

@@ -29,6 +29,7 @@ Outputs: ``bundle/`` and a copy of the card beside it.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,10 @@ from pydantic import Field
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.bundle import TIER_ORDER
 from methods.compression.card import bundle_card, lineage, scheme_label
+from methods.training.adapter_manifest import ships
 from methods.training.chat import TEMPLATE, own_template
+
+log = logging.getLogger("kibidango.stage.X")
 
 
 class Config(StageConfig):
@@ -130,6 +134,9 @@ def _add_extras(
             (hf / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
     shipped = []
     for name in cfg.adapters:
+        if not ships(inputs[name]):  # its stage's check: no better than the weights it modifies
+            log.info(f"adapter input {name!r} does not ship (its stage's check found it no better)")
+            continue
         spec = json.loads((inputs[name] / "adapter.json").read_text())
         dest = tmp / "adapters" / spec["domain"]
         dest.mkdir(parents=True)

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from methods.routing import confusion, train_router
+from methods.training.adapter_manifest import ships
 from methods.training.chat import load_split, prompt_text
 
 LIBRARIES = ("torch", "numpy", "datasets")
@@ -46,11 +47,17 @@ def query_text(row: dict) -> str:
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     data = inputs["data"] / "dataset"
-    labels = [*cfg.domains, "base"]
+    # route only to adapters that ship: a domain whose adapter input (named for the domain) its
+    # stage's check found no better than the weights it modifies is routed to `base`
+    domains = [d for d in cfg.domains if d not in inputs or ships(inputs[d])]
+    dropped = sorted(set(cfg.domains) - set(domains))
+    if dropped:
+        log.info(f"routing no query to {', '.join(dropped)}: those adapters do not ship")
+    labels = [*domains, "base"]
 
     def rows(split: str, limit: int | None = None) -> tuple[list[str], list[str]]:
         got = load_split(data, split, limit=limit)
-        return [query_text(r) for r in got], [r["domain"] if r["domain"] in cfg.domains else "base" for r in got]
+        return [query_text(r) for r in got], [r["domain"] if r["domain"] in domains else "base" for r in got]
 
     train_x, train_y = rows("train", cfg.max_train_rows)
     test_x, test_y = rows("test")

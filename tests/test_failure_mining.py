@@ -528,3 +528,45 @@ def test_round_2_mines_no_task_round_1_answered(stage0, student, tmp_path):
     round_2 = {json.loads(line)["id"] for line in (outs[1] / "answers.jsonl").read_text().splitlines()}
     assert round_2 and not round_2 & set(first["ids"]) and len(first["ids"]) == 7 + 2 + 2  # probe, band, lc
     assert second["round"] == 2 and set(first["ids"]) | round_2 <= set(second["ids"])
+
+
+def test_an_adapter_ships_only_if_it_beats_the_weights_it_modifies(stage0, student, tmp_path):
+    """Stages 3-5 with a `check`: the target answers held-out tasks of the domain with and without
+    the adapter (tasks 1B mined excluded); a LoRA on a story model is no better at arithmetic, so it
+    does not ship, and the router (6A) routes none of its domain's queries to it."""
+    from tests.test_training_resume import _needs_axolotl_and_shared
+
+    _needs_axolotl_and_shared()
+    from methods.training.adapter_manifest import ships
+    from stages import domain_lora, train_router
+
+    mined = tmp_path / "mined"
+    mined.mkdir()
+    from methods.ladder import ladder_rows
+
+    taken = [r["id"] for r in ladder_rows("math", [1], "mining", 3, 0)]
+    (mined / "answered_tasks.json").write_text(json.dumps({"round": 1, "ids": taken}))
+    train = {"max_steps": 2, "micro_batch_size": 2, "sequence_len": 128, "learning_rate": 0.001, "warmup_steps": 1}
+    train.update(logging_steps=1, save_steps=2, adapter="lora", lora={"r": 4, "alpha": 8, "dropout": 0.0})
+    check = {
+        "samples": [{"name": "lm", "source": "ladder", "domain": "math", "levels": [1], "size": 6}],
+        "judges": {"math": {"kind": "math"}},
+        "max_new_tokens": 12,
+    }
+    cfg = domain_lora.Config(domain="math", train=train, eval_rows=8, gguf=False, check=check, max_train_rows=16)
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    result = domain_lora.run(cfg, {"base": student, "data": stage0, "mined": mined}, out, work)
+    manifest = json.loads((out / "adapter.json").read_text())
+    assert manifest["check"]["tasks"] == 6 and manifest["ships"] is False and not ships(out)
+    assert result.metrics["check/ships"] == 0.0 and "NOT shipped" in result.summary
+    checked = {json.loads(line)["id"] for line in (work / "check" / "base" / "rows.jsonl").read_text().splitlines()}
+    assert checked and not checked & set(taken)  # none of the tasks 1B mined
+
+    router_out = tmp_path / "router"
+    router_out.mkdir()
+    rcfg = train_router.Config(domains=["math", "code"], epochs=1)
+    train_router.run(rcfg, {"data": stage0, "math": out}, router_out)
+    labels = json.loads((router_out / "router.json").read_text())["labels"]
+    assert "math" not in labels and "code" in labels

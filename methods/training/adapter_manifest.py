@@ -9,7 +9,7 @@ from typing import Any
 
 from core.hashing import file_sha256
 
-__all__ = ["write_adapter_manifest"]
+__all__ = ["ships", "write_adapter_manifest"]
 
 
 def write_adapter_manifest(out_dir: Path, formats: dict[str, list[str]], **fields: Any) -> dict[str, Any]:
@@ -25,3 +25,10 @@ def write_adapter_manifest(out_dir: Path, formats: dict[str, list[str]], **field
     }
     (out_dir / "adapter.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def ships(adapter_dir: Path) -> bool:
+    """Whether the adapter in ``adapter_dir`` ships: its stage's check found it better than the
+    weights it modifies on its domain's held-out tasks (``ships``), or it was not checked (no key)."""
+    manifest = json.loads((Path(adapter_dir) / "adapter.json").read_text())
+    return manifest.get("ships") is not False
