@@ -52,7 +52,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256, tree_sha256
 from core.progress import Progress
-from kibidango.cascade.ledger import BudgetExceeded, Ledger
+from kibidango.cascade.ledger import BudgetExceeded, Ledger, holds
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.measure.generate import Answerer, once
@@ -164,9 +164,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         journal.close()
 
     spent = ledger.state().settled_usd
+    held = holds(budget_dir)  # a reply dearer than its reservation stopped the spending
     requests = _requests(journal.events)
     pairs, status = _outcomes(cfg, rows, requests, state)
     report = _report(cfg, rows, requests, pairs, status, spent, cascade.dead)
+    report["holds"] = held
     _write(out_dir, pairs, requests, report)
     metrics = {
         "rows": len(rows),
@@ -194,6 +196,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         + (f"; {status['skipped_budget']} rows skipped at the budget" if status["skipped_budget"] else "")
         + (f"; {status['held_judge_error']} rows held (judge errors)" if status["held_judge_error"] else "")
         + (f"; DEAD tiers: {', '.join(cascade.dead)}" if cascade.dead else "")
+        + (f"; SPENDING ON HOLD: {len(held)} repl(ies) cost more than reserved (rows after it skipped)" if held else "")
     )
     return StageResult(
         metrics, ["COST_CARD.md", "cost.json", "cost_per_tier.png"], summary, tables={"pairs.json": "pairs.jsonl"}
@@ -422,15 +425,10 @@ class _Cascade:
     def _self_taught(self, tier: TierConfig, row: dict, sent) -> dict | None:
         """The student's own answers to ``row``, sampled until the judge passes one (at most
         ``tier.samples``): the reply is the first that passed, or the last sampled, at what the
-        tokens cost. The worst case (every sample at ``max_tokens``) is reserved and journaled
-        before the first sample, so a killed run's rerun never samples the row again."""
+        tokens cost. The worst case (every sample reading the prompt's own tokens and writing
+        ``max_tokens``: exact, not a bound on bytes) is reserved and journaled before the first
+        sample, so a killed run's rerun never samples the row again."""
         key = (row["id"], tier.name)
-        worst = worst_case_usd(tier, row["prompt"])
-        try:
-            rid = self.ledger.reserve(worst, note=f"teacher {tier.name}")
-        except BudgetExceeded:
-            return self._skipped(key)
-        sent(worst)
         if tier.name not in self._samplers:
             with self._dead_lock:
                 self._samplers.setdefault(
@@ -438,13 +436,21 @@ class _Cascade:
                     once(lambda: Answerer(self._student, tier.max_tokens, parallel=tier.concurrency)),
                 )
         student = self._samplers[tier.name]()
+        # the worst case exactly: every sample reads the prompt's own tokens and writes max_tokens
+        prompt_len = len(student.prompt_ids(row["instruction"], row["input"]))
+        worst = tier.usd(tier.samples * prompt_len, tier.samples * tier.max_tokens)
+        try:
+            rid = self.ledger.reserve(worst, note=f"teacher {tier.name}")
+        except BudgetExceeded:
+            return self._skipped(key)
+        sent(worst)
         judge, task = self.judges[row["domain"]], task_of(row)
         prompt_tokens, completion_tokens, text, started = 0, 0, "", time.monotonic()
         drawn = 0
         for i in range(tier.samples):
             answer = student.sample(row["instruction"], row["input"], tier.temperature, _sample_seed(row["id"], i))
             drawn += 1
-            prompt_tokens += len(student.prompt_ids(row["instruction"], row["input"]))
+            prompt_tokens += prompt_len
             completion_tokens += answer.tokens
             text = answer.text
             if answer.text.strip() and judge(task, answer.text).passed:

@@ -498,6 +498,7 @@ def test_the_self_tier_takes_the_first_answer_its_judge_passes(tmp_path, monkeyp
     assert len(drawn) == 8 and all(e["usd"] > 0 and e["completion_tokens"] > 0 for e in selfs.values())
     price = sum(e["prompt_tokens"] * 0.001 + e["completion_tokens"] * 0.002 for e in selfs.values()) / 1000
     assert result.metrics["spend_usd/self"] == pytest.approx(price) and result.metrics["answered_by/self"] == 2
+    assert json.loads((out / "cost.json").read_text())["holds"] == []  # the exact worst case: never above it
 
     # a rerun of the same work: nothing is sampled again
     drawn.clear()
