@@ -170,7 +170,8 @@ def _explain(e: ValidationError, where: str) -> KibidangoError:
 
 def _on_graph(path: Path, spec: PresetFile) -> dict[str, StagePlan]:
     """The preset's stages: the graph's, less ``without``, each with its default recipe
-    (``recipes/stage<id>/<preset>.yaml``), with the preset's own entries over them."""
+    (``recipes/stage<id>/<preset>.yaml``, or the stage's the graph's ``recipes`` names), with the
+    preset's own entries over them."""
     graph_file = REPO_ROOT / spec.graph
     if not graph_file.is_file():
         raise KibidangoError(f"{path}: graph file not found: {graph_file}")
@@ -180,13 +181,16 @@ def _on_graph(path: Path, spec: PresetFile) -> dict[str, StagePlan]:
     for sid in [*spec.without, *spec.stages]:
         if sid in spec.without and sid not in graph["stages"]:
             raise KibidangoError(f"{path}: without: {sid!r} is not a stage of {spec.graph}")
+    shared = graph.get("recipes") or {}
+    if not isinstance(shared, dict) or not all(str(v) in graph["stages"] for v in shared.values()):
+        raise KibidangoError(f"{graph_file}: `recipes` maps a stage id to a stage of the graph whose recipe it reads")
     stages: dict[str, StagePlan] = {}
     for sid, needs in graph["stages"].items():
         sid = str(sid)
         if sid in spec.without:
             continue
         own = spec.stages.get(sid)
-        recipe = f"recipes/stage{sid}/{spec.recipes or spec.name}.yaml"
+        recipe = f"recipes/stage{shared.get(sid, sid)}/{spec.recipes or spec.name}.yaml"
         needs = {str(k): str(v) for k, v in (needs or {}).items()}
         needs = {
             k: v.removesuffix("?") for k, v in needs.items() if v.removesuffix("?") not in spec.without or v[-1:] != "?"

@@ -450,23 +450,42 @@ _ARMS = ("1A", "replay", "pairs25", "pairs50", "1R", "random", "gold")
 50, 100% of the pairs), then the controls 1R must beat (random) and match (gold-only)."""
 
 
-def _study_section(client, plan) -> list[str]:
-    """``make study-loop``'s figures (the latest ``<preset>-study`` flow run's stage 1S): every arm
-    on the same held-out tasks, 1R against each (McNemar), 1R against gold-only for non-inferiority
-    (a paired bootstrap of the difference; the plan: within 3 points at the cascade's lower cost)."""
+def _study_figures(client, plan) -> dict | None:
+    """The latest ``<preset>-study`` flow run's stage 1S: its run, artifact, comparison and, with a
+    gold-only arm, 1R minus gold-only over the same tasks (paired bootstrap); None without one."""
     try:
         flow = _latest_flow_run(client, plan.experiment, f"{plan.name}-study")
     except KibidangoError:
-        return []
+        return None
     runs = _stage_runs(client, flow)
     where = runs["1S"].data.tags.get(f"{TAG}artifact") if "1S" in runs else None
     if not where or not Path(where).is_dir():
-        return []
+        return None
     comparison = (_json(Path(where) / "retrain.json") or {}).get("comparison") or {}
-    models = comparison.get("models") or {}
-    if "1R" not in models:
+    if "1R" not in (comparison.get("models") or {}):
+        return None
+    study = {"run": runs["1S"], "where": where, "comparison": comparison, "gold": None}
+    verdicts = Path(where) / "evaluation.jsonl"
+    if "gold" in comparison["models"] and verdicts.is_file():
+        rows = [json.loads(line) for line in verdicts.read_text().splitlines() if line.strip()]
+        pairs = [
+            (r["passed"]["1R"], r["passed"]["gold"])
+            for r in rows
+            if None not in (r["passed"].get("1R"), r["passed"].get("gold"))
+        ]
+        diff, ci = _paired_difference(pairs)
+        study["gold"] = {"diff": diff, "ci": ci, "tasks": len(pairs)}
+    return study
+
+
+def _study_section(study: dict | None) -> list[str]:
+    """``make study-loop``'s figures: every arm on the same held-out tasks, 1R against each
+    (McNemar), 1R against gold-only for non-inferiority (the plan: within 3 points at the cascade's
+    lower cost)."""
+    if study is None:
         return []
-    arms = [a for a in _ARMS if a in models]
+    comparison = study["comparison"]
+    models = comparison["models"]
     lines = [
         "",
         "### The study: every arm on the same tasks (`make study-loop`)",
@@ -479,29 +498,147 @@ def _study_section(client, plan) -> list[str]:
         "| arm | pass rate | 1R only / arm only, p | power (10 points) |",
         "|---|---:|---:|---:|",
     ]
-    for arm in arms:
+    for arm in [a for a in _ARMS if a in models]:
         test = (comparison.get("mcnemar") or {}).get(arm)
         versus = "-" if test is None else f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f}"
         power = "-" if test is None else f"{test.get('power_10pt', 0):.0%}"
         lines.append(f"| {arm} | {_ci(models[arm])} | {versus} | {power} |")
-    verdicts = Path(where) / "evaluation.jsonl"
-    if "gold" in models and verdicts.is_file():
-        rows = [json.loads(line) for line in verdicts.read_text().splitlines() if line.strip()]
-        pairs = [
-            (r["passed"]["1R"], r["passed"]["gold"])
-            for r in rows
-            if None not in (r["passed"].get("1R"), r["passed"].get("gold"))
-        ]
-        diff, ci = _paired_difference(pairs)
+    gold = study["gold"]
+    if gold:
         verdict = (
-            "non-inferior (the interval's lower end above -3 points)" if ci[0] > -0.03 else "not shown non-inferior"
+            "non-inferior (the interval's lower end above -3 points)"
+            if gold["ci"][0] > -0.03
+            else "not shown non-inferior"
         )
         lines += [
             "",
-            f"1R (cascade pairs) minus gold-only: {diff:+.1%} [{ci[0]:+.1%}, {ci[1]:+.1%}] (paired bootstrap over "
-            f"{len(pairs)} tasks): {verdict}.",
+            f"1R (cascade pairs) minus gold-only: {gold['diff']:+.1%} [{gold['ci'][0]:+.1%}, {gold['ci'][1]:+.1%}] "
+            f"(paired bootstrap over {gold['tasks']} tasks): {verdict}.",
         ]
-    return [*lines, "", _cite("1S", runs["1S"], where)]
+    return [*lines, "", _cite("1S", study["run"], study["where"])]
+
+
+def _claims(artifacts: dict, study: dict | None, records: list[dict]) -> list[str]:
+    """The loop's claims (the plan's, as its issue states them), each with its goal, what this run
+    measured and whether it is met: yes, no, or not measured (the stage or command that would say)."""
+    rows: list[tuple[str, str, str, str]] = []
+    retrain = _json(Path(artifacts["1R"]) / "retrain.json") if "1R" in artifacts else None
+    comparison = (retrain or {}).get("comparison") or {}
+    models, tests = comparison.get("models") or {}, comparison.get("mcnemar") or {}
+    if "1A" in tests:
+        gain, t = models["1R"]["rate"] - models["1A"]["rate"], tests["1A"]
+        rows.append(
+            (
+                "1R beats 1A on the ladder's evaluation part",
+                ">= 10 points, p < 0.01",
+                f"{gain * 100:+.1f} points ({_pct(models['1A']['rate'])} -> {_pct(models['1R']['rate'])}), "
+                f"p = {t['p']:.3f}, {t['n']} tasks",
+                "yes" if gain >= 0.10 and t["p"] < 0.01 else "no",
+            )
+        )
+    both = dict(tests)
+    for arm, t in ((study or {}).get("comparison", {}).get("mcnemar") or {}).items():
+        both.setdefault(arm, t)
+    for arm in ("random", "replay"):
+        if arm in both:
+            t = both[arm]
+            rows.append(
+                (
+                    f"1R beats the {arm} control",
+                    "p < 0.05",
+                    f"{t['a_only']} / {t['b_only']} discordant, p = {t['p']:.3f}",
+                    "yes" if t["a_only"] > t["b_only"] and t["p"] < 0.05 else "no",
+                )
+            )
+        else:
+            rows.append((f"1R beats the {arm} control", "p < 0.05", "not measured (make study-loop)", "-"))
+    if retrain and retrain.get("before"):
+        before, after = retrain["before"]["rate"], retrain["after"]["rate"]
+        rows.append(
+            (
+                f"held-out critical failures (1D's holdout, {retrain['before']['judged']})",
+                "failure rate halved or better",
+                f"{_pct(before)} -> {_pct(after)}",
+                "yes" if after <= before / 2 else "no",
+            )
+        )
+    cost = _json(Path(artifacts["1D"]) / "cost.json") if "1D" in artifacts else None
+    tiers = (retrain or {}).get("pair_tiers") or {}
+    if cost and cost.get("pairs"):
+        share = tiers.get("self", 0) / max(1, sum(tiers.values()))
+        rows.append(
+            (
+                "pairs from the self tier",
+                ">= 40%",
+                f"{tiers.get('self', 0)} of {sum(tiers.values())} ({share:.0%})",
+                "yes" if share >= 0.4 else "no",
+            )
+        )
+        if cost.get("top_tier_only_usd"):
+            ratio = cost["spend_usd"] / cost["top_tier_only_usd"]
+            rows.append(
+                (
+                    "dollars per corrected pair against gold-only",
+                    "<= 50%",
+                    f"${cost['spend_usd'] / cost['pairs']:.4f} against "
+                    f"${cost['top_tier_only_usd'] / cost['pairs']:.4f} ({ratio:.0%})",
+                    "yes" if ratio <= 0.5 else "no",
+                )
+            )
+    gold = (study or {}).get("gold")
+    rows.append(
+        (
+            "1R on cascade pairs within 3 points of 1R on gold-only pairs",
+            "interval's lower end > -3 points",
+            f"{gold['diff'] * 100:+.1f} points [{gold['ci'][0] * 100:+.1f}, {gold['ci'][1] * 100:+.1f}]"
+            if gold
+            else "not measured (make study-loop)",
+            ("yes" if gold["ci"][0] > -0.03 else "no") if gold else "-",
+        )
+    )
+    cascade = next((r.get("data") for r in records if r["name"] == "eval-cascade"), None)
+    a = (cascade or {}).get("apgr") or {}
+    if a.get("apgr") is not None and a.get("apgr_ci"):
+        rows.append(
+            (
+                "the runtime cascade recovers the local-to-cloud gap (APGR)",
+                ">= 0.7, interval above 0.5",
+                f"{a['apgr']:.3f} [{a['apgr_ci'][0]:.3f}, {a['apgr_ci'][1]:.3f}] on {a['queries']} fresh queries",
+                "yes" if a["apgr"] >= 0.7 and a["apgr_ci"][0] > 0.5 else "no",
+            )
+        )
+    else:
+        rows.append(
+            (
+                "the runtime cascade recovers the local-to-cloud gap (APGR)",
+                ">= 0.7, interval above 0.5",
+                "not measured (make eval-cascade)",
+                "-",
+            )
+        )
+    against = (cascade or {}).get("against_6c") or {}
+    if against.get("expected_escalated") is not None:
+        rows.append(
+            (
+                "6C's predicted escalation share holds on fresh queries",
+                "within 5 points",
+                f"predicted {_pct(against['expected_escalated'])}, measured {_pct(against['escalated'])}",
+                "yes" if against["within_5_points"] else "no",
+            )
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "### The loop's claims, met or not",
+        "",
+        "Each goal as the issue that asked for the loop states it (the plan's numbers are claims, not results); "
+        "the sections below give each figure's run.",
+        "",
+        "| claim | goal | measured | met |",
+        "|---|---|---|---|",
+        *(f"| {c} | {g} | {m} | {v} |" for c, g, m, v in rows),
+    ]
 
 
 def _paired_difference(pairs: list[tuple[bool, bool]], rounds: int = 2000, seed: int = 0) -> tuple[float, list[float]]:
@@ -516,12 +653,12 @@ def _paired_difference(pairs: list[tuple[bool, bool]], rounds: int = 2000, seed:
     return float(d.mean()), [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
 
 
-def _loop_section(runs: dict, artifacts: dict) -> list[str]:
+def _loop_section(runs: dict, artifacts: dict, study: dict | None = None, records: list[dict] = ()) -> list[str]:
     """Does the quality loop work? Per ladder level: 1A, 1R's controls and 1R on the same held-out
     evaluation tasks (1R's card), and the shipped bundle (stage 9); the teachers' tier split and
     cost cut (1D); answer calibration before and after (2G); the cascade against random escalation
     (6C). Each figure cites its stage and run."""
-    out: list[str] = []
+    out: list[str] = _claims(artifacts, study, list(records)) if "1R" in artifacts else []
     retrain = _json(Path(artifacts["1R"]) / "retrain.json") if "1R" in artifacts else None
     comparison = (retrain or {}).get("comparison") or {}
     evaluation = _json(Path(artifacts["9"]) / "evaluation.json") if "9" in artifacts else None
@@ -683,8 +820,9 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
             f"{'-' if minutes[sid] is None else f'{minutes[sid]:.1f} min'} | {summary_line[:300]} |"
         )
 
-    lines += _loop_section(runs, artifacts)
-    lines += _study_section(client, plan)
+    study = _study_figures(client, plan)
+    lines += _loop_section(runs, artifacts, study, records)
+    lines += _study_section(study)
 
     for title, intro, parts in _SECTIONS:
         body: list[str] = []

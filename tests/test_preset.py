@@ -118,7 +118,8 @@ def test_pools_route_by_stage_id_then_tag_and_unknown_keys_are_errors(tmp_path):
 
 def test_a_preset_on_the_graph_states_only_where_it_differs(tmp_path):
     """Both shipped presets run recipes/graph.yaml: a preset leaves stages out and overrides a
-    stage's inputs or config; each stage's recipe is recipes/stage<id>/<preset>.yaml."""
+    stage's inputs or config; each stage's recipe is recipes/stage<id>/<preset>.yaml (1S: 1R's, the
+    graph's `recipes`)."""
     graph = yaml.safe_load((REPO_ROOT / "recipes/graph.yaml").read_text())["stages"]
     for name in ("tiny", "llama31-8b"):
         spec = yaml.safe_load((PRESETS_DIR / f"{name}.yaml").read_text())
@@ -126,6 +127,7 @@ def test_a_preset_on_the_graph_states_only_where_it_differs(tmp_path):
         plan = load_preset(name)
         assert set(plan.spec.stages) == set(graph) - set(spec.get("without", []))
         assert all(p.recipe == f"recipes/stage{s}/{name}.yaml" for s, p in plan.spec.stages.items())
+    assert load_preset("tiny-study").spec.stages["1S"].recipe == "recipes/stage1R/tiny.yaml"
     gpu = load_preset("llama31-8b")
     assert "P" not in gpu.spec.stages and gpu.needs("1A") == {"data": "0"} and gpu.needs("1B") == graph["1B"]
     # an optional input ("1T?") is dropped where its stage is left out, kept (as "1T") where it runs
@@ -209,12 +211,13 @@ def test_rounds_run_the_loop_again_on_the_last_rounds_student(tmp_path):
 def test_a_study_preset_runs_its_presets_loop_as_it_runs_it_and_every_arm():
     """``make study-loop`` runs <preset>-study: ``extends`` the preset, so every stage up to 1R has
     the same config and inputs (the same cache keys: cache hits after make demo), and adds 1S, 1R's
-    stage with every arm beside 1R's own model (``retrained``)."""
+    stage with 1R's recipe and every arm beside 1R's own model (``retrained``)."""
     for name in ("tiny", "small"):
         base, study = load_preset(name), load_preset(f"{name}-study")
         assert "1S" not in base.spec.stages and study.needs("1S")["retrained"] == "1R"
         for sid in ("0", "1A", "1B", "1C", "1D", "1R"):
             assert study.configs[sid] == base.configs[sid] and study.needs(sid) == base.needs(sid), (name, sid)
         assert set(study.configs["1S"].controls) == {"random", "replay", "gold", "pairs25", "pairs50"}
-        assert study.configs["1S"].evaluation == base.configs["1R"].evaluation
+        # 1R's own recipe (one declaration of the fine-tune): every field but the arms is 1R's
+        assert study.configs["1S"].model_copy(update={"controls": base.configs["1R"].controls}) == base.configs["1R"]
         assert not {"9", "X", "2E"} & set(study.spec.stages)

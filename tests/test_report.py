@@ -197,7 +197,7 @@ def test_the_report_has_the_study_when_make_study_loop_ran(tmp_path):
     against gold-only with a paired bootstrap for non-inferiority."""
     from types import SimpleNamespace
 
-    from flows.report import _paired_difference, _study_section
+    from flows.report import _paired_difference, _study_figures, _study_section
     from flows.tracking import TAG
 
     rates = {"1A": 0.2, "replay": 0.21, "pairs25": 0.24, "pairs50": 0.27, "1R": 0.30, "random": 0.22, "gold": 0.31}
@@ -221,8 +221,67 @@ def test_the_report_has_the_study_when_make_study_loop_ran(tmp_path):
         def search_runs(self, ids, filter_string, **kw):
             return [stage] if "parentRunId" in filter_string else [flow]
 
-    lines = "\n".join(_study_section(Client(), SimpleNamespace(experiment="kibidango-tiny", name="tiny")))
+    study = _study_figures(Client(), SimpleNamespace(experiment="kibidango-tiny", name="tiny"))
+    lines = "\n".join(_study_section(study))
     assert "### The study" in lines and "| pairs25 | 24% [19%, 29%] | 12 / 4, p = 0.080 | 30% |" in lines
     assert "1R (cascade pairs) minus gold-only: -1.0%" in lines and "non-inferior" in lines
     diff, ci = _paired_difference([(True, False)] * 10 + [(False, False)] * 10)
     assert diff == pytest.approx(0.5) and ci[0] <= 0.5 <= ci[1]
+
+
+def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
+    """ "Does the loop work?" opens with a table: each of the loop's goals, what the run measured and
+    yes / no — or "not measured" with the command that would measure it."""
+    from flows.report import _claims
+
+    def cell(r: float) -> dict:
+        return {"rate": r, "ci": [r - 0.05, r + 0.05], "n": 300, "groups": {}}
+
+    for sid in ("1R", "1D"):
+        (tmp_path / sid).mkdir()
+    (tmp_path / "1R" / "retrain.json").write_text(
+        json.dumps(
+            {
+                "comparison": {
+                    "models": {"1A": cell(0.30), "1R": cell(0.42), "random": cell(0.33)},
+                    "mcnemar": {
+                        "1A": {"n": 300, "a_only": 50, "b_only": 14, "p": 0.00001},
+                        "random": {"n": 300, "a_only": 30, "b_only": 25, "p": 0.59},
+                    },
+                },
+                "before": {"rate": 1.0, "judged": 99},
+                "after": {"rate": 0.6, "judged": 99},
+                "pair_tiers": {"self": 150, "gold": 150},
+            }
+        )
+    )
+    (tmp_path / "1D" / "cost.json").write_text(json.dumps({"pairs": 300, "spend_usd": 7.6, "top_tier_only_usd": 15.0}))
+    artifacts = {sid: str(tmp_path / sid) for sid in ("1R", "1D")}
+    lines = "\n".join(_claims(artifacts, None, []))
+    assert (
+        "| 1R beats 1A on the ladder's evaluation part | >= 10 points, p < 0.01 | +12.0 points (30.0% -> 42.0%)"
+        in lines
+    )
+    assert "p = 0.000, 300 tasks | yes |" in lines
+    assert "| 1R beats the random control | p < 0.05 | 30 / 25 discordant, p = 0.590 | no |" in lines
+    assert "| 1R beats the replay control | p < 0.05 | not measured (make study-loop) | - |" in lines
+    assert "| 100.0% -> 60.0% | no |" in lines  # not halved
+    assert "| pairs from the self tier | >= 40% | 150 of 300 (50%) | yes |" in lines
+    assert "| dollars per corrected pair against gold-only | <= 50% | $0.0253 against $0.0500 (51%) | no |" in lines
+    assert "not measured (make eval-cascade)" in lines
+    record = {
+        "name": "eval-cascade",
+        "data": {
+            "apgr": {"apgr": 0.81, "apgr_ci": [0.74, 0.88], "queries": 120},
+            "against_6c": {"expected_escalated": 0.2, "escalated": 0.28, "within_5_points": False},
+        },
+    }
+    study = {
+        "comparison": {"mcnemar": {"replay": {"a_only": 40, "b_only": 10, "p": 0.0001}}},
+        "gold": {"diff": -0.01, "ci": [-0.05, 0.03], "tasks": 300},
+    }
+    lines = "\n".join(_claims(artifacts, study, [record]))
+    assert "| 1R beats the replay control | p < 0.05 | 40 / 10 discordant, p = 0.000 | yes |" in lines
+    assert "| -1.0 points [-5.0, +3.0] | no |" in lines
+    assert "| 0.810 [0.740, 0.880] on 120 fresh queries | yes |" in lines
+    assert "| predicted 20.0%, measured 28.0% | no |" in lines
