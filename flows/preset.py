@@ -157,10 +157,14 @@ def _read_yaml(path: Path) -> Any:
         raise KibidangoError(f"{path}: not valid YAML: {e}") from e
 
 
-def _explain(e: ValidationError, where: str) -> KibidangoError:
+def _explain(e: ValidationError, where: str, origin: dict[str, str] | None = None) -> KibidangoError:
+    """``e`` as lines naming the file (``where``; for a stage, the file each top-level key came from:
+    ``origin``) and the field."""
     lines = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"])
+        if origin and err["loc"] and str(err["loc"][0]) in origin:
+            where = f"{origin[str(err['loc'][0])]}: {where.rpartition(': ')[2]}"
         if err["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key '{loc}'")
         else:
@@ -358,18 +362,22 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
     parsed = [parse_override(item) for item in overrides or []]
     for sid, plan in spec.stages.items():
         config: dict[str, Any] = {}
+        origin: dict[str, str] = {}  # top-level key -> the file it came from, for errors
         if plan.recipe:
             recipe = REPO_ROOT / plan.recipe
             if not recipe.is_file():
                 raise KibidangoError(f"{path}: stage {sid}: recipe file not found: {recipe}")
             config.update(_read_yaml(recipe) or {})
+            origin = {str(k): plan.recipe for k in config}
         config.update(plan.config)
+        origin.update({str(k): str(path) for k in plan.config})
         for stage, key, value in parsed:
             if stage == sid:
                 try:
                     set_override(config, key, value)
                 except KibidangoError as e:
                     raise KibidangoError(f"override {stage}.{key}: {e}") from None
+                origin[key.partition(".")[0]] = f"override {stage}.{key}"
         secrets = find_secrets(config)
         if secrets:
             raise KibidangoError(
@@ -381,7 +389,7 @@ def _load_preset(path: Path, overrides: list[str] | None) -> Preset:
         try:
             configs[sid] = load_stage(sid).Config.model_validate(config)
         except ValidationError as e:
-            raise _explain(e, f"{path}: stage {sid}") from e
+            raise _explain(e, f"{path}: stage {sid}", origin) from e
     for item in overrides or []:
         if item.partition(".")[0] not in spec.stages:
             raise KibidangoError(f"override {item!r}: preset {spec.name!r} has no stage {item.partition('.')[0]!r}")

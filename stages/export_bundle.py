@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.bundle import TIER_ORDER
@@ -67,8 +67,18 @@ class Config(StageConfig):
         None, description="Input holding stage 6C's cascade.json (chosen thresholds), shipped as cascade/cascade.json."
     )
     runtime_defaults: dict[str, Any] = Field(
-        default_factory=dict, description="Decoding defaults (mode, k, l_D, l_Q, tau_Q, tau_T, divergence, ...)."
+        default_factory=dict,
+        description="Decoding defaults (kibidango.DecodeConfig's fields: mode, k, l_D, l_Q, tau_Q, tau_T, ...; "
+        "and kv_cache); a key that is none of them is refused at make dry-run.",
     )
+
+    @field_validator("runtime_defaults")
+    @classmethod
+    def _decoding_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from kibidango.speculative import DecodeConfig
+
+        DecodeConfig.from_mapping(value, "runtime_defaults")  # what the runtime will read, read now
+        return value
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:

@@ -221,3 +221,23 @@ def test_a_study_preset_runs_its_presets_loop_as_it_runs_it_and_every_arm():
         # 1R's own recipe (one declaration of the fine-tune): every field but the arms is 1R's
         assert study.configs["1S"].model_copy(update={"controls": base.configs["1R"].controls}) == base.configs["1R"]
         assert not {"9", "X", "2E"} & set(study.spec.stages)
+
+
+def test_a_misspelt_runtime_default_fails_at_dry_run_naming_the_recipe_and_the_key(tmp_path):
+    """Stage X's ``runtime_defaults`` are read now by the runtime's own reader (DecodeConfig.from_mapping):
+    a typo fails when the preset loads (make dry-run), naming the recipe it is in and the key, not when a
+    user loads the bundle (and not silently dropped, as it once was)."""
+    recipe = tmp_path / "x.yaml"
+    recipe.write_text((REPO_ROOT / "recipes/stageX/tiny.yaml").read_text().replace("top_p:", "top_pp:"))
+    preset = tmp_path / "t.yaml"
+    preset.write_text(yaml.safe_dump({"name": "t", "extends": "tiny", "stages": {"X": {"recipe": str(recipe)}}}))
+    with pytest.raises(
+        KibidangoError,
+        match=rf"{recipe}: stage X: 'runtime_defaults': .*'top_pp' is not a decoding setting \(did you mean 'top_p'",
+    ):
+        load_preset(str(preset))
+    with pytest.raises(
+        KibidangoError, match=r"override X\.runtime_defaults\.kk: stage X: .*'kk' is not a decoding setting"
+    ):
+        load_preset("tiny", ["X.runtime_defaults.kk=3"])
+    assert load_preset("tiny", ["X.runtime_defaults.kv_cache=q8_0"]).configs["X"].runtime_defaults["kv_cache"] == "q8_0"

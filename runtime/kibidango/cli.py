@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kibidango.backends.base import ContextLengthError
+from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
 from kibidango.integrity import without_credentials
 from kibidango.schema import describe
@@ -71,7 +71,7 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache",
         dest="kv_cache",
-        choices=["f16", "q8_0", "q4_0"],
+        choices=list(KV_CACHE_TYPES),
         help="llama.cpp K/V cache type (default: the bundle's kv_cache, else f16)",
     )
 
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-ppl-increase", type=float, default=0.02, help="lossy variants: largest rise of the target's perplexity"
     )
     tun.add_argument("--threads", type=int)
-    tun.add_argument("--kv-cache", dest="kv_cache", choices=["f16", "q8_0", "q4_0"])
+    tun.add_argument("--kv-cache", dest="kv_cache", choices=list(KV_CACHE_TYPES))
     tun.add_argument("--compile", action="store_true", help="torch: compiled draft and qualifier steps")
     tun.add_argument(
         "--write", metavar="DIR", help="write a copy of the bundle with the chosen settings as its defaults"

@@ -108,14 +108,13 @@ class Pipeline:
         from transformers import AutoTokenizer
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
-        fields = {f.name for f in dataclasses.fields(DecodeConfig)}
         tuned = bundle.manifest.tuned_defaults.get(backend, {})  # kibidango tune / stage 1F
-        defaults = {k: v for k, v in {**bundle.defaults, **tuned}.items() if k in fields}
+        manifest = bundle.root / "bundle.json"
         try:  # the bundle's own settings, before any caller's: an error names the file and the field
-            cfg = DecodeConfig(**_with_tuple_stops(defaults))
-        except (TypeError, ValueError) as e:
-            where = f"runtime_defaults / tuned_defaults.{backend}" if tuned else "runtime_defaults"
-            raise BundleError(f"{bundle.root / 'bundle.json'}: {where}: {e}") from None
+            cfg = DecodeConfig.from_mapping(bundle.defaults, f"{manifest}: runtime_defaults")
+            cfg = DecodeConfig.from_mapping(tuned, f"{manifest}: tuned_defaults.{backend}", cfg)
+        except ValueError as e:
+            raise BundleError(str(e)) from None
         cfg = dataclasses.replace(
             cfg, **_with_tuple_stops({**overrides, **({"mode": mode} if mode is not None else {})})
         )

@@ -49,18 +49,31 @@ Adaptive speculation (sd, lookup, pyramid; lossless modes stay lossless, tested 
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from kibidango.backends.base import ContextLengthError, Model, Session
+from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError, Model, Session
 from kibidango.distributions import Sampler, verify
 from kibidango.ngrams import NgramTable
 
-__all__ = ["DecodeConfig", "Decoder", "Metrics", "MODES", "REQUEST_SETTINGS", "TIERS", "VARIANTS", "lookup_drafts"]
+__all__ = [
+    "DecodeConfig",
+    "Decoder",
+    "Metrics",
+    "MODES",
+    "REQUEST_SETTINGS",
+    "RUNTIME_SETTINGS",
+    "TIERS",
+    "VARIANTS",
+    "lookup_drafts",
+]
 
 MODES = ("ar", "sd", "pyramid", "lookup")
 TIERS = {
@@ -173,6 +186,35 @@ class DecodeConfig:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any], where: str, base: DecodeConfig | None = None) -> DecodeConfig:
+        """``base`` (default: the defaults) with ``settings`` over it: the one reader of decoding
+        settings written down (bundle.json's ``runtime_defaults`` and ``tuned_defaults``, stage X's
+        recipe). A key that is not a setting is refused, not dropped: the error names ``where``,
+        the key and the setting it is nearest to. Runtime settings that are not decoding ones
+        (:data:`RUNTIME_SETTINGS`) are allowed and left to their readers."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in settings if k not in fields and k not in RUNTIME_SETTINGS]
+        if unknown:
+            key = unknown[0]
+            near = difflib.get_close_matches(str(key), [*fields, *RUNTIME_SETTINGS], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; settings: {', '.join(fields)}"
+            raise ValueError(f"{where}: {key!r} is not a decoding setting{hint}")
+        values = {k: v for k, v in settings.items() if k in fields}
+        if isinstance(values.get("stop_ids"), list):  # JSON and YAML give a list
+            values["stop_ids"] = tuple(values["stop_ids"])
+        kv = settings.get("kv_cache")
+        if kv is not None and kv not in KV_CACHE_TYPES:
+            raise ValueError(f"{where}: kv_cache {kv!r}: use one of {', '.join(KV_CACHE_TYPES)}")
+        try:
+            return dataclasses.replace(base or cls(), **values)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+
+RUNTIME_SETTINGS = frozenset({"kv_cache"})
+"""Runtime defaults a bundle may carry besides :class:`DecodeConfig`'s fields."""
 
 
 @dataclass

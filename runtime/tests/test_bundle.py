@@ -130,3 +130,37 @@ def test_bad_runtime_defaults_name_the_file_and_the_field(tmp_path, defaults, fi
     bundle = write_bundle(tmp_path / "b", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", **defaults})
     with pytest.raises(BundleError, match=rf"bundle\.json: runtime_defaults: {field}: .* not"):
         Pipeline.from_bundle(bundle)
+
+
+@pytest.mark.parametrize(
+    ("defaults", "tuned", "message"),
+    [
+        (
+            {"tmperature": 0.5},
+            {},
+            r"bundle\.json: runtime_defaults: 'tmperature' is not a decoding setting \(did you mean 'temperature'\?\)",
+        ),
+        (
+            {},
+            {"torch": {"lookup_kk": 3}},
+            r"bundle\.json: tuned_defaults\.torch: 'lookup_kk' is not a decoding setting \(did you mean 'lookup_k'\?\)",
+        ),
+        ({"kv_cache": "q2"}, {}, r"runtime_defaults: kv_cache 'q2': use one of f16, q8_0, q4_0"),
+    ],
+)
+def test_a_misspelt_runtime_default_is_refused_not_dropped(tmp_path, defaults, tuned, message):
+    """A bundle's decoding settings are read by one reader (DecodeConfig.from_mapping): a key that is
+    no setting was once dropped without a word; now it fails naming the file, the field and the
+    setting it is nearest to."""
+    from kibidango import Pipeline
+    from kibidango.speculative import DecodeConfig
+
+    needs_stories()
+    extra = {"tuned_defaults": tuned} if tuned else {}
+    bundle = write_bundle(
+        tmp_path / "b", {"target": {"hf": STORIES, "vocab_size": 512}}, {"mode": "ar", **defaults}, **extra
+    )
+    with pytest.raises(BundleError, match=message):
+        Pipeline.from_bundle(bundle)
+    cfg = DecodeConfig.from_mapping({"k": 6, "stop_ids": [2], "kv_cache": "q8_0"}, "x", DecodeConfig(mode="sd", k=3))
+    assert (cfg.mode, cfg.k, cfg.stop_ids) == ("sd", 6, (2,))

@@ -6,7 +6,10 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["ContextLengthError", "Model", "Session"]
+__all__ = ["KV_CACHE_TYPES", "ContextLengthError", "Model", "Session"]
+
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+"""llama.cpp K/V cache types (a bundle's ``kv_cache`` default, ``--kv-cache``)."""
 
 
 class ContextLengthError(ValueError):

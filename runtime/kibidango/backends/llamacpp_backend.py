@@ -16,14 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kibidango.backends.base import ContextLengthError
+from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError
 
 __all__ = ["KV_CACHE_TYPES", "LlamaCppModel", "LlamaCppSession", "DraftModelHook", "thread_counts"]
-
-KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
-"""llama.cpp's K/V cache types the runtime offers (plan row 1H): f16 (2 bytes per element), q8_0
-(34 bytes per 32), q4_0 (18 bytes per 32). A quantized V cache needs flash attention, which is
-then switched on."""
+# KV_CACHE_TYPES (backends/base.py): the K/V cache types the runtime offers (plan row 1H): f16 (2
+# bytes per element), q8_0 (34 bytes per 32), q4_0 (18 bytes per 32). A quantized V cache needs flash
+# attention, which is then switched on.
 
 
 def _llama_cpp():
