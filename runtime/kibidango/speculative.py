@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError, Model, Session
+from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError, Model, Session, sync_and_feed
 from kibidango.distributions import Sampler, verify
 from kibidango.ngrams import NgramTable
 
@@ -335,23 +335,6 @@ def lookup_drafts(tokens: list[int], k: int, ngram: int, ngram_min: int = 1) -> 
     return []
 
 
-def _sync_and_feed(session: Session, committed: list[int], extra: list[int]) -> np.ndarray:
-    """Bring ``session`` to ``committed`` and score ``extra`` after it, in one forward pass.
-    Returns ``len(extra) + 1`` rows of logits: the next-token logits after the last committed
-    token, then after each extra token."""
-    shared = 0
-    for a, b in zip(session.tokens, committed):
-        if a != b:
-            break
-        shared += 1
-    # Keep at least the last committed token pending: its row is the one we need first.
-    keep = min(shared, len(committed) - 1)
-    session.crop(keep)
-    pending = committed[keep:]
-    rows = session.feed(pending + extra)
-    return rows[len(pending) - 1 :]
-
-
 class _DraftLength:
     """How many tokens the draft proposes this round: ``start`` fixed, or (``adaptive``) moved by
     each round's outcome within [1, k_max]."""
@@ -434,7 +417,7 @@ class Decoder:
     # ---- one round per mode: returns the tokens it commits --------------------------------
 
     def _ar_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length=None) -> list[int]:
-        row = _sync_and_feed(sessions["target"], committed, [])[0]
+        row = sync_and_feed(sessions["target"], committed, [])[0]
         if metrics.target_rows is not None:  # a copy: the row is a view of the whole forward's logits
             metrics.target_rows.append(np.array(row, dtype=np.float32))
         return [sampler.draw(sampler.probs(row), rng)]
@@ -450,7 +433,7 @@ class Decoder:
         not (it over-proposed the draft's sure tokens)."""
         tokens: list[int] = []
         dists: list[np.ndarray] = []
-        row = _sync_and_feed(session, committed, [])[0]
+        row = sync_and_feed(session, committed, [])[0]
         for i in range(n):
             q = sampler.probs(row)
             token = sampler.draw(q, rng)
@@ -498,7 +481,7 @@ class Decoder:
     def _target_verifies(self, sessions, committed, drafts, q, sampler, rng, metrics, stage: str) -> list[int]:
         """The target scores ``drafts`` (drawn from ``q``; None: certain proposals, each its one
         token) in one pass: the accepted ones, then its correction or bonus token."""
-        rows = _sync_and_feed(sessions["target"], committed, drafts)
+        rows = sync_and_feed(sessions["target"], committed, drafts)
         p = [sampler.probs(r) for r in rows]
         if q is None:
             q = np.zeros((len(drafts), len(p[0])))
@@ -533,7 +516,7 @@ class Decoder:
                 drafts, d = self._propose(sessions["draft"], committed + buffer, n_draft, sampler, rng, cfg.p_min)
             if not drafts:
                 break  # the draft is unsure of its next token: the target judges what is buffered
-            rows = _sync_and_feed(sessions["qualifier"], committed + buffer, drafts)
+            rows = sync_and_feed(sessions["qualifier"], committed + buffer, drafts)
             q = [sampler.probs(r) for r in rows[: len(drafts)]]
             if d is None:
                 d = [np.eye(1, len(q[0]), t)[0] for t in drafts]
@@ -551,7 +534,7 @@ class Decoder:
                 break  # stopped short by p_min: as unsure as above
         if not buffer:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
-        rows = _sync_and_feed(sessions["target"], committed, buffer)
+        rows = sync_and_feed(sessions["target"], committed, buffer)
         p = [sampler.probs(r) for r in rows]
         n, token = verify(
             buffer, buffer_q, p[: len(buffer)], sampler, rng, tau=tau_t, div=cfg.divergence, bonus=p[len(buffer)]

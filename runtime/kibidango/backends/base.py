@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["KV_CACHE_TYPES", "ContextLengthError", "Model", "Session"]
+__all__ = ["KV_CACHE_TYPES", "ContextLengthError", "Model", "Session", "sync_and_feed"]
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 """llama.cpp K/V cache types (a bundle's ``kv_cache`` default, ``--kv-cache``)."""
@@ -45,3 +45,21 @@ class Model(Protocol):
     def new_session(self) -> Session: ...
 
     def parameters(self) -> int: ...
+
+
+def sync_and_feed(session: Session, committed: list[int], extra: list[int]) -> np.ndarray:
+    """Bring ``session`` to ``committed`` and score ``extra`` after it, in one forward pass.
+    Returns ``len(extra) + 1`` rows of logits: the next-token logits after the last committed
+    token, then after each extra token. (Every decoding mode's one way to use a session, and the
+    llama.cpp draft hook's: here, below both.)"""
+    shared = 0
+    for a, b in zip(session.tokens, committed):
+        if a != b:
+            break
+        shared += 1
+    # Keep at least the last committed token pending: its row is the one we need first.
+    keep = min(shared, len(committed) - 1)
+    session.crop(keep)
+    pending = committed[keep:]
+    rows = session.feed(pending + extra)
+    return rows[len(pending) - 1 :]

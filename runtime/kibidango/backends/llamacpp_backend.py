@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError
+from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError, sync_and_feed
 
 __all__ = ["KV_CACHE_TYPES", "LlamaCppModel", "LlamaCppSession", "DraftModelHook", "thread_counts"]
 # KV_CACHE_TYPES (backends/base.py): the K/V cache types the runtime offers (plan row 1H): f16 (2
@@ -269,11 +269,10 @@ class DraftModelHook:
                 self.session = draft.new_session()
 
             def __call__(self, input_ids, /, **kwargs):
-                from kibidango.speculative import _sync_and_feed
 
                 ids = [int(t) for t in input_ids]
                 out: list[int] = []
-                row = _sync_and_feed(self.session, ids, [])[0]
+                row = sync_and_feed(self.session, ids, [])[0]
                 for _ in range(k):
                     out.append(int(np.argmax(row)))
                     if len(ids) + len(out) >= draft.context_length:
