@@ -269,7 +269,6 @@ class DraftModelHook:
                 self.session = draft.new_session()
 
             def __call__(self, input_ids, /, **kwargs):
-
                 ids = [int(t) for t in input_ids]
                 out: list[int] = []
                 row = sync_and_feed(self.session, ids, [])[0]
