@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
 from kibidango.integrity import without_credentials
 from kibidango.schema import describe
-from kibidango.speculative import MODES, REQUEST_SETTINGS
+from kibidango.speculative import MODES, REQUEST_SETTINGS, DecodeConfig
 
 STATE_HELP = (
     "the cascade's budget ledger and the session memory "
@@ -21,46 +22,16 @@ STATE_HELP = (
 
 def _decode_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding (defaults: the bundle's runtime_defaults)")
-    g.add_argument("--variant", choices=["fuzzy", "assisted", "exact"])
-    g.add_argument("--k", type=int, help="sd, lookup: tokens drafted per target pass")
-    g.add_argument("--ngram", type=int, help="lookup: the longest suffix matched against earlier tokens")
-    g.add_argument("--ngram-min", dest="ngram_min", type=int, help="lookup: the shortest suffix that counts as a match")
-    g.add_argument(
-        "--lookup-k", dest="lookup_k", type=int, help="sd --lookup: tokens the n-gram tier proposes per match (0: --k)"
-    )
-    g.add_argument(
-        "--ngram-table",
-        dest="ngram_table",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="sd, lookup, pyramid: the bundle's n-gram table (the target's own outputs, counted) proposes where "
-        "the text's own n-grams do not",
-    )
-    g.add_argument("--table-k", dest="table_k", type=int, help="--ngram-table: the most tokens it proposes at once")
-    g.add_argument("--l-d", dest="l_D", type=int, help="pyramid: draft tokens per qualifier pass")
-    g.add_argument("--l-q", dest="l_Q", type=int, help="pyramid: buffered tokens per target pass")
-    g.add_argument(
-        "--p-min", dest="p_min", type=float, help="sd, pyramid: the draft stops before a token it gives less than this"
-    )
-    g.add_argument(
-        "--adaptive",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="sd, lookup, pyramid: the draft length (k, l_D) follows the acceptance (+2 / -1 within [1, --k-max])",
-    )
-    g.add_argument("--k-max", dest="k_max", type=int, help="--adaptive: the longest draft run")
-    g.add_argument(
-        "--lookup",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="sd, pyramid: n-gram lookup proposes first (free); the draft model only where it finds no match",
-    )
-    g.add_argument("--tau-q", dest="tau_Q", type=float)
-    g.add_argument("--tau-t", dest="tau_T", type=float)
-    g.add_argument("--divergence", choices=["tv", "js", "kl"])
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", dest="top_p", type=float)
-    g.add_argument("--seed", type=int)
+    fields = {f.name: f for f in dataclasses.fields(DecodeConfig)}
+    for name in REQUEST_SETTINGS:  # one flag per setting a request may set, from DecodeConfig's declaration
+        meta, default = fields[name].metadata, fields[name].default
+        flag = "--" + name.lower().replace("_", "-")
+        if isinstance(default, bool):
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=meta["doc"])
+        elif meta["choices"]:
+            g.add_argument(flag, dest=name, choices=list(meta["choices"]), help=meta["doc"])
+        else:
+            g.add_argument(flag, dest=name, type=type(default), help=meta["doc"])
     g.add_argument("--threads", type=int, help="CPU threads per model (default: half the CPUs; $KIBIDANGO_THREADS)")
     g.add_argument(
         "--compile",

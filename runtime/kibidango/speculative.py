@@ -86,67 +86,60 @@ TIERS = {
 VARIANTS = ("fuzzy", "assisted", "exact")
 
 
-REQUEST_SETTINGS = (
-    "variant",
-    "k",
-    "ngram",
-    "ngram_min",
-    "lookup_k",
-    "ngram_table",
-    "table_k",
-    "l_D",
-    "l_Q",
-    "p_min",
-    "adaptive",
-    "k_max",
-    "lookup",
-    "tau_Q",
-    "tau_T",
-    "divergence",
-    "temperature",
-    "top_p",
-    "seed",
-)
-"""The :class:`DecodeConfig` fields one request may set (the CLI's decoding options, the server's
-request fields); the mode, the token budget and stop ids are set apart."""
+DIVERGENCES = ("tv", "js", "kl")
+
+
+def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, request: bool = True, **bounds: float):
+    """A :class:`DecodeConfig` field declared once: its default, its doc (the CLI's help, the server's
+    field description), its ``choices`` and the ``bounds`` a request may ask for (``ge``, ``le``,
+    ``gt``, ``lt``: the server's request model and the CLI's flags are generated from them);
+    ``request``: whether one request may set it (the mode, the token budget and the stop ids are
+    set apart)."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "bounds": bounds, "request": request})
 
 
 @dataclass
 class DecodeConfig:
-    mode: str = "pyramid"
-    variant: str = "fuzzy"
-    k: int = 4
-    """sd, lookup: tokens proposed per target pass."""
-    ngram: int = 3
-    """lookup: the longest suffix matched against earlier tokens."""
-    ngram_min: int = 1
-    """lookup: the shortest suffix that counts as a match."""
-    lookup_k: int = 0
-    """sd with lookup: tokens the n-gram tier proposes per match (0: the draft's k)."""
-    ngram_table: bool = False
-    """sd, lookup, pyramid: the bundle's n-gram table proposes where the text's own n-grams do not."""
-    table_k: int = 6
-    """ngram_table: the most tokens the table proposes at once."""
-    l_D: int = 4
-    """pyramid: tokens the draft proposes per qualifier pass."""
-    l_Q: int = 8
-    """pyramid: tokens buffered per target pass."""
-    p_min: float = 0.0
-    """sd, pyramid: the draft stops before a token it gives less probability than this (0: never)."""
-    adaptive: bool = False
-    """sd, lookup, pyramid: the draft length adapts to the acceptance (+2 / -1, within [1, k_max])."""
-    lookup: bool = False
-    """sd, pyramid: n-gram lookup proposes first; the draft model only where it finds no match."""
-    k_max: int = 16
-    """adaptive: the longest draft run."""
-    tau_Q: float = 0.0
-    tau_T: float = 0.0
-    divergence: str = "tv"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = 0
-    max_new_tokens: int = 64
-    stop_ids: tuple[int, ...] = ()
+    """The decoding settings: the one declaration the bundle's defaults, the CLI's flags
+    (``kibidango.cli``), the server's request fields (``kibidango.server.schema``) and the tuner
+    read (:func:`setting`)."""
+
+    mode: str = setting("pyramid", "the decoding mode", choices=MODES, request=False)
+    variant: str = setting(
+        "fuzzy", "pyramid: fuzzy (thresholds), assisted or exact (lossless at both levels)", choices=VARIANTS
+    )
+    k: int = setting(4, "sd, lookup: tokens drafted per target pass", ge=1, le=32)
+    ngram: int = setting(3, "lookup: the longest suffix matched against earlier tokens", ge=1, le=16)
+    ngram_min: int = setting(1, "lookup: the shortest suffix that counts as a match", ge=1, le=16)
+    lookup_k: int = setting(
+        0, "sd with lookup: tokens the n-gram tier proposes per match (0: the draft's k)", ge=0, le=32
+    )
+    ngram_table: bool = setting(
+        False,
+        "sd, lookup, pyramid: the bundle's n-gram table (the target's own outputs, counted) proposes where the "
+        "text's own n-grams do not",
+    )
+    table_k: int = setting(6, "ngram_table: the most tokens the table proposes at once", ge=1, le=32)
+    l_D: int = setting(4, "pyramid: tokens the draft proposes per qualifier pass", ge=1, le=32)
+    l_Q: int = setting(8, "pyramid: tokens buffered per target pass", ge=1, le=64)
+    p_min: float = setting(
+        0.0, "sd, pyramid: the draft stops before a token it gives less probability than this (0: never)", ge=0, le=1
+    )
+    adaptive: bool = setting(
+        False, "sd, lookup, pyramid: the draft length adapts to the acceptance (+2 / -1, within [1, k_max])"
+    )
+    k_max: int = setting(16, "adaptive: the longest draft run", ge=1, le=32)
+    lookup: bool = setting(
+        False, "sd, pyramid: n-gram lookup proposes first (free); the draft model only where it finds no match"
+    )
+    tau_Q: float = setting(0.0, "pyramid fuzzy: the qualifier also accepts where Div <= tau_Q", ge=0, le=1)
+    tau_T: float = setting(0.0, "pyramid fuzzy: the target also accepts where Div <= tau_T", ge=0, le=1)
+    divergence: str = setting("tv", "pyramid fuzzy: the divergence tau_Q and tau_T bound", choices=DIVERGENCES)
+    temperature: float = setting(0.0, "sampling temperature (0: greedy)", ge=0, le=2)
+    top_p: float = setting(1.0, "nucleus sampling's probability mass", gt=0, le=1)
+    seed: int | None = setting(0, "the sampler's seed", ge=0, lt=2**63)
+    max_new_tokens: int = setting(64, "tokens generated at most", request=False)
+    stop_ids: tuple[int, ...] = setting((), "token ids that end the output", request=False)
 
     def __post_init__(self) -> None:
         for name in ("k", "ngram", "ngram_min", "lookup_k", "table_k", "l_D", "l_Q", "k_max", "max_new_tokens", "seed"):
@@ -213,6 +206,9 @@ class DecodeConfig:
             raise ValueError(f"{where}: {e}") from None
 
 
+REQUEST_SETTINGS = tuple(f.name for f in dataclasses.fields(DecodeConfig) if f.metadata["request"])
+"""The :class:`DecodeConfig` fields one request may set (the CLI's decoding options, the server's
+request fields); the mode, the token budget and stop ids are set apart."""
 RUNTIME_SETTINGS = frozenset({"kv_cache"})
 """Runtime defaults a bundle may carry besides :class:`DecodeConfig`'s fields."""
 

@@ -3,9 +3,12 @@ encode); a bad request is a 400 in OpenAI's error shape, never a crash."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from kibidango.speculative import REQUEST_SETTINGS, DecodeConfig
 
 
 def _valid_text(value: str, field: str) -> str:
@@ -17,34 +20,30 @@ def _valid_text(value: str, field: str) -> str:
     return value
 
 
-class Decoding(BaseModel):
+def _request_fields() -> dict[str, Any]:
+    """The decoding settings a request may set (the mode and :data:`REQUEST_SETTINGS`), generated
+    from :class:`DecodeConfig`'s declaration: its doc, choices and request bounds; each optional
+    (None: the server's default)."""
+    fields = {f.name: f for f in dataclasses.fields(DecodeConfig)}
+    out: dict[str, Any] = {}
+    for name in ("mode", *REQUEST_SETTINGS):
+        meta = fields[name].metadata
+        if meta["choices"]:
+            kind: Any = Literal[meta["choices"]]
+        else:
+            kind = type(fields[name].default)
+        out[name] = (kind | None, Field(None, description=meta["doc"], **meta["bounds"]))
+    return out
+
+
+class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=1, description="one completion per request")
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    mode: Literal["ar", "sd", "pyramid", "lookup"] | None = None
-    ngram: int | None = Field(None, ge=1, le=16)
-    ngram_min: int | None = Field(None, ge=1, le=16)
-    lookup_k: int | None = Field(None, ge=0, le=32)
-    ngram_table: bool | None = None
-    table_k: int | None = Field(None, ge=1, le=32)
-    variant: Literal["fuzzy", "assisted", "exact"] | None = None
-    k: int | None = Field(None, ge=1, le=32)
-    l_D: int | None = Field(None, ge=1, le=32)
-    l_Q: int | None = Field(None, ge=1, le=64)
-    p_min: float | None = Field(None, ge=0, le=1)
-    adaptive: bool | None = None
-    k_max: int | None = Field(None, ge=1, le=32)
-    lookup: bool | None = None
-    tau_Q: float | None = Field(None, ge=0, le=1)
-    tau_T: float | None = Field(None, ge=0, le=1)
-    divergence: Literal["tv", "js", "kl"] | None = None
     adapter: str | None = Field(None, max_length=64, description="auto, none or a domain; default: the server's")
     session_id: str | None = Field(None, max_length=128, description="chat: the session whose memory to use")
 
@@ -55,6 +54,11 @@ class Decoding(BaseModel):
         if stops is not None and (len(stops) > 4 or any(not s for s in stops)):
             raise ValueError("stop: at most 4 non-empty strings")
         return [_valid_text(s, "stop") for s in stops] if stops is not None else None
+
+
+Decoding = create_model("Decoding", __base__=_Request, **_request_fields())
+"""A request's decoding fields: OpenAI's (max_tokens, n, stream, stop) and the runtime's settings,
+generated from :class:`kibidango.speculative.DecodeConfig` (one declaration)."""
 
 
 class CompletionRequest(Decoding):
