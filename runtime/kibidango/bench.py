@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import MODES, Decoder, Metrics
+from kibidango.speculative import MODES, DecodeConfig, Decoder, Metrics
 
 __all__ = [
     "BenchResult",
@@ -39,17 +39,11 @@ __all__ = [
 ]
 
 _OPTIONS = {  # a mode's own setting after "+": its name -> (DecodeConfig field, number type or None for a flag)
-    "adaptive": ("adaptive", None),
-    "lookup": ("lookup", None),
-    "kmax": ("k_max", int),
-    "k": ("k", int),
-    "lk": ("lookup_k", int),
-    "nm": ("ngram_min", int),
-    "table": ("ngram_table", None),
-    "tk": ("table_k", int),
-    "p": ("p_min", float),
-    "lD": ("l_D", int),
-    "lQ": ("l_Q", int),
+    **{
+        f.metadata["bench"]: (f.name, None if isinstance(f.default, bool) else type(f.default))
+        for f in dataclasses.fields(DecodeConfig)
+        if f.metadata["bench"]
+    },  # the short names DecodeConfig declares (speculative.setting)
     "tb": ("threads_batch", int),  # llama.cpp's threads for batches (a verification); not a DecodeConfig field
     "t": ("threads", int),  # threads for one-token steps (torch: all of its work); not a DecodeConfig field
 }
@@ -75,8 +69,11 @@ def parse_mode(spec: str) -> tuple[str, str | None, dict]:
         name = option.rstrip("0123456789.")
         if name not in _OPTIONS or (_OPTIONS[name][1] is None) != (name == option):
             raise ValueError(
-                f"--modes {spec!r}: unknown setting {option!r} "
-                "(adaptive, lookup, k<n>, kmax<n>, p<x>, lD<n>, lQ<n>, lk<n>, nm<n>, table, tk<n>, t<n>, tb<n>)"
+                f"--modes {spec!r}: unknown setting {option!r} ("
+                + ", ".join(
+                    n if kind is None else f"{n}<{'x' if kind is float else 'n'}>" for n, (_, kind) in _OPTIONS.items()
+                )
+                + ")"
             )
         field_name, kind = _OPTIONS[name]
         try:

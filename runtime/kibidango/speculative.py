@@ -89,13 +89,22 @@ VARIANTS = ("fuzzy", "assisted", "exact")
 DIVERGENCES = ("tv", "js", "kl")
 
 
-def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, request: bool = True, **bounds: float):
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    request: bool = True,
+    bench: str | None = None,
+    **bounds: float,
+):
     """A :class:`DecodeConfig` field declared once: its default, its doc (the CLI's help, the server's
     field description), its ``choices`` and the ``bounds`` a request may ask for (``ge``, ``le``,
     ``gt``, ``lt``: the server's request model and the CLI's flags are generated from them);
     ``request``: whether one request may set it (the mode, the token budget and the stop ids are
-    set apart)."""
-    return field(default=default, metadata={"doc": doc, "choices": choices, "bounds": bounds, "request": request})
+    set apart); ``bench``: its short name in ``kibidango bench --modes`` (``sd+k6+lookup``)."""
+    meta = {"doc": doc, "choices": choices, "bounds": bounds, "request": request, "bench": bench}
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -108,29 +117,38 @@ class DecodeConfig:
     variant: str = setting(
         "fuzzy", "pyramid: fuzzy (thresholds), assisted or exact (lossless at both levels)", choices=VARIANTS
     )
-    k: int = setting(4, "sd, lookup: tokens drafted per target pass", ge=1, le=32)
+    k: int = setting(4, "sd, lookup: tokens drafted per target pass", ge=1, le=32, bench="k")
     ngram: int = setting(3, "lookup: the longest suffix matched against earlier tokens", ge=1, le=16)
-    ngram_min: int = setting(1, "lookup: the shortest suffix that counts as a match", ge=1, le=16)
+    ngram_min: int = setting(1, "lookup: the shortest suffix that counts as a match", ge=1, le=16, bench="nm")
     lookup_k: int = setting(
-        0, "sd with lookup: tokens the n-gram tier proposes per match (0: the draft's k)", ge=0, le=32
+        0, "sd with lookup: tokens the n-gram tier proposes per match (0: the draft's k)", ge=0, le=32, bench="lk"
     )
     ngram_table: bool = setting(
         False,
         "sd, lookup, pyramid: the bundle's n-gram table (the target's own outputs, counted) proposes where the "
         "text's own n-grams do not",
+        bench="table",
     )
-    table_k: int = setting(6, "ngram_table: the most tokens the table proposes at once", ge=1, le=32)
-    l_D: int = setting(4, "pyramid: tokens the draft proposes per qualifier pass", ge=1, le=32)
-    l_Q: int = setting(8, "pyramid: tokens buffered per target pass", ge=1, le=64)
+    table_k: int = setting(6, "ngram_table: the most tokens the table proposes at once", ge=1, le=32, bench="tk")
+    l_D: int = setting(4, "pyramid: tokens the draft proposes per qualifier pass", ge=1, le=32, bench="lD")
+    l_Q: int = setting(8, "pyramid: tokens buffered per target pass", ge=1, le=64, bench="lQ")
     p_min: float = setting(
-        0.0, "sd, pyramid: the draft stops before a token it gives less probability than this (0: never)", ge=0, le=1
+        0.0,
+        "sd, pyramid: the draft stops before a token it gives less probability than this (0: never)",
+        ge=0,
+        le=1,
+        bench="p",
     )
     adaptive: bool = setting(
-        False, "sd, lookup, pyramid: the draft length adapts to the acceptance (+2 / -1, within [1, k_max])"
+        False,
+        "sd, lookup, pyramid: the draft length adapts to the acceptance (+2 / -1, within [1, k_max])",
+        bench="adaptive",
     )
-    k_max: int = setting(16, "adaptive: the longest draft run", ge=1, le=32)
+    k_max: int = setting(16, "adaptive: the longest draft run", ge=1, le=32, bench="kmax")
     lookup: bool = setting(
-        False, "sd, pyramid: n-gram lookup proposes first (free); the draft model only where it finds no match"
+        False,
+        "sd, pyramid: n-gram lookup proposes first (free); the draft model only where it finds no match",
+        bench="lookup",
     )
     tau_Q: float = setting(0.0, "pyramid fuzzy: the qualifier also accepts where Div <= tau_Q", ge=0, le=1)
     tau_T: float = setting(0.0, "pyramid fuzzy: the target also accepts where Div <= tau_T", ge=0, le=1)

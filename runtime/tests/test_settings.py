@@ -44,3 +44,25 @@ def test_the_clis_decoding_flags_are_decodeconfigs():
     assert _overrides(args) == {"l_D": 3, "tau_Q": 0.2, "lookup": False, "divergence": "kl"}
     with pytest.raises(SystemExit):
         p.parse_args(["--divergence", "hamming"])
+
+
+def test_the_benchs_mode_language_is_decodeconfigs():
+    """``kibidango bench --modes sd+lookup+lk12``: each short name is the one its DecodeConfig field
+    declares (``bench=``), with that field's type."""
+    from kibidango.bench import _OPTIONS, parse_mode
+
+    declared = {f.metadata["bench"]: f.name for f in dataclasses.fields(DecodeConfig) if f.metadata["bench"]}
+    assert {short: name for short, (name, _) in _OPTIONS.items() if short not in ("t", "tb")} == declared
+    assert parse_mode("sd+lookup+lk12+nm2+table+tk8+p0.25+t2") == (
+        "sd",
+        None,
+        {
+            "lookup": True,
+            "lookup_k": 12,
+            "ngram_min": 2,
+            "ngram_table": True,
+            "table_k": 8,
+            "p_min": 0.25,
+            "threads": 2,
+        },
+    )
