@@ -80,14 +80,15 @@ class Stage(Protocol):
     def run(self, cfg: StageConfig, inputs: dict[str, Path], out_dir: Path) -> StageResult: ...
 
 
-PLUMBING = ("core", "kibidango.cascade.client", "kibidango.cascade.ledger", "kibidango.cascade.state")
-"""Modules that are not part of any stage's code version: the project's plumbing (the store, the
-contract, progress), and the paid OpenAI-compatible client with its budget ledger (1D's teachers
-and the ``llm`` judge call endpoints through it). The client is transport: what a provider replies
-is not a function of our code, and the stage that pays for a reply journals it before using it
-(1D; the judged stages keep every verdict in their row logs), so a recompute never pays again; what
-a stage does with a reply — and its own prices and budget, which are config — is hashed. The rest of the runtime's
-cascade and server is reached by no stage (``tests/test_code_version.py``)."""
+PLUMBING = ("core", "kibidango.paid")
+"""Packages that are not part of any stage's code version: the project's plumbing (the store, the
+contract, progress), and the runtime's paid floor (``kibidango/paid/``: the OpenAI-compatible
+client, its budget ledger and their state; 1D's teachers and the ``llm`` judge call endpoints
+through it). The client is transport: what a provider replies is not a function of our code, and
+the stage that pays for a reply journals it before using it (1D; the judged stages keep every
+verdict in their row logs), so a recompute never pays again; what a stage does with a reply — and
+its own prices and budget, which are config — is hashed. The runtime's cascade and server are
+reached by no stage (``tests/test_code_version.py``)."""
 
 
 def code_version(stage: ModuleType, sources: dict[str, str] | None = None) -> str:

@@ -174,8 +174,8 @@ def _run(
     """The cascade, local-only and cloud-only on ``rows``, against the stand-in: ``gold`` (question ->
     gold answer: :func:`eval.gold_server.gold_server`) or ``cloud_model`` served by llama-cpp-python."""
     from kibidango.cascade.cloud import CloudClient
-    from kibidango.cascade.ledger import Ledger
     from kibidango.cascade.pipeline import CascadePipeline
+    from kibidango.paid.ledger import Ledger
     from methods.failures import task_of, task_record
     from methods.serving import llama_cpp_server
     from methods.training.chat import prompt_ids

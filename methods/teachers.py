@@ -1,5 +1,5 @@
 """Teacher tiers for the cascade (stage 1D): OpenAI-compatible endpoints called through the one
-paid client (:class:`kibidango.cascade.client.PaidClient`: retries by cause with Retry-After and
+paid client (:class:`kibidango.paid.client.PaidClient`: retries by cause with Retry-After and
 jitter, the worst case reserved in the budget ledger and settled with the reported usage, the key
 from an environment variable), and a journal of every paid request.
 
@@ -11,7 +11,7 @@ from an environment variable), and a journal of every paid request.
   ``temperature`` and judged by the task's own judge, its first passing answer taken
   (rejection-sampling fine-tuning / STaR: Yuan et al. 2023, arXiv 2308.01825; Zelikman et al. 2022,
   arXiv 2203.14465), priced as local compute at the tier's per-1K-token prices.
-- :class:`TeacherClient`: one tier's calls under the run's :class:`~kibidango.cascade.ledger.Ledger`
+- :class:`TeacherClient`: one tier's calls under the run's :class:`~kibidango.paid.ledger.Ledger`
   (a request is sent only when its **worst-case** cost fits what is left, so the spend never
   passes the limit); 401/403/404 and a connection that never opens make the tier **dead**
   (:class:`TierDead`, reported by name; its rows escalate).
@@ -31,8 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
-from kibidango.cascade.client import Endpoint, PaidClient, PaidReply
-from kibidango.cascade.ledger import Ledger
+from kibidango.paid.client import Endpoint, PaidClient, PaidReply
+from kibidango.paid.ledger import Ledger
 
 __all__ = [
     "TeacherClient",

@@ -52,7 +52,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.hashing import file_sha256, tree_sha256
 from core.progress import Progress
-from kibidango.cascade.ledger import BudgetExceeded, Ledger, holds
+from kibidango.paid.ledger import BudgetExceeded, Ledger, holds
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.measure.generate import Answerer, once

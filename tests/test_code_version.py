@@ -100,11 +100,12 @@ def _runtime_modules(package: str) -> list[str]:
 
 
 def test_an_edit_to_the_cascade_or_the_server_changes_no_stage(baseline):
-    """The runtime's floors: the ledger's error message, the server's metrics, the cascade's
-    routing... none is code a stage runs to make its artifact (the paid client is transport: see
-    core.contract.PLUMBING), so none retrains the chain."""
-    modules = _runtime_modules("kibidango.cascade") + _runtime_modules("kibidango.server")
-    assert "kibidango.cascade.ledger" in modules and "kibidango.server.app" in modules
+    """The runtime's floors above the decoding core: the ledger's error message, the server's
+    metrics, the cascade's routing... none is code a stage runs to make its artifact (the paid floor
+    is transport: see core.contract.PLUMBING), so none retrains the chain."""
+    modules = [*_runtime_modules("kibidango.cascade"), *_runtime_modules("kibidango.paid")]
+    modules += _runtime_modules("kibidango.server")
+    assert "kibidango.paid.ledger" in modules and "kibidango.server.app" in modules
     sources = {}
     for module in modules:  # all edited at once: one key that moved would show
         src = _source(module)
@@ -113,9 +114,9 @@ def test_an_edit_to_the_cascade_or_the_server_changes_no_stage(baseline):
         sources[module] = re.sub(r'(raise \w+\(\s*f?")', r"\1edited: ", edited)  # every error message
         assert sources[module] != src, module
     assert _versions(sources) == baseline
-    ledger = _source("kibidango.cascade.ledger")
+    ledger = _source("kibidango.paid.ledger")
     edited = ledger.replace("} does not fit the ${left", "} DOES NOT FIT the ${left")
-    assert edited != ledger and _versions({"kibidango.cascade.ledger": edited}) == baseline
+    assert edited != ledger and _versions({"kibidango.paid.ledger": edited}) == baseline
 
 
 def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(baseline):

@@ -8,9 +8,9 @@ import pytest
 
 def test_the_gold_stand_in_answers_with_the_gold_solution_through_the_paid_client(tmp_path, monkeypatch):
     from eval.gold_server import GOLD_MODEL, gold_server
-    from kibidango.cascade.client import Endpoint, PaidClient
-    from kibidango.cascade.ledger import Ledger
     from kibidango.cascade.pipeline import VALIDATION_PROMPT
+    from kibidango.paid.client import Endpoint, PaidClient
+    from kibidango.paid.ledger import Ledger
 
     gold = {"What is 2 + 5?": "2 + 5 = 7\n#### 7", "Write add(a, b).": "def add(a, b):\n    return a + b\n"}
     monkeypatch.setenv("KB_GOLD_KEY", "kbd-gold-test")

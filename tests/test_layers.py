@@ -69,16 +69,17 @@ def _graph() -> dict[str, dict[str, int]]:
 RUNTIME_FLOOR = {
     "kibidango.integrity": 0,
     "kibidango.backends": 1,
+    "kibidango.paid": 2,
     "kibidango.cascade": 3,
     "kibidango.server": 4,
     "kibidango.cli": 5,
     "kibidango.__main__": 5,
 }
-"""The runtime's floors: the bundle's integrity errors (0), the backends (1: a model and its
-sessions), the decoding core and the bundle (2: every module not named here), the cascade (3), the
-server (4), the CLI (5). A module imports only its own floor and those below: a backend that reached
-up into the decoding core (the llama.cpp draft hook once imported a private helper of
-kibidango.speculative) fails here."""
+"""The runtime's floors, by folder: the bundle's integrity errors (0), the backends (1: a model and
+its sessions), the decoding core, the bundle and the paid client with its ledger (2: ``paid/`` and
+every module not named here), the cascade (3), the server (4), the CLI (5). A module imports only
+its own floor and those below: a backend that reached up into the decoding core (the llama.cpp
+draft hook once imported a private helper of kibidango.speculative) fails here."""
 
 
 def _runtime_floor(module: str) -> int:
@@ -144,9 +145,7 @@ def test_the_floor_check_catches_an_upward_import():
     assert _upward({"kibidango.backends.llamacpp_backend": {"kibidango.speculative": 272}}) == [
         "kibidango.backends.llamacpp_backend:272: floor 1 imports kibidango.speculative (floor 2)"
     ]
-    assert _upward(
-        {"kibidango.pipeline": {"kibidango.server.app": 9}, "kibidango.cascade.client": {"kibidango.cli": 3}}
-    )
+    assert _upward({"kibidango.pipeline": {"kibidango.server.app": 9}, "kibidango.paid.client": {"kibidango.cli": 3}})
     assert not _upward({"kibidango.server.app": {"kibidango.pipeline": 1, "kibidango.backends.base": 2}})
     lazy = _graph()["kibidango.pipeline"]  # a function-level import is an edge like any other
     assert "kibidango.backends" in lazy or any(t.startswith("kibidango.backends.") for t in lazy)

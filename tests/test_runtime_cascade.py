@@ -136,7 +136,7 @@ def test_exhausted_retries_answer_locally_and_the_breaker_opens(pipe, proxy, tmp
 
 
 def test_budget_spent_answers_locally_and_never_overspends(pipe, proxy, tmp_path):
-    from kibidango.cascade.client import Endpoint
+    from kibidango.paid.client import Endpoint
 
     worst = Endpoint("x", "m", None, 0.01, 0.02).worst_case_usd([{"role": "user", "content": "Once upon a time"}], 16)
     limit = 1.3 * worst  # the first call fits; the spend and one more worst case soon do not
@@ -204,8 +204,8 @@ def test_a_reply_dearer_than_its_reservation_is_recorded_as_reported_and_stops_s
     reply's credible cost is recorded as reported, never truncated to the reservation, and every
     process on that ledger stops spending until someone checks the bill and reconciles
     (``kibidango budget --reconcile``)."""
-    from kibidango.cascade.ledger import Ledger, holds
     from kibidango.cli import main
+    from kibidango.paid.ledger import Ledger, holds
 
     casc = _cascade(pipe, proxy, tmp_path, max_retries=0, budget_limit=100.0)
     proxy.script('usage={"prompt_tokens": 1000000, "completion_tokens": 0, "total_tokens": 1000000}')
@@ -255,8 +255,8 @@ def test_the_reservation_bounds_what_an_honest_server_bills(instruct_server, mon
     messages: 60 messages (59 empty) reserved $0.098 and the server billed $0.498. It now bounds
     each message as JSON plus the template's tokens around it: a real ChatML template's count (the
     server's own usage) stays within it, and the ledger records that count, below the reservation."""
-    from kibidango.cascade.client import Endpoint, PaidClient
-    from kibidango.cascade.ledger import Ledger
+    from kibidango.paid.client import Endpoint, PaidClient
+    from kibidango.paid.ledger import Ledger
 
     base, key = instruct_server
     monkeypatch.setenv(OPENAI_KEY_ENV, key)
@@ -411,7 +411,7 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
 
     import httpx
 
-    from kibidango.cascade.ledger import Ledger
+    from kibidango.paid.ledger import Ledger
     from kibidango.server.loadtest import run_load
     from methods.serving import free_port
 

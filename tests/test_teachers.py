@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kibidango.cascade.ledger import Ledger
+from kibidango.paid.ledger import Ledger
 from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
 from tests.conftest import OPENAI_KEY_ENV
 from tests.fault_proxy import FaultProxy
@@ -87,7 +87,7 @@ def test_dead_tiers_are_reported_by_name(openai_server, monkeypatch, tmp_path):
 
 
 def test_the_budget_holds_the_worst_case_and_never_overspends(tmp_path):
-    from kibidango.cascade.ledger import BudgetExceeded
+    from kibidango.paid.ledger import BudgetExceeded
 
     tier = TierConfig(name="t", base_url="http://x/v1", model="m", usd_per_1k_prompt=1.0, usd_per_1k_completion=2.0)
     worst = worst_case_usd(tier, "abc")
@@ -120,11 +120,11 @@ def test_the_budget_holds_the_worst_case_and_never_overspends(tmp_path):
 
 def test_usage_a_reply_reports_is_believed_only_when_credible():
     """1D's teachers: absent, negative, fractional or non-numeric counts are not believed (the
-    stage then charges the request's worst case, as kibidango.cascade.ledger.trusted_cost does)."""
+    stage then charges the request's worst case, as kibidango.paid.ledger.trusted_cost does)."""
     from types import SimpleNamespace
 
-    from kibidango.cascade.client import credible_usage
-    from kibidango.cascade.ledger import trusted_cost
+    from kibidango.paid.client import credible_usage
+    from kibidango.paid.ledger import trusted_cost
 
     assert credible_usage(SimpleNamespace(prompt_tokens=12, completion_tokens=3)) == (12, 3)
     for usage in (

@@ -1,5 +1,5 @@
 """The LLM judge: a rubric prompt to any OpenAI-compatible endpoint (OpenAI, OpenRouter, vLLM,
-llama.cpp's server, ...) through the one paid client (:class:`kibidango.cascade.client.PaidClient`:
+llama.cpp's server, ...) through the one paid client (:class:`kibidango.paid.client.PaidClient`:
 retries by cause, Retry-After, the key from the environment), and the answer parsed as JSON
 against a schema.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
-from kibidango.cascade.client import Endpoint, PaidClient
+from kibidango.paid.client import Endpoint, PaidClient
 from methods.judges.base import Task, Verdict
 
 __all__ = [

@@ -110,7 +110,7 @@ def _cascade(args: argparse.Namespace, pipe, prompt: str) -> None:
     stderr (all of it, with the local metrics, as JSON with ``--stats``)."""
     from kibidango.cascade.config import load_cascade
     from kibidango.cascade.pipeline import CascadePipeline
-    from kibidango.cascade.state import default_state_dir
+    from kibidango.paid.state import default_state_dir
 
     config = load_cascade(args.cascade, bundle=pipe.bundle)
     state = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
@@ -263,8 +263,8 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _budget(args: argparse.Namespace) -> None:
-    from kibidango.cascade.ledger import holds, reconcile, spend
-    from kibidango.cascade.state import default_state_dir
+    from kibidango.paid.ledger import holds, reconcile, spend
+    from kibidango.paid.state import default_state_dir
 
     state = Path(args.state_dir) if args.state_dir else default_state_dir()
     if not (state / "ledger.sqlite").is_file():

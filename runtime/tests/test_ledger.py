@@ -10,12 +10,12 @@ import textwrap
 
 import pytest
 
-from kibidango.cascade.ledger import BudgetExceeded, Ledger, period_of
+from kibidango.paid.ledger import BudgetExceeded, Ledger, period_of
 
 WORKER = textwrap.dedent(
     """
     import json, random, sys, threading, time
-    from kibidango.cascade.ledger import BudgetExceeded, Ledger
+    from kibidango.paid.ledger import BudgetExceeded, Ledger
 
     state, out, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ledger = Ledger(state, limit_usd=1.00, period="month")
@@ -86,7 +86,7 @@ def test_reservations_released_reaped_and_periods(tmp_path):
         ledger.settle(b, 0.01)  # settled once only
     # a process killed mid-call: its reservation is charged in full by reap()
     code = (
-        f"from kibidango.cascade.ledger import Ledger; import os; Ledger({str(tmp_path)!r}, 0.10, "
+        f"from kibidango.paid.ledger import Ledger; import os; Ledger({str(tmp_path)!r}, 0.10, "
         "'day').reserve(0.03); os._exit(9)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 9
@@ -118,7 +118,7 @@ def test_a_cost_above_its_reservation_is_recorded_as_reported_and_holds_every_pr
     """The worst case was not the worst case: the reported cost is recorded, never truncated to the
     reservation, and no reservation succeeds (here or in another process on the same state
     directory) until the hold is lifted; the recorded amount stands."""
-    from kibidango.cascade.ledger import holds, reconcile
+    from kibidango.paid.ledger import holds, reconcile
 
     ledger = Ledger(tmp_path, limit_usd=10.00, period="total")
     rid = ledger.reserve(0.098, note="cloud m")
@@ -130,7 +130,7 @@ def test_a_cost_above_its_reservation_is_recorded_as_reported_and_holds_every_pr
         [
             sys.executable,
             "-c",
-            f"from kibidango.cascade.ledger import Ledger; Ledger({str(tmp_path)!r}, 10.0, 'total').reserve(0.01)",
+            f"from kibidango.paid.ledger import Ledger; Ledger({str(tmp_path)!r}, 10.0, 'total').reserve(0.01)",
         ],
         capture_output=True,
         text=True,
@@ -152,10 +152,10 @@ def test_a_killed_servers_reservation_is_reaped_when_its_successor_has_the_same_
     if not unshare or subprocess.run(probe, capture_output=True).returncode != 0:
         pytest.skip("needs unshare --pid (root, or user namespaces)")
     state = str(tmp_path)
-    first = f"import os; from kibidango.cascade.ledger import Ledger; Ledger({state!r}, 1.0).reserve(0.25); os._exit(9)"
+    first = f"import os; from kibidango.paid.ledger import Ledger; Ledger({state!r}, 1.0).reserve(0.25); os._exit(9)"
     assert subprocess.run([*probe[:4], sys.executable, "-c", first]).returncode == 9
     second = (
-        f"import json, os; from kibidango.cascade.ledger import Ledger; l = Ledger({state!r}, 1.0); assert "
+        f"import json, os; from kibidango.paid.ledger import Ledger; l = Ledger({state!r}, 1.0); assert "
         "os.getpid() == 1;"
         " print(json.dumps([l.reap(), l.state().settled_usd, l.state().reserved_usd]))"
     )

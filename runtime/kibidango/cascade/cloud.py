@@ -1,5 +1,5 @@
 """The cascade's cloud tier: any OpenAI-compatible endpoint, called through the one paid client
-(:class:`kibidango.cascade.client.PaidClient`: bounded retries by cause, the budget ledger's worst
+(:class:`kibidango.paid.client.PaidClient`: bounded retries by cause, the budget ledger's worst
 case reserved and settled, the key from the environment and never shown) behind a circuit
 breaker, so that a request never fails because the cloud did.
 
@@ -18,9 +18,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kibidango.cascade.client import Endpoint, PaidClient
 from kibidango.cascade.config import CloudConfig
-from kibidango.cascade.ledger import Ledger
+from kibidango.paid.client import Endpoint, PaidClient
+from kibidango.paid.ledger import Ledger
 
 __all__ = ["CloudClient", "CloudReply"]
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kibidango.cascade.state import Database
+from kibidango.paid.state import Database
 
 __all__ = ["SessionMemory"]
 

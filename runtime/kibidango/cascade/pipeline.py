@@ -24,8 +24,8 @@ from pathlib import Path
 from kibidango.backends.base import ContextLengthError
 from kibidango.cascade.cloud import CloudClient, CloudReply
 from kibidango.cascade.config import CascadeConfig, load_cascade
-from kibidango.cascade.ledger import Ledger
-from kibidango.cascade.state import default_state_dir
+from kibidango.paid.ledger import Ledger
+from kibidango.paid.state import default_state_dir
 from kibidango.pipeline import GenerationResult, Pipeline
 
 __all__ = ["CascadePipeline", "CascadeResult", "Draft", "VALIDATION_PROMPT"]
@@ -105,7 +105,7 @@ class CascadePipeline:
     ) -> CascadePipeline:
         """The local/cloud cascade over a bundle: ``config`` is a named cascade config
         (``plan-example``, ``local-only``), a JSON/YAML file, or None for the bundle's own (6C);
-        ``state_dir`` holds the budget ledger (default :func:`kibidango.cascade.state.default_state_dir`);
+        ``state_dir`` holds the budget ledger (default :func:`kibidango.paid.state.default_state_dir`);
         ``from_bundle``: the local tiers' settings, as :meth:`kibidango.Pipeline.from_bundle`."""
         pipe = Pipeline.from_bundle(bundle, **from_bundle)
         cascade = load_cascade(config, bundle=pipe.bundle)

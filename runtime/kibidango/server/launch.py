@@ -54,7 +54,7 @@ def serve(
     another address without keys needs ``insecure_no_auth``."""
     import uvicorn
 
-    from kibidango.cascade.state import default_state_dir
+    from kibidango.paid.state import default_state_dir
 
     keys = load_api_keys(api_key_env, api_keys_file)
     if not keys and not is_loopback(host) and not insecure_no_auth:

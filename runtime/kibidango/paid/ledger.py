@@ -32,11 +32,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from kibidango.cascade.state import Database, pid_alive, process_token
+from kibidango.paid.state import Database, pid_alive, process_token
 
 __all__ = ["BudgetExceeded", "Ledger", "LedgerState", "holds", "period_of", "reconcile", "spend", "trusted_cost"]
 
-log = logging.getLogger("kibidango.cascade.ledger")
+log = logging.getLogger("kibidango.paid.ledger")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (

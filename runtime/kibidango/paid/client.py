@@ -6,7 +6,7 @@ One call (:meth:`PaidClient.chat`):
 
 1. the key is read from the environment variable the :class:`Endpoint` names, at call time (none
    named: a local endpoint that needs no key); it never appears in a reply, an error or a log line;
-2. with a :class:`~kibidango.cascade.ledger.Ledger`, the call's **worst case** is reserved first
+2. with a :class:`~kibidango.paid.ledger.Ledger`, the call's **worst case** is reserved first
    (no room: nothing is sent, ``budget_exhausted``): prompt tokens bounded by every message's UTF-8
    bytes as JSON (role, content, name: a byte-level tokenizer makes no more tokens than bytes, bar
    special tokens, which are fewer), plus the chat template's tokens around each message
@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kibidango.cascade.ledger import BudgetExceeded, Ledger
+from kibidango.paid.ledger import BudgetExceeded, Ledger
 
 __all__ = [
     "Endpoint",
@@ -57,7 +57,7 @@ __all__ = [
     "usage_cost",
 ]
 
-log = logging.getLogger("kibidango.cascade.client")
+log = logging.getLogger("kibidango.paid.client")
 
 TEMPLATE_TOKENS = 64
 """Allowance for the chat template's tokens around the conversation (a default system prompt) in
