@@ -596,6 +596,24 @@ def _claims(artifacts: dict, study: dict | None, records: list[dict]) -> list[st
             ("yes" if gold["ci"][0] > -0.03 else "no") if gold else "-",
         )
     )
+    later = sorted((sid for sid in artifacts if sid.startswith("1R.")), key=lambda sid: int(sid.split(".")[1]))
+    for sid in later:  # each later round against the student it started from (the round before)
+        later_cmp = (_json(Path(artifacts[sid]) / "retrain.json") or {}).get("comparison") or {}
+        if "1A" in (later_cmp.get("mcnemar") or {}):
+            m, t = later_cmp["models"], later_cmp["mcnemar"]["1A"]
+            gain = m["1R"]["rate"] - m["1A"]["rate"]
+            rows.append(
+                (
+                    f"round {sid.split('.')[1]} adds a further gain",
+                    "a gain, p < 0.05 (or the figure)",
+                    f"{gain * 100:+.1f} points ({_pct(m['1A']['rate'])} -> {_pct(m['1R']['rate'])}), p = {t['p']:.3f}",
+                    "yes" if gain > 0 and t["p"] < 0.05 else "no",
+                )
+            )
+    if not later:
+        rows.append(
+            ("round 2 adds a further gain", "a gain, p < 0.05 (or the figure)", "not run (the preset's rounds: 1)", "-")
+        )
     cascade = next((r.get("data") for r in records if r["name"] == "eval-cascade"), None)
     a = (cascade or {}).get("apgr") or {}
     if a.get("apgr") is not None and a.get("apgr_ci"):

@@ -269,6 +269,10 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
     assert "| pairs from the self tier | >= 40% | 150 of 300 (50%) | yes |" in lines
     assert "| dollars per corrected pair against gold-only | <= 50% | $0.0253 against $0.0500 (51%) | no |" in lines
     assert "not measured (make eval-cascade)" in lines
+    assert (
+        "| round 2 adds a further gain | a gain, p < 0.05 (or the figure) | not run (the preset's rounds: 1) | - |"
+        in lines
+    )
     record = {
         "name": "eval-cascade",
         "data": {
@@ -280,7 +284,19 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
         "comparison": {"mcnemar": {"replay": {"a_only": 40, "b_only": 10, "p": 0.0001}}},
         "gold": {"diff": -0.01, "ci": [-0.05, 0.03], "tasks": 300},
     }
+    (tmp_path / "1R.2").mkdir()
+    later = {"1A": cell(0.42), "1R": cell(0.47)}
+    (tmp_path / "1R.2" / "retrain.json").write_text(
+        json.dumps(
+            {"comparison": {"models": later, "mcnemar": {"1A": {"n": 300, "a_only": 30, "b_only": 15, "p": 0.036}}}}
+        )
+    )
+    artifacts["1R.2"] = str(tmp_path / "1R.2")
     lines = "\n".join(_claims(artifacts, study, [record]))
+    assert (
+        "| round 2 adds a further gain | a gain, p < 0.05 (or the figure) | +5.0 points (42.0% -> 47.0%), "
+        "p = 0.036 | yes |" in lines
+    )
     assert "| 1R beats the replay control | p < 0.05 | 40 / 10 discordant, p = 0.000 | yes |" in lines
     assert "| -1.0 points [-5.0, +3.0] | no |" in lines
     assert "| 0.810 [0.740, 0.880] on 120 fresh queries | yes |" in lines
