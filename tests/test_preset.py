@@ -21,6 +21,14 @@ def test_every_shipped_preset_validates(preset):
     assert plan.order() and set(plan.configs) == set(plan.spec.stages)
 
 
+@pytest.mark.parametrize("path", sorted(str(p) for p in (REPO_ROOT / "recipes/experiments").glob("*.yaml")))
+def test_every_experiment_preset_validates(path):
+    """recipes/experiments/: presets of one-off measurements (a stop note cites them); they must
+    stay runnable as the recipes they extend change."""
+    plan = load_preset(path)
+    assert plan.order() and set(plan.configs) == set(plan.spec.stages)
+
+
 def test_every_stage_recipe_is_used_by_a_preset_and_validates():
     used = {plan.recipe for p in PRESETS_DIR.glob("*.yaml") for plan in load_preset(p.stem).spec.stages.values()}
     llmc_used = set()
