@@ -163,12 +163,13 @@ def _explain(e: ValidationError, where: str, origin: dict[str, str] | None = Non
     lines = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"])
+        here = where
         if origin and err["loc"] and str(err["loc"][0]) in origin:
-            where = f"{origin[str(err['loc'][0])]}: {where.rpartition(': ')[2]}"
+            here = f"{origin[str(err['loc'][0])]}: {where.rpartition(': ')[2]}"
         if err["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key '{loc}'")
+            lines.append(f"{here}: unknown key '{loc}'")
         else:
-            lines.append(f"{where}: '{loc}': {err['msg']}")
+            lines.append(f"{here}: '{loc}': {err['msg']}")
     return KibidangoError("\n".join(lines))
 
 
