@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import MODES, DecodeConfig, Decoder, Metrics
+from kibidango.speculative import MODES, SETTINGS, Decoder, Metrics
 
 __all__ = [
     "BenchResult",
@@ -40,8 +40,8 @@ __all__ = [
 
 _OPTIONS = {  # a mode's own setting after "+": its name -> (DecodeConfig field, number type or None for a flag)
     **{
-        f.metadata["bench"]: (f.name, None if isinstance(f.default, bool) else type(f.default))
-        for f in dataclasses.fields(DecodeConfig)
+        f.metadata["bench"]: (name, None if isinstance(f.default, bool) else type(f.default))
+        for name, f in SETTINGS.items()
         if f.metadata["bench"]
     },  # the short names DecodeConfig declares (speculative.setting)
     "tb": ("threads_batch", int),  # llama.cpp's threads for batches (a verification); not a DecodeConfig field

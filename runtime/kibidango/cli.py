@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError
 from kibidango.bundle import BundleError, load_bundle
 from kibidango.integrity import without_credentials
 from kibidango.schema import describe
-from kibidango.speculative import MODES, REQUEST_SETTINGS, DecodeConfig
+from kibidango.speculative import MODES, REQUEST_SETTINGS, SETTINGS
 
 STATE_HELP = (
     "the cascade's budget ledger and the session memory "
@@ -22,9 +21,8 @@ STATE_HELP = (
 
 def _decode_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding (defaults: the bundle's runtime_defaults)")
-    fields = {f.name: f for f in dataclasses.fields(DecodeConfig)}
     for name in REQUEST_SETTINGS:  # one flag per setting a request may set, from DecodeConfig's declaration
-        meta, default = fields[name].metadata, fields[name].default
+        meta, default = SETTINGS[name].metadata, SETTINGS[name].default
         flag = "--" + name.lower().replace("_", "-")
         if isinstance(default, bool):
             g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=meta["doc"])

@@ -115,9 +115,7 @@ class Pipeline:
             cfg = DecodeConfig.from_mapping(tuned, f"{manifest}: tuned_defaults.{backend}", cfg)
         except ValueError as e:
             raise BundleError(str(e)) from None
-        cfg = dataclasses.replace(
-            cfg, **_with_tuple_stops({**overrides, **({"mode": mode} if mode is not None else {})})
-        )
+        cfg = dataclasses.replace(cfg, **{**overrides, **({"mode": mode} if mode is not None else {})})
         tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
         if kv_cache is None:
             kv_cache = str(bundle.defaults.get("kv_cache", "f16")) if backend == "llamacpp" else "f16"
@@ -166,10 +164,7 @@ class Pipeline:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def config(self, **kw: Any) -> DecodeConfig:
-        kw = {k: v for k, v in kw.items() if v is not None}
-        if "stop_ids" in kw:
-            kw["stop_ids"] = tuple(kw["stop_ids"])
-        return dataclasses.replace(self.defaults, **kw)
+        return dataclasses.replace(self.defaults, **{k: v for k, v in kw.items() if v is not None})
 
     def stream(
         self,
@@ -306,8 +301,3 @@ def _default_adapter(bundle: Bundle, shipped, backend: str) -> str | None:
         log.info(f"default adapter {name!r} has no {form} form: the {backend} backend runs the bare weights")
         return None
     return name
-
-
-def _with_tuple_stops(settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` with ``stop_ids`` as a tuple (JSON gives a list)."""
-    return {**settings, "stop_ids": tuple(settings["stop_ids"])} if "stop_ids" in settings else settings

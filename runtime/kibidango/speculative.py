@@ -70,6 +70,7 @@ __all__ = [
     "MODES",
     "REQUEST_SETTINGS",
     "RUNTIME_SETTINGS",
+    "SETTINGS",
     "TIERS",
     "VARIANTS",
     "lookup_drafts",
@@ -160,6 +161,8 @@ class DecodeConfig:
     stop_ids: tuple[int, ...] = setting((), "token ids that end the output", request=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop_ids, tuple):  # JSON and YAML give a list, callers any iterable
+            self.stop_ids = tuple(self.stop_ids)
         for name in ("k", "ngram", "ngram_min", "lookup_k", "table_k", "l_D", "l_Q", "k_max", "max_new_tokens", "seed"):
             value = getattr(self, name)
             if (value is not None or name != "seed") and (isinstance(value, bool) or not isinstance(value, int)):
@@ -205,7 +208,7 @@ class DecodeConfig:
         recipe). A key that is not a setting is refused, not dropped: the error names ``where``,
         the key and the setting it is nearest to. Runtime settings that are not decoding ones
         (:data:`RUNTIME_SETTINGS`) are allowed and left to their readers."""
-        fields = [f.name for f in dataclasses.fields(cls)]
+        fields = list(SETTINGS)
         unknown = [k for k in settings if k not in fields and k not in RUNTIME_SETTINGS]
         if unknown:
             key = unknown[0]
@@ -213,8 +216,6 @@ class DecodeConfig:
             hint = f" (did you mean {near[0]!r}?)" if near else f"; settings: {', '.join(fields)}"
             raise ValueError(f"{where}: {key!r} is not a decoding setting{hint}")
         values = {k: v for k, v in settings.items() if k in fields}
-        if isinstance(values.get("stop_ids"), list):  # JSON and YAML give a list
-            values["stop_ids"] = tuple(values["stop_ids"])
         kv = settings.get("kv_cache")
         if kv is not None and kv not in KV_CACHE_TYPES:
             raise ValueError(f"{where}: kv_cache {kv!r}: use one of {', '.join(KV_CACHE_TYPES)}")
@@ -224,7 +225,10 @@ class DecodeConfig:
             raise ValueError(f"{where}: {e}") from None
 
 
-REQUEST_SETTINGS = tuple(f.name for f in dataclasses.fields(DecodeConfig) if f.metadata["request"])
+SETTINGS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(DecodeConfig)}
+"""Each decoding setting's field (its ``metadata``: doc, choices, request bounds, bench name), by name:
+what the CLI's flags, the server's request model and the bench's mode language are generated from."""
+REQUEST_SETTINGS = tuple(name for name, f in SETTINGS.items() if f.metadata["request"])
 """The :class:`DecodeConfig` fields one request may set (the CLI's decoding options, the server's
 request fields); the mode, the token budget and stop ids are set apart."""
 RUNTIME_SETTINGS = frozenset({"kv_cache"})

@@ -3,12 +3,11 @@ encode); a bad request is a 400 in OpenAI's error shape, never a crash."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from kibidango.speculative import REQUEST_SETTINGS, DecodeConfig
+from kibidango.speculative import REQUEST_SETTINGS, SETTINGS
 
 
 def _valid_text(value: str, field: str) -> str:
@@ -24,14 +23,13 @@ def _request_fields() -> dict[str, Any]:
     """The decoding settings a request may set (the mode and :data:`REQUEST_SETTINGS`), generated
     from :class:`DecodeConfig`'s declaration: its doc, choices and request bounds; each optional
     (None: the server's default)."""
-    fields = {f.name: f for f in dataclasses.fields(DecodeConfig)}
     out: dict[str, Any] = {}
     for name in ("mode", *REQUEST_SETTINGS):
-        meta = fields[name].metadata
+        meta = SETTINGS[name].metadata
         if meta["choices"]:
             kind: Any = Literal[meta["choices"]]
         else:
-            kind = type(fields[name].default)
+            kind = type(SETTINGS[name].default)
         out[name] = (kind | None, Field(None, description=meta["doc"], **meta["bounds"]))
     return out
 
