@@ -518,40 +518,43 @@ def _study_section(study: dict | None) -> list[str]:
     return [*lines, "", _cite("1S", study["run"], study["where"])]
 
 
-def _claims(artifacts: dict, study: dict | None, records: list[dict]) -> list[str]:
-    """The loop's claims (the plan's, as its issue states them), each with its goal, what this run
-    measured and whether it is met: yes, no, or not measured (the stage or command that would say)."""
-    rows: list[tuple[str, str, str, str]] = []
-    retrain = _json(Path(artifacts["1R"]) / "retrain.json") if "1R" in artifacts else None
+Claim = tuple[str, str, str, str]
+"""One row of the claims table: the claim, its goal, what was measured, and yes / no / - (not measured)."""
+
+
+def _gain(comparison: dict) -> tuple[float, dict, str]:
+    """1R against the student it started from (``1A`` in its comparison): the gain, the McNemar
+    test, and both in words."""
+    m, t = comparison["models"], comparison["mcnemar"]["1A"]
+    gain = m["1R"]["rate"] - m["1A"]["rate"]
+    return gain, t, f"{gain * 100:+.1f} points ({_pct(m['1A']['rate'])} -> {_pct(m['1R']['rate'])}), p = {t['p']:.3f}"
+
+
+def _retrain_claims(retrain: dict | None, study: dict | None) -> list[Claim]:
+    """1R against 1A and the controls (1R's own, else the study's), and the held-out critical failures."""
     comparison = (retrain or {}).get("comparison") or {}
-    models, tests = comparison.get("models") or {}, comparison.get("mcnemar") or {}
+    tests = dict(comparison.get("mcnemar") or {})
+    rows: list[Claim] = []
     if "1A" in tests:
-        gain, t = models["1R"]["rate"] - models["1A"]["rate"], tests["1A"]
+        gain, t, words = _gain(comparison)
         rows.append(
             (
                 "1R beats 1A on the ladder's evaluation part",
                 ">= 10 points, p < 0.01",
-                f"{gain * 100:+.1f} points ({_pct(models['1A']['rate'])} -> {_pct(models['1R']['rate'])}), "
-                f"p = {t['p']:.3f}, {t['n']} tasks",
+                f"{words}, {t['n']} tasks",
                 "yes" if gain >= 0.10 and t["p"] < 0.01 else "no",
             )
         )
-    both = dict(tests)
     for arm, t in ((study or {}).get("comparison", {}).get("mcnemar") or {}).items():
-        both.setdefault(arm, t)
+        tests.setdefault(arm, t)
     for arm in ("random", "replay"):
-        if arm in both:
-            t = both[arm]
-            rows.append(
-                (
-                    f"1R beats the {arm} control",
-                    "p < 0.05",
-                    f"{t['a_only']} / {t['b_only']} discordant, p = {t['p']:.3f}",
-                    "yes" if t["a_only"] > t["b_only"] and t["p"] < 0.05 else "no",
-                )
-            )
-        else:
-            rows.append((f"1R beats the {arm} control", "p < 0.05", "not measured (make study-loop)", "-"))
+        claim = (f"1R beats the {arm} control", "p < 0.05")
+        if arm not in tests:
+            rows.append((*claim, "not measured (make study-loop)", "-"))
+            continue
+        t = tests[arm]
+        met = t["a_only"] > t["b_only"] and t["p"] < 0.05
+        rows.append((*claim, f"{t['a_only']} / {t['b_only']} discordant, p = {t['p']:.3f}", "yes" if met else "no"))
     if retrain and retrain.get("before"):
         before, after = retrain["before"]["rate"], retrain["after"]["rate"]
         rows.append(
@@ -562,7 +565,13 @@ def _claims(artifacts: dict, study: dict | None, records: list[dict]) -> list[st
                 "yes" if after <= before / 2 else "no",
             )
         )
-    cost = _json(Path(artifacts["1D"]) / "cost.json") if "1D" in artifacts else None
+    return rows
+
+
+def _teaching_claims(retrain: dict | None, cost: dict | None, study: dict | None) -> list[Claim]:
+    """1D: the self tier's share of the pairs, dollars per pair against gold-only, and 1R on the
+    cascade's pairs against 1R on gold-only pairs (the study)."""
+    rows: list[Claim] = []
     tiers = (retrain or {}).get("pair_tiers") or {}
     if cost and cost.get("pairs"):
         share = tiers.get("self", 0) / max(1, sum(tiers.values()))
@@ -585,56 +594,43 @@ def _claims(artifacts: dict, study: dict | None, records: list[dict]) -> list[st
                     "yes" if ratio <= 0.5 else "no",
                 )
             )
+    claim = ("1R on cascade pairs within 3 points of 1R on gold-only pairs", "interval's lower end > -3 points")
     gold = (study or {}).get("gold")
-    rows.append(
-        (
-            "1R on cascade pairs within 3 points of 1R on gold-only pairs",
-            "interval's lower end > -3 points",
-            f"{gold['diff'] * 100:+.1f} points [{gold['ci'][0] * 100:+.1f}, {gold['ci'][1] * 100:+.1f}]"
-            if gold
-            else "not measured (make study-loop)",
-            ("yes" if gold["ci"][0] > -0.03 else "no") if gold else "-",
-        )
-    )
+    if not gold:
+        return [*rows, (*claim, "not measured (make study-loop)", "-")]
+    ci = gold["ci"]
+    measured = f"{gold['diff'] * 100:+.1f} points [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]"
+    return [*rows, (*claim, measured, "yes" if ci[0] > -0.03 else "no")]
+
+
+def _round_claims(artifacts: dict) -> list[Claim]:
+    """Each later round (1R.2, ...) against the student it started from (the round before)."""
+    goal = "a gain, p < 0.05 (or the figure)"
     later = sorted((sid for sid in artifacts if sid.startswith("1R.")), key=lambda sid: int(sid.split(".")[1]))
-    for sid in later:  # each later round against the student it started from (the round before)
-        later_cmp = (_json(Path(artifacts[sid]) / "retrain.json") or {}).get("comparison") or {}
-        if "1A" in (later_cmp.get("mcnemar") or {}):
-            m, t = later_cmp["models"], later_cmp["mcnemar"]["1A"]
-            gain = m["1R"]["rate"] - m["1A"]["rate"]
-            rows.append(
-                (
-                    f"round {sid.split('.')[1]} adds a further gain",
-                    "a gain, p < 0.05 (or the figure)",
-                    f"{gain * 100:+.1f} points ({_pct(m['1A']['rate'])} -> {_pct(m['1R']['rate'])}), p = {t['p']:.3f}",
-                    "yes" if gain > 0 and t["p"] < 0.05 else "no",
-                )
-            )
     if not later:
-        rows.append(
-            ("round 2 adds a further gain", "a gain, p < 0.05 (or the figure)", "not run (the preset's rounds: 1)", "-")
-        )
-    cascade = next((r.get("data") for r in records if r["name"] == "eval-cascade"), None)
-    a = (cascade or {}).get("apgr") or {}
-    if a.get("apgr") is not None and a.get("apgr_ci"):
-        rows.append(
-            (
-                "the runtime cascade recovers the local-to-cloud gap (APGR)",
-                ">= 0.7, interval above 0.5",
-                f"{a['apgr']:.3f} [{a['apgr_ci'][0]:.3f}, {a['apgr_ci'][1]:.3f}] on {a['queries']} fresh queries",
-                "yes" if a["apgr"] >= 0.7 and a["apgr_ci"][0] > 0.5 else "no",
-            )
-        )
+        return [("round 2 adds a further gain", goal, "not run (the preset's rounds: 1)", "-")]
+    rows: list[Claim] = []
+    for sid in later:
+        comparison = (_json(Path(artifacts[sid]) / "retrain.json") or {}).get("comparison") or {}
+        if "1A" in (comparison.get("mcnemar") or {}):
+            gain, t, words = _gain(comparison)
+            met = gain > 0 and t["p"] < 0.05
+            rows.append((f"round {sid.split('.')[1]} adds a further gain", goal, words, "yes" if met else "no"))
+    return rows
+
+
+def _cascade_claims(records: list[dict]) -> list[Claim]:
+    """``make eval-cascade``'s record: APGR with its interval, and 6C's predicted escalation share."""
+    cascade = next((r.get("data") for r in records if r["name"] == "eval-cascade"), None) or {}
+    claim = ("the runtime cascade recovers the local-to-cloud gap (APGR)", ">= 0.7, interval above 0.5")
+    a = cascade.get("apgr") or {}
+    if a.get("apgr") is None or not a.get("apgr_ci"):
+        rows: list[Claim] = [(*claim, "not measured (make eval-cascade)", "-")]
     else:
-        rows.append(
-            (
-                "the runtime cascade recovers the local-to-cloud gap (APGR)",
-                ">= 0.7, interval above 0.5",
-                "not measured (make eval-cascade)",
-                "-",
-            )
-        )
-    against = (cascade or {}).get("against_6c") or {}
+        ci = a["apgr_ci"]
+        measured = f"{a['apgr']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] on {a['queries']} fresh queries"
+        rows = [(*claim, measured, "yes" if a["apgr"] >= 0.7 and ci[0] > 0.5 else "no")]
+    against = cascade.get("against_6c") or {}
     if against.get("expected_escalated") is not None:
         rows.append(
             (
@@ -644,8 +640,20 @@ def _claims(artifacts: dict, study: dict | None, records: list[dict]) -> list[st
                 "yes" if against["within_5_points"] else "no",
             )
         )
-    if not rows:
-        return []
+    return rows
+
+
+def _claims(artifacts: dict, study: dict | None, records: list[dict]) -> list[str]:
+    """The loop's claims (the plan's, as its issue states them), each with its goal, what this run
+    measured and whether it is met: yes, no, or not measured (the stage or command that would say)."""
+    retrain = _json(Path(artifacts["1R"]) / "retrain.json") if "1R" in artifacts else None
+    cost = _json(Path(artifacts["1D"]) / "cost.json") if "1D" in artifacts else None
+    rows = [
+        *_retrain_claims(retrain, study),
+        *_teaching_claims(retrain, cost, study),
+        *_round_claims(artifacts),
+        *_cascade_claims(records),
+    ]
     return [
         "",
         "### The loop's claims, met or not",
