@@ -47,12 +47,17 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
         print(f"\n== quality gates ({gates}) ==\n")
         print(gates.read_text().split("\n", 2)[2].strip())
     source = packed or bundle
-    try:
-        import llama_cpp  # noqa: F401
+    from kibidango.bundle import load_bundle, resolve_backend
 
-        backend = "llamacpp"
-    except ImportError:
-        backend = "torch"
+    shipped = load_bundle(bundle, verify=False)
+    backend = resolve_backend(shipped, "auto")  # the profile's (stage 9A)
+    if backend == "torch" and shipped.tiers["target"].gguf is not None:
+        try:  # a full bundle: llama.cpp where it is installed
+            import llama_cpp  # noqa: F401
+
+            backend = "llamacpp"
+        except ImportError:
+            pass
     pipe = Pipeline.from_bundle(source, backend=backend)
     _show_instruction(pipe, source, backend, artifacts.get("9"))
     _show_ladder_tasks(pipe, source, backend)

@@ -8,8 +8,10 @@ gate can be **waived** only by listing its name in ``waive`` (in the recipe or w
 ``make stage-9a ARGS=...``): the waiver is part of the cache key and recorded in the card and in
 the bundle.
 
-Outputs: ``bundle/`` — the input bundle (files hard-linked) whose ``bundle.json`` carries
-``release``: ``releasable``, every gate's value and threshold, the failed and the waived ones (the
+Outputs: ``bundle/`` — the input bundle (files hard-linked) in the recipe's ``profile`` (default:
+only what its decoding defaults use on the recipe's ``backends``,
+:func:`kibidango.bundle.with_profile`; full: everything), whose ``bundle.json`` carries the profile
+and ``release``: ``releasable``, every gate's value and threshold, the failed and the waived ones (the
 runtime warns when it loads a bundle that is not releasable); ``gates.json``; ``GATES_CARD.md``.
 When a gate fails (not waived) the outputs are published and then **the flow fails** with the
 table — metric, value, threshold, the stage it came from — so nothing downstream (packing) runs.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -48,9 +51,21 @@ class Gate(StageConfig):
 
 
 class Config(StageConfig):
-    bundle_input: str = Field("bundle", description="The input holding bundle/ (stage X).")
-    gates: list[Gate] = Field(min_length=1)
+    bundle_input: str = Field("bundle", description="The input holding bundle/ (stage 1F's tuned bundle).")
+    gates: list[Gate] = Field(min_length=1, description="The thresholds, each on one wired input's metric.")
     waive: list[str] = Field([], description="Names of gates waived on purpose: recorded in the bundle.")
+    profile: Literal["default", "full"] = Field(
+        "default",
+        description="What the released bundle ships: default, only what its decoding defaults, routing, calibration "
+        "and cascade use on `backends` (kibidango.bundle.with_profile; bundle.json's `profile` lists what it left "
+        "out); full, every part stage X assembled (torch checkpoints, unused tiers).",
+    )
+    backends: list[Literal["torch", "llamacpp"]] = Field(
+        ["llamacpp"],
+        min_length=1,
+        description="The backends whose weight forms the default profile keeps; the first is the runtime's "
+        "`--backend auto`.",
+    )
 
     @model_validator(mode="after")
     def _names(self) -> Config:
@@ -64,7 +79,7 @@ class Config(StageConfig):
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
-    from kibidango.bundle import stamp_release
+    from kibidango.bundle import load_bundle, with_profile
 
     if cfg.bundle_input not in inputs:
         raise KibidangoError(f"input {cfg.bundle_input!r} (the bundle) is not wired; inputs: {sorted(inputs)}")
@@ -96,7 +111,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     failed = [r["name"] for r in rows if not r["passed"] and not r["waived"]]
     waived = [r["name"] for r in rows if r["waived"]]
     release = {"releasable": not failed, "gates": rows, "failed": failed, "waived": waived}
-    stamp_release(inputs[cfg.bundle_input] / "bundle", out_dir / "bundle", release)
+    source = inputs[cfg.bundle_input] / "bundle"
+    with_profile(source, out_dir / "bundle", cfg.profile, tuple(cfg.backends), release=release)
+    shipped = load_bundle(out_dir / "bundle").manifest  # the runtime's own check of what it ships
+    full_bytes = sum(f.size for f in load_bundle(source, verify=False).manifest.files)
+    shipped_bytes = sum(f.size for f in shipped.files)
+    left_out = shipped.profile.left_out if shipped.profile else []
     (out_dir / "gates.json").write_text(json.dumps(release, indent=2, sort_keys=True))
     table = gate_table(rows)
     (out_dir / "GATES_CARD.md").write_text(
@@ -105,6 +125,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         + (f"; waived on purpose: {', '.join(waived)}" if waived else "")
         + ".\n\n"
         + table
+        + "\n\n"
+        + f"Profile **{cfg.profile}** for {', '.join(cfg.backends)}: {len(shipped.files)} files, "
+        + f"{shipped_bytes / 1e6:.1f} MB (every part stage X assembled: {full_bytes / 1e6:.1f} MB)."
+        + "".join(f"\n- left out: {item}" for item in left_out)
         + "\n"
     )
     metrics = {
@@ -112,8 +136,17 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         "gates_failed": float(len(failed)),
         "gates_waived": float(len(waived)),
         "releasable": float(not failed),
+        "bundle_bytes": float(shipped_bytes),
+        "bundle_files": float(len(shipped.files)),
+        "full_bundle_bytes": float(full_bytes),
+        "parts_left_out": float(len(left_out)),
     }
-    summary = f"{len(rows) - len(failed)}/{len(rows)} gates pass" + (f" ({len(waived)} waived)" if waived else "")
+    summary = (
+        f"{len(rows) - len(failed)}/{len(rows)} gates pass"
+        + (f" ({len(waived)} waived)" if waived else "")
+        + f"; {cfg.profile} profile for {', '.join(cfg.backends)}: "
+        + f"{shipped_bytes / 1e6:.1f} MB of {full_bytes / 1e6:.1f}"
+    )
     failure = None
     if failed:
         failure = (

@@ -87,7 +87,8 @@ def _gate(inputs: dict[str, Path], out: Path, gates: list[dict], waive: list[str
 
     module = load_stage("9A")
     out.mkdir(parents=True)
-    return module.run(module.Config.model_validate({"gates": gates, "waive": list(waive)}), inputs, out)
+    cfg = {"gates": gates, "waive": list(waive), "backends": ["torch"]}  # the test bundles are torch-only
+    return module.run(module.Config.model_validate(cfg), inputs, out)
 
 
 def test_a_working_bundle_passes_and_a_broken_one_fails_the_tiny_gates(stage0, tiny_gates, tmp_path, caplog):
@@ -100,6 +101,8 @@ def test_a_working_bundle_passes_and_a_broken_one_fails_the_tiny_gates(stage0, t
     assert result.failure is None and result.metrics["releasable"] == 1
     stamped = load_bundle(tmp_path / "g1" / "bundle")
     assert stamped.manifest.release.releasable is True and len(stamped.manifest.release.gates) == len(tiny_gates)
+    assert (stamped.manifest.profile.name, stamped.manifest.profile.backends) == ("default", ["torch"])
+    assert result.metrics["bundle_bytes"] == result.metrics["full_bundle_bytes"]  # ar on torch: nothing to leave out
 
     bad = _evaluate(_shuffled(STORIES, tmp_path / "shuffled"), tmp_path / "bad", stage0)
     inputs = {"bundle": bad, "evaluation": tmp_path / "bad" / "9" / "k"}
@@ -160,7 +163,8 @@ def test_failed_gates_publish_the_stamped_bundle_and_fail_the_flow_on_every_run(
                     "metric": "all/reference_perplexity",
                     "max": 512,
                 }
-            ]
+            ],
+            "backends": ["torch"],
         }
     )
     ctx = RunContext("test", "exp-test", str(workspace / "store"), None, "prefect-run-1", ())

@@ -20,12 +20,14 @@ when it built the bundle: with a pin, a bundle whose manifest differs is refused
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,12 +49,20 @@ __all__ = [
     "stamp_release",
     "with_meta",
     "with_ngram_table",
+    "with_profile",
+    "resolve_backend",
     "write_bundle",
 ]
 
 log = logging.getLogger("kibidango.bundle")
 
 TIER_ORDER = ("draft", "qualifier", "target")
+BACKENDS = ("torch", "llamacpp")
+WEIGHT_FORM = {"torch": "hf", "llamacpp": "gguf"}
+"""Backend -> the tier weight form it loads."""
+ADAPTER_FORM = {"torch": "peft", "llamacpp": "gguf"}
+"""Backend -> the adapter form it applies."""
+_HF_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 _TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MANIFEST_DIGEST = "bundle.json.sha256"
 
@@ -156,15 +166,34 @@ class Bundle:
     def tier(self, name: str, backend: str = "torch") -> Tier:
         if name not in self.tiers:
             have = ", ".join(self.tiers) or "none"
-            raise BundleError(f"{self.root}: bundle has no '{name}' tier (it has: {have})")
+            raise BundleError(f"{self.root}: bundle has no '{name}' tier (it has: {have}){self._profile_note()}")
         tier = self.tiers[name]
-        if backend == "torch" and tier.hf is None:
-            raise BundleError(f"{self.root}: tier '{name}' has no HF weights (tiers/{name}/hf) for the torch backend")
+        if backend == "torch" and (tier.hf is None or not self._has_hf_weights(tier.hf)):
+            raise BundleError(
+                f"{self.root}: tier '{name}' has no HF weights (tiers/{name}/hf) for the torch backend"
+                + self._profile_note()
+            )
         if backend == "llamacpp" and tier.gguf is None:
             raise BundleError(
                 f"{self.root}: tier '{name}' has no GGUF file (tiers/{name}/gguf) for the llamacpp backend"
+                + self._profile_note()
             )
         return tier
+
+    def _has_hf_weights(self, hf: Path) -> bool:
+        prefix = hf.relative_to(self.root).as_posix().rstrip("/") + "/"
+        return any(p.startswith(prefix) and p.endswith(_HF_WEIGHTS) for p in self._listed_paths)
+
+    def _profile_note(self) -> str:
+        """Why a part is missing, where the bundle is a profile that left it out."""
+        profile = self.manifest.profile
+        if profile is None or profile.name == "full":
+            return ""
+        return (
+            f": this is the {profile.name!r} profile for {', '.join(profile.backends) or 'no backend'}, which "
+            f"leaves out {'; '.join(profile.left_out) or 'nothing'}. Use a full bundle (stage 9A with "
+            "profile: full, or stage 1F's bundle in the artifact store) for other modes and backends"
+        )
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -255,18 +284,26 @@ def stamp_release(src: str | Path, dest: str | Path, release: dict[str, Any]) ->
     return with_meta(src, dest, release=release)
 
 
-def with_meta(src: str | Path, dest: str | Path, add_files: dict[str, Path] | None = None, **updates: Any) -> Path:
+def with_meta(
+    src: str | Path,
+    dest: str | Path,
+    add_files: dict[str, Path] | None = None,
+    drop: Callable[[str], bool] | None = None,
+    **updates: Any,
+) -> Path:
     """A copy of the bundle at ``src`` (files hard-linked where the filesystem allows) whose
     bundle.json has the fields ``updates`` set (:class:`kibidango.schema.BundleManifest`), with
     bundle.json's digest file rewritten. Every listed file is verified first; the copy is written
     beside ``dest`` and renamed into place. ``add_files``: bundle path -> a file copied there and
-    listed (replacing a listed file of that path)."""
+    listed (replacing a listed file of that path); ``drop(path)``: true for a listed file the copy
+    leaves out."""
     source = load_bundle(src, verify=True)
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     added = dict(add_files or {})
-    files = [e for e in source.manifest.files if e.path not in added]
+    files = [e for e in source.manifest.files if e.path not in added and not (drop and drop(e.path))]
+    tmp.mkdir(parents=True)
     for entry in files:
         target = tmp / entry.path
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -279,17 +316,130 @@ def with_meta(src: str | Path, dest: str | Path, add_files: dict[str, Path] | No
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, target)
         files.append(FileEntry(path=rel, size=target.stat().st_size, sha256=sha256_file(target)))
-    if added:
+    if added or drop:
         updates["files"] = sorted(files, key=lambda e: e.path)
     return _seal(tmp, source.manifest.replace(**updates), dest)
+
+
+def resolve_backend(bundle: Bundle, backend: str) -> str:
+    """``auto``: the first backend the bundle's profile ships for (:func:`with_profile`), else torch;
+    any other name is returned as it is."""
+    if backend != "auto":
+        return backend
+    profile = bundle.manifest.profile
+    return profile.backends[0] if profile is not None and profile.backends else "torch"
+
+
+def with_profile(
+    src: str | Path,
+    dest: str | Path,
+    profile: str = "default",
+    backends: tuple[str, ...] = ("llamacpp",),
+    **updates: Any,
+) -> Path:
+    """A copy of the bundle at ``src`` that ships one profile, named in bundle.json's ``profile``:
+
+    - ``full``: every file (``backends`` only orders ``--backend auto``);
+    - ``default``: what the decoding defaults use on ``backends`` and nothing else: the tiers the
+      mode each backend runs (``tuned_defaults`` over ``runtime_defaults``) needs, each in those
+      backends' weight forms only (a torch-less profile keeps the transformers directory's
+      tokenizer, config and chat template, not its weights); adapters in those backends' forms
+      (one with none of them is left out); the router, calibrator, escalation detector, cascade
+      thresholds and n-gram table as they are. ``left_out`` says what went, and why.
+
+    The runtime refuses a mode or backend whose parts a profile left out, naming them
+    (:meth:`Bundle.tier`). ``updates``: more bundle.json fields (:func:`with_meta`)."""
+    from kibidango.schema import Profile
+    from kibidango.speculative import TIERS, DecodeConfig
+
+    if profile not in ("default", "full"):
+        raise BundleError(f"profile {profile!r}: use default or full")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise BundleError(f"profile backends {list(backends)}: use one or more of {', '.join(BACKENDS)}")
+    source = load_bundle(src, verify=False)  # with_meta verifies every file before it copies
+    m = source.manifest
+    if profile == "full":
+        return with_meta(src, dest, profile=Profile("full", list(backends)), **updates)
+    where = source.root / "bundle.json"
+    modes: dict[str, str] = {}
+    for b in backends:
+        cfg = DecodeConfig.from_mapping(m.runtime_defaults, f"{where}: runtime_defaults")
+        modes[b] = DecodeConfig.from_mapping(m.tuned_defaults.get(b, {}), f"{where}: tuned_defaults.{b}", cfg).mode
+    used = {t for mode in modes.values() for t in TIERS[mode]}
+    runs = ", ".join(f"{mode} on {b}" for b, mode in modes.items())
+    drop_dirs: list[str] = []
+    drop_files: set[str] = set()
+    left_out: list[str] = []
+    tiers = {}
+    for name, entry in m.tiers.items():
+        if name not in used:
+            drop_dirs.append(f"tiers/{name}/")
+            left_out.append(f"the {name} tier ({runs} does not run it)")
+            continue
+        for b in backends:
+            if not getattr(entry, WEIGHT_FORM[b]):
+                raise BundleError(
+                    f"{where}: profile {profile!r} for {b}: the {name} tier ({runs}) has no {WEIGHT_FORM[b]} weights"
+                )
+        changes: dict[str, Any] = {}
+        if entry.gguf and "llamacpp" not in backends:
+            drop_files.add(entry.gguf)
+            changes["gguf"] = None
+            left_out.append(f"the {name} tier's GGUF (llamacpp)")
+        if entry.hf and "torch" not in backends:
+            prefix = entry.hf.rstrip("/") + "/"
+            drop_files |= {f.path for f in m.files if f.path.startswith(prefix) and f.path.endswith(_HF_WEIGHTS)}
+            left_out.append(f"the {name} tier's transformers weights (torch)")
+        forms = {WEIGHT_FORM[b] for b in backends}
+        changes["quantization"] = {k: v for k, v in entry.quantization.items() if k in forms}
+        tiers[name] = dataclasses.replace(entry, **changes)
+    kept_forms = {ADAPTER_FORM[b] for b in backends}
+    adapters, added = [], {}
+    tmp_dir = Path(tempfile.mkdtemp(prefix="kbd-profile-"))
+    try:
+        for a in m.adapters:
+            spec = json.loads((source.root / a.path / "adapter.json").read_text())
+            keep = {f: e for f, e in spec["formats"].items() if f in kept_forms}
+            if not keep:
+                drop_dirs.append(a.path.rstrip("/") + "/")
+                left_out.append(f"the {a.domain} adapter (no {' or '.join(sorted(kept_forms))} form)")
+                continue
+            for form, entries in spec["formats"].items():
+                if form not in keep:
+                    drop_files |= {f"{a.path.rstrip('/')}/{e['path']}" for e in entries}
+                    left_out.append(f"the {a.domain} adapter's {form} form")
+            if keep != spec["formats"]:
+                path = tmp_dir / f"{a.domain}.json"
+                path.write_text(json.dumps({**spec, "formats": keep}, indent=2, sort_keys=True))
+                added[f"{a.path.rstrip('/')}/adapter.json"] = path
+            adapters.append(dataclasses.replace(a, formats=sorted(keep)))
+        domains = {a.domain for a in adapters}
+
+        def dropped(path: str) -> bool:
+            return path in drop_files or any(path.startswith(d) for d in drop_dirs)
+
+        return with_meta(
+            src,
+            dest,
+            add_files=added,
+            drop=dropped,
+            tiers=tiers,
+            adapters=adapters,
+            default_adapter=m.default_adapter if m.default_adapter in domains else None,
+            tuned_defaults={b: v for b, v in m.tuned_defaults.items() if b in backends},
+            tuning={b: v for b, v in m.tuning.items() if b in backends},
+            profile=Profile("default", list(backends), left_out),
+            **updates,
+        )
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def with_ngram_table(src: str | Path, dest: str | Path, table) -> Path:
     """A copy of the bundle at ``src`` that ships ``table`` (a :class:`kibidango.ngrams.NgramTable`)
     at ``ngrams/ngrams.npz``, replacing any table it had, listed and hashed in bundle.json like
     every file; every file of ``src`` is verified first (:func:`with_meta`)."""
-    import tempfile
-
     from kibidango.ngrams import TABLE_PATH
 
     with tempfile.TemporaryDirectory(prefix="kbd-ngrams-") as tmp:

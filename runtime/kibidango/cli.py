@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError
-from kibidango.bundle import BundleError, load_bundle
+from kibidango.bundle import BACKENDS, BundleError, load_bundle, resolve_backend, with_profile
 from kibidango.integrity import without_credentials
 from kibidango.schema import describe
 from kibidango.speculative import MODES, REQUEST_SETTINGS, SETTINGS
 
+BACKEND_HELP = "auto (default): the backend the bundle's profile ships for (stage 9A; a full bundle: torch)"
 STATE_HELP = (
     "the cascade's budget ledger and the session memory "
     "(default $KIBIDANGO_STATE, else $XDG_STATE_HOME/kibidango or ~/.local/state/kibidango)"
@@ -140,6 +141,10 @@ def _inspect(args: argparse.Namespace) -> None:
         forms = ", ".join(f for f, p in (("hf", tier.hf), ("gguf", tier.gguf)) if p is not None)
         info = ", ".join(f"{k}={v}" for k, v in tier.info.items())
         print(f"  {name:<10} {forms:<10} {info}")
+    if meta.profile is not None:
+        print(f"profile: {meta.profile.name} (backends: {', '.join(meta.profile.backends)})")
+        for item in meta.profile.left_out:
+            print(f"  left out: {item}")
     print(f"runtime defaults: {json.dumps(bundle.defaults, sort_keys=True)}")
     for backend, tuned in meta.tuned_defaults.items():
         speed = meta.tuning.get(backend, {}).get("chosen_speed_vs_ar")
@@ -157,6 +162,17 @@ def _inspect(args: argparse.Namespace) -> None:
     for rel in bundle.unlisted:
         print(f"WARNING: {rel} is not listed in bundle.json (not hashed, never loaded)")
     print(f"OK: {len(files)} files, {sum(f.size for f in files) / 1e6:.2f} MB, every sha256 verified")
+
+
+def _profile(args: argparse.Namespace) -> None:
+    dest = with_profile(args.bundle, args.out, args.profile, tuple(args.backend or ("llamacpp",)))
+    meta = load_bundle(dest).manifest
+    print(
+        f"written: {dest} ({meta.profile.name} profile for {', '.join(meta.profile.backends)}; "
+        f"{len(meta.files)} files, {sum(f.size for f in meta.files) / 1e6:.2f} MB)"
+    )
+    for item in meta.profile.left_out:
+        print(f"  left out: {item}")
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -313,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin)")
     gen.add_argument("prompt", nargs="?", help="the prompt; '-' or absent: read stdin")
     gen.add_argument("--bundle", required=True)
-    gen.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    gen.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help=BACKEND_HELP)
     gen.add_argument("--mode", choices=list(MODES))
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -355,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=1)
-    bench.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    bench.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help=BACKEND_HELP)
     bench.add_argument("--peers", default="hf", help="comma list of peers to run: hf (and llamacpp with the extra)")
     bench.add_argument(
         "--ar-gguf",
@@ -370,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     tun = sub.add_parser("tune", help="search the speculative-decoding settings for the best speed (1F)")
     tun.add_argument("--bundle", required=True)
     tun.add_argument("--prompts", required=True, help="held-out prompts: one per line, or JSONL with 'prompt'")
-    tun.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    tun.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help=BACKEND_HELP)
     tun.add_argument("--max-new-tokens", type=int, default=48)
     tun.add_argument(
         "--max-ppl-increase", type=float, default=0.02, help="lossy variants: largest rise of the target's perplexity"
@@ -395,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ngr.add_argument("--out", required=True, metavar="DIR", help="the copy of the bundle with the table")
     ngr.add_argument("--max-new-tokens", type=int, default=64, help="tokens the target continues each prompt with")
-    ngr.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    ngr.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help=BACKEND_HELP)
     ngr.add_argument("--threads", type=int)
     ngr.set_defaults(func=_ngram_table)
 
@@ -403,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--bundle", required=True)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    srv.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help=BACKEND_HELP)
     srv.add_argument("--mode", choices=list(MODES))
     srv.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
     srv.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
@@ -475,8 +491,26 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--json", action="store_true", help="also print the summary as JSON")
     load.set_defaults(func=_loadtest)
 
+    prof = sub.add_parser(
+        "profile",
+        help="a copy of a bundle holding one profile: default (what its decoding defaults use on --backend) or full",
+    )
+    prof.add_argument("--bundle", required=True, help="the bundle (a full one: stage 1F's, or 9A's with profile full)")
+    prof.add_argument("--out", required=True, help="where the copy is written (replaced if it exists)")
+    prof.add_argument("--profile", default="default", choices=["default", "full"])
+    prof.add_argument(
+        "--backend",
+        action="append",
+        choices=BACKENDS,
+        help="a backend whose weight forms it keeps (repeat for several; the first is --backend auto's); "
+        "default: llamacpp",
+    )
+    prof.set_defaults(func=_profile)
+
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "backend", None) == "auto":
+            args.backend = resolve_backend(load_bundle(args.bundle, verify=False), "auto")
         args.func(args)
     except (BundleError, ContextLengthError, ValueError, FileNotFoundError) as e:
         print(f"error: {without_credentials(str(e))}", file=sys.stderr)

@@ -24,7 +24,7 @@ from typing import Any
 from kibidango.adapters import LoadedAdapters
 from kibidango.backends import load_model
 from kibidango.backends.base import Model
-from kibidango.bundle import Bundle, BundleError, load_bundle
+from kibidango.bundle import Bundle, BundleError, load_bundle, resolve_backend
 from kibidango.confidence import Calibrator, score_answer
 from kibidango.ngrams import NgramTable
 from kibidango.router import Router
@@ -80,7 +80,7 @@ class Pipeline:
     def from_bundle(
         cls,
         path: str | Path,
-        backend: str = "torch",
+        backend: str = "auto",
         mode: str | None = None,
         verify: bool = True,
         expect_sha256: str | None = None,
@@ -92,7 +92,8 @@ class Pipeline:
         **overrides: Any,
     ) -> Pipeline:
         """Load a bundle's tokenizer and the tiers ``mode`` needs (default: the bundle's runtime
-        defaults), after checking every file's hash. ``overrides`` set decoding defaults
+        defaults), after checking every file's hash. ``backend``: ``torch``, ``llamacpp`` or ``auto`` (the
+        one the bundle's profile ships for, else torch). ``overrides`` set decoding defaults
         (``variant``, ``k``, ``l_D``, ``l_Q``, ``tau_Q``, ``tau_T``, ``divergence``, ...);
         ``expect_sha256`` pins bundle.json's digest (see :func:`kibidango.bundle.load_bundle`).
         ``adapter``: ``auto`` (the router's domain, when its confidence reaches the bundle's
@@ -108,6 +109,7 @@ class Pipeline:
         from transformers import AutoTokenizer
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
+        backend = resolve_backend(bundle, backend)
         tuned = bundle.manifest.tuned_defaults.get(backend, {})  # kibidango tune / stage 1F
         manifest = bundle.root / "bundle.json"
         try:  # the bundle's own settings, before any caller's: an error names the file and the field

@@ -20,7 +20,16 @@ from typing import Any
 
 from kibidango.integrity import BundleError
 
-__all__ = ["SCHEMA_VERSION", "AdapterEntry", "BundleManifest", "FileEntry", "Release", "TierEntry", "describe"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "AdapterEntry",
+    "BundleManifest",
+    "FileEntry",
+    "Profile",
+    "Release",
+    "TierEntry",
+    "describe",
+]
 
 SCHEMA_VERSION = 2
 """2: no ``created``, ``pipeline_git_sha``, ``stage_git_shas`` or ``mlflow_run_ids`` (version 1 had
@@ -56,6 +65,24 @@ class Release:
     )
     failed: list[str] = _doc("The gates that failed (not waived).", default_factory=list)
     waived: list[str] = _doc("The gates waived on purpose (``waive:`` in the recipe).", default_factory=list)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str = _doc(
+        "``default``: only what the decoding defaults, routing, calibration and cascade use on ``backends``; "
+        "``full``: every part the pipeline built (a bundle without this field is full)."
+    )
+    backends: list[str] = _doc(
+        "The backends whose weight forms it ships (``torch``: the transformers weights, ``llamacpp``: GGUF); the "
+        "runtime's ``--backend auto`` takes the first.",
+        default_factory=list,
+    )
+    left_out: list[str] = _doc(
+        "What the pipeline built that this profile leaves out, each with why (the full bundle, stage 1F's output "
+        "in the artifact store, has them).",
+        default_factory=list,
+    )
 
 
 @dataclass(frozen=True)
@@ -107,6 +134,7 @@ class BundleManifest:
         "Per backend, the tuner's measurements behind ``tuned_defaults`` (speeds, acceptance).", default_factory=dict
     )
     release: Release | None = _doc("The quality gates' verdict (stage 9A).", default=None)
+    profile: Profile | None = _doc("Which parts it ships (stage 9A's ``profile``); absent: all of them.", default=None)
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> BundleManifest:

@@ -22,7 +22,7 @@ def serve(
     bundle: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    backend: str = "torch",
+    backend: str = "auto",
     mode: str | None = None,
     max_prompt_tokens: int | None = None,
     max_tokens_limit: int = 1024,
