@@ -166,7 +166,14 @@ verify: setup
 # with the draft's single-token steps compiled (--compile: the draft's eager step is per-call overhead).
 SHARED_DIR   ?= $(or $(KIBIDANGO_SHARED),$(CURDIR)/../shared)
 BENCH_BUNDLE ?= $(KIBIDANGO_HOME)/bench_family
-BENCH_ARGS    = --prompts $(SHARED_DIR)/models/bench-family/prompts.txt \
+# Every speed figure on two prompt sets of different provenance, chosen on a third
+# (eval/bench_family.py): the family's prompts.txt (30 held-out story openings) and 30 held-out
+# Alpaca-GPT4 instructions; settings were chosen, and tune-runtime chooses, on the 22 other held-out
+# story openings (BENCH_SELECTION).
+BENCH_STORIES       = $(SHARED_DIR)/models/bench-family/prompts.txt
+BENCH_INSTRUCTIONS ?= $(KIBIDANGO_HOME)/bench_instructions.jsonl
+BENCH_SELECTION    ?= $(KIBIDANGO_HOME)/bench_selection.txt
+BENCH_ARGS    = \
   --modes ar,sd,sd+adaptive,sd+lookup,sd+lookup+lk12+nm2,sd+adaptive+lookup,sd+lookup+lk12+nm2+table+tk8,lookup,lookup+k12+nm2,lookup+k12+nm2+table+tk8,pyramid,pyramid-exact,pyramid-assisted \
   --max-new-tokens 64 --repeats 3 $(ARGS)
 # llama.cpp's threads for the benchmark: the runtime's default is half the CPUs, but each ratio should
@@ -190,16 +197,24 @@ $(BENCH_BUNDLE_Q8)/bundle.json: eval/bench_family.py
 # A measuring target runs through eval.record, which keeps its output for make report.
 RECORD = $(PY) -m eval.record
 
-bench-runtime: setup $(BENCH_BUNDLE)/bundle.json $(BENCH_BUNDLE_F32)/bundle.json $(BENCH_BUNDLE_Q8)/bundle.json
-	$(RECORD) bench-runtime-torch --title "Decoding modes on the bench family: torch backend" \
+$(BENCH_INSTRUCTIONS) $(BENCH_SELECTION): eval/bench_family.py
+	$(PY) -m eval.bench_family --instruction-prompts $(BENCH_INSTRUCTIONS) --selection-prompts $(BENCH_SELECTION)
+bench-runtime: setup $(BENCH_BUNDLE)/bundle.json $(BENCH_BUNDLE_F32)/bundle.json $(BENCH_BUNDLE_Q8)/bundle.json $(BENCH_INSTRUCTIONS)
+	$(RECORD) bench-runtime-torch --title "Decoding modes on the bench family: torch backend, held-out story openings" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) $(BENCH_ARGS) --backend torch --compile --peers hf
-	$(RECORD) bench-runtime-llamacpp --title "Decoding modes on the bench family: llama.cpp backend" \
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) --prompts $(BENCH_STORIES) $(BENCH_ARGS) --backend torch --compile --peers hf
+	$(RECORD) bench-runtime-torch-instructions --title "Decoding modes on the bench family: torch backend, held-out instructions" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) $(BENCH_ARGS) --backend llamacpp --peers llamacpp --threads $(BENCH_LLAMACPP_THREADS)
-	$(RECORD) bench-runtime-llamacpp-f32 --title "Decoding modes on the bench family: llama.cpp backend, F32 weights" \
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) --prompts $(BENCH_INSTRUCTIONS) $(BENCH_ARGS) --backend torch --compile --peers hf
+	$(RECORD) bench-runtime-llamacpp --title "Decoding modes on the bench family: llama.cpp backend, held-out story openings" \
 	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
-	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE_F32) $(BENCH_ARGS) --backend llamacpp --peers llamacpp --threads $(BENCH_LLAMACPP_THREADS) \
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) --prompts $(BENCH_STORIES) $(BENCH_ARGS) --backend llamacpp --peers llamacpp --threads $(BENCH_LLAMACPP_THREADS)
+	$(RECORD) bench-runtime-llamacpp-instructions --title "Decoding modes on the bench family: llama.cpp backend, held-out instructions" \
+	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE) --prompts $(BENCH_INSTRUCTIONS) $(BENCH_ARGS) --backend llamacpp --peers llamacpp --threads $(BENCH_LLAMACPP_THREADS)
+	$(RECORD) bench-runtime-llamacpp-f32 --title "Decoding modes on the bench family: llama.cpp backend, F32 weights, held-out story openings" \
+	  --as "make bench-runtime$(if $(ARGS), ARGS='$(ARGS)')" -- \
+	  $(BIN)/kibidango bench --bundle $(BENCH_BUNDLE_F32) --prompts $(BENCH_STORIES) $(BENCH_ARGS) --backend llamacpp --peers llamacpp --threads $(BENCH_LLAMACPP_THREADS) \
 	  --ar-gguf $(BENCH_BUNDLE)/tiers/target/gguf/target-f16.gguf --ar-gguf $(BENCH_BUNDLE_Q8)/tiers/target/gguf/target-Q8_0.gguf
 
 # The same benchmark on a CUDA GPU (torch backend; a transformers-only bundle): fixed and adaptive
@@ -207,14 +222,15 @@ bench-runtime: setup $(BENCH_BUNDLE)/bundle.json $(BENCH_BUNDLE_F32)/bundle.json
 # build: GPU_PYTHON is a python with CUDA torch and transformers; only the runtime is imported.
 # Results of one H100: docs/report/gpu/H100.md.
 GPU_PYTHON ?= python3
-bench-runtime-gpu:
-	PYTHONPATH=runtime $(GPU_PYTHON) -m eval.bench_gpu --family $(SHARED_DIR)/models/bench-family $(ARGS)
+bench-runtime-gpu: $(BENCH_INSTRUCTIONS)
+	PYTHONPATH=runtime $(GPU_PYTHON) -m eval.bench_gpu --family $(SHARED_DIR)/models/bench-family \
+	  --prompts $(BENCH_STORIES) --prompts $(BENCH_INSTRUCTIONS) $(ARGS)
 
 # 1F as a command: search the decoding settings of the bench family per backend (minutes each).
-tune-runtime: setup $(BENCH_BUNDLE)/bundle.json
-	$(RECORD) tune-runtime-llamacpp --title "kibidango tune on the bench family: llama.cpp backend" \
+tune-runtime: setup $(BENCH_BUNDLE)/bundle.json $(BENCH_SELECTION)
+	$(RECORD) tune-runtime-llamacpp --title "kibidango tune on the bench family: llama.cpp backend, selection openings" \
 	  --as "make tune-runtime" -- $(BIN)/kibidango tune --bundle $(BENCH_BUNDLE) \
-	  --prompts $(SHARED_DIR)/models/bench-family/prompts.txt --backend llamacpp $(ARGS)
+	  --prompts $(BENCH_SELECTION) --backend llamacpp $(ARGS)
 
 bench-kv-cache: setup $(BENCH_BUNDLE)/bundle.json
 	$(RECORD) bench-kv-cache --title "llama.cpp K/V cache types at a long context (1H)" --as "make bench-kv-cache" -- \

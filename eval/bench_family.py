@@ -6,6 +6,14 @@ k-quant through llama.cpp's own quantizer).
 
     python -m eval.bench_family --out .kibidango/bench_family      (make bench-runtime)
     python -m eval.bench_family --selection-prompts selection.txt  (openings for choosing settings)
+    python -m eval.bench_family --instruction-prompts instructions.jsonl  (a second benchmark set)
+
+Three prompt sets, each from a different place, so that no speed figure rests on the prompts its
+settings were chosen on: the family's ``prompts.txt`` (the first 30 held-out story openings: the
+benchmark's own), the *selection* openings (the 22 other held-out stories: where the bench's draft
+lengths and n-gram settings were chosen), and the *instructions* (held-out Alpaca-GPT4 rows in the
+family's ``Instruction:``/``Response:`` format: another source and another kind of text, reported
+beside the first).
 
 The bundle ships a static n-gram table (``ngrams/ngrams.npz``, :mod:`kibidango.ngrams`): the
 target's own greedy continuations of the *training* stories' openings, counted (no held-out
@@ -167,6 +175,27 @@ def selection_prompts(family: Path | None = None) -> list[str]:
     return openings[len(used) :]
 
 
+def instruction_prompts(family: Path | None = None, n: int = 30, max_words: int = 60) -> list[str]:
+    """The first ``n`` held-out Alpaca-GPT4 rows (the family holds out the last 5% of every source)
+    of at most ``max_words`` words, cut after ``Response:`` in the family's own instruction format
+    (its ``train_family.py`` writes them): a prompt set of another provenance than the stories."""
+    import importlib.util
+
+    from eval.shared_data import SHARED
+
+    family = family or SHARED / "models" / "bench-family"
+    script = family / "train_family.py"
+    if not script.is_file():
+        raise SystemExit(f"the bench family is not at {family} (train_family.py): it ships in ../shared")
+    spec = importlib.util.spec_from_file_location("bench_family_train", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    docs = module.load_sources(family.parent.parent / "data")["lf_alpaca_en"]
+    held_out = docs[-max(1, round(0.05 * len(docs))) :]
+    prompts = [d[: d.index("\nResponse:")] + "\nResponse:" for d in held_out if "\nResponse:" in d]
+    return [p for p in prompts if len(p.split()) <= max_words][:n]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.bench_family", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the bundle here")
@@ -184,9 +213,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="write the held-out story openings the benchmark's prompts leave out (for choosing settings)",
     )
+    parser.add_argument(
+        "--instruction-prompts",
+        type=Path,
+        metavar="FILE",
+        help="write held-out Alpaca-GPT4 instructions in the family's format (JSONL), a second benchmark set",
+    )
     args = parser.parse_args(argv)
-    if args.out is None and args.selection_prompts is None:
-        parser.error("give --out, --selection-prompts or both")
+    if args.out is None and args.selection_prompts is None and args.instruction_prompts is None:
+        parser.error("give --out, --selection-prompts, --instruction-prompts or several")
+    if args.instruction_prompts is not None:
+        import json
+
+        prompts = instruction_prompts()
+        args.instruction_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        print(f"{args.instruction_prompts}: {len(prompts)} prompts")
     if args.selection_prompts is not None:
         prompts = selection_prompts()
         args.selection_prompts.write_text("\n".join(prompts) + "\n", encoding="utf-8")

@@ -29,7 +29,13 @@ SETTINGS = {  # name: extra `kibidango bench` arguments
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.bench_gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", type=Path, required=True, help="the bench family (draft/, qualifier/, target/)")
-    parser.add_argument("--prompts", type=Path, help="default: the family's prompts.txt")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        action="append",
+        help="a prompt set (repeat for several, each timed apart: make bench-runtime-gpu gives the family's story "
+        "openings and held-out instructions); default: the family's prompts.txt",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--modes", default=MODES)
@@ -46,19 +52,20 @@ def main(argv: list[str] | None = None) -> int:
 
     p = torch.cuda.get_device_properties(0)
     print(f"device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}", flush=True)
-    prompts = args.prompts or args.family / "prompts.txt"
+    sets = args.prompts or [args.family / "prompts.txt"]
     with tempfile.TemporaryDirectory(prefix="kbd-bench-gpu-") as tmp:
         bundle = build(Path(tmp) / "bundle", gguf_type=None, family=args.family)  # make bench-runtime's, no GGUF
-        for name in args.settings.split(","):
-            print(f"\n## {name}\n", flush=True)
-            code = kibidango(
-                ["bench", "--bundle", str(bundle), "--prompts", str(prompts), "--modes", args.modes]
-                + ["--backend", "torch", "--peers", "hf", "--repeats", str(args.repeats)]
-                + ["--max-new-tokens", str(args.max_new_tokens)]
-                + SETTINGS[name]
-            )
-            if code:
-                return code
+        for prompts in sets:
+            for name in args.settings.split(","):
+                print(f"\n## {name}, prompts {prompts.name}\n", flush=True)
+                code = kibidango(
+                    ["bench", "--bundle", str(bundle), "--prompts", str(prompts), "--modes", args.modes]
+                    + ["--backend", "torch", "--peers", "hf", "--repeats", str(args.repeats)]
+                    + ["--max-new-tokens", str(args.max_new_tokens)]
+                    + SETTINGS[name]
+                )
+                if code:
+                    return code
     return 0
 
 
