@@ -21,7 +21,7 @@ def _gates(maximum: float):
     from stages import load_stage
 
     gate = {"name": "gold-answer-perplexity", "input": "evaluation", "metric": "all/reference_perplexity"}
-    return load_stage("9A").Config.model_validate({"gates": [{**gate, "max": maximum}]})
+    return load_stage("9A").Config.model_validate({"gates": [{**gate, "max": maximum}], "backends": ["torch"]})
 
 
 def test_9a_registers_every_judged_bundle_and_champion_follows_only_releasable_ones(workspace, monkeypatch):
