@@ -142,8 +142,8 @@ def _opening(doc: str) -> str:
     return " ".join(doc.split()[:8])
 
 
-def _split(family: Path) -> tuple[list[str], list[str]]:
-    """The family's stories and its held-out last 5% (its own ``train_family.py`` split)."""
+def _training_script(family: Path):
+    """The family's own ``train_family.py``, imported: its data loaders say what it trained on."""
     import importlib.util
 
     script = family / "train_family.py"
@@ -152,8 +152,19 @@ def _split(family: Path) -> tuple[list[str], list[str]]:
     spec = importlib.util.spec_from_file_location("bench_family_train", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def _held_out(docs: list[str]) -> list[str]:
+    """The last 5% of a source's documents: what the family held out (its ``train_family.py``)."""
+    return docs[-max(1, round(0.05 * len(docs))) :]
+
+
+def _split(family: Path) -> tuple[list[str], list[str]]:
+    """The family's stories and its held-out last 5% (its own ``train_family.py`` split)."""
+    module = _training_script(family)
     stories = module.tinystories(family.parent.parent / "data" / "tinystories_sample" / "tiny_stories.txt")
-    return stories, stories[-max(1, round(0.05 * len(stories))) :]
+    return stories, _held_out(stories)
 
 
 def selection_prompts(family: Path | None = None) -> list[str]:
@@ -179,20 +190,11 @@ def instruction_prompts(family: Path | None = None, n: int = 30, max_words: int 
     """The first ``n`` held-out Alpaca-GPT4 rows (the family holds out the last 5% of every source)
     of at most ``max_words`` words, cut after ``Response:`` in the family's own instruction format
     (its ``train_family.py`` writes them): a prompt set of another provenance than the stories."""
-    import importlib.util
-
     from eval.shared_data import SHARED
 
     family = family or SHARED / "models" / "bench-family"
-    script = family / "train_family.py"
-    if not script.is_file():
-        raise SystemExit(f"the bench family is not at {family} (train_family.py): it ships in ../shared")
-    spec = importlib.util.spec_from_file_location("bench_family_train", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    docs = module.load_sources(family.parent.parent / "data")["lf_alpaca_en"]
-    held_out = docs[-max(1, round(0.05 * len(docs))) :]
-    prompts = [d[: d.index("\nResponse:")] + "\nResponse:" for d in held_out if "\nResponse:" in d]
+    docs = _training_script(family).load_sources(family.parent.parent / "data")["lf_alpaca_en"]
+    prompts = [d[: d.index("\nResponse:")] + "\nResponse:" for d in _held_out(docs) if "\nResponse:" in d]
     return [p for p in prompts if len(p.split()) <= max_words][:n]
 
 

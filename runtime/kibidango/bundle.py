@@ -114,6 +114,20 @@ class Bundle:
         """The decoding defaults the bundle ships (``runtime_defaults``)."""
         return self.manifest.runtime_defaults
 
+    def decode_config(self, backend: str):
+        """The bundle's decoding settings on ``backend``: ``tuned_defaults.<backend>`` (kibidango tune /
+        stage 1F) read over ``runtime_defaults``; a bad key or value is a BundleError naming the file and
+        the field."""
+        from kibidango.speculative import DecodeConfig
+
+        manifest = self.root / "bundle.json"
+        tuned = self.manifest.tuned_defaults.get(backend, {})
+        try:
+            cfg = DecodeConfig.from_mapping(self.defaults, f"{manifest}: runtime_defaults")
+            return DecodeConfig.from_mapping(tuned, f"{manifest}: tuned_defaults.{backend}", cfg)
+        except ValueError as e:
+            raise BundleError(str(e)) from None
+
     def _part(self, key: str) -> Path | None:
         """The listed file bundle.json names under ``key``, or None when it names none."""
         rel = self.manifest.part(key)
@@ -181,8 +195,7 @@ class Bundle:
         return tier
 
     def _has_hf_weights(self, hf: Path) -> bool:
-        prefix = hf.relative_to(self.root).as_posix().rstrip("/") + "/"
-        return any(p.startswith(prefix) and p.endswith(_HF_WEIGHTS) for p in self._listed_paths)
+        return bool(_hf_weights(self._listed_paths, hf.relative_to(self.root).as_posix()))
 
     def _profile_note(self) -> str:
         """Why a part is missing, where the bundle is a profile that left it out."""
@@ -321,6 +334,13 @@ def with_meta(
     return _seal(tmp, source.manifest.replace(**updates), dest)
 
 
+def _hf_weights(paths, hf: str) -> set[str]:
+    """The weight files (not the tokenizer, config or template) among ``paths`` under the tier's
+    transformers directory ``hf`` (a bundle path)."""
+    prefix = hf.rstrip("/") + "/"
+    return {p for p in paths if p.startswith(prefix) and p.endswith(_HF_WEIGHTS)}
+
+
 def resolve_backend(bundle: Bundle, backend: str) -> str:
     """``auto``: the first backend the bundle's profile ships for (:func:`with_profile`), else torch;
     any other name is returned as it is."""
@@ -350,7 +370,7 @@ def with_profile(
     The runtime refuses a mode or backend whose parts a profile left out, naming them
     (:meth:`Bundle.tier`). ``updates``: more bundle.json fields (:func:`with_meta`)."""
     from kibidango.schema import Profile
-    from kibidango.speculative import TIERS, DecodeConfig
+    from kibidango.speculative import TIERS
 
     if profile not in ("default", "full"):
         raise BundleError(f"profile {profile!r}: use default or full")
@@ -362,10 +382,7 @@ def with_profile(
     if profile == "full":
         return with_meta(src, dest, profile=Profile("full", list(backends)), **updates)
     where = source.root / "bundle.json"
-    modes: dict[str, str] = {}
-    for b in backends:
-        cfg = DecodeConfig.from_mapping(m.runtime_defaults, f"{where}: runtime_defaults")
-        modes[b] = DecodeConfig.from_mapping(m.tuned_defaults.get(b, {}), f"{where}: tuned_defaults.{b}", cfg).mode
+    modes = {b: source.decode_config(b).mode for b in backends}
     used = {t for mode in modes.values() for t in TIERS[mode]}
     runs = ", ".join(f"{mode} on {b}" for b, mode in modes.items())
     drop_dirs: list[str] = []
@@ -388,8 +405,7 @@ def with_profile(
             changes["gguf"] = None
             left_out.append(f"the {name} tier's GGUF (llamacpp)")
         if entry.hf and "torch" not in backends:
-            prefix = entry.hf.rstrip("/") + "/"
-            drop_files |= {f.path for f in m.files if f.path.startswith(prefix) and f.path.endswith(_HF_WEIGHTS)}
+            drop_files |= _hf_weights((f.path for f in m.files), entry.hf)
             left_out.append(f"the {name} tier's transformers weights (torch)")
         forms = {WEIGHT_FORM[b] for b in backends}
         changes["quantization"] = {k: v for k, v in entry.quantization.items() if k in forms}

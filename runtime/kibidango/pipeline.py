@@ -110,13 +110,7 @@ class Pipeline:
 
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
         backend = resolve_backend(bundle, backend)
-        tuned = bundle.manifest.tuned_defaults.get(backend, {})  # kibidango tune / stage 1F
-        manifest = bundle.root / "bundle.json"
-        try:  # the bundle's own settings, before any caller's: an error names the file and the field
-            cfg = DecodeConfig.from_mapping(bundle.defaults, f"{manifest}: runtime_defaults")
-            cfg = DecodeConfig.from_mapping(tuned, f"{manifest}: tuned_defaults.{backend}", cfg)
-        except ValueError as e:
-            raise BundleError(str(e)) from None
+        cfg = bundle.decode_config(backend)  # the bundle's own settings, before any caller's
         cfg = dataclasses.replace(cfg, **{**overrides, **({"mode": mode} if mode is not None else {})})
         tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
         if kv_cache is None:
