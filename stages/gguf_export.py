@@ -7,6 +7,14 @@ greedy continuations of held-out prompts, share of positions where the GGUF pick
 (:func:`methods.compression.gguf.token_agreement`). Below ``min_agreement`` (the plan: 95%) the
 stage fails with a table of where the GGUF diverges; nothing is published.
 
+A tier may instead let a **fidelity table** choose its type (``quant: auto``, its ``fidelity``
+block; :mod:`methods.compression.fidelity`): each candidate (a source model, a llama.cpp type, with
+or without an importance matrix computed on calibration rows, the embedding at its own type) is
+measured against the uncompressed reference (1R's F16 GGUF) — bits per weight, bytes, perplexity
+ratio and mean KL on the validation rows, math-ladder pass on the ladder's mining part, agreement
+with its own transformers model, tokens/s — and the smallest file within the recipe's bounds ships.
+Nothing is chosen on stage 9's evaluation tasks.
+
 The sources are the full-precision tiers (the pruned target, the distilled draft and
 qualifier): llama.cpp quantizes from F16 with its own k-quants. The AWQ checkpoints of 2B/2C are
 the transformers/vLLM form of the same tiers.
@@ -18,11 +26,15 @@ Outputs: ``<tier>/<tier>-<QUANT>.gguf`` per tier (and llama.cpp's quantization l
 from __future__ import annotations
 
 import json
+import logging
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
+from methods.compression import fidelity as fid
 from methods.compression.gguf import QUANT_TYPES, fallback_tensors, gguf_response_loss, quantize, token_agreement
 from methods.llama_cpp_tools import convert_hf_to_gguf
 from methods.measure import lm
@@ -30,17 +42,66 @@ from methods.measure.weights import weight_bytes
 from methods.training.chat import load_split
 from methods.training.models import resolve_base
 
-LIBRARIES = ("llama_cpp_python", "transformers", "torch")
+LIBRARIES = ("llama_cpp_python", "transformers", "torch", "gguf")
+
+log = logging.getLogger("kibidango.stage.2D")
+
+
+class Candidate(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: str | None = Field(None, description="Stage input holding the source model (default: the tier's input).")
+    quant: str = Field(description=f"llama.cpp type: one of {', '.join(QUANT_TYPES)}.")
+    imatrix: bool = Field(False, description="Quantize with an importance matrix of the source on calibration rows.")
+    embedding: str | None = Field(
+        None, description="llama.cpp tensor type for the token embedding and head (default: the type's own choice)."
+    )
+
+    def label(self, tier_input: str) -> str:
+        extra = (" +imatrix" if self.imatrix else "") + (f" emb {self.embedding}" if self.embedding else "")
+        return f"{self.input or tier_input} {self.quant}{extra}"
+
+
+class Fidelity(BaseModel):
+    """The fidelity table of a tier whose type is ``auto``, and the rule that chooses from it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reference: str = Field(description="Stage input holding the uncompressed reference model (`<input>/<tier>/`).")
+    candidates: list[Candidate] = Field(min_length=1, description="The rows measured against the reference.")
+    max_ppl_ratio: float = Field(1.05, gt=1, description="Rule: most perplexity over the reference's.")
+    max_ladder_drop: int = Field(1, ge=0, description="Rule: most ladder tasks passed fewer than the reference.")
+    fallback: str | None = Field(
+        None, description="Type shipped from the tier's input when no candidate fits (None: the stage fails)."
+    )
+    ladder_levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Math-ladder levels (mining part).")
+    ladder_per_level: int = Field(12, gt=0, description="Mining-part math tasks per level.")
+    ladder_new_tokens: int = Field(96, gt=0, description="Greedy tokens per ladder answer.")
+    imatrix_rows: int = Field(16, gt=0, description="Calibration rows (stage 0 train) for the importance matrix.")
+    imatrix_max_len: int = Field(256, gt=8, description="Tokens per calibration row.")
+    speed_prompts: int = Field(6, gt=0, description="Held-out prompts timed per row.")
+    speed_tokens: int = Field(48, gt=0, description="Greedy tokens timed per prompt.")
+    speed_rounds: int = Field(2, gt=0, description="Rounds of timing, every row in turn in each.")
+    threads: int = Field(2, gt=0, description="llama.cpp threads while measuring.")
 
 
 class TierExport(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     input: str = Field(description="Name of the stage input whose artifact holds this tier (`<input>/<tier>/`).")
-    quant: str = Field(description=f"llama.cpp type to quantize to: one of {', '.join(QUANT_TYPES)}.")
+    quant: str = Field(
+        description=f"llama.cpp type to quantize to: one of {', '.join(QUANT_TYPES)}, or auto (the fidelity table's)."
+    )
     min_agreement: float | None = Field(
         None, ge=0, le=1, description="This tier's gate (default: the stage's min_agreement)."
     )
+    fidelity: Fidelity | None = Field(None, description="The fidelity table that chooses an `auto` type.")
+
+    @model_validator(mode="after")
+    def _auto_needs_a_table(self) -> TierExport:
+        if (self.quant == "auto") != (self.fidelity is not None):
+            raise ValueError("quant: auto and a fidelity block go together (the table chooses the type)")
+        return self
 
 
 class Config(StageConfig):
@@ -56,6 +117,197 @@ class Config(StageConfig):
     eval_max_len: int = Field(256, gt=8)
 
 
+def _check_inputs(tier: str, spec: TierExport, inputs: dict[str, Path]) -> None:
+    if spec.quant not in QUANT_TYPES and spec.quant != "auto":
+        raise KibidangoError(f"tier {tier}: unknown quant {spec.quant!r}; known: {', '.join(QUANT_TYPES)}, auto")
+    named = [spec.input]
+    if spec.fidelity is not None:
+        f = spec.fidelity
+        named += [f.reference, *(c.input for c in f.candidates if c.input)]
+        for q in [*(c.quant for c in f.candidates), *([f.fallback] if f.fallback else [])]:
+            if q not in QUANT_TYPES:
+                raise KibidangoError(
+                    f"tier {tier}: fidelity names unknown quant {q!r}; known: {', '.join(QUANT_TYPES)}"
+                )
+    for name in named:
+        if name not in inputs:
+            raise KibidangoError(
+                f"tier {tier} reads input {name!r}, which the preset does not give (needs: {{{name}: ...}})"
+            )
+
+
+@dataclass
+class _Table:
+    """A tier's fidelity table and what it chose: the GGUF in ``<tier>/`` and the model it came from."""
+
+    tier: str
+    rows: list[fid.FidelityRow]
+    chosen: fid.FidelityRow | None
+    gguf: Path
+    source_dir: Path
+    f16_bytes: int
+    rule: str
+
+    def metrics(self) -> dict[str, float]:
+        ref = next(r for r in self.rows if r.reference)
+        m = {"reference_ladder_passed": float(ref.ladder_passed), "fidelity_rows": float(len(self.rows) - 1)}
+        if self.chosen is not None:
+            c = self.chosen
+            m |= {
+                "chosen_ppl_ratio": c.ppl_ratio,
+                "chosen_kl": c.kl,
+                "chosen_ladder_passed": float(c.ladder_passed),
+                "chosen_tokens_per_s_ratio": c.tokens_per_s / max(ref.tokens_per_s, 1e-9),
+            }
+        return m
+
+    def report(self) -> list[str]:
+        ref = next(r for r in self.rows if r.reference)
+        picked = (
+            f"chosen: **{self.chosen.name}**"
+            if self.chosen
+            else f"no candidate fits: the fallback {self.gguf.stem.split('-')[-1]} ships"
+        )
+        return [
+            f"## {self.tier}: fidelity table",
+            "",
+            f"Reference: {ref.name} (uncompressed). Perplexity and KL on {self.rows[0].tokens} held-out response "
+            f"tokens (stage 0 validation); ladder: math, mining part, {ref.ladder_tasks} tasks, greedy; tokens/s: "
+            "llama.cpp greedy, every row in the same rounds. Rule: " + self.rule + f". {picked}.",
+            "",
+            fid.table(self.rows),
+            "",
+        ]
+
+
+def _choose_by_fidelity(
+    tier: str, spec: TierExport, gate: float, cfg: Config, inputs: dict[str, Path], rows: list[dict], out_dir: Path
+) -> _Table:
+    """Measure every candidate of ``spec.fidelity`` against the reference, choose by its rule and
+    leave the chosen GGUF (and its quantization log) in ``<out_dir>/<tier>/``."""
+    from transformers import AutoTokenizer
+
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+    from kibidango.backends.torch_backend import TorchModel
+    from methods.compression.imatrix import compute_imatrix
+    from methods.ladder import ladder_rows
+
+    f = spec.fidelity
+    work = out_dir / "_fidelity" / tier
+    names = dict.fromkeys([f.reference, spec.input, *(c.input or spec.input for c in f.candidates)])
+    sources = {n: Path(resolve_base(None, inputs[n], tier, f"GGUF fidelity ({tier}, {n})")) for n in names}
+    f16 = {n: convert_hf_to_gguf(d, work / f"{n}-F16.gguf", "f16") for n, d in sources.items()}
+    need_imatrix = {c.input or spec.input for c in f.candidates if c.imatrix}
+    calibration = load_split(inputs["data"] / "dataset", "train", limit=f.imatrix_rows, by_domain=True)
+    imatrix = {n: compute_imatrix(sources[n], f16[n], calibration, f.imatrix_max_len) for n in need_imatrix}
+    files: dict[str, tuple[Candidate, str, Path]] = {}
+    for i, c in enumerate(f.candidates):
+        src = c.input or spec.input
+        log.info("2D %s fidelity: quantizing %s (%d/%d)", tier, c.label(spec.input), i + 1, len(f.candidates))
+        out = quantize(
+            f16[src],
+            work / f"{i}-{c.quant}.gguf",
+            c.quant,
+            imatrix=imatrix[src] if c.imatrix else None,
+            embedding_type=c.embedding,
+        )
+        files[c.label(spec.input)] = (c, src, out)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(sources[f.reference]))
+    n_ctx = max(cfg.eval_max_len, 1024)
+    load = lambda path, name: LlamaCppModel(path, name=name, n_ctx=n_ctx, threads=f.threads)  # noqa: E731
+    ref_label = f"{f.reference} F16"
+    reference = load(f16[f.reference], ref_label)
+    models = {label: load(path, label) for label, (_, _, path) in files.items()}
+    log.info("2D %s fidelity: perplexity and KL of %d rows on %d validation rows", tier, len(models), len(rows))
+    div = fid.divergence(reference, models, tokenizer, rows, cfg.eval_max_len)
+    tasks = ladder_rows("math", f.ladder_levels, "mining", f.ladder_per_level * len(f.ladder_levels))
+    ladder = {}
+    for label, model in {ref_label: reference, **models}.items():
+        log.info("2D %s fidelity: %d mining-part ladder tasks, %s", tier, len(tasks), label)
+        ladder[label] = fid.ladder_pass(model, tokenizer, tasks, f.ladder_new_tokens)
+    prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: f.speed_prompts]]
+    speed = fid.decode_speed({ref_label: reference, **models}, prompts, f.speed_tokens, f.speed_rounds)
+    agree_prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
+    agreement = {}
+    for src in dict.fromkeys(src for _, src, _ in files.values()):
+        hf = TorchModel(sources[src], name=src)
+        for label, (_, s, _) in files.items():
+            if s == src:
+                agreement[label] = token_agreement(
+                    hf, models[label], tokenizer, agree_prompts, cfg.new_tokens
+                ).agreement
+        del hf
+
+    params = reference.parameters()
+    ref_div = next(iter(div.values()))
+    table_rows = [
+        fid.FidelityRow(
+            ref_label,
+            f.reference,
+            "F16",
+            False,
+            None,
+            f16[f.reference].stat().st_size,
+            8 * f16[f.reference].stat().st_size / params,
+            ref_div.ppl_reference,
+            1.0,
+            0.0,
+            sum(ladder[ref_label]),
+            len(tasks),
+            None,
+            speed[ref_label],
+            ref_div.tokens,
+            reference=True,
+        )
+    ]
+    for label, (c, src, path) in files.items():
+        d = div[label]
+        table_rows.append(
+            fid.FidelityRow(
+                label,
+                src,
+                c.quant,
+                c.imatrix,
+                c.embedding,
+                path.stat().st_size,
+                8 * path.stat().st_size / params,
+                d.ppl,
+                d.ppl_ratio,
+                d.mean_kl,
+                sum(ladder[label]),
+                len(tasks),
+                agreement[label],
+                speed[label],
+                d.tokens,
+            )
+        )
+    chosen = fid.choose(table_rows, f.max_ppl_ratio, f.max_ladder_drop, gate)
+    rule = (
+        f"the smallest file with perplexity ratio <= {f.max_ppl_ratio}, at most {f.max_ladder_drop} ladder "
+        f"task(s) fewer than the reference and agreement >= {gate:.0%}"
+    )
+    del reference, models
+    dest = out_dir / tier
+    dest.mkdir(parents=True, exist_ok=True)
+    if chosen is not None:
+        _, src, path = files[chosen.name]
+        gguf = path.rename(dest / f"{tier}-{chosen.quant}.gguf")
+        if path.with_suffix(".log").is_file():
+            path.with_suffix(".log").rename(gguf.with_suffix(".log"))
+    elif f.fallback is not None:
+        src = spec.input
+        gguf = quantize(f16[src], dest / f"{tier}-{f.fallback}.gguf", f.fallback)
+    else:
+        raise KibidangoError(
+            f"stage 2D, tier {tier}: no fidelity candidate fits the rule ({rule}) and the recipe gives no "
+            f"fallback\n\n{fid.table(table_rows)}"
+        )
+    f16_bytes = f16[src].stat().st_size
+    shutil.rmtree(out_dir / "_fidelity")
+    return _Table(tier, table_rows, chosen, gguf, sources[src], f16_bytes, rule)
+
+
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
@@ -65,20 +317,24 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     data = inputs["data"] / "dataset"
     rows = load_split(data, "validation", limit=cfg.eval_rows, by_domain=True)  # the rows 2A-2C read
     metrics: dict[str, float] = {}
-    report, failed = ["# Stage 2D — GGUF export", ""], []
+    report, failed, tables, shipped = ["# Stage 2D — GGUF export", ""], [], {}, {}
     for tier, spec in cfg.tiers.items():
-        if spec.quant not in QUANT_TYPES:
-            raise KibidangoError(f"tier {tier}: unknown quant {spec.quant!r}; known: {', '.join(QUANT_TYPES)}")
-        if spec.input not in inputs:
-            raise KibidangoError(
-                f"tier {tier} reads input {spec.input!r}, which the preset does not give (needs: {{{spec.input}: ...}})"
-            )
-        hf_dir = Path(resolve_base(None, inputs[spec.input], tier, f"GGUF export ({tier})"))
-        f16 = convert_hf_to_gguf(hf_dir, out_dir / tier / f"{tier}-F16.gguf", "f16")
-        gguf = quantize(f16, out_dir / tier / f"{tier}-{spec.quant}.gguf", spec.quant)
-        f16_bytes = f16.stat().st_size
+        _check_inputs(tier, spec, inputs)
+        gate = cfg.min_agreement if spec.min_agreement is None else spec.min_agreement
+        if spec.fidelity is None:
+            hf_dir = Path(resolve_base(None, inputs[spec.input], tier, f"GGUF export ({tier})"))
+            f16 = convert_hf_to_gguf(hf_dir, out_dir / tier / f"{tier}-F16.gguf", "f16")
+            gguf = quantize(f16, out_dir / tier / f"{tier}-{spec.quant}.gguf", spec.quant)
+            f16_bytes = f16.stat().st_size
+            f16.unlink()  # the bundle ships the quantized file; F16 is only the converter's output
+        else:
+            table = _choose_by_fidelity(tier, spec, gate, cfg, inputs, rows, out_dir)
+            hf_dir, gguf, f16_bytes = table.source_dir, table.gguf, table.f16_bytes
+            tables[tier] = [r.as_dict() for r in table.rows]
+            metrics.update({f"{tier}_{k}": v for k, v in table.metrics().items()})
+            report += table.report()
+        quant = shipped[tier] = gguf.stem.split("-")[-1]
         fallbacks = fallback_tensors(gguf.with_suffix(".log"))
-        f16.unlink()  # the bundle ships the quantized file; F16 is only the converter's output
 
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
         prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
@@ -98,11 +354,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "val_perplexity_gguf": loss["perplexity"],
         }
         metrics.update({f"{tier}_{k}": v for k, v in m.items()})
-        gate = cfg.min_agreement if spec.min_agreement is None else spec.min_agreement
         verdict = "PASS" if agreement.agreement >= gate else "FAIL"
         report += [
-            f"## {tier}: {spec.quant}, {m['gguf_bytes'] / 1e6:.2f} MB ({m['bits_per_weight']:.2f} bits/weight)  "
-            f"{verdict}",
+            f"## {tier}: {quant}, {m['gguf_bytes'] / 1e6:.2f} MB ({m['bits_per_weight']:.2f} bits/weight)  {verdict}",
             "",
             f"{fallbacks} tensors in llama.cpp's fallback type (rows not a multiple of the quant block; "
             f"see {tier}/{gguf.with_suffix('.log').name})",
@@ -117,18 +371,21 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         if agreement.divergences:
             report += ["where the GGUF first differs:", "", agreement.table(), ""]
         if verdict == "FAIL":
-            failed.append(f"{tier} ({spec.quant}): agreement {agreement.agreement:.2%} < {gate:.0%}")
+            failed.append(f"{tier} ({quant}): agreement {agreement.agreement:.2%} < {gate:.0%}")
         del model
     text = "\n".join(report)
     if failed:
         raise KibidangoError(f"GGUF token-agreement gate failed: {'; '.join(failed)}\n\n{text}")
     (out_dir / "gguf_report.md").write_text(text + "\n")
     (out_dir / "gguf.json").write_text(
-        json.dumps({"tiers": {t: s.model_dump() for t, s in cfg.tiers.items()}, "metrics": metrics}, indent=2)
+        json.dumps(
+            {"tiers": {t: s.model_dump() for t, s in cfg.tiers.items()}, "fidelity": tables, "metrics": metrics},
+            indent=2,
+        )
     )
     summary = "GGUF export:\n  " + "\n  ".join(
-        f"{t} {s.quant}: {metrics[f'{t}_gguf_bytes'] / 1e6:.2f} MB, agreement {metrics[f'{t}_token_agreement']:.1%}, "
+        f"{t} {q}: {metrics[f'{t}_gguf_bytes'] / 1e6:.2f} MB, agreement {metrics[f'{t}_token_agreement']:.1%}, "
         f"perplexity HF {metrics[f'{t}_val_perplexity_hf']:.2f} -> GGUF {metrics[f'{t}_val_perplexity_gguf']:.2f}"
-        for t, s in cfg.tiers.items()
+        for t, q in shipped.items()
     )
     return StageResult(metrics, ["gguf.json", "gguf_report.md"], summary)

@@ -122,13 +122,13 @@ def test_an_edit_to_the_cascade_or_the_server_changes_no_stage(baseline):
 def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(baseline):
     """The speculative decoder runs in the stages that generate with the runtime (1B, 1C and 1R
     through failure mining's answerer, 1D's self tier sampling the student, 1E's draft agreement,
-    1F's tuning, 2F's task check, 2G's answers, 3-5's check, 9's evaluation); no other stage's key
-    moves."""
+    1F's tuning, 2D's fidelity table answering the ladder, 2F's task check, 2G's answers, 3-5's check,
+    9's evaluation); no other stage's key moves."""
     src = _source("kibidango.speculative")
     edited = src.replace("class Decoder:\n", "class Decoder:\n    KB_EDITED = 1\n", 1)
     assert edited != src
     changed = {sid for sid, v in _versions({"kibidango.speculative": edited}).items() if v != baseline[sid]}
-    assert changed == {"1B", "1C", "1D", "1E", "1F", "1R", "1S", "2F", "2G", "3", "4", "5", "9"}
+    assert changed == {"1B", "1C", "1D", "1E", "1F", "1R", "1S", "2D", "2F", "2G", "3", "4", "5", "9"}
     src = _source("kibidango.bundle")
     edited = src.replace("def load_bundle(", "def load_bundle(  # edited\n    ", 1).replace(
         "    if is_packed(root):",
@@ -137,5 +137,5 @@ def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(bas
     )
     assert edited != src
     changed = {sid for sid, v in _versions({"kibidango.bundle": edited}).items() if v != baseline[sid]}
-    decoding = {"1B", "1C", "1D", "1E", "1F", "1R", "1S", "2F", "2G", "3", "4", "5", "9"}
+    decoding = {"1B", "1C", "1D", "1E", "1F", "1R", "1S", "2D", "2F", "2G", "3", "4", "5", "9"}
     assert changed and changed <= decoding | {"X", "9A"}, changed

@@ -267,6 +267,79 @@ def test_gguf_gate_fails_a_damaged_model_with_a_report(family, data, tmp_path, m
     assert "where the GGUF first differs" in text and "| first difference at |" in text
 
 
+def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, pruned, data, tmp_path):
+    """A tier whose type is auto: every candidate is measured against the reference's F16 and the
+    smallest within the rule ships, alone in ``<tier>/``; the table is in the report and gguf.json."""
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    fidelity = {
+        "reference": "reference",
+        "candidates": [
+            {"quant": "Q8_0"},
+            {"quant": "Q4_0", "imatrix": True},
+            {"input": "reference", "quant": "Q8_0"},
+            {"quant": "Q2_K"},
+        ],
+        "max_ppl_ratio": 1.3,
+        "max_ladder_drop": 0,
+        "ladder_levels": [1],
+        "ladder_per_level": 2,
+        "ladder_new_tokens": 8,
+        "imatrix_rows": 4,
+        "speed_prompts": 2,
+        "speed_tokens": 4,
+        "speed_rounds": 1,
+    }
+    config = {**GATE, "tiers": {"target": {"input": "target", "quant": "auto", "fidelity": fidelity}}}
+    out = tmp_path / "2D"
+    result = _run("2D", {"target": pruned, "reference": family, "data": data}, out, **config)
+    rows = json.loads((out / "gguf.json").read_text())["fidelity"]["target"]
+    assert [r["name"] for r in rows] == [
+        "reference F16",
+        "target Q8_0",
+        "target Q4_0 +imatrix",
+        "reference Q8_0",
+        "target Q2_K",
+    ]
+    ref = rows[0]
+    assert ref["reference"] and ref["ppl_ratio"] == 1.0 and ref["kl"] == 0.0
+    assert all(r["tokens"] == ref["tokens"] > 0 and r["ladder_tasks"] == 2 for r in rows)
+    assert all(r["kl"] > 0 and r["bytes"] < ref["bytes"] for r in rows[1:])
+    fits = [r for r in rows[1:] if not r["why_not"]]
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0] == min(fits, key=lambda r: (r["bytes"], r["ppl_ratio"]))
+    shipped = list((out / "target").glob("*.gguf"))
+    assert [p.name for p in shipped] == [f"target-{chosen[0]['quant']}.gguf"] and not (out / "_fidelity").exists()
+    assert result.metrics["target_chosen_ppl_ratio"] == chosen[0]["ppl_ratio"]
+    assert result.metrics["target_gguf_bytes"] == chosen[0]["bytes"]
+    report = (out / "gguf_report.md").read_text()
+    assert "## target: fidelity table" in report and "**chosen**" in report
+
+
+def test_gguf_fidelity_config_names_what_is_missing(family, data, tmp_path):
+    from pydantic import ValidationError
+
+    import stages.gguf_export as s2d
+
+    with pytest.raises(ValidationError, match="quant: auto and a fidelity block go together"):
+        s2d.Config.model_validate({"tiers": {"target": {"input": "target", "quant": "auto"}}})
+    fidelity = {"reference": "reference", "candidates": [{"quant": "Q8_0"}]}
+    with pytest.raises(KibidangoError, match="tier target reads input 'reference', which the preset does not give"):
+        _run(
+            "2D",
+            {"target": family, "data": data},
+            tmp_path / "a",
+            tiers={"target": {"input": "target", "quant": "auto", "fidelity": fidelity}},
+        )
+    bad = {**fidelity, "candidates": [{"quant": "Q9_9"}]}
+    with pytest.raises(KibidangoError, match="fidelity names unknown quant 'Q9_9'"):
+        _run(
+            "2D",
+            {"target": family, "reference": family, "data": data},
+            tmp_path / "b",
+            tiers={"target": {"input": "target", "quant": "auto", "fidelity": bad}},
+        )
+
+
 def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, data, pruned, tmp_path):
     """X assembles a bundle from stage-shaped artifacts (with manifests), 2E packs it, the runtime
     loads both forms and refuses a tampered file by name."""

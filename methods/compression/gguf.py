@@ -72,9 +72,21 @@ def fallback_tensors(log: Path) -> int:
     )
 
 
-def quantize(src: Path, out: Path, qtype: str, threads: int = 0) -> Path:
+def quantize(
+    src: Path,
+    out: Path,
+    qtype: str,
+    threads: int = 0,
+    imatrix: dict[str, np.ndarray] | None = None,
+    embedding_type: str | None = None,
+) -> Path:
     """``llama_model_quantize(src -> out)`` to ``qtype`` (llama.cpp's names: Q5_K_M, Q4_K_M, ...);
-    llama.cpp's report goes to ``<out>.log``."""
+    llama.cpp's report goes to ``<out>.log``. ``imatrix``: importance per input column by GGUF
+    tensor name (:func:`methods.compression.imatrix.compute_imatrix`); ``embedding_type``: a
+    llama.cpp tensor type (``Q8_0``, ``F16``, ...) for the token embedding and output head instead of
+    the type's own choice (a tied head is the embedding)."""
+    import ctypes
+
     try:
         import llama_cpp
     except ImportError as e:
@@ -88,10 +100,29 @@ def quantize(src: Path, out: Path, qtype: str, threads: int = 0) -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = threads
+    if embedding_type is not None:
+        ggml_type = getattr(llama_cpp, f"GGML_TYPE_{embedding_type}", None)
+        if ggml_type is None:
+            raise KibidangoError(f"unknown llama.cpp tensor type {embedding_type!r} for the embedding")
+        params.token_embedding_type = params.output_tensor_type = ggml_type
+    keep = []  # the arrays llama.cpp reads, alive until it returns
+    if imatrix:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, values) in enumerate(sorted(imatrix.items())):
+            data = np.ascontiguousarray(values, dtype=np.float32)
+            if not np.isfinite(data).all():
+                raise KibidangoError(f"importance matrix entry {name} has non-finite values")
+            keep += [name.encode(), data]
+            entries[i].name = keep[-2]
+            entries[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = data.size
+        keep.append(entries)
+        params.imatrix = entries  # the last entry's name is NULL: the end
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
     with _native_output_to(log):
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
+    del keep
     if rc != 0 or not out.is_file():
         raise KibidangoError(
             f"llama.cpp could not quantize {src} to {qtype} (llama_model_quantize returned {rc}); see {log}"

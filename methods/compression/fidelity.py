@@ -1,0 +1,212 @@
+"""How much of a model a quantized GGUF keeps: the fidelity table stage 2D chooses the shipped
+type from.
+
+Every row is one GGUF of the tier (a llama.cpp type, with or without an importance matrix, the
+token embedding at its own type) measured against the **reference**, the uncompressed model (its
+F16 GGUF), on the same held-out tokens and tasks:
+
+- ``ppl_ratio``: perplexity of the row over the reference's on the response tokens of held-out
+  rows (1.0: nothing lost);
+- ``kl``: mean over those tokens of KL(reference || row) of the next-token distributions, in nats
+  (llama.cpp's ``llama-perplexity --kl-divergence`` measures the same quantity);
+- ``ladder``: held-out math-ladder tasks passed (greedy, the math judge), beside the reference's;
+- ``agreement``: greedy-token agreement with the transformers model it was made from (2D's gate);
+- ``tokens_per_s``: llama.cpp greedy decoding, every row timed in the same rounds, in turn.
+
+:func:`choose` is the rule a recipe states: the smallest file whose perplexity ratio, ladder drop
+and agreement are all within the recipe's bounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from methods.training.chat import encode, messages, prompt_ids, prompt_text
+
+__all__ = [
+    "Divergence",
+    "FidelityRow",
+    "choose",
+    "decode_speed",
+    "divergence",
+    "ladder_pass",
+    "log_softmax",
+    "table",
+]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max(-1, keepdims=True)
+    return x - (np.log(np.exp(x - top).sum(-1, keepdims=True)) + top)
+
+
+@dataclass
+class Divergence:
+    """Running sums over scored tokens: negative log-likelihood of the true next token under the
+    reference and under the row, and KL(reference || row)."""
+
+    nll_reference: float = 0.0
+    nll: float = 0.0
+    kl: float = 0.0
+    tokens: int = 0
+
+    def add(self, reference_logits: np.ndarray, logits: np.ndarray, targets: Sequence[int]) -> None:
+        """Score positions whose logits predict ``targets`` (one row of logits per target)."""
+        if len(targets) == 0:
+            return
+        p_log, q_log = log_softmax(reference_logits), log_softmax(logits)
+        at = np.arange(len(targets)), np.asarray(targets)
+        self.nll_reference -= float(p_log[at].sum())
+        self.nll -= float(q_log[at].sum())
+        self.kl += float((np.exp(p_log) * (p_log - q_log)).sum())
+        self.tokens += len(targets)
+
+    @property
+    def ppl_reference(self) -> float:
+        return float(np.exp(self.nll_reference / max(self.tokens, 1)))
+
+    @property
+    def ppl(self) -> float:
+        return float(np.exp(self.nll / max(self.tokens, 1)))
+
+    @property
+    def ppl_ratio(self) -> float:
+        """Perplexity over the reference's: exp of the mean log-likelihood difference."""
+        return float(np.exp((self.nll - self.nll_reference) / max(self.tokens, 1)))
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl / max(self.tokens, 1)
+
+
+def divergence(
+    reference, models: dict[str, object], tokenizer, rows: list[dict], max_len: int
+) -> dict[str, Divergence]:
+    """:class:`Divergence` of each of ``models`` (runtime models: ``new_session().feed(ids)``
+    returns a logits row per token) against ``reference`` on the response tokens of ``rows``,
+    each row's reference logits computed once."""
+    out = {name: Divergence() for name in models}
+    for r in rows:
+        ids, start = encode(tokenizer, messages(r), max_len)
+        if len(ids) <= max(start, 1):
+            continue
+        start = max(start, 1)
+        targets = ids[start:]
+        ref = reference.new_session().feed(ids)[start - 1 : len(ids) - 1]
+        for name, model in models.items():
+            out[name].add(ref, model.new_session().feed(ids)[start - 1 : len(ids) - 1], targets)
+    return out
+
+
+def ladder_pass(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list[bool]:
+    """Greedy answers of ``model`` (a runtime model) to ladder ``rows`` in the model's chat
+    template (as :class:`methods.measure.generate.Answerer` prompts), judged by the math judge."""
+    from kibidango import DecodeConfig, Pipeline
+    from methods.judges.math import MathJudge
+
+    stop = tuple(i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id) if i is not None)
+    config = DecodeConfig(mode="ar", temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=stop)
+    pipeline = Pipeline(tokenizer, {"target": model}, config)
+    judge = MathJudge()
+    passed = []
+    for row in rows:
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": prompt_text(row["instruction"], row["input"])}])
+        room = min(max_new_tokens, model.context_length - len(ids))
+        text = pipeline.generate(ids, max_new_tokens=room).text if room > 0 else ""
+        passed.append(judge(row["task"], text).passed)
+    return passed
+
+
+def decode_speed(models: dict[str, object], prompts: list[list[int]], new_tokens: int, rounds: int) -> dict[str, float]:
+    """Greedy decoding tokens/s of each model (runtime models), prompt processing excluded: every
+    round times each model on every prompt, models in turn (the order rotating by round), so a
+    machine's drift falls on all of them; each model's figure is its median over rounds."""
+    names = list(models)
+    per: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            model, tokens, seconds = models[name], 0, 0.0
+            for ids in prompts:
+                session = model.new_session()
+                row = session.feed(ids)[-1]
+                started = time.perf_counter()
+                for _ in range(new_tokens):
+                    row = session.feed([int(np.argmax(row))])[0]
+                seconds += time.perf_counter() - started
+                tokens += new_tokens
+            per[name].append(tokens / max(seconds, 1e-9))
+    return {n: float(np.median(v)) for n, v in per.items()}
+
+
+@dataclass
+class FidelityRow:
+    name: str
+    source: str
+    quant: str
+    imatrix: bool
+    embedding: str | None
+    bytes: int
+    bits_per_weight: float
+    ppl: float
+    ppl_ratio: float
+    kl: float
+    ladder_passed: int
+    ladder_tasks: int
+    agreement: float | None
+    tokens_per_s: float
+    tokens: int
+    """Held-out tokens the perplexity and KL are measured on."""
+    reference: bool = False
+    chosen: bool = False
+    why_not: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def choose(
+    rows: list[FidelityRow], max_ppl_ratio: float, max_ladder_drop: int, min_agreement: float
+) -> FidelityRow | None:
+    """The smallest row (bytes) with perplexity ratio <= ``max_ppl_ratio``, at most
+    ``max_ladder_drop`` fewer ladder tasks passed than the reference and agreement >= ``min_agreement``;
+    None when no row qualifies. Each row's ``why_not`` lists the bounds it misses."""
+    ref = next((r for r in rows if r.reference), None)
+    if ref is None:
+        raise ValueError("the fidelity table has no reference row")
+    for r in rows:
+        if r.reference:
+            continue
+        r.why_not = []
+        if r.ppl_ratio > max_ppl_ratio:
+            r.why_not.append(f"perplexity ratio {r.ppl_ratio:.3f} > {max_ppl_ratio}")
+        if ref.ladder_passed - r.ladder_passed > max_ladder_drop:
+            r.why_not.append(f"ladder {r.ladder_passed} < {ref.ladder_passed} - {max_ladder_drop}")
+        if r.agreement is not None and r.agreement < min_agreement:
+            r.why_not.append(f"agreement {r.agreement:.1%} < {min_agreement:.0%}")
+    fit = [r for r in rows if not r.reference and not r.why_not]
+    best = min(fit, key=lambda r: (r.bytes, r.ppl_ratio), default=None)
+    if best is not None:
+        best.chosen = True
+    return best
+
+
+def table(rows: list[FidelityRow]) -> str:
+    """The fidelity table as markdown, smallest file last."""
+    out = [
+        "| row | bits/weight | MB | perplexity (ratio) | mean KL (nats) | ladder | agreement | tokens/s | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (not r.reference, -r.bytes)):
+        verdict = "reference" if r.reference else "**chosen**" if r.chosen else "; ".join(r.why_not) or "fits, larger"
+        agreement = "" if r.agreement is None else f"{r.agreement:.1%}"
+        out.append(
+            f"| {r.name} | {r.bits_per_weight:.2f} | {r.bytes / 1e6:.1f} | {r.ppl:.3f} ({r.ppl_ratio:.3f}) | "
+            f"{r.kl:.4f} | {r.ladder_passed}/{r.ladder_tasks} | {agreement} | {r.tokens_per_s:.1f} | {verdict} |"
+        )
+    return "\n".join(out)

@@ -1,0 +1,142 @@
+"""The fidelity table's measurements against hand-computed values on a toy model, the rule that
+chooses from it, and llama.cpp's quantizer taking an importance matrix (stories260K, ../shared)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from eval.shared_data import SHARED
+from methods.compression import fidelity as fid
+
+STORIES = SHARED / "models" / "stories260K" / "hf"
+
+# Two positions over a two-token vocabulary. Position 0: the reference says p = (1/2, 1/2), the row
+# q = (3/4, 1/4), the true token is 0. Position 1: p = (4/5, 1/5), q = (1/2, 1/2), the true token is 1.
+REFERENCE = np.log([[0.5, 0.5], [0.8, 0.2]])
+ROW = np.log([[0.75, 0.25], [0.5, 0.5]]) + 7.0  # logits need not be normalised
+TARGETS = [0, 1]
+KL = [0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25), 0.8 * math.log(0.8 / 0.5) + 0.2 * math.log(0.2 / 0.5)]
+# perplexity ratio = (prod_t p(x_t) / q(x_t))^(1/T) = ((0.5 / 0.75) * (0.2 / 0.5))^(1/2)
+PPL_RATIO = ((0.5 / 0.75) * (0.2 / 0.5)) ** 0.5
+
+
+def test_kl_and_perplexity_ratio_equal_the_hand_computed_values():
+    d = fid.Divergence()
+    d.add(REFERENCE, ROW, TARGETS)
+    assert d.tokens == 2
+    assert d.mean_kl == pytest.approx(sum(KL) / 2, abs=1e-12)
+    assert d.ppl_ratio == pytest.approx(PPL_RATIO, abs=1e-12)
+    assert d.ppl_reference == pytest.approx((1 / (0.5 * 0.2)) ** 0.5)  # exp(mean NLL) of p(x_t)
+    assert d.ppl == pytest.approx((1 / (0.75 * 0.5)) ** 0.5)
+    same = fid.Divergence()
+    same.add(REFERENCE, REFERENCE + 3.0, TARGETS)  # a shifted copy is the same distribution
+    assert same.mean_kl == pytest.approx(0.0, abs=1e-12) and same.ppl_ratio == pytest.approx(1.0)
+
+
+class _Session:
+    def __init__(self, table: dict[tuple[int, ...], np.ndarray]):
+        self.table = table
+
+    def feed(self, ids: list[int]) -> np.ndarray:
+        return self.table[tuple(ids)]
+
+
+class _Model:
+    """A runtime model whose logits for a whole fed sequence are looked up in a table."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def new_session(self):
+        return _Session(self.table)
+
+
+class _Tokenizer:
+    """Chat rendering stub: a row's ids are (10, 11, 12), the response starting at position 1."""
+
+
+def test_divergence_scores_response_tokens_against_the_reference(monkeypatch):
+    # ids (10, 0, 1): position 0 predicts token 0, position 1 predicts token 1; the last row of
+    # logits (after the final token) predicts nothing.
+    monkeypatch.setattr(fid, "encode", lambda tokenizer, turns, max_len: ([10, 0, 1], 1))
+    monkeypatch.setattr(fid, "messages", lambda row: [])
+    pad = np.zeros((1, 2))
+    reference = _Model({(10, 0, 1): np.vstack([REFERENCE, pad])})
+    row = _Model({(10, 0, 1): np.vstack([ROW, pad + 100.0])})
+    out = fid.divergence(reference, {"q": row, "same": reference}, _Tokenizer(), [{}, {}], 64)
+    assert out["q"].tokens == 4  # two rows, two response tokens each
+    assert out["q"].mean_kl == pytest.approx(sum(KL) / 2)
+    assert out["q"].ppl_ratio == pytest.approx(PPL_RATIO)
+    assert out["same"].mean_kl == pytest.approx(0.0) and out["same"].ppl_ratio == pytest.approx(1.0)
+
+
+def _row(name, size, ratio, passed, agreement=0.99, reference=False):
+    return fid.FidelityRow(
+        name, "src", name, False, None, size, 8.0, 5.0 * ratio, ratio, 0.01, passed, 48, agreement, 50.0, 100, reference
+    )
+
+
+def test_the_rule_takes_the_smallest_row_within_every_bound_and_says_why_not_for_the_others():
+    rows = [
+        _row("F16", 270, 1.0, 20, None, reference=True),
+        _row("Q8_0", 145, 1.001, 20),
+        _row("Q4_K_M", 100, 1.03, 19),
+        _row("Q4_0", 80, 1.08, 19),  # perplexity
+        _row("Q4_0 +imatrix", 80, 1.04, 17),  # ladder
+        _row("Q3", 60, 1.02, 20, agreement=0.8),  # agreement
+    ]
+    chosen = fid.choose(rows, max_ppl_ratio=1.05, max_ladder_drop=1, min_agreement=0.9)
+    assert chosen.name == "Q4_K_M" and chosen.chosen
+    why = {r.name: r.why_not for r in rows}
+    assert why["Q4_0"] == ["perplexity ratio 1.080 > 1.05"]
+    assert why["Q4_0 +imatrix"] == ["ladder 17 < 20 - 1"]
+    assert why["Q3"] == ["agreement 80.0% < 90%"]
+    assert why["Q8_0"] == []
+    text = fid.table(rows)
+    assert "| Q4_K_M |" in text and "**chosen**" in text and "fits, larger" in text and "reference" in text
+    assert fid.choose(rows[:1] + rows[3:5], 1.05, 1, 0.9) is None
+    with pytest.raises(ValueError, match="no reference row"):
+        fid.choose(rows[1:], 1.05, 1, 0.9)
+
+
+def test_llama_cpp_quantizes_with_an_importance_matrix_named_for_the_gguf(tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"needs stories260K at {STORIES} (absent on this machine)")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from methods.compression.gguf import quantize
+    from methods.compression.imatrix import compute_imatrix, gguf_tensor_widths
+    from methods.llama_cpp_tools import convert_hf_to_gguf
+
+    f16 = convert_hf_to_gguf(STORIES, tmp_path / "m-F16.gguf")
+    rows = [{"instruction": "", "input": "", "output": "Once upon a time there was a little dog. He liked to run."}] * 3
+    imatrix = compute_imatrix(STORIES, f16, rows, 64)
+    _, widths = gguf_tensor_widths(f16)
+    assert len(imatrix) == 7 * 5  # q, k, v, output, gate, up, down in each of 5 blocks; the tied head none
+    assert all(name in widths and len(v) == widths[name] for name, v in imatrix.items())
+    assert all(np.isfinite(v).all() and (v >= 0).all() for v in imatrix.values())
+    # the first block's q projection reads the first attention norm of the embeddings: recompute it
+    model = AutoModelForCausalLM.from_pretrained(str(STORIES), dtype=torch.float32).eval()
+    from transformers import AutoTokenizer
+
+    from methods.training.chat import encode, messages
+
+    ids, _ = encode(AutoTokenizer.from_pretrained(str(STORIES)), messages(rows[0]), 64)
+    with torch.inference_mode():
+        x = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor([ids])))[0]
+    np.testing.assert_allclose(imatrix["blk.0.attn_q.weight"], (x.double() ** 2).mean(0).numpy(), rtol=1e-5)
+
+    plain = quantize(f16, tmp_path / "p-Q4_0.gguf", "Q4_0")
+    weighted = quantize(f16, tmp_path / "w-Q4_0.gguf", "Q4_0", imatrix=imatrix)
+    assert plain.stat().st_size == weighted.stat().st_size and plain.read_bytes() != weighted.read_bytes()
+    embedding = quantize(f16, tmp_path / "e-Q4_0.gguf", "Q4_0", embedding_type="F16")
+    assert embedding.stat().st_size > plain.stat().st_size  # the tied embedding kept at 16 bits
+    from core.contract import KibidangoError
+
+    with pytest.raises(KibidangoError, match="non-finite"):
+        quantize(f16, tmp_path / "n-Q4_0.gguf", "Q4_0", imatrix={"blk.0.attn_q.weight": np.full(64, np.nan)})
