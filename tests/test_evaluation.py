@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from core.contract import KibidangoError
 from eval.shared_data import SHARED
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
@@ -290,6 +291,71 @@ def test_stage_9_measures_the_default_adapter_against_the_bare_weights(stage0, t
     assert paired["n"] == 4 and 0 <= paired["p"] <= 1 and result.metrics["all/auto_vs_none/p"] == paired["p"]
     card = (out / "EVALUATION_CARD.md").read_text()
     assert "the bundle's default adapter `recovery` (2F)" in card and "McNemar p" in card
+
+
+def test_stage_9_answers_the_same_tasks_with_the_input_model_beside_the_bundle(stage0, tmp_path):
+    """The model the preset started from (here a damaged copy of stories260K given as stage P's
+    family, converted to F16 for llama.cpp) answers every task as policy ``input``, beside the
+    bundle on llama.cpp: paired per sample, its bytes, peak RSS and the speed ratio in the card."""
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    from kibidango import write_bundle
+    from stages import load_stage
+    from tests.conftest import noisy_copy
+
+    gguf = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
+    _needs(STORIES / "model.safetensors", gguf, BENCH["gsm8k"], SEEDS)
+    tiers = {"target": {"hf": STORIES, "gguf": gguf, "vocab_size": 512}}
+    (tmp_path / "X").mkdir()
+    write_bundle(tmp_path / "X" / "bundle", tiers, {"mode": "ar", "stop_ids": [1, 2]}, preset="test")
+    noisy_copy(STORIES, tmp_path / "P" / "target", 0.2)
+    module = load_stage("9")
+    config = {
+        "samples": [
+            {"name": "gsm8k", "source": "gsm8k", "path": str(BENCH["gsm8k"]), "size": 3},
+            {"name": "general", "source": "alpaca_seed", "path": str(SEEDS), "size": 3},
+        ],
+        "judges": {"math": {"kind": "math"}, "general": {"kind": "reference"}},
+        "max_new_tokens": 12,
+        "backend": "llamacpp",
+        "parallel": 2,
+        "speed_prompts": 2,
+        "speed_new_tokens": 4,
+        "speed_modes": ["ar"],
+        "input_model": {"input": "family", "speed_rounds": 2},
+    }
+    cfg = module.Config.model_validate(config)
+    inputs = {"bundle": tmp_path / "X", "data": stage0, "family": tmp_path / "P"}
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    result = module.run(cfg, inputs, out, work)
+    report = json.loads((out / "evaluation.json").read_text())
+    assert report["policies"] == ["none", "input"]
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 6 and all(a["answers"]["input"]["judge"] for a in answers)
+    assert any(a["answers"]["input"]["text"] != a["answers"]["none"]["text"] for a in answers)  # other weights
+    paired = report["quality"]["all"]["bundle_vs_input"]
+    assert paired["n"] == 6 and result.metrics["all/bundle_vs_input/p"] == paired["p"]
+    assert "gsm8k/input/accuracy" in result.metrics and "auto_vs_none" not in report["quality"]["all"]
+    m = report["input_model"]
+    assert m["name"] == "family/target" and m["file"] == "target-F16.gguf" and m["bytes"] > 0
+    assert m["peak_rss_mb"] > 50 and m["speed"]["ci"][0] <= m["speed"]["ratio"] <= m["speed"]["ci"][1]
+    assert result.metrics["input/speed_ratio"] == m["speed"]["ratio"]
+    card = (out / "EVALUATION_CARD.md").read_text()
+    assert "### Beside the input model" in card and "| input model |" in card and "bundle vs input" in card
+    # Resumable: the input's answers are journaled like the bundle's; the F16 is converted once.
+    shutil.rmtree(out)
+    out.mkdir()
+    again = module.run(cfg, inputs, out, work)
+    assert again.metrics["gsm8k/input/accuracy"] == result.metrics["gsm8k/input/accuracy"]
+    # A GGUF file runs on llama.cpp only, and a missing input is named.
+    with pytest.raises(Exception, match="input_model takes one of path"):
+        module.Config.model_validate({**config, "input_model": {}})
+    torch_cfg = module.Config.model_validate({**config, "backend": "torch", "input_model": {"path": str(gguf)}})
+    with pytest.raises(KibidangoError, match="is a GGUF file, which runs on backend llamacpp"):
+        module.run(torch_cfg, inputs, tmp_path / "o2", tmp_path / "w2")
+    with pytest.raises(KibidangoError, match="input_model reads input 'family', which the preset does not give"):
+        module.run(cfg, {"bundle": tmp_path / "X", "data": stage0}, tmp_path / "o3", tmp_path / "w3")
 
 
 def test_mcnemar_counts_the_discordant_tasks_and_tests_them_exactly():

@@ -152,7 +152,7 @@ def test_a_preset_on_the_graph_states_only_where_it_differs(tmp_path):
     with pytest.raises(KibidangoError, match=r"stage 1A needs stage 'P', which the preset does not run"):
         load_preset(preset(without=["P"]))
     one = load_preset(preset(stages={"9": {"config": {"max_new_tokens": 7}}}))
-    assert one.configs["9"].max_new_tokens == 7 and one.needs("9") == {**graph["9"], "mined": "1B"}
+    assert one.configs["9"].max_new_tokens == 7 and one.needs("9") == {**graph["9"], "mined": "1B", "family": "P"}
 
 
 def test_a_stage_has_one_name_everywhere():

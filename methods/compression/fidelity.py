@@ -11,7 +11,8 @@ F16 GGUF), on the same held-out tokens and tasks:
   (llama.cpp's ``llama-perplexity --kl-divergence`` measures the same quantity);
 - ``ladder``: held-out math-ladder tasks passed (greedy, the math judge), beside the reference's;
 - ``agreement``: greedy-token agreement with the transformers model it was made from (2D's gate);
-- ``tokens_per_s``: llama.cpp greedy decoding, every row timed in the same rounds, in turn.
+- ``tokens_per_s``: llama.cpp greedy decoding, every row timed in the same rounds, in turn
+  (:mod:`methods.measure.speed`).
 
 :func:`choose` is the rule a recipe states: the smallest file whose perplexity ratio, ladder drop
 and agreement are all within the recipe's bounds.
@@ -19,7 +20,6 @@ and agreement are all within the recipe's bounds.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -31,7 +31,6 @@ __all__ = [
     "Divergence",
     "FidelityRow",
     "choose",
-    "decode_speed",
     "divergence",
     "ladder_pass",
     "log_softmax",
@@ -121,27 +120,6 @@ def ladder_pass(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list
         text = pipeline.generate(ids, max_new_tokens=room).text if room > 0 else ""
         passed.append(judge(row["task"], text).passed)
     return passed
-
-
-def decode_speed(models: dict[str, object], prompts: list[list[int]], new_tokens: int, rounds: int) -> dict[str, float]:
-    """Greedy decoding tokens/s of each model (runtime models), prompt processing excluded: every
-    round times each model on every prompt, models in turn (the order rotating by round), so a
-    machine's drift falls on all of them; each model's figure is its median over rounds."""
-    names = list(models)
-    per: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            model, tokens, seconds = models[name], 0, 0.0
-            for ids in prompts:
-                session = model.new_session()
-                row = session.feed(ids)[-1]
-                started = time.perf_counter()
-                for _ in range(new_tokens):
-                    row = session.feed([int(np.argmax(row))])[0]
-                seconds += time.perf_counter() - started
-                tokens += new_tokens
-            per[name].append(tokens / max(seconds, 1e-9))
-    return {n: float(np.median(v)) for n, v in per.items()}
 
 
 @dataclass
