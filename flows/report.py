@@ -323,6 +323,34 @@ def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: lis
             f"{ev['size']['bytes'] / 1e6:.2f} MB; "
             f"{ev['peak_rss_mb']:.0f} MB | {cite('9')} |"
         )
+        if beside := ev.get("input_model"):
+            sp, test = beside["speed"], q.get("all", {}).get("bundle_vs_input")
+            rss = "" if beside["peak_rss_mb"] is None else f", peak RSS {beside['peak_rss_mb']:.0f} MB"
+            paired = (
+                f"; all tasks: bundle only {test['a_only']} / input only {test['b_only']}, McNemar p = {test['p']:.3g}"
+                if test
+                else ""
+            )
+            rows.append(
+                f"| beside the input model, {beside['name']} (policy `input` above) | {beside['bytes'] / 1e6:.1f} MB"
+                f"{rss}; the bundle target's greedy tokens/s {sp['ratio']:.2f}x [{sp['ci'][0]:.2f}, "
+                f"{sp['ci'][1]:.2f}] the input's{paired} | {cite('9')} |"
+            )
+    fidelity = (_json(Path(artifacts["2D"]) / "gguf.json") or {}).get("fidelity") if artifacts.get("2D") else None
+    for tier, table in (fidelity or {}).items():
+        ref = next(r for r in table if r["reference"])
+        chosen = next((r for r in table if r["chosen"]), None)
+        shown = (
+            f"{chosen['name']}: {chosen['bytes'] / 1e6:.1f} MB, {chosen['bits_per_weight']:.2f} bits/weight, "
+            f"perplexity {chosen['ppl_ratio']:.3f}x the reference's, mean KL {chosen['kl']:.4f}, mining ladder "
+            f"{chosen['ladder_passed']}/{chosen['ladder_tasks']} (reference {ref['ladder_passed']})"
+            if chosen
+            else "no candidate fits the rule: the recipe's fallback ships"
+        )
+        rows.append(
+            f"| the {tier}'s GGUF, chosen by 2D's fidelity table ({len(table) - 1} rows) | {shown} | {cite('2D')} |"
+        )
+    if ev:
         speed = [r for r in (ev.get("speed") or {}).get("rows", []) if r["mode"] != "ar"]
         if speed:
             shown = "; ".join(
