@@ -145,6 +145,8 @@ class _Table:
     rows: list[fid.FidelityRow]
     chosen: fid.FidelityRow | None
     gguf: Path
+    source: str
+    """The stage input the shipped GGUF was quantized from."""
     source_dir: Path
     f16_bytes: int
     rule: str
@@ -307,7 +309,7 @@ def _choose_by_fidelity(
         )
     f16_bytes = f16[src].stat().st_size
     shutil.rmtree(out_dir / "_fidelity")
-    return _Table(tier, table_rows, chosen, gguf, sources[src], f16_bytes, rule)
+    return _Table(tier, table_rows, chosen, gguf, src, sources[src], f16_bytes, rule)
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
@@ -324,14 +326,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         _check_inputs(tier, spec, inputs)
         gate = cfg.min_agreement if spec.min_agreement is None else spec.min_agreement
         if spec.fidelity is None:
-            hf_dir = Path(resolve_base(None, inputs[spec.input], tier, f"GGUF export ({tier})"))
+            hf_dir, source = Path(resolve_base(None, inputs[spec.input], tier, f"GGUF export ({tier})")), spec.input
             f16 = convert_hf_to_gguf(hf_dir, out_dir / tier / f"{tier}-F16.gguf", "f16")
             gguf = quantize(f16, out_dir / tier / f"{tier}-{spec.quant}.gguf", spec.quant)
             f16_bytes = f16.stat().st_size
             f16.unlink()  # the bundle ships the quantized file; F16 is only the converter's output
         else:
             table = _choose_by_fidelity(tier, spec, gate, cfg, inputs, rows, out_dir)
-            hf_dir, gguf, f16_bytes = table.source_dir, table.gguf, table.f16_bytes
+            hf_dir, gguf, f16_bytes, source = table.source_dir, table.gguf, table.f16_bytes, table.source
             tables[tier] = [r.as_dict() for r in table.rows]
             metrics.update({f"{tier}_{k}": v for k, v in table.metrics().items()})
             report += table.report()
@@ -363,9 +365,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             f"{fallbacks} tensors in llama.cpp's fallback type (rows not a multiple of the quant block; "
             f"see {tier}/{gguf.with_suffix('.log').name})",
             "",
-            f"token agreement with {hf_dir.name} (HF): {agreement.agreement:.2%} of {agreement.positions} positions "
-            f"({agreement.identical_prompts}/{agreement.prompts} prompts x {cfg.new_tokens} tokens identical); "
-            f"gate {gate:.0%}",
+            f"token agreement with {source}'s {hf_dir.name} (HF): {agreement.agreement:.2%} of "
+            f"{agreement.positions} positions ({agreement.identical_prompts}/{agreement.prompts} prompts x "
+            f"{cfg.new_tokens} tokens identical); gate {gate:.0%}",
             "",
             f"validation perplexity: HF {hf_loss['perplexity']:.2f}, GGUF {loss['perplexity']:.2f}",
             "",

@@ -57,9 +57,13 @@ class Divergence:
 
     def add(self, reference_logits: np.ndarray, logits: np.ndarray, targets: Sequence[int]) -> None:
         """Score positions whose logits predict ``targets`` (one row of logits per target)."""
+        self.add_log_probs(log_softmax(reference_logits), logits, targets)
+
+    def add_log_probs(self, p_log: np.ndarray, logits: np.ndarray, targets: Sequence[int]) -> None:
+        """:meth:`add` with the reference's log-probabilities computed already (once for every row)."""
         if len(targets) == 0:
             return
-        p_log, q_log = log_softmax(reference_logits), log_softmax(logits)
+        q_log = log_softmax(logits)
         at = np.arange(len(targets)), np.asarray(targets)
         self.nll_reference -= float(p_log[at].sum())
         self.nll -= float(q_log[at].sum())
@@ -97,9 +101,9 @@ def divergence(
             continue
         start = max(start, 1)
         targets = ids[start:]
-        ref = reference.new_session().feed(ids)[start - 1 : len(ids) - 1]
+        p_log = log_softmax(reference.new_session().feed(ids)[start - 1 : len(ids) - 1])
         for name, model in models.items():
-            out[name].add(ref, model.new_session().feed(ids)[start - 1 : len(ids) - 1], targets)
+            out[name].add_log_probs(p_log, model.new_session().feed(ids)[start - 1 : len(ids) - 1], targets)
     return out
 
 
