@@ -322,10 +322,8 @@ def _loadtest(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kibidango", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _generate_command(sub) -> None:
+    """``kibidango generate``'s arguments."""
     gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin)")
     gen.add_argument("prompt", nargs="?", help="the prompt; '-' or absent: read stdin")
     gen.add_argument("--bundle", required=True)
@@ -350,14 +348,23 @@ def main(argv: list[str] | None = None) -> int:
     _pin_arg(gen)
     gen.set_defaults(func=_generate)
 
+
+def _inspect_command(sub) -> None:
+    """``kibidango inspect``'s arguments."""
     ins = sub.add_parser("inspect", help="print a bundle's manifest and verify every file's hash")
     ins.add_argument("bundle")
     _pin_arg(ins)
     ins.set_defaults(func=_inspect)
 
+
+def _schema_command(sub) -> None:
+    """``kibidango schema``'s arguments."""
     sch = sub.add_parser("schema", help="every field of bundle.json, with its type and description (Markdown)")
     sch.set_defaults(func=lambda args: print(describe()))
 
+
+def _bench_command(sub) -> None:
+    """``kibidango bench``'s arguments."""
     bench = sub.add_parser("bench", help="compare decoding modes (and peers) on the same prompts")
     bench.add_argument("--bundle", required=True)
     bench.add_argument("--prompts", required=True, help="a file: one prompt per line, or JSONL with 'prompt'")
@@ -383,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     _decode_args(bench)
     bench.set_defaults(func=_bench)
 
+
+def _tune_command(sub) -> None:
+    """``kibidango tune``'s arguments."""
     tun = sub.add_parser("tune", help="search the speculative-decoding settings for the best speed (1F)")
     tun.add_argument("--bundle", required=True)
     tun.add_argument("--prompts", required=True, help="held-out prompts: one per line, or JSONL with 'prompt'")
@@ -399,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     tun.set_defaults(func=_tune)
 
+
+def _ngram_table_command(sub) -> None:
+    """``kibidango ngram-table``'s arguments."""
     ngr = sub.add_parser(
         "ngram-table",
         help="write a copy of a bundle with a static n-gram table of the target's own continuations of prompts",
@@ -415,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     ngr.add_argument("--threads", type=int)
     ngr.set_defaults(func=_ngram_table)
 
+
+def _serve_command(sub) -> None:
+    """``kibidango serve``'s arguments."""
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--bundle", required=True)
     srv.add_argument("--host", default="127.0.0.1")
@@ -466,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     _pin_arg(srv)
     srv.set_defaults(func=_serve)
 
+
+def _budget_command(sub) -> None:
+    """``kibidango budget``'s arguments."""
     bud = sub.add_parser(
         "budget", help="the cloud budget ledger: spend per period, and holds (a reply that cost more than reserved)"
     )
@@ -476,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     bud.add_argument("--note", default="", help="why the holds were lifted (kept in the ledger)")
     bud.set_defaults(func=_budget)
 
+
+def _loadtest_command(sub) -> None:
+    """``kibidango loadtest``'s arguments."""
     load = sub.add_parser("loadtest", help="a bounded load test of running servers: latency, throughput, none lost")
     load.add_argument(
         "--url", required=True, help="the server's root, e.g. http://127.0.0.1:8000 (comma list: round-robin)"
@@ -491,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--json", action="store_true", help="also print the summary as JSON")
     load.set_defaults(func=_loadtest)
 
+
+def _profile_command(sub) -> None:
+    """``kibidango profile``'s arguments."""
     prof = sub.add_parser(
         "profile",
         help="a copy of a bundle holding one profile: default (what its decoding defaults use on --backend) or full",
@@ -506,6 +531,24 @@ def main(argv: list[str] | None = None) -> int:
         "default: llamacpp",
     )
     prof.set_defaults(func=_profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kibidango", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _generate_command,
+        _inspect_command,
+        _schema_command,
+        _bench_command,
+        _tune_command,
+        _ngram_table_command,
+        _serve_command,
+        _budget_command,
+        _loadtest_command,
+        _profile_command,
+    ):
+        add(sub)
 
     args = parser.parse_args(argv)
     try:
