@@ -217,7 +217,8 @@ def _choose_by_fidelity(
         files[c.label(spec.input)] = (c, src, out)
 
     tokenizer = AutoTokenizer.from_pretrained(str(sources[f.reference]))
-    n_ctx = max(cfg.eval_max_len, 1024)
+    trained = json.loads((sources[f.reference] / "config.json").read_text()).get("max_position_embeddings", 1024)
+    n_ctx = min(max(cfg.eval_max_len, 1024), trained)  # room for a ladder answer, within the trained context
     load = lambda path, name: LlamaCppModel(path, name=name, n_ctx=n_ctx, threads=f.threads)  # noqa: E731
     ref_label = f"{f.reference} F16"
     reference = load(f16[f.reference], ref_label)
