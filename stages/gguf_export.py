@@ -35,7 +35,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from methods.compression import fidelity as fid
-from methods.compression.gguf import QUANT_TYPES, fallback_tensors, gguf_response_loss, quantize, token_agreement
+from methods.compression.gguf import (
+    QUANT_TYPES,
+    TENSOR_TYPES,
+    fallback_tensors,
+    gguf_response_loss,
+    quantize,
+    token_agreement,
+)
 from methods.llama_cpp_tools import convert_hf_to_gguf
 from methods.measure import lm
 from methods.measure.speed import decode_cells, tokens_per_s
@@ -57,6 +64,14 @@ class Candidate(BaseModel):
     embedding: str | None = Field(
         None, description="llama.cpp tensor type for the token embedding and head (default: the type's own choice)."
     )
+
+    @model_validator(mode="after")
+    def _known_types(self) -> Candidate:
+        if self.quant not in QUANT_TYPES:
+            raise ValueError(f"unknown quant {self.quant!r}; known: {', '.join(QUANT_TYPES)}")
+        if self.embedding is not None and self.embedding not in TENSOR_TYPES:
+            raise ValueError(f"unknown embedding type {self.embedding!r}; known: {', '.join(TENSOR_TYPES)}")
+        return self
 
     def label(self, tier_input: str) -> str:
         extra = (" +imatrix" if self.imatrix else "") + (f" emb {self.embedding}" if self.embedding else "")
@@ -85,6 +100,12 @@ class Fidelity(BaseModel):
     speed_rounds: int = Field(2, gt=0, description="Rounds of timing, every row in turn in each.")
     threads: int = Field(2, gt=0, description="llama.cpp threads while measuring.")
 
+    @model_validator(mode="after")
+    def _known_fallback(self) -> Fidelity:
+        if self.fallback is not None and self.fallback not in QUANT_TYPES:
+            raise ValueError(f"unknown fallback {self.fallback!r}; known: {', '.join(QUANT_TYPES)}")
+        return self
+
 
 class TierExport(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -100,6 +121,8 @@ class TierExport(BaseModel):
 
     @model_validator(mode="after")
     def _auto_needs_a_table(self) -> TierExport:
+        if self.quant not in QUANT_TYPES and self.quant != "auto":
+            raise ValueError(f"unknown quant {self.quant!r}; known: {', '.join(QUANT_TYPES)}, auto")
         if (self.quant == "auto") != (self.fidelity is not None):
             raise ValueError("quant: auto and a fidelity block go together (the table chooses the type)")
         return self
@@ -119,17 +142,9 @@ class Config(StageConfig):
 
 
 def _check_inputs(tier: str, spec: TierExport, inputs: dict[str, Path]) -> None:
-    if spec.quant not in QUANT_TYPES and spec.quant != "auto":
-        raise KibidangoError(f"tier {tier}: unknown quant {spec.quant!r}; known: {', '.join(QUANT_TYPES)}, auto")
     named = [spec.input]
     if spec.fidelity is not None:
-        f = spec.fidelity
-        named += [f.reference, *(c.input for c in f.candidates if c.input)]
-        for q in [*(c.quant for c in f.candidates), *([f.fallback] if f.fallback else [])]:
-            if q not in QUANT_TYPES:
-                raise KibidangoError(
-                    f"tier {tier}: fidelity names unknown quant {q!r}; known: {', '.join(QUANT_TYPES)}"
-                )
+        named += [spec.fidelity.reference, *(c.input for c in spec.fidelity.candidates if c.input)]
     for name in named:
         if name not in inputs:
             raise KibidangoError(

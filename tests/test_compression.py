@@ -330,13 +330,16 @@ def test_gguf_fidelity_config_names_what_is_missing(family, data, tmp_path):
             tmp_path / "a",
             tiers={"target": {"input": "target", "quant": "auto", "fidelity": fidelity}},
         )
-    bad = {**fidelity, "candidates": [{"quant": "Q9_9"}]}
-    with pytest.raises(KibidangoError, match="fidelity names unknown quant 'Q9_9'"):
-        _run(
-            "2D",
-            {"target": family, "reference": family, "data": data},
-            tmp_path / "b",
-            tiers={"target": {"input": "target", "quant": "auto", "fidelity": bad}},
+    for bad, why in (
+        ({"quant": "Q9_9"}, "unknown quant 'Q9_9'"),
+        ({"quant": "Q4_0", "embedding": "Q7"}, "unknown embedding type 'Q7'"),
+    ):
+        tiers = {"target": {"input": "target", "quant": "auto", "fidelity": {**fidelity, "candidates": [bad]}}}
+        with pytest.raises(ValidationError, match=why):  # at make dry-run, not when 2D runs
+            s2d.Config.model_validate({"tiers": tiers})
+    with pytest.raises(ValidationError, match="unknown fallback 'Q9'"):
+        s2d.Config.model_validate(
+            {"tiers": {"target": {"input": "t", "quant": "auto", "fidelity": {**fidelity, "fallback": "Q9"}}}}
         )
 
 

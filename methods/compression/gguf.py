@@ -27,7 +27,15 @@ import numpy as np
 from core.contract import KibidangoError
 from methods.training.chat import encode, messages
 
-__all__ = ["QUANT_TYPES", "AgreementReport", "fallback_tensors", "quantize", "token_agreement", "gguf_response_loss"]
+__all__ = [
+    "QUANT_TYPES",
+    "TENSOR_TYPES",
+    "AgreementReport",
+    "fallback_tensors",
+    "quantize",
+    "token_agreement",
+    "gguf_response_loss",
+]
 
 QUANT_TYPES = (
     "F32",
@@ -44,6 +52,10 @@ QUANT_TYPES = (
     "Q3_K_M",
     "Q2_K",
 )
+
+
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K")
+"""llama.cpp tensor types one tensor (the embedding) may be stored in (``GGML_TYPE_<name>``)."""
 
 
 @contextlib.contextmanager
