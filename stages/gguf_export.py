@@ -38,6 +38,7 @@ from methods.compression import fidelity as fid
 from methods.compression.gguf import (
     QUANT_TYPES,
     TENSOR_TYPES,
+    AgreementReport,
     fallback_tensors,
     gguf_response_loss,
     quantize,
@@ -165,6 +166,8 @@ class _Table:
     source_dir: Path
     f16_bytes: int
     rule: str
+    agreement: AgreementReport | None
+    """The chosen row's agreement with its transformers model, measured for the table (None: the fallback ships)."""
 
     def metrics(self) -> dict[str, float]:
         ref = next(r for r in self.rows if r.reference)
@@ -198,20 +201,36 @@ class _Table:
         ]
 
 
-def _choose_by_fidelity(
-    tier: str, spec: TierExport, gate: float, cfg: Config, inputs: dict[str, Path], rows: list[dict], out_dir: Path
-) -> _Table:
-    """Measure every candidate of ``spec.fidelity`` against the reference, choose by its rule and
-    leave the chosen GGUF (and its quantization log) in ``<out_dir>/<tier>/``."""
-    from transformers import AutoTokenizer
+@dataclass
+class _Candidates:
+    """A tier's candidate GGUFs, quantized, and the models they come from."""
 
-    from kibidango.backends.llamacpp_backend import LlamaCppModel
-    from kibidango.backends.torch_backend import TorchModel
+    sources: dict[str, Path]
+    """Stage input -> its transformers model."""
+    f16: dict[str, Path]
+    """Stage input -> its F16 GGUF (the reference's is the table's reference)."""
+    files: dict[str, tuple[Candidate, str, Path]]
+    """Row label -> (candidate, stage input it comes from, its GGUF)."""
+
+
+@dataclass
+class _Measured:
+    """What the table reads of every row: divergence from the reference, ladder verdicts, tokens/s
+    and (candidates only) agreement with their transformers model."""
+
+    div: dict[str, fid.Divergence]
+    ladder: dict[str, list[bool]]
+    speed: dict[str, float]
+    agreement: dict[str, AgreementReport]
+    parameters: int
+
+
+def _quantize_candidates(tier: str, spec: TierExport, inputs: dict[str, Path], work: Path) -> _Candidates:
+    """Convert every source the fidelity block names to F16 and quantize each candidate from it
+    (with the source's importance matrix where the candidate asks for one)."""
     from methods.compression.imatrix import compute_imatrix
-    from methods.ladder import ladder_rows
 
     f = spec.fidelity
-    work = out_dir / "_fidelity" / tier
     names = dict.fromkeys([f.reference, spec.input, *(c.input or spec.input for c in f.candidates)])
     sources = {n: Path(resolve_base(None, inputs[n], tier, f"GGUF fidelity ({tier}, {n})")) for n in names}
     f16 = {n: convert_hf_to_gguf(d, work / f"{n}-F16.gguf", "f16") for n, d in sources.items()}
@@ -230,14 +249,24 @@ def _choose_by_fidelity(
             embedding_type=c.embedding,
         )
         files[c.label(spec.input)] = (c, src, out)
+    return _Candidates(sources, f16, files)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(sources[f.reference]))
-    trained = json.loads((sources[f.reference] / "config.json").read_text()).get("max_position_embeddings", 1024)
+
+def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[dict]) -> _Measured:
+    """Every candidate and the reference on the same tokens, tasks and prompts."""
+    from transformers import AutoTokenizer
+
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+    from kibidango.backends.torch_backend import TorchModel
+    from methods.ladder import ladder_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(str(made.sources[f.reference]))
+    trained = json.loads((made.sources[f.reference] / "config.json").read_text()).get("max_position_embeddings", 1024)
     n_ctx = min(max(cfg.eval_max_len, 1024), trained)  # room for a ladder answer, within the trained context
     load = lambda path, name: LlamaCppModel(path, name=name, n_ctx=n_ctx, threads=f.threads)  # noqa: E731
     ref_label = f"{f.reference} F16"
-    reference = load(f16[f.reference], ref_label)
-    models = {label: load(path, label) for label, (_, _, path) in files.items()}
+    reference = load(made.f16[f.reference], ref_label)
+    models = {label: load(path, label) for label, (_, _, path) in made.files.items()}
     log.info("2D %s fidelity: perplexity and KL of %d rows on %d validation rows", tier, len(models), len(rows))
     div = fid.divergence(reference, models, tokenizer, rows, cfg.eval_max_len)
     tasks = ladder_rows("math", f.ladder_levels, "mining", f.ladder_per_level * len(f.ladder_levels))
@@ -250,82 +279,95 @@ def _choose_by_fidelity(
     speed = {label: tokens_per_s(c) for label, c in cells.items()}
     agree_prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
     agreement = {}
-    for src in dict.fromkeys(src for _, src, _ in files.values()):
-        hf = TorchModel(sources[src], name=src)
-        for label, (_, s, _) in files.items():
+    for src in dict.fromkeys(src for _, src, _ in made.files.values()):
+        hf = TorchModel(made.sources[src], name=src)
+        for label, (_, s, _) in made.files.items():
             if s == src:
-                agreement[label] = token_agreement(
-                    hf, models[label], tokenizer, agree_prompts, cfg.new_tokens
-                ).agreement
+                agreement[label] = token_agreement(hf, models[label], tokenizer, agree_prompts, cfg.new_tokens)
         del hf
+    return _Measured(div, ladder, speed, agreement, reference.parameters())
 
-    params = reference.parameters()
-    ref_div = next(iter(div.values()))
-    table_rows = [
+
+def _rows(f: Fidelity, made: _Candidates, m: _Measured) -> list[fid.FidelityRow]:
+    """The table: the reference's row, then one per candidate."""
+    ref_label, ref_file = f"{f.reference} F16", made.f16[f.reference]
+    ref_div, tasks = next(iter(m.div.values())), len(m.ladder[ref_label])
+    size = lambda path: (path.stat().st_size, 8 * path.stat().st_size / m.parameters)  # noqa: E731
+    rows = [
         fid.FidelityRow(
             ref_label,
             f.reference,
             "F16",
             False,
             None,
-            f16[f.reference].stat().st_size,
-            8 * f16[f.reference].stat().st_size / params,
+            *size(ref_file),
             ref_div.ppl_reference,
             1.0,
             0.0,
-            sum(ladder[ref_label]),
-            len(tasks),
+            sum(m.ladder[ref_label]),
+            tasks,
             None,
-            speed[ref_label],
+            m.speed[ref_label],
             ref_div.tokens,
             reference=True,
         )
     ]
-    for label, (c, src, path) in files.items():
-        d = div[label]
-        table_rows.append(
+    for label, (c, src, path) in made.files.items():
+        d = m.div[label]
+        rows.append(
             fid.FidelityRow(
                 label,
                 src,
                 c.quant,
                 c.imatrix,
                 c.embedding,
-                path.stat().st_size,
-                8 * path.stat().st_size / params,
+                *size(path),
                 d.ppl,
                 d.ppl_ratio,
                 d.mean_kl,
-                sum(ladder[label]),
-                len(tasks),
-                agreement[label],
-                speed[label],
+                sum(m.ladder[label]),
+                tasks,
+                m.agreement[label].agreement,
+                m.speed[label],
                 d.tokens,
             )
         )
+    return rows
+
+
+def _choose_by_fidelity(
+    tier: str, spec: TierExport, gate: float, cfg: Config, inputs: dict[str, Path], rows: list[dict], out_dir: Path
+) -> _Table:
+    """Measure every candidate of ``spec.fidelity`` against the reference, choose by its rule and
+    leave the chosen GGUF (and its quantization log) in ``<out_dir>/<tier>/``."""
+    f = spec.fidelity
+    made = _quantize_candidates(tier, spec, inputs, out_dir / "_fidelity" / tier)
+    measured = _measure(tier, f, cfg, made, rows)
+    table_rows = _rows(f, made, measured)
     chosen = fid.choose(table_rows, f.max_ppl_ratio, f.max_ladder_drop, gate)
     rule = (
         f"the smallest file with perplexity ratio <= {f.max_ppl_ratio}, at most {f.max_ladder_drop} ladder "
         f"task(s) fewer than the reference and agreement >= {gate:.0%}"
     )
-    del reference, models
     dest = out_dir / tier
     dest.mkdir(parents=True, exist_ok=True)
     if chosen is not None:
-        _, src, path = files[chosen.name]
+        _, src, path = made.files[chosen.name]
         gguf = path.rename(dest / f"{tier}-{chosen.quant}.gguf")
         if path.with_suffix(".log").is_file():
             path.with_suffix(".log").rename(gguf.with_suffix(".log"))
     elif f.fallback is not None:
         src = spec.input
-        gguf = quantize(f16[src], dest / f"{tier}-{f.fallback}.gguf", f.fallback)
+        gguf = quantize(made.f16[src], dest / f"{tier}-{f.fallback}.gguf", f.fallback)
     else:
         raise KibidangoError(
             f"stage 2D, tier {tier}: no fidelity candidate fits the rule ({rule}) and the recipe gives no "
             f"fallback\n\n{fid.table(table_rows)}"
         )
-    f16_bytes = f16[src].stat().st_size
+    f16_bytes = made.f16[src].stat().st_size
     shutil.rmtree(out_dir / "_fidelity")
-    return _Table(tier, table_rows, chosen, gguf, src, sources[src], f16_bytes, rule)
+    agreement = measured.agreement[chosen.name] if chosen is not None else None
+    return _Table(tier, table_rows, chosen, gguf, src, made.sources[src], f16_bytes, rule, agreement)
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
@@ -337,7 +379,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     data = inputs["data"] / "dataset"
     rows = load_split(data, "validation", limit=cfg.eval_rows, by_domain=True)  # the rows 2A-2C read
     metrics: dict[str, float] = {}
-    report, failed, tables, shipped = ["# Stage 2D — GGUF export", ""], [], {}, {}
+    report, failed, shipped = ["# Stage 2D — GGUF export", ""], [], {}
+    tables: dict[str, _Table] = {}
     for tier, spec in cfg.tiers.items():
         _check_inputs(tier, spec, inputs)
         gate = cfg.min_agreement if spec.min_agreement is None else spec.min_agreement
@@ -348,19 +391,22 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             f16_bytes = f16.stat().st_size
             f16.unlink()  # the bundle ships the quantized file; F16 is only the converter's output
         else:
-            table = _choose_by_fidelity(tier, spec, gate, cfg, inputs, rows, out_dir)
+            table = tables[tier] = _choose_by_fidelity(tier, spec, gate, cfg, inputs, rows, out_dir)
             hf_dir, gguf, f16_bytes, source = table.source_dir, table.gguf, table.f16_bytes, table.source
-            tables[tier] = [r.as_dict() for r in table.rows]
             metrics.update({f"{tier}_{k}": v for k, v in table.metrics().items()})
             report += table.report()
         quant = shipped[tier] = gguf.stem.split("-")[-1]
         fallbacks = fallback_tensors(gguf.with_suffix(".log"))
 
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-        prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
         hf, model = TorchModel(hf_dir, name=tier), LlamaCppModel(gguf, name=tier)
-        agreement = token_agreement(hf, model, tokenizer, prompts, cfg.new_tokens)
-        loss = gguf_response_loss(model, tokenizer, rows, cfg.eval_max_len)
+        table = tables.get(tier)
+        if table is not None and table.chosen is not None:  # the table measured the shipped file
+            agreement, gguf_ppl = table.agreement, table.chosen.ppl
+        else:
+            prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
+            agreement = token_agreement(hf, model, tokenizer, prompts, cfg.new_tokens)
+            gguf_ppl = gguf_response_loss(model, tokenizer, rows, cfg.eval_max_len)["perplexity"]
         hf_loss = lm.response_loss(hf.hf, tokenizer, rows, cfg.eval_max_len)
         m = {
             "hf_bytes": float(weight_bytes(hf_dir)),
@@ -371,7 +417,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "token_agreement": agreement.agreement,
             "identical_prompts": float(agreement.identical_prompts),
             "val_perplexity_hf": hf_loss["perplexity"],
-            "val_perplexity_gguf": loss["perplexity"],
+            "val_perplexity_gguf": gguf_ppl,
         }
         metrics.update({f"{tier}_{k}": v for k, v in m.items()})
         verdict = "PASS" if agreement.agreement >= gate else "FAIL"
@@ -385,7 +431,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             f"{agreement.positions} positions ({agreement.identical_prompts}/{agreement.prompts} prompts x "
             f"{cfg.new_tokens} tokens identical); gate {gate:.0%}",
             "",
-            f"validation perplexity: HF {hf_loss['perplexity']:.2f}, GGUF {loss['perplexity']:.2f}",
+            f"validation perplexity: HF {hf_loss['perplexity']:.2f}, GGUF {gguf_ppl:.2f}",
             "",
         ]
         if agreement.divergences:
@@ -399,7 +445,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     (out_dir / "gguf_report.md").write_text(text + "\n")
     (out_dir / "gguf.json").write_text(
         json.dumps(
-            {"tiers": {t: s.model_dump() for t, s in cfg.tiers.items()}, "fidelity": tables, "metrics": metrics},
+            {
+                "tiers": {t: s.model_dump() for t, s in cfg.tiers.items()},
+                "fidelity": {t: [r.as_dict() for r in table.rows] for t, table in tables.items()},
+                "metrics": metrics,
+            },
             indent=2,
         )
     )

@@ -311,6 +311,9 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
     assert [p.name for p in shipped] == [f"target-{chosen[0]['quant']}.gguf"] and not (out / "_fidelity").exists()
     assert result.metrics["target_chosen_ppl_ratio"] == chosen[0]["ppl_ratio"]
     assert result.metrics["target_gguf_bytes"] == chosen[0]["bytes"]
+    # the shipped file's gate figures are the table's own, measured once
+    assert result.metrics["target_token_agreement"] == chosen[0]["agreement"]
+    assert result.metrics["target_val_perplexity_gguf"] == chosen[0]["ppl"]
     report = (out / "gguf_report.md").read_text()
     assert "## target: fidelity table" in report and "**chosen**" in report
 
