@@ -272,9 +272,8 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
             else:
                 own, answer = None, answering(policy, pipe, turns(batcher))
             try:
-                answers = answer_and_judge(cfg, rows, work_dir / policy, f"9 answers ({policy})", answer, cfg.parallel)[
-                    0
-                ]
+                label = f"9 answers ({policy})"
+                answers, _resumed = answer_and_judge(cfg, rows, work_dir / policy, label, answer, cfg.parallel)
             finally:
                 if own is not None:
                     own.close()

@@ -267,24 +267,31 @@ class CompletionService:
 
     async def session_context(self, session: str, scope: str) -> list[dict[str, str]] | ApiError:
         """A chat session's last exchanges (``scope``: the API key's digest), or why it has none."""
+        refused = self._no_session(
+            session, ApiError(400, "session_id: this server keeps no session memory", "session_id")
+        )
+        if refused is not None:
+            return refused
+        return await asyncio.to_thread(self.memory.context, session, scope)
+
+    def _no_session(self, session: str, without_memory: ApiError) -> ApiError | None:
+        """Why ``session`` cannot be used here: a malformed id (400), or ``without_memory`` when the
+        server keeps none; None when it can."""
         try:
             SessionMemory.check_id(session)
         except ValueError as e:
             return ApiError(400, str(e), "session_id")
-        if self.memory is None:
-            return ApiError(400, "session_id: this server keeps no session memory", "session_id")
-        return await asyncio.to_thread(self.memory.context, session, scope)
+        return without_memory if self.memory is None else None
 
     async def remember(self, session: str | None, query: str, text: str, scope: str) -> None:
         if self.memory is not None and session is not None and text:
             await asyncio.to_thread(self.memory.add, session, query, text, scope)
 
     async def forget(self, session: str, scope: str) -> dict | ApiError:
-        try:
-            SessionMemory.check_id(session)
-        except ValueError as e:
-            return ApiError(400, str(e), "session_id")
-        if self.memory is None:
-            return ApiError(404, "this server keeps no session memory", "session_id", code="not_found")
+        refused = self._no_session(
+            session, ApiError(404, "this server keeps no session memory", "session_id", code="not_found")
+        )
+        if refused is not None:
+            return refused
         removed = await asyncio.to_thread(self.memory.forget, session, scope)
         return {"id": session, "object": "session", "deleted": True, "exchanges": removed}
