@@ -27,12 +27,13 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
 from kibidango.paid.client import Endpoint, PaidClient, PaidReply
 from kibidango.paid.ledger import Ledger
+from kibidango.paid.settings import EndpointSettings
 
 __all__ = [
     "TeacherClient",
@@ -44,8 +45,10 @@ __all__ = [
 log = logging.getLogger("kibidango.teachers")
 
 
-class TierConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class TierConfig(EndpointSettings):
+    """A teacher tier of 1D: an endpoint (:class:`kibidango.paid.settings.EndpointSettings`: URL,
+    model, key variable, prices, timeout, attempts, backoff) served elsewhere or by the stage, the
+    dataset's gold answer, or the student itself."""
 
     name: str = Field(description="The tier's name in tables, metrics and errors.")
     kind: Literal["openai", "reference", "self"] = Field(
@@ -57,8 +60,12 @@ class TierConfig(BaseModel):
         8, ge=1, le=256, description="`self`: answers sampled per failure before it escalates to the next tier."
     )
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint (…/v1); None when `serve` is set.")
-    model: str | None = Field(None, description="The model name sent to the endpoint.")
-    api_key_env: str | None = Field(None, description="Name of the environment variable holding the key.")
+    model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="The model name sent to the endpoint (default: the tier's name).",
+    )
     serve: str | None = Field(
         None,
         description="Serve this checkpoint (an HF directory, a GGUF file, or package:<dist>/<file> inside an "
@@ -75,16 +82,14 @@ class TierConfig(BaseModel):
         description="A served tier's llama-cpp-python chat format; None: the stage's `serve_chat_format`; `gguf`: "
         "the chat template inside the GGUF (an instruct model's own, e.g. SmolLM2's ChatML).",
     )
-    usd_per_1k_prompt: float = Field(0.0, ge=0)
-    usd_per_1k_completion: float = Field(0.0, ge=0)
     usd_per_answer: float = Field(0.0, ge=0, description="Flat price per answer (the reference tier's).")
-    max_tokens: int = Field(256, gt=0)
+    max_tokens: int = Field(256, gt=0, description="Most tokens of a teacher's answer.")
     concurrency: int = Field(1, ge=1, le=64, description="Requests in flight at once for this tier.")
-    timeout_s: float = Field(60.0, gt=0)
-    max_attempts: int = Field(4, ge=1, le=20, description="HTTP requests per call, retries included.")
-    backoff_s: float = Field(0.5, ge=0, description="First backoff; doubles per retry, full jitter, capped at 30 s.")
-    temperature: float = Field(0.0, ge=0)
-    system: str = Field("You are a careful expert. Answer the task correctly and concisely.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature (a `self` tier samples above 0).")
+    system: str = Field(
+        "You are a careful expert. Answer the task correctly and concisely.",
+        description="The system prompt an endpoint tier is asked with.",
+    )
 
     @model_validator(mode="after")
     def _where(self) -> TierConfig:
@@ -163,14 +168,4 @@ class TeacherClient:
 
 
 def _endpoint(tier: TierConfig, base_url: str) -> Endpoint:
-    return Endpoint(
-        base_url,
-        tier.model or tier.name,
-        tier.api_key_env,
-        tier.usd_per_1k_prompt,
-        tier.usd_per_1k_completion,
-        tier.timeout_s,
-        tier.max_attempts,
-        tier.backoff_s,
-        name=f"teacher {tier.name}",
-    )
+    return tier.endpoint(f"teacher {tier.name}", base_url, tier.model or tier.name)

@@ -68,7 +68,7 @@ class Config(StageConfig):
         None, description="critique=llm: the llm judge's settings (base_url, model, api_key_env, ...)."
     )
     tier: str = Field("target", description="critique=self: the tier directory of the `student` input.")
-    critique_max_new_tokens: int = Field(96, gt=0)
+    critique_max_new_tokens: int = Field(96, gt=0, description="critique=self: most tokens of the student's critique.")
 
     @model_validator(mode="after")
     def _critic(self) -> Config:

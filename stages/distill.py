@@ -65,7 +65,7 @@ class Student(StageConfig):
         description="Initialise from the teacher instead: its embeddings, these decoder layers in this order, its "
         "final norm and head (layer dropping: a student of a pretrained model without a smaller sibling).",
     )
-    train: TrainRecipe
+    train: TrainRecipe = Field(description="The fine-tune (axolotl): steps, learning rate, warm-up, batch.")
 
     @model_validator(mode="after")
     def _one_init(self) -> Student:
@@ -80,7 +80,7 @@ class OwnOutputs(StageConfig):
     rows: int = Field(gt=0, description="Instructions of stage 0's train split (from its end) the teacher answers.")
     max_new_tokens: int = Field(96, gt=0, description="Tokens per answer (it ends earlier at end of sequence).")
     temperature: float = Field(0.0, ge=0, description="0: greedy answers; above: sampled, seeded per batch.")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the sampling of the target's own answers.")
     batch: int = Field(
         1, ge=1, le=64, description="Answers generated together (left-padded; greedy may differ at near-ties)."
     )
@@ -92,7 +92,9 @@ class Config(StageConfig):
     top_k: int = Field(8, gt=0, le=64, description="Teacher log-probabilities kept per position.")
     kd_alpha: float = Field(0.9, ge=0, description="Weight of the KD (forward KL on the teacher's top-k) loss.")
     kd_ce_alpha: float = Field(0.1, ge=0, description="Weight of the plain cross-entropy on the data.")
-    kd_temperature: float = Field(1.0, gt=0)
+    kd_temperature: float = Field(
+        1.0, gt=0, description="Softmax temperature of the KD loss (axolotl's kd_temperature)."
+    )
     kd_normalize_topk: bool = Field(
         True,
         description="Compare the student's distribution renormalised over the teacher's top-k (axolotl "

@@ -50,13 +50,15 @@ class Config(StageConfig):
         None, description="Hub id or directory of the base; None: the `base` input's `tier`."
     )
     tier: str = Field("target", description="Tier of the `base` input the adapter modifies.")
-    train: TrainRecipe
-    max_train_rows: int | None = Field(None, gt=0)
+    train: TrainRecipe = Field(description="The LoRA fine-tune (axolotl): steps, learning rate, warm-up, batch.")
+    max_train_rows: int | None = Field(None, gt=0, description="Most training rows of the domain (None: all).")
     pair_repeats: int = Field(
         2, ge=1, description="With a `pairs` input (stage 1D): each corrected pair of the domain appears this often."
     )
     eval_rows: int = Field(200, gt=0, description="Validation rows of the domain (and of all domains) for the loss.")
-    eval_max_len: int = Field(256, gt=8)
+    eval_max_len: int = Field(
+        256, gt=8, description="Tokens per validation row in the perplexity passes (longer rows cut)."
+    )
     gguf: bool = Field(True, description="Also write the adapter as a llama.cpp GGUF LoRA.")
     check: HeldOutTasks | None = Field(
         None,

@@ -91,15 +91,25 @@ class InputModel(BaseModel):
 
 
 class Config(Judged):
-    samples: list[EvalSample] = Field(min_length=1)
-    max_new_tokens: int = Field(128, gt=0)
-    policies: list[Literal["auto", "none"]] = Field(["auto", "none"], min_length=1)
-    backend: Literal["torch", "llamacpp"] = "torch"
+    samples: list[EvalSample] = Field(
+        min_length=1, description="The benchmarks: each a held-out sample of tasks and its judge."
+    )
+    max_new_tokens: int = Field(128, gt=0, description="Most tokens of an answer.")
+    policies: list[Literal["auto", "none"]] = Field(
+        ["auto", "none"],
+        min_length=1,
+        description="Adapter policies answered (auto: the router's adapter; none: the base).",
+    )
+    backend: Literal["torch", "llamacpp"] = Field("torch", description="The runtime backend that answers.")
     seed: int = Field(0, description="Which tasks a sample of a given size takes.")
     parallel: int = parallel_field()
     speed_prompts: int = Field(8, ge=0, description="Evaluation queries the speed benchmark runs (0: none).")
-    speed_new_tokens: int = Field(48, gt=0)
-    speed_modes: list[str] = Field(["ar", "sd", "pyramid"], min_length=1)
+    speed_new_tokens: int = Field(48, gt=0, description="Tokens per prompt in the speed block.")
+    speed_modes: list[str] = Field(
+        ["ar", "sd", "pyramid"],
+        min_length=1,
+        description="Decoding modes timed side by side (those the bundle can run).",
+    )
     input_model: InputModel | None = Field(
         None, description="The model the preset started from, evaluated beside the bundle (policy `input`)."
     )

@@ -40,8 +40,8 @@ class Gate(StageConfig):
     name: str = Field(description="What the gate is called in tables and in `waive`.")
     input: str = Field(description="The wired input whose metric is gated (e.g. evaluation, awq).")
     metric: str = Field(description="A metric in that input's manifest (e.g. humaneval/auto/pass_at_1).")
-    min: float | None = None
-    max: float | None = None
+    min: float | None = Field(None, description="The metric passes at or above this.")
+    max: float | None = Field(None, description="The metric passes at or below this.")
 
     @model_validator(mode="after")
     def _bounded(self) -> Gate:

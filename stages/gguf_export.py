@@ -139,7 +139,7 @@ class Config(StageConfig):
     prompts: int = Field(24, gt=0, description="Held-out prompts (stage 0 validation) for the agreement gate.")
     new_tokens: int = Field(32, gt=0, description="Greedy tokens per prompt for the agreement gate.")
     eval_rows: int = Field(200, gt=0, description="Validation rows for GGUF perplexity (the rows 2A-2C use).")
-    eval_max_len: int = Field(256, gt=8)
+    eval_max_len: int = Field(256, gt=8, description="Tokens per validation row in the perplexity passes.")
 
 
 def _check_inputs(tier: str, spec: TierExport, inputs: dict[str, Path]) -> None:

@@ -39,8 +39,10 @@ class Config(StageConfig):
         0.0, ge=0, lt=1, description="Fail if the saved decoder weights are less sparse than this."
     )
     eval_rows: int = Field(200, gt=0, description="Stage-0 validation rows for perplexity before/after.")
-    eval_max_len: int = Field(256, gt=8)
-    seed: int = 0
+    eval_max_len: int = Field(
+        256, gt=8, description="Tokens per validation row in the perplexity passes (longer rows cut)."
+    )
+    seed: int = Field(0, description="Seed of the calibration rows' draw.")
 
 
 def external_inputs(cfg: Config) -> dict[str, str]:

@@ -44,11 +44,13 @@ class Config(StageConfig):
     )
     calibration_max_len: int = Field(256, gt=8, description="Tokens per calibration row.")
     eval_rows: int = Field(200, gt=0, description="Stage-0 validation rows for perplexity before/after.")
-    eval_max_len: int = Field(256, gt=8)
+    eval_max_len: int = Field(
+        256, gt=8, description="Tokens per validation row in the perplexity passes (longer rows cut)."
+    )
     max_perplexity_ratio: float | None = Field(
         None, gt=1, description="Fail if a tier's perplexity after / before exceeds this (None: report only)."
     )
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the calibration rows' draw.")
 
 
 def external_inputs(cfg: Config) -> dict[str, str]:

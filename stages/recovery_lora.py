@@ -65,7 +65,7 @@ class TaskCheck(BaseModel):
     levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Math ladder levels.")
     per_level: int = Field(8, gt=0, description="Tasks a level.")
     seed: int = Field(2, description="The draw of mining tasks (1B mines seed 0's).")
-    max_new_tokens: int = Field(96, gt=0)
+    max_new_tokens: int = Field(96, gt=0, description="Most tokens of an answer in the check.")
     parallel: int = Field(32, gt=0, description="Answers decoded together.")
 
 
@@ -89,9 +89,11 @@ class Config(StageConfig):
         description="Which N rows: the split's first N, or N drawn in turn from each domain (each domain's "
         "rows in stored order): the split's first rows may all be one domain's.",
     )
-    train: TrainRecipe
+    train: TrainRecipe = Field(description="The LoRA fine-tune (axolotl): steps, learning rate, warm-up, batch.")
     eval_rows: int = Field(200, gt=0, description="Stage-0 validation rows (the rows 2A-2D use).")
-    eval_max_len: int = Field(256, gt=8)
+    eval_max_len: int = Field(
+        256, gt=8, description="Tokens per validation row in the perplexity passes (longer rows cut)."
+    )
     check: TaskCheck | None = Field(
         None,
         description="Answer held-out ladder tasks with and without the adapter; it becomes the default weights "

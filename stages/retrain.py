@@ -55,11 +55,13 @@ class Config(StageConfig):
     )
     pair_repeats: int = Field(1, ge=1, description="Each corrected pair appears this many times in the mix.")
     seed: int = Field(0, description="Which replay rows are drawn.")
-    train: TrainRecipe
+    train: TrainRecipe = Field(description="The fine-tune (axolotl): steps, learning rate, warm-up, batch.")
     max_new_tokens: int = Field(96, gt=0, description="Tokens the student may write per held-out answer.")
     parallel: int = parallel_field()
     eval_rows: int = Field(300, gt=0, description="Stage-0 validation rows the loss is measured on (forgetting).")
-    eval_max_len: int = Field(256, gt=8)
+    eval_max_len: int = Field(
+        256, gt=8, description="Tokens per validation row in the perplexity passes (longer rows cut)."
+    )
     controls: list[Literal["random", "replay", "gold", "pairs25", "pairs50"]] = Field(
         ["random", "replay"],
         description="Control retrains with the same budget: `random` (gold answers to randomly drawn mined tasks, "

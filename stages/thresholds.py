@@ -50,16 +50,20 @@ log = logging.getLogger("kibidango.stage.6C")
 
 class Cloud(StageConfig):
     name: str = Field(description="The cloud model the prices are of (recorded in cascade.json).")
-    usd_per_1k_prompt: float = Field(ge=0)
-    usd_per_1k_completion: float = Field(ge=0)
+    usd_per_1k_prompt: float = Field(ge=0, description="Dollars per 1,000 prompt tokens.")
+    usd_per_1k_completion: float = Field(ge=0, description="Dollars per 1,000 completion tokens.")
     validation_prompt_tokens: int = Field(48, ge=0, description="The validation instruction around Q and A.")
     verdict_tokens: int = Field(8, ge=1, description="Tokens of an approving verdict.")
 
 
 class Config(StageConfig):
-    cloud: Cloud
+    cloud: Cloud = Field(description="The cloud model whose prices the frontier is priced in.")
     max_escalated: float = Field(0.2, ge=0, le=1, description="Objective: at most this share of queries escalated.")
-    router_thresholds: list[float] = Field([0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 1.01], min_length=1)
+    router_thresholds: list[float] = Field(
+        [0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 1.01],
+        min_length=1,
+        description="Router thresholds tried (above 1: never use an adapter).",
+    )
     confidence_grid: int = Field(
         41, ge=2, description="Qualifier and fallback thresholds: this many quantiles of the local confidences."
     )

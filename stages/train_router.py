@@ -33,11 +33,11 @@ class Config(StageConfig):
     domains: list[str] = Field(description="Domains with an adapter in the bundle; other rows are labelled `base`.")
     dim: int = Field(128, gt=0, description="Hashed feature dimensions (the plan's 128).")
     hidden: list[int] = Field([64, 32], description="Hidden layer widths (the plan's 64-32).")
-    epochs: int = Field(20, gt=0)
-    learning_rate: float = Field(3e-3, gt=0)
+    epochs: int = Field(20, gt=0, description="Passes over the training rows.")
+    learning_rate: float = Field(3e-3, gt=0, description="Adam's learning rate.")
     balanced: bool = Field(True, description="Weight the loss by inverse class frequency.")
-    max_train_rows: int | None = Field(None, gt=0)
-    seed: int = 0
+    max_train_rows: int | None = Field(None, gt=0, description="Most training rows (None: all).")
+    seed: int = Field(0, description="Seed of the initialisation and the row order.")
 
 
 def query_text(row: dict) -> str:

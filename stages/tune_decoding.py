@@ -68,14 +68,16 @@ class Grid(StageConfig):
 class Config(StageConfig):
     bundle_input: str = Field("bundle", description="The input holding bundle/ (stage X).")
     data_input: str = Field("data", description="The input holding stage 0's dataset/ (its validation split).")
-    backends: list[Literal["torch", "llamacpp"]] = Field(["torch", "llamacpp"], min_length=1)
+    backends: list[Literal["torch", "llamacpp"]] = Field(
+        ["torch", "llamacpp"], min_length=1, description="Backends tuned, each its own defaults."
+    )
     prompts: int = Field(16, gt=0, description="Held-out prompts (stage 0's validation split, in stored order).")
-    max_new_tokens: int = Field(48, gt=0)
+    max_new_tokens: int = Field(48, gt=0, description="Tokens per prompt in each timed run.")
     max_ppl_increase: float = Field(
         0.02, ge=0, description="Quality bound of the lossy variants: the target's perplexity of their text vs ar's."
     )
     threads: int | None = Field(None, gt=0, description="CPU threads per model (default: the runtime's).")
-    grid: Grid = Field(default_factory=Grid)
+    grid: Grid = Field(default_factory=Grid, description="The settings tried.")
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:

@@ -88,7 +88,7 @@ def _llm(base_url: str) -> dict:
         "api_key_env": OPENAI_KEY_ENV,
         "response_format": "json_object",
         "max_tokens": 48,
-        "max_retries": 0,
+        "max_attempts": 1,
         "max_chars": 200,
     }
 

@@ -658,11 +658,15 @@ def test_llm_judge_against_a_real_openai_compatible_server(openai_server, monkey
     assert verdict.cost > 0 and key not in repr(verdict)
 
     # No structured output asked for: the story model writes a story, cut at max_tokens.
-    free = LLMJudge(base, "stories260K", OPENAI_KEY_ENV, response_format="none", max_tokens=16)
+    free = LLMJudge(
+        base_url=base, model="stories260K", api_key_env=OPENAI_KEY_ENV, response_format="none", max_tokens=16
+    )
     assert free(task, "Blue.").outcome == "judge_error"
 
     # An endpoint that rejects the request shape (llama-cpp-python knows no json_schema format).
-    strict = LLMJudge(base, "stories260K", OPENAI_KEY_ENV, response_format="json_schema", max_retries=0)
+    strict = LLMJudge(
+        base_url=base, model="stories260K", api_key_env=OPENAI_KEY_ENV, response_format="json_schema", max_attempts=1
+    )
     assert strict(task, "Blue.").outcome == "judge_error"
 
 
@@ -691,16 +695,20 @@ def test_llm_judge_errors_name_the_variable_never_the_key(openai_server, monkeyp
     base, key = openai_server
     monkeypatch.delenv(OPENAI_KEY_ENV, raising=False)
     with pytest.raises(KibidangoError, match=OPENAI_KEY_ENV):
-        LLMJudge(base, "stories260K", OPENAI_KEY_ENV)
+        LLMJudge(base_url=base, model="stories260K", api_key_env=OPENAI_KEY_ENV)
     wrong = "sk-" + "x" * 40
     monkeypatch.setenv(OPENAI_KEY_ENV, wrong)
     with pytest.raises(JudgeConfigError, match="401") as err:
-        LLMJudge(base, "stories260K", OPENAI_KEY_ENV, response_format="json_object")(Task("t", "?"), "a")
+        LLMJudge(base_url=base, model="stories260K", api_key_env=OPENAI_KEY_ENV, response_format="json_object")(
+            Task("t", "?"), "a"
+        )
     assert wrong not in str(err.value) and key not in str(err.value) and OPENAI_KEY_ENV in str(err.value)
 
     # An endpoint that does not answer: a retryable judge_error, never a pass.
     monkeypatch.setenv(OPENAI_KEY_ENV, key)
-    gone = LLMJudge("http://127.0.0.1:9/v1", "m", OPENAI_KEY_ENV, max_retries=0, timeout_s=2)
+    gone = LLMJudge(
+        base_url="http://127.0.0.1:9/v1", model="m", api_key_env=OPENAI_KEY_ENV, max_attempts=1, timeout_s=2
+    )
     verdict = gone(Task("t", "?"), "a")
     assert verdict.outcome == "judge_error" and verdict.details["retryable"] and not verdict.passed
 
@@ -717,13 +725,16 @@ def test_judge_settings_are_typed_per_kind_and_match_the_judges():
     from methods.judges import _class
     from methods.judges.settings import CodeJudgeSettings, LLMJudgeSettings, MathJudgeSettings, ReferenceJudgeSettings
 
-    for settings in (MathJudgeSettings, CodeJudgeSettings, ReferenceJudgeSettings, LLMJudgeSettings):
+    for settings in (MathJudgeSettings, CodeJudgeSettings, ReferenceJudgeSettings):
         kind = settings.model_fields["kind"].default
         judge_fields = {f.name: f for f in dataclasses.fields(_class(kind)) if f.init}
         assert set(settings.model_fields) == set(judge_fields), kind
         for name, f in judge_fields.items():
             if f.default is not dataclasses.MISSING:
                 assert settings.model_fields[name].default == f.default, (kind, name)
+    # the llm judge holds its settings (an endpoint's, shared with the teacher tiers and the cascade)
+    llm = _class("llm")(base_url="http://127.0.0.1:9/v1", model="m")
+    assert isinstance(llm.settings, LLMJudgeSettings) and llm.settings.max_attempts == 3
 
     sample = {"name": "g", "source": "stage0", "domain": "general", "size": 3}
     ok = HeldOutTasks.model_validate({"samples": [sample], "judges": {"general": {"kind": "reference"}}})

@@ -48,7 +48,7 @@ def _cascade(pipe, proxy, state, qualifier=1.0 + 1e-6, fallback=1.0 + 1e-6, **cl
             "fallback_threshold": fallback,
             "budget_limit": 1.0,
             "timeout_s": 1.0,
-            "max_retries": 3,
+            "max_attempts": 4,
             "max_tokens": 16,
             "validation_max_tokens": 8,
             **cloud,
@@ -121,7 +121,7 @@ def test_each_fault_is_retried_to_a_cloud_answer(pipe, proxy, tmp_path):
 
 
 def test_exhausted_retries_answer_locally_and_the_breaker_opens(pipe, proxy, tmp_path):
-    casc = _cascade(pipe, proxy, tmp_path, max_retries=1, breaker_failures=2)
+    casc = _cascade(pipe, proxy, tmp_path, max_attempts=2, breaker_failures=2)
     local = pipe.generate("Once upon a time", max_new_tokens=4).text
     for _ in range(2):
         proxy.script("500", "500")
@@ -165,7 +165,7 @@ def test_a_reply_never_credits_the_budget(pipe, proxy, tmp_path):
     reservation is recorded as reported: the next test.)"""
     import sqlite3
 
-    casc = _cascade(pipe, proxy, tmp_path, max_retries=0)
+    casc = _cascade(pipe, proxy, tmp_path, max_attempts=1)
 
     def rows():
         return (
@@ -191,7 +191,7 @@ def test_a_reply_never_credits_the_budget(pipe, proxy, tmp_path):
 
     # a budget for exactly three worst cases: negative usage on every reply buys no fourth call
     budget = 3 * reserved + reserved / 2
-    casc = _cascade(pipe, proxy, tmp_path / "b", max_retries=0, budget_limit=budget)
+    casc = _cascade(pipe, proxy, tmp_path / "b", max_attempts=1, budget_limit=budget)
     proxy.script(*[f"usage={HOSTILE_USAGE[0]}"] * 10)
     before = len(proxy.forwarded)
     tiers = [casc.answer("Once upon a time", max_new_tokens=4).tier for _ in range(6)]
@@ -207,7 +207,7 @@ def test_a_reply_dearer_than_its_reservation_is_recorded_as_reported_and_stops_s
     from kibidango.cli import main
     from kibidango.paid.ledger import Ledger, holds
 
-    casc = _cascade(pipe, proxy, tmp_path, max_retries=0, budget_limit=100.0)
+    casc = _cascade(pipe, proxy, tmp_path, max_attempts=1, budget_limit=100.0)
     proxy.script('usage={"prompt_tokens": 1000000, "completion_tokens": 0, "total_tokens": 1000000}')
     r = casc.answer("Once upon a time", max_new_tokens=4)
     assert r.tier == "cloud" and r.cloud.over_reservation and not r.cloud.usage_untrusted
@@ -306,7 +306,7 @@ def test_a_missing_key_answers_locally_and_no_key_ever_shows(pipe, proxy, tmp_pa
 def test_a_cloud_that_refuses_connections_is_retried_then_answered_locally(pipe, proxy, tmp_path):
     from methods.serving import free_port
 
-    casc = _cascade(pipe, proxy, tmp_path, max_retries=2)
+    casc = _cascade(pipe, proxy, tmp_path, max_attempts=3)
     nobody = f"http://127.0.0.1:{free_port()}/v1"
     casc.client.paid.endpoint = dataclasses.replace(casc.client.paid.endpoint, base_url=nobody)
     r = casc.answer("Once upon a time", max_new_tokens=4)
@@ -431,7 +431,7 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
                     "budget_limit": limit,
                     "budget_period": "total",
                     "timeout_s": 20,
-                    "max_retries": 3,
+                    "max_attempts": 4,
                     "max_tokens": 16,
                 },
             }

@@ -19,8 +19,8 @@ Structured output, by ``response_format``:
 
 Whatever the endpoint promised, the reply is parsed and validated here: text that is not a JSON
 object of the schema, a refusal, or a reply cut at ``max_tokens`` is a ``judge_error`` verdict,
-never a pass. So is an endpoint that stays unreachable (timeouts, 5xx, rate limits) after the
-client's ``max_retries`` retries: ``details["retryable"]`` says a later run may judge that answer again; so is a
+never a pass. So is an endpoint that stays unreachable (timeouts, 5xx, rate limits) after
+``max_attempts`` requests: ``details["retryable"]`` says a later run may judge that answer again; so is a
 request the endpoint rejects (HTTP 400: too long for its context, filtered), not retryable. A
 wrong key or an unknown model (401, 403, 404) are configuration errors and raise
 :class:`JudgeConfigError`: every verdict after them would fail the same way.
@@ -32,11 +32,14 @@ gives prices, the dollars.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import Field
 
 from core.contract import KibidangoError
 from core.redaction import redact_text, secret_from_env
-from kibidango.paid.client import Endpoint, PaidClient
+from kibidango.paid.client import PaidClient
+from kibidango.paid.settings import EndpointSettings
 from methods.judges.base import Task, Verdict
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "VERDICT_SCHEMA",
     "JudgeConfigError",
     "LLMJudge",
+    "LLMJudgeSettings",
     "parse_verdict",
 ]
 
@@ -105,72 +109,63 @@ def parse_verdict(content: str | None, refusal: str | None = None, finish_reason
     return {"passed": passed, "score": float(score), "reason": reason}
 
 
-@dataclass
-class LLMJudge:
-    base_url: str
-    model: str
-    api_key_env: str | None = None
-    """Name of the environment variable holding the key (None: a local endpoint without one)."""
-    rubric: str = DEFAULT_RUBRIC
-    response_format: str = "json_schema"
-    max_tokens: int = 256
-    temperature: float = 0.0
-    timeout_s: float = 60.0
-    max_retries: int = 2
-    usd_per_1k_prompt: float = 0.0
-    usd_per_1k_completion: float = 0.0
-    max_chars: int = 6000
-    """Task, reference and answer are each cut to this many characters in the prompt."""
-    kind: str = "llm"
-    _client: object = field(default=None, init=False, repr=False)
+class LLMJudgeSettings(EndpointSettings):
+    """The ``llm`` judge's settings: an endpoint (:class:`kibidango.paid.settings.EndpointSettings`)
+    and how it is asked."""
 
-    def __post_init__(self) -> None:
-        if self.response_format not in ("json_schema", "json_object", "none"):
-            raise KibidangoError(
-                f"llm judge: response_format {self.response_format!r}: use json_schema, json_object or none"
-            )
-        if self.api_key_env:
-            secret_from_env(self.api_key_env, f"llm judge {self.model}")  # set, or a clear error now
-        endpoint = Endpoint(
-            self.base_url,
-            self.model,
-            self.api_key_env,
-            self.usd_per_1k_prompt,
-            self.usd_per_1k_completion,
-            self.timeout_s,
-            max_attempts=self.max_retries + 1,
-            name=f"llm judge {self.model}",
-        )
-        self._client = PaidClient(endpoint)
+    kind: Literal["llm"] = "llm"
+    max_attempts: int = Field(3, ge=1, le=100, description="HTTP requests per verdict, retries included.")
+    rubric: str = Field(DEFAULT_RUBRIC, description="The system prompt the verdict follows.")
+    response_format: Literal["json_schema", "json_object", "none"] = Field(
+        "json_schema",
+        description="Structured output asked of the endpoint: a JSON schema (OpenAI), a JSON object with a grammar "
+        "(llama.cpp), or none (the reply parsed as it comes).",
+    )
+    max_tokens: int = Field(256, gt=0, description="Most tokens of the verdict.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of the verdict.")
+    max_chars: int = Field(6000, gt=0, description="Task, reference and answer are each cut to this many characters.")
+
+
+class LLMJudge:
+    """A rubric prompt to an OpenAI-compatible endpoint, the reply parsed against a schema."""
+
+    kind = "llm"
+
+    def __init__(self, settings: LLMJudgeSettings | None = None, **fields) -> None:
+        self.settings = s = settings if settings is not None else LLMJudgeSettings(**fields)
+        if s.api_key_env:
+            secret_from_env(s.api_key_env, f"llm judge {s.model}")  # set, or a clear error now
+        self._client = PaidClient(s.endpoint(f"llm judge {s.model}"))
 
     def _request(self, task: Task, answer: str) -> dict:
-        cut = self.max_chars
+        s = self.settings
+        cut = s.max_chars
         user = _USER.format(prompt=task.prompt[:cut], reference=task.reference[:cut], answer=answer[:cut])
         kw: dict = {
-            "model": self.model,
-            "messages": [{"role": "system", "content": self.rubric}, {"role": "user", "content": user}],
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
+            "model": s.model,
+            "messages": [{"role": "system", "content": s.rubric}, {"role": "user", "content": user}],
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
         }
-        if self.response_format == "json_schema":
+        if s.response_format == "json_schema":
             kw["response_format"] = {
                 "type": "json_schema",
                 "json_schema": {"name": "verdict", "schema": VERDICT_SCHEMA, "strict": True},
             }
-        elif self.response_format == "json_object":
+        elif s.response_format == "json_object":
             kw["response_format"] = {"type": "json_object", "schema": GRAMMAR_VERDICT_SCHEMA}
         return kw
 
     def __call__(self, task: Task, answer: str) -> Verdict:
-        request = self._request(task, answer)
+        s, request = self.settings, self._request(task, answer)
         extra = {"response_format": request["response_format"]} if "response_format" in request else {}
-        r = self._client.chat(request["messages"], self.max_tokens, self.temperature, **extra)
+        r = self._client.chat(request["messages"], s.max_tokens, s.temperature, **extra)
         details = {"prompt_tokens": r.prompt_tokens or 0, "completion_tokens": r.completion_tokens or 0, "usd": r.usd}
         error = redact_text(r.error)
         if r.status in ("refused", "no_key"):
             raise JudgeConfigError(
-                f"llm judge {self.model} at {self.base_url}: the endpoint refused the request ({error}); "
-                f"check base_url, model and {self.api_key_env or 'the key'}"
+                f"llm judge {s.model} at {s.base_url}: the endpoint refused the request ({error}); "
+                f"check base_url, model and {s.api_key_env or 'the key'}"
             )
         if r.status == "rejected":  # this request (too long for the context, filtered, ...)
             return Verdict(False, 0.0, f"the judge rejected the request ({error})", "judge_error", r.seconds, details)

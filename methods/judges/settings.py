@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from methods.judges.llm import DEFAULT_RUBRIC
+from methods.judges.llm import LLMJudgeSettings
 
 __all__ = [
     "CodeJudgeSettings",
@@ -51,22 +51,6 @@ class ReferenceJudgeSettings(_Settings):
     kind: Literal["reference"] = "reference"
     threshold: float = Field(0.4, ge=0, le=1, description="chrF++ at or above which the answer passes.")
     word_order: int = Field(2, ge=0, description="chrF's word n-gram order (2: chrF++).")
-
-
-class LLMJudgeSettings(_Settings):
-    kind: Literal["llm"] = "llm"
-    base_url: str = Field(description="OpenAI-compatible endpoint (…/v1).")
-    model: str = Field(description="The model name sent to it.")
-    api_key_env: str | None = Field(None, description="Name of the environment variable holding the key.")
-    rubric: str = Field(DEFAULT_RUBRIC, description="The system prompt the verdict follows.")
-    response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
-    max_tokens: int = Field(256, gt=0)
-    temperature: float = Field(0.0, ge=0)
-    timeout_s: float = Field(60.0, gt=0)
-    max_retries: int = Field(2, ge=0, le=20)
-    usd_per_1k_prompt: float = Field(0.0, ge=0)
-    usd_per_1k_completion: float = Field(0.0, ge=0)
-    max_chars: int = Field(6000, gt=0, description="Task, reference and answer are each cut to this many characters.")
 
 
 JudgeSettings = Annotated[

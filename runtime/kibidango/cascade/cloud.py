@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kibidango.cascade.config import CloudConfig
-from kibidango.paid.client import Endpoint, PaidClient
+from kibidango.paid.client import PaidClient
 from kibidango.paid.ledger import Ledger
 
 __all__ = ["CloudClient", "CloudReply"]
@@ -49,17 +49,7 @@ class CloudClient:
         self.cfg = cfg
         self.ledger = ledger
         self.cooldown_s = cooldown_s
-        endpoint = Endpoint(
-            cfg.base_url,
-            cfg.model,
-            cfg.api_key_env,
-            cfg.usd_per_1k_prompt,
-            cfg.usd_per_1k_completion,
-            cfg.timeout_s,
-            max_attempts=cfg.max_retries + 1,
-            name=f"cloud {cfg.model}",
-        )
-        self.paid = PaidClient(endpoint, ledger, sleep)
+        self.paid = PaidClient(cfg.endpoint(f"cloud {cfg.model}"), ledger, sleep)
         self._lock = threading.Lock()
         self.consecutive_failures = 0
         self.opened_at: float | None = None

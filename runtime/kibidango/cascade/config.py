@@ -19,13 +19,14 @@ name the file and the field.
 from __future__ import annotations
 
 import json
-import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kibidango.integrity import BundleError
+from kibidango.paid.settings import EndpointSettings, config_error
 
 __all__ = ["NAMED", "CascadeConfig", "CloudConfig", "CascadeConfigError", "load_cascade"]
 
@@ -55,51 +56,66 @@ NAMED: dict[str, dict[str, Any]] = {
     "local-only": {"qualifier": {"threshold": 0.0}},
 }
 
-_ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
-_TOP = {
-    "draft",
-    "qualifier",
-    "router",
-    "escalation",
-    "cloud",
-    "schema",
-    "source",
-    "objective",
-    "expected",
-    "held_out_queries",
-}
-_CLOUD = {
-    "base_url",
-    "model",
-    "api_key_env",
-    "usd_per_1k_prompt",
-    "usd_per_1k_completion",
-    "fallback_threshold",
-    "budget_limit",
-    "budget_period",
-    "timeout_s",
-    "max_retries",
-    "breaker_failures",
-    "max_tokens",
-    "validation_max_tokens",
-}
+_MAX_TOKENS = 1_000_000  # a bound on any token count a config names (a typo'd 1e12 is an error, not an overflow)
 
 
-@dataclass(frozen=True)
-class CloudConfig:
-    base_url: str
-    model: str
-    api_key_env: str
-    usd_per_1k_prompt: float
-    usd_per_1k_completion: float
-    fallback_threshold: float = 0.7
-    budget_limit: float = 10.0
-    budget_period: str = "month"
-    timeout_s: float = 30.0
-    max_retries: int = 3
-    breaker_failures: int = 5
-    max_tokens: int = 512
-    validation_max_tokens: int = 64
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+class CloudConfig(EndpointSettings):
+    """The cloud tier: an endpoint (:class:`kibidango.paid.settings.EndpointSettings`: URL, model,
+    key variable, prices, timeout, attempts) and what the cascade does with it."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+    api_key_env: str = Field(description="NAME of the environment variable holding the cloud's key.")
+    usd_per_1k_prompt: float = Field(ge=0, description="Dollars per 1,000 prompt tokens (the ledger's prices).")
+    usd_per_1k_completion: float = Field(ge=0, description="Dollars per 1,000 completion tokens.")
+    timeout_s: float = Field(30.0, gt=0, le=86_400, description="Seconds one request may take (a user is waiting).")
+    fallback_threshold: float = Field(
+        0.7, ge=0, le=1.0 + 1e-6, description="Below this confidence the cloud answers; at or above, it validates."
+    )
+    budget_limit: float = Field(10.0, ge=0, description="Dollars the ledger lets the cascade spend per period.")
+    budget_period: Literal["month", "day", "total"] = "month"
+    breaker_failures: int = Field(5, ge=1, le=1_000_000, description="Failures in a row that open the breaker.")
+    max_tokens: int = Field(512, ge=1, le=_MAX_TOKENS, description="Most tokens of a cloud answer.")
+    validation_max_tokens: int = Field(64, ge=1, le=_MAX_TOKENS, description="Most tokens of a validation verdict.")
+
+
+class _Draft(_Section):
+    max_tokens: int = Field(256, ge=1, le=_MAX_TOKENS, description="Most tokens of the local answer.")
+
+
+class _Qualifier(_Section):
+    threshold: float = Field(
+        0.85, ge=0, le=1.0 + 1e-6, description="Accept the local answer at or above this calibrated confidence."
+    )
+
+
+class _Router(_Section):
+    threshold: float = Field(0.0, ge=0, description="Use the routed domain adapter at or above this router score.")
+
+
+class _Escalation(_Section):
+    use_detector: bool = Field(False, description="6B's flag also sends an accepted answer to validation.")
+
+
+class _Document(_Section):
+    """A cascade config file's shape (6C's ``cascade.json`` adds what it measured)."""
+
+    draft: _Draft = _Draft()
+    qualifier: _Qualifier = _Qualifier()
+    router: _Router = _Router()
+    escalation: _Escalation = _Escalation()
+    cloud: dict[str, Any] | None = Field(
+        None, description="The cloud tier (CloudConfig); a section without base_url (6C's: prices only) is no tier."
+    )
+    schema_: Any = Field(None, alias="schema", description="6C's cascade.json version.")
+    source: Any = None
+    objective: Any = Field(None, description="6C: what it optimised (recorded, not used).")
+    expected: Any = Field(None, description="6C: the quality and share it predicted (recorded, not used).")
+    held_out_queries: Any = Field(None, description="6C: how many queries it measured on (recorded, not used).")
 
 
 @dataclass(frozen=True)
@@ -149,109 +165,23 @@ def _read(path: Path) -> dict:
     return doc
 
 
-def _number(doc: dict, key: str, where: str, lo: float, hi: float | None = None) -> float:
-    """A finite number in [lo, hi] (JSON's NaN and Infinity are refused), or an error naming the
-    config's sources and the field."""
-    v = doc[key]
-    ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
-    if not ok or v < lo or (hi is not None and v > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise CascadeConfigError(f"{where}.{key}: {v!r} is not a finite number {bound}")
-    return float(v)
-
-
-def _integer(doc: dict, key: str, where: str, lo: int, hi: int) -> int:
-    v = _number(doc, key, where, lo, hi)
-    if v != int(v):
-        raise CascadeConfigError(f"{where}.{key}: {doc[key]!r} is not a whole number")
-    return int(v)
-
-
 def parse_cascade(doc: dict, where: str) -> CascadeConfig:
     """A :class:`CascadeConfig` from a merged document; ``where`` names its sources in errors."""
-    _names(doc, where)
-    unknown = set(doc) - _TOP
-    if unknown:
-        raise CascadeConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(_TOP)}")
-    for section in ("draft", "qualifier", "router", "escalation", "cloud"):
-        if section in doc and not isinstance(doc[section], dict):
-            raise CascadeConfigError(f"{where}: {section}: an object, not {type(doc[section]).__name__}")
-        if section in doc:
-            _names(doc[section], f"{where}: {section}")
-    draft, qual = doc.get("draft", {}), doc.get("qualifier", {})
-    router, esc = doc.get("router", {}), doc.get("escalation", {})
-    kw: dict[str, Any] = {"source": where}
-    if "max_tokens" in draft:
-        kw["draft_max_tokens"] = _integer(draft, "max_tokens", f"{where}: draft", 1, _MAX_TOKENS)
-    if "threshold" in qual:
-        kw["qualifier_threshold"] = _number(qual, "threshold", f"{where}: qualifier", 0, 1.0 + 1e-6)
-    if "threshold" in router:
-        kw["router_threshold"] = _number(router, "threshold", f"{where}: router", 0)
-    if "use_detector" in esc:
-        if not isinstance(esc["use_detector"], bool):
-            raise CascadeConfigError(f"{where}: escalation.use_detector: true or false")
-        kw["use_detector"] = esc["use_detector"]
-    cloud = doc.get("cloud")
-    if cloud is not None and "base_url" in cloud:  # 6C's cloud section carries prices only
-        kw["cloud"] = _cloud(cloud, f"{where}: cloud")
-        if kw["cloud"].fallback_threshold > kw.get("qualifier_threshold", CascadeConfig.qualifier_threshold):
+    try:
+        d = _Document.model_validate(doc)
+    except ValidationError as e:
+        raise CascadeConfigError(config_error(e, where)) from None
+    cloud = None
+    if d.cloud is not None and "base_url" in d.cloud:  # 6C's cloud section carries prices only
+        try:
+            cloud = CloudConfig.model_validate(d.cloud)
+        except ValidationError as e:
+            raise CascadeConfigError(config_error(e, where, "cloud")) from None
+        if cloud.fallback_threshold > d.qualifier.threshold:
             raise CascadeConfigError(f"{where}: cloud.fallback_threshold is above qualifier.threshold")
-    return CascadeConfig(**kw)
-
-
-_MAX_TOKENS = 1_000_000  # a bound on any token count a config names (a typo'd 1e12 is an error, not an overflow)
-
-
-def _names(doc: dict, where: str) -> None:
-    """Every key of ``doc`` is a field name (a string): YAML allows numbers and lists as keys."""
-    bad = [k for k in doc if not isinstance(k, str)]
-    if bad:
-        raise CascadeConfigError(f"{where}: {bad[0]!r} is not a field name (a {type(bad[0]).__name__}, not a string)")
-
-
-def _cloud(c: Any, where: str) -> CloudConfig:
-    if not isinstance(c, dict):
-        raise CascadeConfigError(f"{where}: an object")
-    unknown = set(c) - _CLOUD
-    if unknown:
-        raise CascadeConfigError(f"{where}: unknown field(s) {sorted(unknown)}")
-    missing = [
-        k for k in ("base_url", "model", "api_key_env", "usd_per_1k_prompt", "usd_per_1k_completion") if k not in c
-    ]
-    if missing:
-        raise CascadeConfigError(f"{where}: missing {', '.join(missing)}")
-    if not isinstance(c["base_url"], str) or not re.match(r"^https?://[^\s]+$", c["base_url"]):
-        raise CascadeConfigError(f"{where}.base_url: an http(s) URL")
-    if not isinstance(c["api_key_env"], str) or not _ENV_NAME.match(c["api_key_env"]):
-        # never echo the value: it may be a key pasted where its variable's name belongs
-        raise CascadeConfigError(f"{where}.api_key_env: the NAME of an environment variable (A-Z, 0-9, _), not a key")
-    if not isinstance(c["model"], str) or not c["model"].strip() or len(c["model"]) > 256:
-        raise CascadeConfigError(
-            f"{where}.model: the model's name, a non-empty string (not {type(c['model']).__name__})"
-        )
-    kw: dict[str, Any] = {k: c[k] for k in ("base_url", "model", "api_key_env")}
-    for key, lo, hi in (
-        ("usd_per_1k_prompt", 0, None),
-        ("usd_per_1k_completion", 0, None),
-        ("fallback_threshold", 0, 1.0 + 1e-6),
-        ("budget_limit", 0, None),
-        ("timeout_s", 0.001, 86_400),
-    ):
-        if key in c:
-            kw[key] = _number(c, key, where, lo, hi)
-    for key, lo, hi in (
-        ("max_retries", 0, 100),
-        ("breaker_failures", 1, 1_000_000),
-        ("max_tokens", 1, _MAX_TOKENS),
-        ("validation_max_tokens", 1, _MAX_TOKENS),
-    ):
-        if key in c:
-            kw[key] = _integer(c, key, where, lo, hi)
-    if "budget_period" in c:
-        if c["budget_period"] not in ("month", "day", "total"):
-            raise CascadeConfigError(f"{where}.budget_period: month, day or total")
-        kw["budget_period"] = c["budget_period"]
-    return CloudConfig(**kw)
+    return CascadeConfig(
+        d.draft.max_tokens, d.qualifier.threshold, d.router.threshold, d.escalation.use_detector, cloud, where
+    )
 
 
 def load_cascade(name_or_path: str | Path | None = None, bundle=None) -> CascadeConfig:
