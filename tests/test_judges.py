@@ -192,19 +192,20 @@ def test_a_forged_verdict_is_never_a_pass(code):
 
 
 def test_the_program_cannot_choose_the_names_the_tests_run_with(code):
-    """The harness's helpers are reachable from the program (``import __main__``), so it can send a
+    """The harness's helpers are reachable from the program (``import __main__``: the candidate's
+    script, :mod:`methods.judges.sandbox.candidate`; its write pipe is ``sys.argv[2]``), so it can send a
     "ready" message of its own. Whatever it says, the tests' namespace is built from the task: a
     name is bound only where the tests use it, never a dunder (``__builtins__``: the tests would run
     with the program's ``all``), never a builtin the task does not define, and a module only under
     its own name or the one the task's own code imports it as."""
     forge = (
-        "import __main__ as m\n"
-        "_real = m._send\n"
+        "import __main__ as m, sys\n"
+        "_real = m.send\n"
         "def _quiet(fd, obj):\n"
         "    if 'ready' not in obj:\n"
         "        _real(fd, obj)\n"
-        "m._send = _quiet\n"
-        "_real(m._wfd, {'ready': {'callables': ['add', 'all', 'isinstance'], 'values': {{VALUES}},"
+        "m.send = _quiet\n"
+        "_real(int(sys.argv[2]), {'ready': {'callables': ['add', 'all', 'isinstance'], 'values': {{VALUES}},"
         " 'modules': {'math': 'cmath', 'json': 'json'}}})\n"
         "def add(a, b):\n"
         "    return -1\n"
@@ -225,7 +226,7 @@ def test_the_program_cannot_choose_the_names_the_tests_run_with(code):
     assert code(Task("ok", "?", reference="import math\n", tests=("assert math.floor(add(1, 2)) == 3",)), right).passed
     # a malformed "ready" is the program's fault (an error), never the judge's (no verdict)
     for bad in ("'x'", "{'callables': 5, 'values': {}}", "{'callables': [], 'values': []}"):
-        program = f"import __main__ as m\nm._send(m._wfd, {{'ready': {bad}}})\nimport os\nos._exit(0)\n"
+        program = f"import __main__ as m, sys\nm.send(int(sys.argv[2]), {{'ready': {bad}}})\nimport os\nos._exit(0)\n"
         verdict = code(MBPP, program)
         assert verdict.outcome == "error" and "unreadable" in verdict.reason, (bad, verdict)
 
@@ -792,3 +793,55 @@ def test_a_format_failure_is_an_error_the_stages_count_apart(code):
         "def add(a, b):\n    return a + b\n```\nThis adds two numbers.",
     )
     assert wrapped.passed, wrapped
+
+
+def test_the_sandbox_codec_passes_plain_data_by_value_and_the_rest_as_handles():
+    """The codec both sandboxes run (methods/judges/sandbox/codec.py, imported here as a module):
+    plain data comes back as builtins of the same value; anything else only as a handle its owner
+    resolves; malformed input is refused, never evaluated."""
+    import io
+    import json
+
+    from methods.judges.sandbox import CANDIDATE, TESTER, candidate, codec, tester
+
+    kept = []
+
+    def leaf(x):
+        kept.append(x)
+        return {"h": len(kept) - 1, "type": type(x).__name__}
+
+    value = [
+        1,
+        2.5,
+        -3j,
+        "s",
+        b"b",
+        bytearray(b"a"),
+        (1,),
+        {2},
+        frozenset({3}),
+        {"k": [None, True]},
+        range(1, 5, 2),
+        int,
+    ]
+    assert codec.dec(codec.enc(value, leaf), lambda h: kept[h["h"]]) == value
+    assert list(codec.dec(codec.enc(iter([1, 2]), leaf), None)) == [1, 2]
+    rigged = type("Rigged", (), {"__eq__": lambda self, other: True})()
+    handle = codec.enc(rigged, leaf)
+    assert handle == {"h": 0, "type": "Rigged"} and codec.dec(handle, lambda h: kept[h["h"]]) is rigged
+    for bad in ({}, {"i": "1", "f": "2"}, {"zz": 1}, 5, {"type": "os"}):
+        with pytest.raises(ValueError):
+            codec.dec(bad, None)
+    # the tester turns the candidate's handles into opaque objects that can only be passed back
+    h = tester.Handles()({"h": 7, "type": "Tree"})
+    assert repr(h) == "<Tree object in the sandbox>" and tester.leaf(h) == {"h": 7}
+    with pytest.raises(TypeError, match="plain data only"):
+        tester.leaf(io.StringIO())
+    # the candidate's names: callables by name, plain values encoded, modules by their own name
+    ns = {"__name__": "__main__", "f": len, "x": [1], "json": json, "it": iter([1])}
+    assert candidate.names(ns, leaf) == {
+        "callables": ["f"],
+        "values": {"x": {"l": [{"i": "1"}]}},
+        "modules": {"json": "json"},
+    }
+    assert CANDIDATE.is_file() and TESTER.is_file() and CANDIDATE.parent == TESTER.parent

@@ -17,10 +17,13 @@ Two processes per task, each in its own **bubblewrap** sandbox (:func:`run_sandb
   bound only where the tests use them (never a dunder, never a builtin the task does not define),
   and the task's own imports over them, whatever the program's "ready" message claims.
 
+The two programs and their codec are modules of :mod:`methods.judges.sandbox`, run by path
+(``python -I .../candidate.py <fds>``), their folder bound read-only into each sandbox.
+
 Each sandbox (``bwrap --unshare-all --new-session --die-with-parent``): its own PID namespace (every
 process dies with the sandbox: the judge kills the namespace's init and waits for it), its own
 network namespace (one loopback, up and its own), its own mount namespace with only ``/usr`` (and
-the interpreter's prefix when it lives elsewhere) bound read-only, ``/`` and ``/dev`` read-only, a
+the interpreter's prefix when it lives elsewhere, and the two programs' folder) bound read-only, ``/`` and ``/dev`` read-only, a
 private tmpfs ``/tmp`` of ``disk_bytes`` as its only writable place, a fresh ``/proc``; no
 repository, no ``../shared``, no home, no ``/etc``; an empty environment (no API key); uid and gid
 65534 inside, and — when the judge runs as root and the kernel allows unprivileged user
@@ -65,9 +68,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import methods.judges.sandbox as sandbox
 from methods.judges.base import Task, Verdict
 from methods.judges.confine import Cgroup, UidLease, cgroup_support
 from methods.judges.extract import extract_program, format_failure
+from methods.judges.sandbox import codec
 
 log = logging.getLogger("kibidango.judges.code")
 
@@ -75,315 +80,6 @@ __all__ = ["CodeJudge", "SandboxLimits", "SandboxResult", "SandboxUnavailable", 
 
 _NOBODY = 65534
 _SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
-_MAX_MESSAGE = 4 << 20  # one value crossing between the sandboxes, as JSON
-
-# Values cross by value: the same codec in both processes (plain data only; decoded into builtins).
-_CODEC = (
-    f"_MAX = {_MAX_MESSAGE}\n"
-    + r"""
-import builtins, json, os, select, sys, time
-def _enc(x, depth=0):
-    if depth > 200:
-        raise ValueError("a value nested too deeply to leave the sandbox")
-    if x is None or x is True or x is False:
-        return x
-    if isinstance(x, int):
-        return {"i": str(int(x))}
-    if isinstance(x, float):
-        return {"f": repr(float(x))}
-    if isinstance(x, complex):
-        return {"c": [repr(x.real), repr(x.imag)]}
-    if isinstance(x, str):
-        return str.__str__(x)
-    if isinstance(x, (bytes, bytearray)):
-        return {"bytearray" if isinstance(x, bytearray) else "b": bytes(x).hex()}
-    if isinstance(x, (list, tuple, set, frozenset)):
-        tag = "l" if isinstance(x, list) else "t" if isinstance(x, tuple) else "s" if isinstance(x, set) else "fs"
-        return {tag: [_enc(v, depth + 1) for v in x]}
-    if isinstance(x, dict):
-        return {"d": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in x.items()]}
-    if isinstance(x, range):
-        return {"r": [x.start, x.stop, x.step]}
-    if hasattr(type(x), "__next__") and hasattr(type(x), "__iter__"):
-        items = []
-        for v in x:
-            items.append(_enc(v, depth + 1))
-            if len(items) > 100000:
-                raise ValueError("an iterator too long to leave the sandbox")
-        return {"it": items}
-    if isinstance(x, type) and getattr(builtins, x.__name__, None) is x:
-        return {"type": x.__name__}
-    return _leaf(x)
-def _dec(x):
-    if x is None or isinstance(x, (bool, str)):
-        return x
-    if not isinstance(x, dict) or not x:
-        raise ValueError("malformed value")
-    if "h" in x:
-        return _unleaf(x)
-    if len(x) != 1:
-        raise ValueError("malformed value")
-    (tag, v), = x.items()
-    if tag == "i":
-        return int(v)
-    if tag == "f":
-        return float(v)
-    if tag == "c":
-        return complex(float(v[0]), float(v[1]))
-    if tag == "b":
-        return bytes.fromhex(v)
-    if tag == "bytearray":
-        return bytearray.fromhex(v)
-    if tag in ("l", "t", "s", "fs", "it"):
-        items = [_dec(i) for i in v]
-        return {"l": list, "t": tuple, "s": set, "fs": frozenset, "it": iter}[tag](items)
-    if tag == "d":
-        return {_dec(k): _dec(w) for k, w in v}
-    if tag == "r":
-        return range(int(v[0]), int(v[1]), int(v[2]))
-    if tag == "type" and isinstance(getattr(builtins, str(v), None), type):
-        return getattr(builtins, str(v))
-    raise ValueError(f"malformed value tag {tag!r}")
-def _send(fd, obj):
-    data = (json.dumps(obj) + "\n").encode()
-    if len(data) > _MAX:
-        too_large = {"raise": "ValueError", "message": "a value too large to leave the sandbox"}
-        data = (json.dumps(too_large) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data):]
-_buf = bytearray()
-def _recv(fd, deadline):
-    # one JSON line, or None at end of stream; "timeout" past the deadline; "malformed" for junk
-    global _buf
-    while b"\n" not in _buf:
-        if len(_buf) > _MAX:
-            return "malformed"
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
-            return "timeout"
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            return None
-        _buf += chunk
-    line, _, rest = bytes(_buf).partition(b"\n")
-    _buf = bytearray(rest)
-    try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError):
-        return "malformed"
-    return obj if isinstance(obj, dict) else "malformed"
-"""
-)
-
-# The candidate's process: run the program, then answer calls. The audit hook is a tripwire for
-# clearer errors (and the only guard in the fallback); bubblewrap is the wall.
-_CANDIDATE = (
-    _CODEC
-    + r"""
-import signal
-# PID 1 of its namespace ignores a signal it has no handler for: the CPU limit's SIGXCPU ends it here
-signal.signal(signal.SIGXCPU, lambda *_: os._exit(128 + signal.SIGXCPU))
-_rfd, _wfd = int(sys.argv[1]), int(sys.argv[2])
-_spec = json.loads(sys.stdin.readline())
-sys.stdin.close()
-_root = os.path.realpath(os.getcwd())
-_BLOCKED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-            "os.kill", "os.killpg", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
-            "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function"}
-_W = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-def _hook(event, args):
-    if event in _BLOCKED:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open" and args and not isinstance(args[0], int):
-        mode, flags = (args + (None, 0))[1:3]
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & _W)
-        if writing and not os.path.realpath(os.fsdecode(args[0])).startswith(_root + os.sep):
-            raise PermissionError(f"sandbox: writing outside the sandbox is not allowed: {os.fsdecode(args[0])}")
-sys.addaudithook(_hook)
-_objs = []
-def _leaf(x):  # an object that is not plain data stays here; the tester gets a handle to pass back
-    _objs.append(x)
-    return {"h": len(_objs) - 1, "type": type(x).__name__[:100]}
-def _unleaf(x):
-    return _objs[int(x["h"])]
-_ns = {"__name__": "__main__"}
-try:
-    exec(compile(_spec["program"], "candidate.py", "exec"), _ns)
-    if _spec["setup"]:
-        exec(compile(_spec["setup"], "setup.py", "exec"), _ns)
-except BaseException as e:
-    sys.stdout.flush()
-    _send(_wfd, {"crash": f"{type(e).__name__}: {str(e)[:300]}"})
-    os._exit(1)
-sys.stdout.flush()
-_callables, _values, _modules = [], {}, {}
-for _k, _v in list(_ns.items()):
-    if _k.startswith("__"):
-        continue
-    if type(_v).__name__ == "module":
-        _modules[_k] = str(getattr(_v, "__name__", ""))
-    elif callable(_v):  # a class too: its instances come back as handles
-        _callables.append(_k)
-    elif not hasattr(type(_v), "__next__"):
-        try:  # the setup's objects (a tree of the program's class, say) cross as handles
-            _values[_k] = _enc(_v)
-        except Exception:
-            pass
-_send(_wfd, {"ready": {"callables": _callables, "values": _values, "modules": _modules}})
-while True:
-    _req = _recv(_rfd, None)
-    if not isinstance(_req, dict):
-        os._exit(0)
-    try:
-        _args = [_dec(a) for a in _req["args"]]
-        _kwargs = {str(k): _dec(v) for k, v in _req["kwargs"].items()}
-        _out = {"ok": _enc(_ns[_req["call"]](*_args, **_kwargs))}
-    except BaseException as e:
-        _out = {"raise": type(e).__name__, "message": str(e)[:300]}
-    sys.stdout.flush()
-    _send(_wfd, _out)
-"""
-)
-
-# The tester's process: the tests, with the candidate's names bound to proxies.
-_TESTER = (
-    _CODEC
-    + r"""
-_wfd, _rfd = int(sys.argv[1]), int(sys.argv[2])
-_spec = json.loads(sys.stdin.read())
-_deadline = time.monotonic() + _spec["wall"]
-_result = {"passed": 0, "total": len(_spec["tests"]), "errors": []}
-class _Handle:
-    "An object of the candidate's that is not plain data: it can only be passed back."
-    def __init__(self, n, kind):
-        self.n, self.kind = n, kind
-    def __repr__(self):
-        return f"<{self.kind} object in the sandbox>"
-_handles = {}
-def _leaf(x):
-    if isinstance(x, _Handle):
-        return {"h": x.n}
-    raise TypeError(f"a {type(x).__name__} value cannot be passed into the sandbox (plain data only)")
-def _unleaf(x):
-    n = int(x["h"])
-    if n not in _handles:
-        _handles[n] = _Handle(n, str(x.get("type", "object"))[:100])
-    return _handles[n]
-class _Gone(BaseException):
-    "The candidate is gone or unreadable: no test after this can pass (not catchable as Exception)."
-def _raise(name, message):
-    kind = getattr(builtins, str(name), None)
-    error = None
-    if isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins":
-        try:
-            error = kind(message)
-        except Exception:
-            pass
-    raise error if error is not None else RuntimeError(f"{name}: {message}")
-_state = {"gone": None}
-def _proxy(name):
-    def call(*args, **kwargs):
-        if _state["gone"]:
-            raise _Gone(_state["gone"])
-        request = {"call": name, "args": [_enc(a) for a in args], "kwargs": {k: _enc(v) for k, v in kwargs.items()}}
-        try:
-            _send(_wfd, request)
-            reply = _recv(_rfd, _deadline)
-        except OSError:
-            reply = None
-        if reply == "timeout":
-            _state["gone"] = "timeout"
-        elif reply is None:
-            _state["gone"] = "the program ended while its tests ran"
-        elif reply == "malformed" or not ({"ok", "raise"} & set(reply)):
-            _state["gone"] = "the program sent an unreadable reply"
-        if _state["gone"]:
-            raise _Gone(_state["gone"])
-        if "ok" in reply:
-            try:
-                return _dec(reply["ok"])
-            except Exception:
-                _state["gone"] = "the program sent an unreadable value"
-                raise _Gone(_state["gone"])
-        _raise(reply.get("raise"), reply.get("message", ""))
-    call.__name__ = call.__qualname__ = name
-    return call
-_ready = _recv(_rfd, _deadline)
-if _ready == "timeout":
-    _result["timeout"] = True
-elif _ready is None:
-    _result["gone"] = "the program ended before its tests ran"
-elif _ready == "malformed" or not ({"ready", "crash"} & set(_ready)):
-    _result["gone"] = "the program sent an unreadable reply"
-elif "crash" in _ready:
-    _result["crash"] = str(_ready["crash"])[:400]
-else:
-    # The namespace is the task's: a name is bound only where the tests use it (``wanted``, read
-    # from the tests by the judge), never a dunder, never one that would shadow a builtin unless the
-    # task defines that name itself; the candidate's message can only fill those names. A module
-    # the program imported is bound under its own name (``import math``), and the task's own
-    # imports (its reference's, its prompt's) are bound last, from this sandbox's standard library.
-    import importlib
-    _ns = {"__name__": "__main__"}
-    _want, _shadow = set(_spec["wanted"]), set(_spec["may_shadow"])
-    def _own(k):
-        return (isinstance(k, str) and k in _want and not k.startswith("__")
-                and (k in _shadow or not hasattr(builtins, k)))
-    _got = _ready["ready"]
-    _shape = (isinstance(_got, dict) and isinstance(_got.get("callables"), list)
-              and isinstance(_got.get("values"), dict) and isinstance(_got.get("modules", {}), dict))
-    if not _shape:
-        _result["gone"] = "the program sent an unreadable reply"
-    else:
-        for _k in _got["callables"]:
-            if _own(_k):
-                _ns[_k] = _proxy(_k)
-        for _k, _v in _got["values"].items():
-            if _own(_k):
-                try:
-                    _ns[_k] = _dec(_v)
-                except Exception:
-                    pass
-        for _k, _m in _got.get("modules", {}).items():
-            if _own(_k) and _m == _k:
-                try:
-                    _ns[_k] = importlib.import_module(_k)
-                except Exception:
-                    pass
-    for _k, (_m, _attr) in _spec["modules"].items():
-        if _own(_k):
-            try:
-                _v = importlib.import_module(_m)
-                if _attr is not None:
-                    _v = getattr(_v, _attr) if hasattr(_v, _attr) else importlib.import_module(_m + "." + _attr)
-                _ns[_k] = _v
-            except Exception:
-                _ns.pop(_k, None)
-    if "gone" not in _result:
-        try:
-            if _spec["setup"]:
-                exec(compile(_spec["setup"], "test_setup.py", "exec"), _ns)
-        except _Gone as e:
-            _result["gone"] = str(e)
-        except BaseException as e:
-            _result["setup_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        else:
-            for _i, _test in enumerate(_spec["tests"]):
-                try:
-                    exec(compile(_test, f"test_{_i}.py", "exec"), _ns)
-                    _result["passed"] += 1
-                except _Gone as e:
-                    _result["errors"].append(f"test {_i}: {e}")
-                except BaseException as e:
-                    _result["errors"].append(f"test {_i}: {type(e).__name__}: {str(e)[:200]}")
-            if _state["gone"] == "timeout":
-                _result["timeout"] = True
-            elif _state["gone"]:
-                _result["gone"] = _state["gone"]
-sys.stdout.write(json.dumps(_result) + "\n")
-sys.stdout.flush()
-"""
-)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -437,7 +133,7 @@ def _bwrap_argv(python: str, extra: list[str], limits: SandboxLimits, info_fd: i
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
-    for path in extra:
+    for path in [*extra, str(sandbox.FOLDER)]:  # the interpreter's folders; the programs, run by path
         argv += ["--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp"]
     argv += ["--remount-ro", "/dev", "--remount-ro", "/"]  # the size-capped /tmp is the one writable place
@@ -566,7 +262,7 @@ class _Sandboxed:
 
     def __init__(
         self,
-        source: str,
+        script: Path,
         fds: tuple[int, int],
         limits: SandboxLimits,
         iso: dict,
@@ -595,7 +291,7 @@ class _Sandboxed:
         self._info_fd = None
         try:
             self.proc = subprocess.Popen(
-                [*(prefix or []), *argv, "-I", "-c", source, *map(str, fds)],
+                [*(prefix or []), *argv, "-I", str(script), *map(str, fds)],
                 cwd=cwd,
                 env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"},
                 stdin=subprocess.PIPE,
@@ -732,13 +428,13 @@ def _run(program, tests, setup, limits: SandboxLimits, test_setup, may_shadow, i
             own.callback(groups[0].remove)
         files = {k: open(work / f"{k}.txt", "wb") for k in ("stdout", "stderr", "tester_stdout", "tester_stderr")}
         cwd = work / "candidate"
-        candidate = _Sandboxed(_CANDIDATE, (req_r, resp_w), limits, iso, files, cwd, uids[0], groups[0])
+        candidate = _Sandboxed(sandbox.CANDIDATE, (req_r, resp_w), limits, iso, files, cwd, uids[0], groups[0])
         os.close(req_r)
         os.close(resp_w)
         req_r = resp_w = -1
         tester_files = {"stdout": files["tester_stdout"], "stderr": files["tester_stderr"]}
         tester = _Sandboxed(
-            _TESTER, (req_w, resp_r), limits, _tester_iso(iso), tester_files, work / "tester", uids[1], groups[1]
+            sandbox.TESTER, (req_w, resp_r), limits, _tester_iso(iso), tester_files, work / "tester", uids[1], groups[1]
         )
         candidate.started()
         tester.started()
@@ -766,7 +462,7 @@ def _run(program, tests, setup, limits: SandboxLimits, test_setup, may_shadow, i
         returncode = candidate.proc.poll()
         candidate.kill()
         seconds = time.monotonic() - started
-        counts = _read_counts((work / "tester_stdout.txt").read_bytes()[:_MAX_MESSAGE])
+        counts = _read_counts((work / "tester_stdout.txt").read_bytes()[: codec.MAX_MESSAGE])
         if counts is not None and counts.get("timeout"):
             status = "timeout"
         stdout = (work / "stdout.txt").read_bytes()[: limits.output_chars * 4].decode("utf-8", "replace")
