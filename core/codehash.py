@@ -228,8 +228,8 @@ def _normalised(graph: _Graph, ref: Ref) -> str:
     module = graph.module(ref[0])
     if module is None:
         return ""
-    nodes = module.tree.body if ref[1] == "*" else [module.defs[ref[1]]]
-    out = []
+    nodes = _Normalise(graph, module)._body(module.tree.body) if ref[1] == "*" else [module.defs[ref[1]]]
+    out = []  # (a whole module: its docstring dropped like a definition's)
     for node in nodes:
         clean = _Normalise(graph, module).visit(copy.deepcopy(node))
         if clean is not None:

@@ -15,7 +15,7 @@ lengths and n-gram settings were chosen), and the *instructions* (held-out Alpac
 family's ``Instruction:``/``Response:`` format: another source and another kind of text, reported
 beside the first).
 
-The bundle ships a static n-gram table (``ngrams/ngrams.npz``, :mod:`kibidango.ngrams`): the
+The bundle ships a static n-gram table (``ngrams/ngrams.npz``, :mod:`kibidango.decode.ngrams`): the
 target's own greedy continuations of the *training* stories' openings, counted (no held-out
 story's opening, so neither the benchmark's prompts nor the selection prompts, is among them).
 ``--table-prompts 0`` leaves it out.
@@ -67,7 +67,7 @@ def build(out: Path, gguf_type: str | None = "f16", family: Path | None = None, 
         table = ngram_table(family, table_prompts) if table_prompts else None
 
         def finalize(root: Path) -> dict:
-            from kibidango.ngrams import TABLE_PATH
+            from kibidango.decode.ngrams import TABLE_PATH
 
             if table is None:
                 return {}
@@ -94,14 +94,14 @@ budget; no stop token, as the benchmark decodes)."""
 
 
 def ngram_table(family: Path, prompts: int, batch: int = 64):
-    """A :class:`kibidango.ngrams.NgramTable` of the family target's greedy continuations
+    """A :class:`kibidango.decode.ngrams.NgramTable` of the family target's greedy continuations
     (``TABLE_TOKENS`` each, transformers' batched ``generate``, float32 on the CPU) of the first
     ``prompts`` distinct 8-word openings of the family's *training* stories, leaving out any
     opening that is also a held-out story's (the benchmark's and the selection prompts)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kibidango.ngrams import NgramTable
+    from kibidango.decode.ngrams import NgramTable
 
     openings = training_openings(family)[:prompts]
     tok = AutoTokenizer.from_pretrained(family / "target")

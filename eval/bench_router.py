@@ -15,7 +15,7 @@ from core.store import ArtifactStore
 
 
 def main() -> int:
-    from kibidango.router import Router
+    from kibidango.addons.router import Router
     from methods.training.chat import load_split
     from stages.train_router import query_text
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kibidango import load_bundle
     from kibidango.backends.llamacpp_backend import LlamaCppModel
-    from kibidango.speculative import DecodeConfig, Decoder, Metrics
+    from kibidango.decode.speculative import DecodeConfig, Decoder, Metrics
 
     parser = argparse.ArgumentParser(prog="python -m eval.kv_cache", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=home() / "bench_family", help="default: make bench-runtime's")

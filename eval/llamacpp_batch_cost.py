@@ -6,7 +6,7 @@ verification (k drafted tokens + 1), which ``kibidango bench`` reports for one k
 Loads the GGUF through the runtime's llama.cpp backend (its thread counts and buffer types) and,
 for each size, times one-token steps (the unit) and n-token forwards after a 40-token prefix, the
 cache cropped back to it before each (as sd does after a rejection): ``kibidango bench``'s own
-measurement (:func:`kibidango.bench.step_costs`), medians over repeated rounds. Leviathan's
+measurement (:func:`kibidango.tools.bench.step_costs`), medians over repeated rounds. Leviathan's
 speed-up model assumes a verification costs one step; on a CPU where the matmuls are
 compute-bound it costs more, and how much tells which k can pay off. Printed as a
 table; nothing is written."""
@@ -20,9 +20,9 @@ from pathlib import Path
 
 def batch_costs(gguf: Path, sizes: list[int], threads: int = 1, repeats: int = 7) -> tuple[float, dict[int, float]]:
     """Seconds of one one-token step (the median over sizes), and each size's forward in units of
-    the steps measured beside it (:func:`kibidango.bench.step_costs`, ``repeats`` rounds)."""
+    the steps measured beside it (:func:`kibidango.tools.bench.step_costs`, ``repeats`` rounds)."""
     from kibidango.backends.llamacpp_backend import LlamaCppModel
-    from kibidango.bench import step_costs
+    from kibidango.tools.bench import step_costs
 
     models = {"target": LlamaCppModel(gguf, threads=threads)}
     prefix = [10 + i % 400 for i in range(40)]

@@ -4,7 +4,7 @@ bundle stamped with the gates' verdict) becomes a version of the registered mode
 
 A version's files are its MLflow run's artifacts (``bundle/``: downloaded by
 ``models:/kibidango-tiny@champion`` through MLflow's artifact store, see
-:mod:`kibidango.registry`); its tags: the verdict (``kibidango.release``, the failed and waived
+:mod:`kibidango.bundle.registry`); its tags: the verdict (``kibidango.release``, the failed and waived
 gates), bundle.json's sha256 (``kibidango.bundle_sha256``: the runtime refuses a download that
 differs), the flow run (Prefect and MLflow parent), and the MLflow runs of the stages the bundle
 was built from (``kibidango.source_runs``). A bundle already registered (same digest) is not
@@ -29,7 +29,7 @@ from flows.tracking import TAG
 __all__ = ["CHAMPION", "DIGEST_TAG", "model_name", "register_bundle", "source_runs", "versions_table"]
 
 CHAMPION = "champion"
-DIGEST_TAG = f"{TAG}bundle_sha256"  # the runtime's kibidango.registry.DIGEST_TAG
+DIGEST_TAG = f"{TAG}bundle_sha256"  # the runtime's kibidango.bundle.registry.DIGEST_TAG
 
 
 def model_name(preset: str) -> str:

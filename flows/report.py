@@ -365,7 +365,7 @@ def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: lis
             rows.append(f"| tokens/s against target-only decoding, side by side | {shown} | {cite('9')} |")
     tuning = _json(Path(artifacts["1F"]) / "tuning.json") if artifacts.get("1F") else None
     if tuning:
-        from kibidango.tune import describe
+        from kibidango.tools.tune import describe
 
         shown = "; ".join(
             f"{b}: {describe(tuning['tuned_defaults'][b])} at {t['chosen_speed_vs_ar']:.2f}x ar"

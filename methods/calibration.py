@@ -9,7 +9,7 @@ scaling of answer-level features, and the measures that say whether either helpe
   equal-width bins;
 - :func:`fit_logistic`: logistic regression from answer features to P(the judge passes) (Platt
   scaling; 6B's detector too), fitted with L-BFGS and a small L2 penalty on standardised
-  features, returned as the runtime's :class:`kibidango.confidence.Logistic`;
+  features, returned as the runtime's :class:`kibidango.addons.confidence.Logistic`;
 - :func:`brier`, :func:`auroc`, :func:`precision_at_recall`, :func:`reliability_plot`.
 
 Everything here is numpy/torch: the parameters are small JSON the runtime can read without the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kibidango.confidence import Logistic
+from kibidango.addons.confidence import Logistic
 
 __all__ = [
     "auroc",
@@ -142,7 +142,7 @@ def paired_auroc_difference(a, b, outcome, rounds: int = 2000, seed: int = 0) ->
 
 def fit_logistic(x: np.ndarray, y: np.ndarray, features: list[str], l2: float = 1e-3) -> Logistic:
     """Logistic regression on standardised features, fitted with L-BFGS and an L2 penalty: the
-    runtime's :class:`kibidango.confidence.Logistic` (Platt scaling is the one-feature case)."""
+    runtime's :class:`kibidango.addons.confidence.Logistic` (Platt scaling is the one-feature case)."""
     import torch
 
     x = np.asarray(x, dtype=np.float64)

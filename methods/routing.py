@@ -1,12 +1,12 @@
 """Training the domain router (stage 6A): the runtime's hashed n-gram features
-(:func:`kibidango.router.features`) into an MLP 128-64-32-K trained with torch, exported as the
-runtime's :class:`kibidango.router.Router` (numpy weights in JSON)."""
+(:func:`kibidango.addons.router.features`) into an MLP 128-64-32-K trained with torch, exported as the
+runtime's :class:`kibidango.addons.router.Router` (numpy weights in JSON)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kibidango.router import Router, features
+from kibidango.addons.router import Router, features
 
 __all__ = ["confusion", "train_router"]
 

@@ -11,7 +11,7 @@ stage X then ships as the bundle's ``default_adapter``; the 2D GGUF for llama.cp
    stage 1B: benchmarks' mining halves, stage 0's held-out rows), once with the default weights (the
    target with ``default_adapter``) and once with the domain adapter the router (6A) picks, and
    every answer is judged (1B's judges). An
-   answer's features (:data:`kibidango.confidence.ANSWER_FEATURES`: mean and min token
+   answer's features (:data:`kibidango.addons.confidence.ANSWER_FEATURES`: mean and min token
    log-probability, mean entropy, length, mean log-probability at the fitted temperature) ->
    logistic regression to P(judge passes), fitted on one half of the tasks, measured on the other:
    ECE, Brier and AUROC of the raw confidence (exp mean log-probability) and of the calibrated one.
@@ -24,7 +24,7 @@ stage X then ships as the bundle's ``default_adapter``; the 2D GGUF for llama.cp
 Resumable like 1B: every judged task is appended to the work directory's ``base/rows.jsonl`` (then
 ``adapter/rows.jsonl``).
 
-Outputs: ``calibration.json`` (the runtime's :class:`kibidango.confidence.Calibrator`),
+Outputs: ``calibration.json`` (the runtime's :class:`kibidango.addons.confidence.Calibrator`),
 ``answers.jsonl`` (every judged answer with its features, split, route: stages 6B and 6C read
 it; with the gold answer's verdict and token counts, the cloud stand-in of 6C), ``calibration_eval.json``,
 ``reliability_tokens.png``, ``reliability_answers.png``,
@@ -42,8 +42,8 @@ import numpy as np
 from pydantic import Field
 
 from core.contract import KibidangoError, StageResult
-from kibidango.confidence import ANSWER_FEATURES, Calibrator
-from kibidango.router import Router
+from kibidango.addons.confidence import ANSWER_FEATURES, Calibrator
+from kibidango.addons.router import Router
 from methods.benchmarks import unit_hash
 from methods.calibration import auroc, brier, ece, fit_logistic, fit_temperature, reliability_plot, token_confidence
 from methods.failures import task_record, training_texts, verdict_record

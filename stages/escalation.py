@@ -3,10 +3,10 @@ calibrated confidence, so the cascade can send a query to the cloud before trust
 
 Trained on stage 2G's judged answers (its fitting half; base and adapter answers alike), measured
 on 2G's evaluation half (tasks the fit never saw). Features: the query's hashed n-grams (the
-router's :func:`kibidango.router.features`, 128-d) and the calibrated confidence (2G's
-:class:`kibidango.confidence.Calibrator`); the model is a logistic regression
+router's :func:`kibidango.addons.router.features`, 128-d) and the calibrated confidence (2G's
+:class:`kibidango.addons.confidence.Calibrator`); the model is a logistic regression
 (:func:`methods.calibration.fit_logistic`), shipped as the runtime's
-:class:`kibidango.confidence.EscalationDetector`. The decision threshold is the highest one whose
+:class:`kibidango.addons.confidence.EscalationDetector`. The decision threshold is the highest one whose
 recall of failures reaches the recipe's ``recall`` **on the fitting half**; on the evaluation half
 the card gives AUROC, the precision and recall at that threshold, and the precision at the recall
 asked for, beside a confidence-only detector (1 - confidence) as the baseline. The detector
@@ -27,7 +27,7 @@ import numpy as np
 from pydantic import Field
 
 from core.contract import KibidangoError, StageConfig, StageResult
-from kibidango.confidence import Calibrator, EscalationDetector, Logistic
+from kibidango.addons.confidence import Calibrator, EscalationDetector, Logistic
 from methods.calibration import auroc, fit_logistic, paired_auroc_difference, precision_at_recall
 from methods.failures import read_jsonl
 

@@ -215,8 +215,8 @@ def _answers(cfg: Config, rows: list[dict], pipe, policies: list[str], work_dir:
     """Every task answered under each policy and judged (resumable); with ``parallel`` > 1 the
     answers of that many tasks decode together (the runtime's batching; judged outside it). The
     ``input`` policy is ``beside``'s answers (the input model's pipeline), greedy ``ar``."""
-    from kibidango.batching import Batcher
-    from kibidango.tune import lossless
+    from kibidango.decode.batching import Batcher
+    from kibidango.tools.tune import lossless
 
     batcher = Batcher(pipe, cfg.parallel) if cfg.parallel > 1 else None
     alone = threading.Lock()
@@ -342,7 +342,7 @@ def _load(path: Path, backend: str):
 
 def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
     """The input model's bytes, peak RSS and the bundle target's greedy speed over the input's."""
-    from kibidango.bench import bootstrap_ratio
+    from kibidango.tools.bench import bootstrap_ratio
     from methods.measure.speed import decode_cells, tokens_per_s
 
     spec = cfg.input_model
@@ -375,7 +375,7 @@ def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
 def _reference_nll(pipe, prompt_ids: list[int], reference: str) -> dict | None:
     """Mean negative log-likelihood of the gold answer's tokens after the prompt (one forward
     pass of the target, cut to its context): a graded measure where pass rates sit at zero."""
-    from kibidango.confidence import score_answer
+    from kibidango.addons.confidence import score_answer
 
     answer = list(pipe.tokenizer(reference, add_special_tokens=False)["input_ids"]) if reference else []
     feats = score_answer(pipe.models["target"], prompt_ids, answer) if answer else None
@@ -513,8 +513,8 @@ def _speed_prompts(pipe, rows: list[dict], cfg: Config) -> list[str]:
 def _speed(bundle_dir: Path, cfg: Config, prompts: list[str]) -> dict:
     if not prompts:
         return {}
-    from kibidango.bench import run_bench
     from kibidango.bundle import load_bundle
+    from kibidango.tools.bench import run_bench
 
     have = set(load_bundle(bundle_dir, verify=False).tiers)
     needs = {"ar": {"target"}, "sd": {"draft", "target"}, "pyramid": {"draft", "qualifier", "target"}}

@@ -15,7 +15,7 @@ what ``kibidango`` reads:
   the ones the confidence and the cascade's thresholds were measured on; ``router/router.json``:
   the domain router (6A), ``calibration/calibration.json``
   (2G), ``escalation/escalation.json`` (6B) and ``cascade/cascade.json`` (6C), when wired;
-- ``bundle.json`` (:class:`kibidango.schema.BundleManifest`): schema, preset, every file with
+- ``bundle.json`` (:class:`kibidango.bundle.schema.BundleManifest`): schema, preset, every file with
   size + sha256, every stage's cache key (the lineage of the inputs, read from their manifests),
   the tier table with each tier's measured figures, runtime defaults. Nothing in the bundle
   depends on when or where it was built: no build time, MLflow run id or git sha (those are in the
@@ -75,7 +75,7 @@ class Config(StageConfig):
     @field_validator("runtime_defaults")
     @classmethod
     def _decoding_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from kibidango.speculative import DecodeConfig
+        from kibidango.decode.speculative import DecodeConfig
 
         DecodeConfig.from_mapping(value, "runtime_defaults")  # what the runtime will read, read now
         return value

@@ -40,7 +40,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
-from kibidango.confidence import Calibrator, EscalationDetector
+from kibidango.addons.confidence import Calibrator, EscalationDetector
 from methods.failures import read_jsonl
 
 LIBRARIES = ("numpy", "matplotlib")

@@ -1,7 +1,7 @@
 """Stage 6A — domain router: which domain adapter (or none: ``base``) a query should get.
 
 Trained on stage 0's domain labels (train split), evaluated on its test split; the features are
-the runtime's hashed n-grams and the model an MLP dim-64-32-K (:mod:`kibidango.router`, trained by
+the runtime's hashed n-grams and the model an MLP dim-64-32-K (:mod:`kibidango.addons.router`, trained by
 :mod:`methods.routing`), so the runtime loads ``router.json`` with numpy alone. The labels are
 ``domains`` (the bundle's adapters) plus ``base`` for a row of any other domain. A control trained
 on shuffled labels shows what the features alone do not explain.

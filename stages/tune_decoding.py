@@ -2,7 +2,7 @@
 
 On stage 0's validation rows (held out from every training stage; the prompts rendered as the
 family's chat format, story rows cut after a few tokens), the runtime's own tuner
-(:func:`kibidango.tune.tune`, also ``kibidango tune`` on any bundle) times every candidate of the
+(:func:`kibidango.tools.tune.tune`, also ``kibidango tune`` on any bundle) times every candidate of the
 recipe's grid against target-only decoding right after it, per backend:
 
 - ``sd`` with each draft length ``k``, at the longest stopped by each ``p_min``, and adaptive
@@ -14,7 +14,7 @@ recipe's grid against target-only decoding right after it, per backend:
   (``tau_Q``, ``tau_T``) of the grid (divergence: total variation).
 
 Lossless candidates must reproduce target-only decoding token for token; one that differs only
-where the target's logits tie within rounding (``kibidango.tune.NEAR_TIE``: a batched verification
+where the target's logits tie within rounding (``kibidango.tools.tune.NEAR_TIE``: a batched verification
 step rounds differently from one-token steps, as on llama.cpp with the small bundle's Q8_0 target)
 is judged like a lossy one, any other mismatch is reported as a bug and the candidate is not
 admissible; lossy ones must keep the target's perplexity of the text they
@@ -83,7 +83,7 @@ class Config(StageConfig):
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from kibidango.bundle import load_bundle
     from kibidango.pipeline import Pipeline
-    from kibidango.tune import describe, tune, write_tuned_backends
+    from kibidango.tools.tune import describe, tune, write_tuned_backends
     from methods.measure.lm import held_out_prompts
 
     for name in (cfg.bundle_input, cfg.data_input):
@@ -182,7 +182,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
 
 
 def _card(results: dict, tuned: dict, prompts: int, cfg: Config) -> str:
-    from kibidango.tune import describe, format_tune
+    from kibidango.tools.tune import describe, format_tune
 
     lines = [
         "# Stage 1F — speculative-decoding tuning",

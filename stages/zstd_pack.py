@@ -2,7 +2,7 @@
 plan: 128 KB, level 10), every file compressed with it, SHA-256 of every original file, and a
 byte-for-byte round trip before anything is published.
 
-The format is the runtime's (:mod:`kibidango.pack`): ``kibidango inspect`` and
+The format is the runtime's (:mod:`kibidango.bundle.pack`): ``kibidango inspect`` and
 ``kibidango generate`` take the packed directory as they take a bundle, unpacking into a cache.
 The stage reports the real ratios, with and without the dictionary, for the weights and for the
 rest: on quantized weights zstd gains little (they are close to random bytes); the dictionary
@@ -33,7 +33,7 @@ class Config(StageConfig):
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
-    from kibidango.pack import pack_bundle, unpack_bundle
+    from kibidango.bundle.pack import pack_bundle, unpack_bundle
 
     bundle = inputs["bundle"] / "bundle"
     if not (bundle / "bundle.json").is_file():

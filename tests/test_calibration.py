@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kibidango.confidence import Logistic
+from kibidango.addons.confidence import Logistic
 from methods.calibration import (
     auroc,
     brier,

@@ -33,6 +33,11 @@ def test_comments_docstrings_and_formatting_keep_every_key(baseline):
     edited = edited.replace("    n_valid = n_seen = 0\n", "    n_valid = n_seen = (\n        0\n    )  # reformatted\n")
     assert edited != src
     assert _versions({"methods.curation.ingest": edited}) == baseline
+    # a module's own docstring too, where a stage reaches the whole module (the stage's own, here)
+    src = _source("stages.zstd_pack")
+    edited = src.replace('"""Stage 2E', '"""Stage 2E, its docstring reworded (a module path renamed, say):', 1)
+    assert edited != src
+    assert _versions({"stages.zstd_pack": edited}) == baseline
 
 
 def test_a_one_character_change_to_a_function_changes_exactly_the_stages_that_use_it(baseline):
@@ -124,10 +129,10 @@ def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(bas
     through failure mining's answerer, 1D's self tier sampling the student, 1E's draft agreement,
     1F's tuning, 2D's fidelity table answering the ladder, 2F's task check, 2G's answers, 3-5's check,
     9's evaluation); no other stage's key moves."""
-    src = _source("kibidango.speculative")
+    src = _source("kibidango.decode.speculative")
     edited = src.replace("class Decoder:\n", "class Decoder:\n    KB_EDITED = 1\n", 1)
     assert edited != src
-    changed = {sid for sid, v in _versions({"kibidango.speculative": edited}).items() if v != baseline[sid]}
+    changed = {sid for sid, v in _versions({"kibidango.decode.speculative": edited}).items() if v != baseline[sid]}
     assert changed == {"1B", "1C", "1D", "1E", "1F", "1R", "1S", "2D", "2F", "2G", "3", "4", "5", "9"}
     src = _source("kibidango.bundle")
     edited = src.replace("def load_bundle(", "def load_bundle(  # edited\n    ", 1).replace(

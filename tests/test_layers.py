@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 FLOOR = {"core": 0, "methods": 1, "stages": 2, "flows": 3, "eval": 3}
@@ -69,24 +71,51 @@ def _graph() -> dict[str, dict[str, int]]:
 RUNTIME_FLOOR = {
     "kibidango.integrity": 0,
     "kibidango.backends": 1,
+    "kibidango.decode": 2,
+    "kibidango.addons": 2,
     "kibidango.paid": 2,
-    "kibidango.cascade": 3,
-    "kibidango.server": 4,
-    "kibidango.cli": 5,
-    "kibidango.__main__": 5,
+    "kibidango.bundle": 3,
+    "kibidango.pipeline": 4,
+    "kibidango.tools": 5,
+    "kibidango.cascade": 5,
+    "kibidango.server": 6,
+    "kibidango.cli": 7,
 }
-"""The runtime's floors, by folder: the bundle's integrity errors (0), the backends (1: a model and
-its sessions), the decoding core, the bundle and the paid client with its ledger (2: ``paid/`` and
-every module not named here), the cascade (3), the server (4), the CLI (5). A module imports only
-its own floor and those below: a backend that reached up into the decoding core (the llama.cpp
-draft hook once imported a private helper of kibidango.speculative) fails here."""
+"""The runtime's floors are its folders: the bundle's integrity errors (0), ``backends/`` (1: a
+model and its sessions), ``decode/`` (the decoding core), ``addons/`` (router, adapters,
+confidence: what a request adds) and ``paid/`` (the one paid client and its ledger) (2), ``bundle/``
+(the loader, its manifest schema, packs and the registry: 3), the Python API ``pipeline`` (4),
+``tools/`` (bench, tune) and ``cascade/`` (5), ``server/`` (6), the CLI (7). A module imports only
+its own folder and lower floors: a backend that reached up into the decoding core (the llama.cpp
+draft hook once imported a private helper of kibidango.decode.speculative) fails here, and so does
+one folder reaching into another on its floor. A module outside every folder named here fails
+:func:`test_every_runtime_module_has_a_floor`: a new module is placed on a floor, not left flat."""
+API_FLOOR = 4
+"""``kibidango`` itself (its ``__init__``) re-exports the API: the bundle, the pipeline, the decoder."""
+
+
+def _runtime_home(module: str) -> str | None:
+    """The folder (or top-level module) of RUNTIME_FLOOR that ``module`` lives in."""
+    if module == "kibidango.__main__":  # ``python -m kibidango``: the CLI's entry
+        return "kibidango.cli"
+    for prefix in RUNTIME_FLOOR:
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix
+    return None
 
 
 def _runtime_floor(module: str) -> int:
-    for prefix, floor in RUNTIME_FLOOR.items():
-        if module == prefix or module.startswith(prefix + "."):
-            return floor
-    return 2
+    if module == "kibidango":
+        return API_FLOOR
+    home = _runtime_home(module)
+    if home is None:
+        raise KeyError(f"{module}: on no floor of RUNTIME_FLOOR")
+    return RUNTIME_FLOOR[home]
+
+
+def test_every_runtime_module_has_a_floor():
+    flat = [m for m in _graph() if m.startswith("kibidango.") and _runtime_home(m) is None]
+    assert not flat, f"runtime modules on no floor (place them in a folder of RUNTIME_FLOOR): {flat}"
 
 
 def test_every_import_goes_down_a_floor_or_stays():
@@ -113,7 +142,7 @@ def test_the_runtime_imports_nothing_of_the_pipeline():
 
 
 def test_the_runtime_has_no_import_cycle_between_bundle_and_pack():
-    pack = {t for _, t in _imports(REPO / "runtime/kibidango/pack.py", "kibidango")}
+    pack = {t for _, t in _imports(REPO / "runtime/kibidango/bundle/pack.py", "kibidango")}
     assert "kibidango.bundle" not in pack
 
 
@@ -124,10 +153,11 @@ def _upward(graph: dict[str, dict[str, int]]) -> list[str]:
         if not module.startswith("kibidango"):
             continue
         for target, line in edges.items():
-            if target.startswith("kibidango.") and _runtime_floor(target) > _runtime_floor(module):
-                wrong.append(
-                    f"{module}:{line}: floor {_runtime_floor(module)} imports {target} (floor {_runtime_floor(target)})"
-                )
+            if not target.startswith("kibidango.") or _runtime_home(target) is None or _runtime_home(module) is None:
+                continue
+            here, there = _runtime_floor(module), _runtime_floor(target)
+            if there > here or (there == here and _runtime_home(target) != _runtime_home(module)):
+                wrong.append(f"{module}:{line}: floor {here} imports {target} (floor {there})")
     return wrong
 
 
@@ -142,10 +172,16 @@ def test_the_runtime_floors_import_only_downward():
 def test_the_floor_check_catches_an_upward_import():
     """A test of the test: the imports it was blind to (a backend reaching into the decoding core,
     a lazy import inside a function) are found."""
-    assert _upward({"kibidango.backends.llamacpp_backend": {"kibidango.speculative": 272}}) == [
-        "kibidango.backends.llamacpp_backend:272: floor 1 imports kibidango.speculative (floor 2)"
+    assert _upward({"kibidango.backends.llamacpp_backend": {"kibidango.decode.speculative": 272}}) == [
+        "kibidango.backends.llamacpp_backend:272: floor 1 imports kibidango.decode.speculative (floor 2)"
     ]
     assert _upward({"kibidango.pipeline": {"kibidango.server.app": 9}, "kibidango.paid.client": {"kibidango.cli": 3}})
+    assert _upward({"kibidango.addons.router": {"kibidango.decode.speculative": 5}}) == [
+        "kibidango.addons.router:5: floor 2 imports kibidango.decode.speculative (floor 2)"
+    ]  # another folder on the same floor
+    assert not _upward({"kibidango.decode.speculative": {"kibidango.decode.ngrams": 1}})  # its own folder
+    with pytest.raises(KeyError, match="kibidango.flat: on no floor"):
+        _runtime_floor("kibidango.flat")
     assert not _upward({"kibidango.server.app": {"kibidango.pipeline": 1, "kibidango.backends.base": 2}})
     lazy = _graph()["kibidango.pipeline"]  # a function-level import is an edge like any other
     assert "kibidango.backends" in lazy or any(t.startswith("kibidango.backends.") for t in lazy)

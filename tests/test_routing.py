@@ -27,7 +27,7 @@ def stage0(tmp_path_factory):
 
 def test_the_router_beats_the_majority_class_and_a_shuffled_control_does_not(stage0, tmp_path):
     """Stage 6A with the tiny recipe on the real stage-0 output."""
-    from kibidango.router import Router
+    from kibidango.addons.router import Router
     from stages.train_router import Config, run
 
     result = run(
@@ -43,8 +43,8 @@ def test_the_router_beats_the_majority_class_and_a_shuffled_control_does_not(sta
 
 
 def test_the_runtime_router_reads_back_what_was_trained(tmp_path):
+    from kibidango.addons.router import Router
     from kibidango.integrity import BundleError
-    from kibidango.router import Router
 
     texts = ["def add(a, b): return a + b", "What is 12 + 30?", "Once upon a time a cat slept."]
     router = train_router(texts * 20, ["code", "math", "general"] * 20, ["code", "general", "math"], epochs=20)

@@ -96,7 +96,7 @@ def test_gguf_lora_adapters_switch_on_llamacpp_and_agree_with_peft(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kibidango.adapters import AdapterSet, LoadedAdapters
+    from kibidango.addons.adapters import AdapterSet, LoadedAdapters
     from kibidango.backends.llamacpp_backend import LlamaCppModel
     from kibidango.backends.torch_backend import TorchModel
     from methods.llama_cpp_tools import convert_lora_to_gguf
@@ -162,7 +162,7 @@ def test_each_benchmarked_mode_decodes_at_its_own_thread_counts(gguf_bundle, mon
     import llama_cpp
 
     from kibidango.backends.llamacpp_backend import LlamaCppModel
-    from kibidango.bench import run_bench
+    from kibidango.tools.bench import run_bench
 
     seen: list[tuple[str, int, int]] = []
     real = LlamaCppModel.set_threads
@@ -190,7 +190,7 @@ def test_bench_decodes_ar_over_other_ggufs_of_the_target_in_the_same_rounds(gguf
     """``kibidango bench --ar-gguf <F16 GGUF>`` on an F32 bundle: the target's other weight type
     decodes ar in every round beside the modes, with its ratio to ar and each mode's best against it;
     a GGUF of another vocabulary, a missing file, the torch backend or no ar among the modes are refused."""
-    from kibidango.bench import format_table, run_bench
+    from kibidango.tools.bench import format_table, run_bench
 
     f16 = convert_hf_to_gguf(gguf_bundle / "tiers" / "target" / "hf", tmp_path / "target-f16.gguf", "f16")
     result = run_bench(

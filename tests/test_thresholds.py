@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from kibidango.confidence import ANSWER_FEATURES, Calibrator, EscalationDetector
+from kibidango.addons.confidence import ANSWER_FEATURES, Calibrator, EscalationDetector
 from stages import escalation, thresholds
 
 

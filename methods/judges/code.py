@@ -23,14 +23,14 @@ The two programs and their codec are modules of :mod:`methods.judges.sandbox`, r
 Each sandbox (``bwrap --unshare-all --new-session --die-with-parent``): its own PID namespace (every
 process dies with the sandbox: the judge kills the namespace's init and waits for it), its own
 network namespace (one loopback, up and its own), its own mount namespace with only ``/usr`` (and
-the interpreter's prefix when it lives elsewhere, and the two programs' folder) bound read-only, ``/`` and ``/dev`` read-only, a
-private tmpfs ``/tmp`` of ``disk_bytes`` as its only writable place, a fresh ``/proc``; no
-repository, no ``../shared``, no home, no ``/etc``; an empty environment (no API key); uid and gid
-65534 inside, and — when the judge runs as root and the kernel allows unprivileged user
-namespaces — a uid of its own outside (:mod:`methods.judges.confine`), so one answer's processes
-count against no other's. Resource limits (CPU seconds, address space, file size, open files,
-processes) and a wall-clock limit hold for both; where a cgroup can be made, the candidate's
-memory and process limits hold for all its processes together.
+the interpreter's prefix when it lives elsewhere, and the two programs' folder) bound read-only,
+``/`` and ``/dev`` read-only, a private tmpfs ``/tmp`` of ``disk_bytes`` as its only writable place,
+a fresh ``/proc``; no repository, no ``../shared``, no home, no ``/etc``; an empty environment (no
+API key); uid and gid 65534 inside, and — when the judge runs as root and the kernel allows
+unprivileged user namespaces — a uid of its own outside (:mod:`methods.judges.confine`), so one
+answer's processes count against no other's. Resource limits (CPU seconds, address space, file size,
+open files, processes) and a wall-clock limit hold for both; where a cgroup can be made, the
+candidate's memory and process limits hold for all its processes together.
 
 Where bubblewrap cannot run, code is judged only when the settings opt into the weaker fallback
 (``weak_sandbox_ok``): the same two processes, the candidate under ``unshare --net`` as ``nobody``

@@ -7,7 +7,7 @@ would get from the same weights, not a second generation loop's.
 
 ``parallel=N`` answers up to N questions at once, from as many threads (see
 :func:`methods.heldout.answer_and_judge`), through the runtime's continuous batching
-(:class:`kibidango.batching.Batcher`): one padded forward for all of them, several times the
+(:class:`kibidango.decode.batching.Batcher`): one padded forward for all of them, several times the
 answers per second of one at a time on a CPU. Batched matrix products may sum in another order,
 so a greedy answer can differ from the one-at-a-time answer at a near-tie.
 """
@@ -77,7 +77,7 @@ class Answerer:
 
         from kibidango import DecodeConfig, Pipeline
         from kibidango.backends.torch_backend import TorchModel
-        from kibidango.batching import Batcher
+        from kibidango.decode.batching import Batcher
 
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
@@ -115,7 +115,7 @@ class Answerer:
         return prompt_ids(self.tokenizer, [{"role": "user", "content": prompt_text(instruction, input_)}])
 
     def __call__(self, instruction: str, input_: str = "") -> Answer:
-        from kibidango.confidence import score_answer
+        from kibidango.addons.confidence import score_answer
 
         with self._turn():
             started = time.monotonic()
@@ -172,8 +172,8 @@ class Answerer:
 
 class ScoredAnswerer(Answerer):
     """An :class:`Answerer` that can run the target with a domain adapter (the runtime's
-    :class:`kibidango.adapters.LoadedAdapters`) and returns, with each answer, the features the
-    runtime's calibrator reads (:func:`kibidango.confidence.score_answer`: one forward pass)."""
+    :class:`kibidango.addons.adapters.LoadedAdapters`) and returns, with each answer, the features the
+    runtime's calibrator reads (:func:`kibidango.addons.confidence.score_answer`: one forward pass)."""
 
     def __init__(
         self, model_dir: str | Path, max_new_tokens: int = 128, adapter_dirs: list[Path] = (), parallel: int = 1
@@ -182,7 +182,7 @@ class ScoredAnswerer(Answerer):
         super().__init__(model_dir, max_new_tokens, parallel=parallel)
 
     def _adapters(self):
-        from kibidango.adapters import AdapterSet, LoadedAdapters
+        from kibidango.addons.adapters import AdapterSet, LoadedAdapters
 
         if not self.adapter_dirs:
             return None
@@ -192,7 +192,7 @@ class ScoredAnswerer(Answerer):
     def answer(
         self, instruction: str, input_: str = "", adapter: str | None = None, temperature: float = 1.0
     ) -> tuple[Answer, dict | None]:
-        from kibidango.confidence import score_answer
+        from kibidango.addons.confidence import score_answer
 
         if adapter is not None and self.adapters is None:
             raise ValueError(f"adapter {adapter!r} asked for, but no adapters directory was given")

@@ -198,7 +198,7 @@ def runtime_acceptance(
     draft -> target, and ``pyramid`` (fuzzy) with draft -> qualifier -> target. ``models`` maps
     tier names to in-memory transformers models."""
     from kibidango.backends.torch_backend import TorchModel
-    from kibidango.speculative import DecodeConfig, Decoder, Metrics
+    from kibidango.decode.speculative import DecodeConfig, Decoder, Metrics
 
     tiers = {name: TorchModel.from_hf(m, name) for name, m in models.items()}
     decoder = Decoder(tiers)

@@ -1,7 +1,7 @@
 """Greedy decoding speed of several models measured side by side: every round times each model on
 every prompt, models in turn (the order rotating by round), so a machine's drift falls on all of
 them. Absolute timings on a shared machine are noise; the ratio of two models' cells, paired by
-prompt and round (:func:`kibidango.bench.bootstrap_ratio`), is the figure."""
+prompt and round (:func:`kibidango.tools.bench.bootstrap_ratio`), is the figure."""
 
 from __future__ import annotations
 

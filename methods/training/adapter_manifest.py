@@ -1,5 +1,5 @@
 """``adapter.json``: the manifest the runtime reads to lazy-load a LoRA adapter
-(:mod:`kibidango.adapters`), written by the stages that train adapters (3-5, 2F)."""
+(:mod:`kibidango.addons.adapters`), written by the stages that train adapters (3-5, 2F)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 speculative decoding (``sd``) or Pyramid speculative decoding (``pyramid``)."""
 
 from kibidango.bundle import Bundle, BundleError, load_bundle, write_bundle
+from kibidango.decode.speculative import DecodeConfig, Decoder, Metrics
 from kibidango.pipeline import GenerationResult, Pipeline
-from kibidango.speculative import DecodeConfig, Decoder, Metrics
 
 __all__ = [
     "Bundle",

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError
 from kibidango.bundle import BACKENDS, BundleError, load_bundle, resolve_backend, with_profile
+from kibidango.bundle.schema import describe
+from kibidango.decode.speculative import MODES, REQUEST_SETTINGS, SETTINGS
 from kibidango.integrity import without_credentials
-from kibidango.schema import describe
-from kibidango.speculative import MODES, REQUEST_SETTINGS, SETTINGS
 
 BACKEND_HELP = "auto (default): the backend the bundle's profile ships for (stage 9A; a full bundle: torch)"
 STATE_HELP = (
@@ -71,8 +71,8 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from kibidango.decode.speculative import Metrics
     from kibidango.pipeline import Pipeline
-    from kibidango.speculative import Metrics
 
     prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read().rstrip("\n")
     pipe = Pipeline.from_bundle(
@@ -176,7 +176,7 @@ def _profile(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from kibidango.bench import format_table, read_prompts, run_bench
+    from kibidango.tools.bench import format_table, read_prompts, run_bench
 
     result = run_bench(
         args.bundle,
@@ -197,9 +197,9 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    from kibidango.bench import read_prompts
     from kibidango.pipeline import Pipeline
-    from kibidango.tune import format_tune, tune, write_tuned
+    from kibidango.tools.bench import read_prompts
+    from kibidango.tools.tune import format_tune, tune, write_tuned
 
     pipe = Pipeline.from_bundle(
         args.bundle,
@@ -227,10 +227,10 @@ def _tune(args: argparse.Namespace) -> None:
 
 
 def _ngram_table(args: argparse.Namespace) -> None:
-    from kibidango.bench import read_prompts
     from kibidango.bundle import with_ngram_table
-    from kibidango.ngrams import count_outputs
+    from kibidango.decode.ngrams import count_outputs
     from kibidango.pipeline import Pipeline
+    from kibidango.tools.bench import read_prompts
 
     pipe = Pipeline.from_bundle(args.bundle, backend=args.backend, mode="ar", adapter="none", threads=args.threads)
     prompts = read_prompts(args.prompts)
@@ -300,7 +300,7 @@ def _loadtest(args: argparse.Namespace) -> None:
 
     prompts = [args.prompt]
     if args.prompts:
-        from kibidango.bench import read_prompts
+        from kibidango.tools.bench import read_prompts
 
         prompts = read_prompts(args.prompts)
     bodies = [

@@ -1,6 +1,6 @@
 """What the bundle and the pack share: sha256 of files, reading their JSON manifests, and the rule
 that every path a manifest names stays inside its root (no absolute paths, no ``..``, no symlink
-that leads out). Both :mod:`kibidango.bundle` and :mod:`kibidango.pack` import this module; it
+that leads out). Both :mod:`kibidango.bundle` and :mod:`kibidango.bundle.pack` import this module; it
 imports neither."""
 
 from __future__ import annotations

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kibidango.adapters import LoadedAdapters
+from kibidango.addons.adapters import LoadedAdapters
+from kibidango.addons.confidence import Calibrator, score_answer
+from kibidango.addons.router import Router
 from kibidango.backends import load_model
 from kibidango.backends.base import Model
 from kibidango.bundle import Bundle, BundleError, load_bundle, resolve_backend
-from kibidango.confidence import Calibrator, score_answer
-from kibidango.ngrams import NgramTable
-from kibidango.router import Router
-from kibidango.speculative import TIERS, DecodeConfig, Decoder, Metrics
+from kibidango.decode.ngrams import NgramTable
+from kibidango.decode.speculative import TIERS, DecodeConfig, Decoder, Metrics
 
 __all__ = ["GenerationResult", "Pipeline"]
 

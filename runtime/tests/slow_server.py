@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 
-from kibidango.speculative import Decoder
+from kibidango.decode.speculative import Decoder
 
 
 class _SlowSession:

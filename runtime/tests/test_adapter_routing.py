@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kibidango import BundleError, load_bundle, write_bundle
-from kibidango.confidence import ANSWER_FEATURES, Calibrator, Logistic
-from kibidango.router import Router, features
+from kibidango.addons.confidence import ANSWER_FEATURES, Calibrator, Logistic
+from kibidango.addons.router import Router, features
 from tests.conftest import STORIES, needs_stories
 
 CODE = "def add(a, b): return a + b  # python function"
@@ -182,7 +182,7 @@ def test_a_default_adapter_the_bundle_does_not_ship_is_refused(bundle, tmp_path)
 
 def test_the_calibrated_confidence_follows_the_calibrator(bundle):
     from kibidango import Pipeline
-    from kibidango.confidence import score_answer
+    from kibidango.addons.confidence import score_answer
 
     pipe = Pipeline.from_bundle(bundle, adapter="none")
     result = pipe.generate("Once upon a time", max_new_tokens=8)
@@ -244,7 +244,7 @@ def test_cli_and_server_report_domain_adapter_and_confidence(bundle, capsys):
     ],
 )
 def test_a_calibrator_that_gives_no_finite_confidence_is_refused_at_load(bundle, tmp_path, change, message):
-    from kibidango.confidence import Calibrator
+    from kibidango.addons.confidence import Calibrator
 
     spec = json.loads((bundle / "calibration" / "calibration.json").read_text())
     for key, value in change.items():
@@ -261,7 +261,7 @@ def test_a_non_finite_confidence_at_run_time_is_null_with_its_reason_never_a_500
     from starlette.testclient import TestClient
 
     from kibidango import Pipeline
-    from kibidango.confidence import Calibrator
+    from kibidango.addons.confidence import Calibrator
     from kibidango.server.app import create_app
 
     def strict(text: str):
@@ -302,7 +302,7 @@ def test_the_cascade_decodes_its_local_answer_as_the_calibrator_was_fitted(bundl
 
 
 def test_a_calibrator_names_the_decoding_it_was_fitted_on(bundle, tmp_path):
-    from kibidango.confidence import Calibrator
+    from kibidango.addons.confidence import Calibrator
 
     spec = json.loads((bundle / "calibration" / "calibration.json").read_text())
     assert Calibrator.load(bundle / "calibration" / "calibration.json").decoding == {"temperature": 0.0}
@@ -334,7 +334,7 @@ def test_batched_requests_each_run_with_their_own_adapter(bundle, cache, caplog)
     import threading
 
     from kibidango import Pipeline
-    from kibidango.batching import Batcher
+    from kibidango.decode.batching import Batcher
 
     queries = [CODE, MATH, "Once upon a time there was a cat", MATH, CODE]
     alone = Pipeline.from_bundle(bundle, adapter="auto")

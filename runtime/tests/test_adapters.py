@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kibidango.adapters import AdapterSet
+from kibidango.addons.adapters import AdapterSet
 from kibidango.bundle import BundleError
 from tests.conftest import tiny_llama
 

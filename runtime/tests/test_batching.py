@@ -1,4 +1,4 @@
-"""Continuous batching (kibidango.batching): requests decoding on their own threads share forward
+"""Continuous batching (kibidango.decode.batching): requests decoding on their own threads share forward
 passes. On torch (float64 models: batched and single forwards agree to ~1e-15) every mode gives
 each request exactly the tokens it gets alone, while forwards really carry several requests; a
 request joins a running batch and leaves it; llama.cpp's multi-sequence context scores several
@@ -11,9 +11,9 @@ import threading
 import numpy as np
 import pytest
 
-from kibidango.batching import Batcher, LlamaCppSlots, _Feed
+from kibidango.decode.batching import Batcher, LlamaCppSlots, _Feed
+from kibidango.decode.speculative import DecodeConfig, Metrics
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import DecodeConfig, Metrics
 from tests.conftest import PROMPTS, SHARED
 
 GGUF = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
@@ -147,7 +147,7 @@ def test_a_slot_cropped_back_and_placeholders_never_touch_a_sequences_tokens(fam
 def test_answer_features_from_the_decoding_rows_equal_a_scoring_pass(family):
     """Metrics.target_rows: the logits that chose each ar token give an answer the features a
     second forward over prompt and answer gives (to float32 rounding: the rows are kept as float32)."""
-    from kibidango.confidence import score_answer
+    from kibidango.addons.confidence import score_answer
 
     cfg = DecodeConfig(mode="ar", max_new_tokens=16, temperature=0.0)
     pipe = Pipeline(None, dict(family), cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kibidango import write_bundle
-from kibidango.bench import format_table, leviathan_speedup, read_prompts, run_bench
+from kibidango.tools.bench import format_table, leviathan_speedup, read_prompts, run_bench
 from tests.conftest import STORIES, needs_stories
 
 
@@ -44,7 +44,7 @@ def test_bench_runs_every_mode_and_the_hf_peer(tmp_path):
 
 
 def test_bootstrap_ratio_is_paired_over_cells():
-    from kibidango.bench import bootstrap_ratio
+    from kibidango.tools.bench import bootstrap_ratio
 
     # b twice as fast as a in every cell, whatever the cell's own speed: the interval is the point
     a = [(10, s) for s in (1.0, 2.0, 4.0, 0.5)]
@@ -57,7 +57,7 @@ def test_bootstrap_ratio_is_paired_over_cells():
 
 
 def test_a_mode_with_the_table_is_compared_with_itself_without_it():
-    from kibidango.bench import _table_vs_without
+    from kibidango.tools.bench import _table_vs_without
 
     slow = [(10, s) for s in (1.0, 2.0, 4.0, 0.5)]
     fast = [(10, s / 2) for s in (1.0, 2.0, 4.0, 0.5)]
@@ -87,7 +87,7 @@ def test_repeats_give_every_ratio_an_interval_and_settle_pyramid_against_sd(tmp_
 
 
 def test_a_mode_may_carry_its_own_settings_so_one_run_compares_them():
-    from kibidango.bench import parse_mode
+    from kibidango.tools.bench import parse_mode
 
     assert parse_mode("sd") == ("sd", None, {})
     assert parse_mode("sd+adaptive+lookup+kmax8") == ("sd", None, {"adaptive": True, "lookup": True, "k_max": 8})

@@ -153,7 +153,7 @@ def test_a_misspelt_runtime_default_is_refused_not_dropped(tmp_path, defaults, t
     no setting was once dropped without a word; now it fails naming the file, the field and the
     setting it is nearest to."""
     from kibidango import Pipeline
-    from kibidango.speculative import DecodeConfig
+    from kibidango.decode.speculative import DecodeConfig
 
     needs_stories()
     extra = {"tuned_defaults": tuned} if tuned else {}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kibidango import BundleError, load_bundle, write_bundle
-from kibidango.pack import pack_bundle, unpack_bundle
+from kibidango.bundle.pack import pack_bundle, unpack_bundle
 from tests.conftest import STORIES, needs_stories
 
 
@@ -224,7 +224,7 @@ def test_a_listed_adapter_is_loaded_and_checked(tmp_path):
     ],
 )
 def test_bundle_json_is_read_through_its_schema(clean, tmp_path, edit, message):
-    """Every key of bundle.json is a field of kibidango.schema.BundleManifest: an unknown key, a
+    """Every key of bundle.json is a field of kibidango.bundle.schema.BundleManifest: an unknown key, a
     value of the wrong type or a missing one is refused naming the file and the field."""
     bundle = _copy(clean, tmp_path)
     _rewrite(bundle, edit)
@@ -235,7 +235,7 @@ def test_bundle_json_is_read_through_its_schema(clean, tmp_path, edit, message):
 def test_every_schema_field_is_described_and_written_fields_round_trip(clean):
     import dataclasses
 
-    from kibidango.schema import AdapterEntry, BundleManifest, FileEntry, Release, TierEntry, describe
+    from kibidango.bundle.schema import AdapterEntry, BundleManifest, FileEntry, Release, TierEntry, describe
 
     for cls in (BundleManifest, TierEntry, FileEntry, AdapterEntry, Release):
         for f in dataclasses.fields(cls):

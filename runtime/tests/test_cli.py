@@ -82,13 +82,13 @@ def test_bad_inputs_get_one_line_naming_the_file_never_a_traceback(tmp_path, cap
         "usd_per_1k_completion": 0,
     }
     configs = {
-        "cloud5.json": ('{"cloud": 5}', "cloud: an object, not int"),
-        "cloudtrue.json": ('{"cloud": true}', "cloud: an object, not bool"),
+        "cloud5.json": ('{"cloud": 5}', "cloud: Input should be a valid dictionary"),
+        "cloudtrue.json": ('{"cloud": true}', "cloud: Input should be a valid dictionary"),
         "deep.json": ("[" * 5000 + "]" * 5000, "deep.json: nested too deeply"),
         "deep.yaml": ("a: " + "[" * 5000 + "]" * 5000, "deep.yaml: nested too deeply"),
-        "keys.yaml": ("1: x\ndraft: {}\n", "keys.yaml: 1 is not a field name"),
-        "model5.json": (json.dumps({"cloud": {**cloud, "model": 5}}), "cloud.model: the model's name"),
-        "modellist.json": (json.dumps({"cloud": {**cloud, "model": ["a"]}}), "cloud.model: the model's name"),
+        "keys.yaml": ("1: x\ndraft: {}\n", "keys.yaml: 1: Keys should be strings"),
+        "model5.json": (json.dumps({"cloud": {**cloud, "model": 5}}), "cloud.model: Input should be a valid string"),
+        "modellist.json": (json.dumps({"cloud": {**cloud, "model": ["a"]}}), "cloud.model: Input should be a valid string"),
     }
     for name, (text, message) in configs.items():
         (tmp_path / name).write_text(text)

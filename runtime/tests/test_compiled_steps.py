@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kibidango.backends.torch_backend import TorchModel
-from kibidango.speculative import DecodeConfig, Decoder, Metrics
+from kibidango.decode.speculative import DecodeConfig, Decoder, Metrics
 from tests.conftest import PROMPTS, _perturbed, tiny_llama
 
 

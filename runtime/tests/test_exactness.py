@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kibidango.speculative import DecodeConfig, Decoder, Metrics
+from kibidango.decode.speculative import DecodeConfig, Decoder, Metrics
 from tests.conftest import PROMPTS
 
 
@@ -126,7 +126,7 @@ def test_fuzzy_acceptance_is_monotone_in_tau():
     """On the same proposal and distributions, a larger tau never accepts fewer tokens."""
     import numpy as np
 
-    from kibidango.distributions import Sampler, verify
+    from kibidango.decode.distributions import Sampler, verify
 
     rng = np.random.default_rng(0)
     sampler = Sampler(temperature=0.0)
@@ -139,7 +139,7 @@ def test_fuzzy_acceptance_is_monotone_in_tau():
 
 
 def test_lookup_drafts_the_continuation_of_the_latest_longest_match():
-    from kibidango.speculative import lookup_drafts
+    from kibidango.decode.speculative import lookup_drafts
 
     tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
     assert lookup_drafts(tokens, 2, 3) == [2, 3]  # "6 7" last seen before the end at 6-7: then 2, 3
@@ -155,8 +155,8 @@ def test_lookup_drafts_the_continuation_of_the_latest_longest_match():
 def test_the_lookup_tier_proposes_its_own_length_and_stays_lossless(family, monkeypatch):
     """sd's n-gram tier with ``lookup_k`` asks for up to that many tokens per match (more than the
     draft's k) and with ``ngram_min`` counts only longer matches; greedy output stays the target's."""
-    import kibidango.speculative as speculative
-    from kibidango.speculative import DecodeConfig
+    import kibidango.decode.speculative as speculative
+    from kibidango.decode.speculative import DecodeConfig
 
     asked: list[tuple[int, int]] = []
     real = speculative.lookup_drafts

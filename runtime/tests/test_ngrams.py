@@ -11,9 +11,9 @@ import pytest
 from scipy.stats import chisquare
 
 from kibidango.bundle import BundleError
-from kibidango.distributions import Sampler
-from kibidango.ngrams import NgramTable
-from kibidango.speculative import DecodeConfig, Decoder, Metrics
+from kibidango.decode.distributions import Sampler
+from kibidango.decode.ngrams import NgramTable
+from kibidango.decode.speculative import DecodeConfig, Decoder, Metrics
 from tests.conftest import PROMPTS, STORIES, needs_stories
 
 
@@ -139,8 +139,8 @@ def test_decoding_with_the_table_gives_the_targets_tokens(family, target_table):
 
 
 def test_batched_requests_with_the_table_get_the_tokens_they_get_alone(family, target_table):
-    """Under the server's continuous batching (kibidango.batching) the table stays with the decoder."""
-    from kibidango.batching import Batcher
+    """Under the server's continuous batching (kibidango.decode.batching) the table stays with the decoder."""
+    from kibidango.decode.batching import Batcher
     from kibidango.pipeline import Pipeline
     from tests.test_batching import _together
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from kibidango import BundleError, Pipeline, load_bundle, write_bundle
-from kibidango.pack import pack_bundle, unpack_bundle
+from kibidango.bundle.pack import pack_bundle, unpack_bundle
 from tests.conftest import STORIES, needs_stories
 
 
@@ -124,7 +124,7 @@ def test_a_pack_is_bounded_before_and_while_it_unpacks(bundle, tmp_path, monkeyp
     probe = (
         "import resource, sys\n"
         "from kibidango import BundleError\n"
-        "from kibidango.pack import unpack_bundle\n"
+        "from kibidango.bundle.pack import unpack_bundle\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "try:\n"
         "    unpack_bundle(sys.argv[1], sys.argv[2])\n"

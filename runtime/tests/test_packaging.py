@@ -9,7 +9,7 @@ import sys
 
 def test_runtime_imports_no_pipeline_library():
     code = (
-        "import sys, kibidango, kibidango.cli, kibidango.server.launch, kibidango.bench; "
+        "import sys, kibidango, kibidango.cli, kibidango.server.launch, kibidango.tools.bench; "
         "bad = [m for m in ('prefect', 'mlflow', 'llmcompressor', 'axolotl', 'datasketch', 'stages', 'flows') if m in "
         "sys.modules]; "
         "print(','.join(bad))"

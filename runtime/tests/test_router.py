@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kibidango import BundleError, load_bundle, write_bundle
-from kibidango.router import Router, features
+from kibidango.addons.router import Router, features
 from tests.conftest import STORIES, needs_stories
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import chisquare
 
-from kibidango.distributions import Sampler, divergence, verify
-from kibidango.speculative import DecodeConfig, Decoder
+from kibidango.decode.distributions import Sampler, divergence, verify
+from kibidango.decode.speculative import DecodeConfig, Decoder
 
 
 def test_leviathan_rule_reproduces_the_target_distribution():

@@ -1,4 +1,4 @@
-"""The decoding settings are declared once (DecodeConfig's fields, :func:`kibidango.speculative.setting`):
+"""The decoding settings are declared once (DecodeConfig's fields, :func:`kibidango.decode.speculative.setting`):
 the server's request model and the CLI's flags are generated from that declaration, so a setting added,
 renamed or re-bounded there changes both, and neither can drift."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from kibidango.speculative import REQUEST_SETTINGS, DecodeConfig
+from kibidango.decode.speculative import REQUEST_SETTINGS, DecodeConfig
 
 
 def test_the_servers_request_fields_are_decodeconfigs():
@@ -49,7 +49,7 @@ def test_the_clis_decoding_flags_are_decodeconfigs():
 def test_the_benchs_mode_language_is_decodeconfigs():
     """``kibidango bench --modes sd+lookup+lk12``: each short name is the one its DecodeConfig field
     declares (``bench=``), with that field's type."""
-    from kibidango.bench import _OPTIONS, parse_mode
+    from kibidango.tools.bench import _OPTIONS, parse_mode
 
     declared = {f.metadata["bench"]: f.name for f in dataclasses.fields(DecodeConfig) if f.metadata["bench"]}
     assert {short: name for short, (name, _) in _OPTIONS.items() if short not in ("t", "tb")} == declared

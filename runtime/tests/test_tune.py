@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kibidango import Pipeline, write_bundle
-from kibidango.tune import candidates, format_tune, tune, write_tuned
+from kibidango.tools.tune import candidates, format_tune, tune, write_tuned
 from tests.conftest import STORIES, needs_stories
 
 GRID = {"k": (2, 4), "lengths": ((2, 4),), "taus": ((0.3, 0.2),), "p_min": (), "lookup_k": ()}
@@ -72,7 +72,7 @@ def test_a_lossless_mismatch_is_told_apart_from_a_near_tie(tmp_path):
     tokens: a near-tie (rounding of a batched step) or a real disagreement (a bug)."""
     import numpy as np
 
-    from kibidango.tune import NEAR_TIE, divergence_gap
+    from kibidango.tools.tune import NEAR_TIE, divergence_gap
 
     needs_stories()
     tiers = {"target": {"hf": STORIES, "vocab_size": 512}}

@@ -20,10 +20,26 @@ else:  # imported (the tests)
     from .codec import Reader, dec, enc, send
 
 BLOCKED = frozenset(
-    {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.kill",
-     "os.killpg", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "ctypes.dlopen",
-     "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function"}
-)  # fmt: skip
+    {
+        "os.fork",
+        "os.forkpty",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "subprocess.Popen",
+        "os.kill",
+        "os.killpg",
+        "socket.connect",
+        "socket.bind",
+        "socket.sendto",
+        "socket.sendmsg",
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "ctypes.cdata",
+        "ctypes.call_function",
+    }
+)
 """Audit events the program may not raise."""
 _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 

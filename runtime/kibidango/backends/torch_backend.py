@@ -127,7 +127,7 @@ class TorchModel:
     # LoRA adapters (peft), several loaded side by side, one active: peft injects its layers into
     # ``self.hf`` in place, so sessions keep calling ``self.hf``; ``set_lora(None)`` disables them.
     def load_lora(self, name: str, adapter) -> None:
-        """Load ``adapter`` (a :class:`kibidango.adapters.Adapter` with peft files) as ``name``."""
+        """Load ``adapter`` (a :class:`kibidango.addons.adapters.Adapter` with peft files) as ``name``."""
         try:
             from peft import PeftModel
         except ImportError as e:

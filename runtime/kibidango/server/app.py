@@ -5,7 +5,7 @@ OpenAI-style error body; a bad request never takes the server down. Errors never
 text or tracebacks to the client (the server log has them).
 
 Under load: one generation decodes at a time (the models hold one KV cache each), or with
-``parallel`` > 1 up to that many, their forward passes merged by :class:`kibidango.batching.Batcher`
+``parallel`` > 1 up to that many, their forward passes merged by :class:`kibidango.decode.batching.Batcher`
 (continuous batching: a request joins and leaves the batch between forwards); at most
 ``max_queue`` requests wait for them, the next is refused at once with 429 and Retry-After; a
 request not finished ``request_timeout_s`` after it came is cancelled (504). A client that
@@ -34,9 +34,9 @@ import uuid
 
 from fastapi import Request
 
-from kibidango.batching import Batcher
 from kibidango.cascade.memory import SessionMemory
 from kibidango.cascade.pipeline import CascadePipeline
+from kibidango.decode.batching import Batcher
 from kibidango.pipeline import Pipeline
 from kibidango.server import errors
 from kibidango.server.auth import BearerAuth, BodyLimit
@@ -109,7 +109,7 @@ def create_app(
     parallel: int = 1,
 ):
     """The FastAPI app. ``parallel``: generations decoded together (1: one at a time; more: a
-    :class:`kibidango.batching.Batcher` over ``pipe``, which it rewires). ``api_keys``: every
+    :class:`kibidango.decode.batching.Batcher` over ``pipe``, which it rewires). ``api_keys``: every
     ``/v1/`` request must bear one (:class:`BearerAuth`); session memory is then kept per key.
     ``stall_seconds``: a generation that makes no progress for this long turns ``/health`` to 503
     ("wedged"), so a supervisor can restart the server. ``cascade``: requests for the model

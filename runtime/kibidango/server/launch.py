@@ -45,8 +45,9 @@ def serve(
     """Serve a bundle. ``cascade``: a cascade config (a name, a file, or ``bundle`` for the
     bundle's own 6C choice) served as ``<model>-cascade``, its budget ledger and the session
     memory in ``state_dir``. ``parallel``: requests decoded together (continuous batching,
-    :mod:`kibidango.batching`); 1 decodes one at a time. On SIGTERM/SIGINT the server stops taking requests, refuses the
-    queued ones (503), gives running ones ``shutdown_grace_s`` to finish, then answers them 503.
+    :mod:`kibidango.decode.batching`); 1 decodes one at a time. On SIGTERM/SIGINT the server stops
+    taking requests, refuses the queued ones (503), gives running ones ``shutdown_grace_s`` to
+    finish, then answers them 503.
 
     API keys (``Authorization: Bearer``) come from the environment variable ``api_key_env`` (one key,
     or several separated by commas) and/or ``api_keys_file`` (one per line, ``#`` comments). Without

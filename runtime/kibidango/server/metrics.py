@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 from kibidango.cascade.pipeline import CascadePipeline, CascadeResult
+from kibidango.decode.speculative import Metrics
 from kibidango.server.scheduler import Scheduler
-from kibidango.speculative import Metrics
 
 
 class Stats:

@@ -1,5 +1,5 @@
 """Up to ``parallel`` generations decode at a time — one by default (the models hold one KV cache
-each); more with a :class:`kibidango.batching.Batcher`, which merges their forward passes
+each); more with a :class:`kibidango.decode.batching.Batcher`, which merges their forward passes
 (continuous batching: a request joins and leaves the running batch between forwards). Requests
 wait in a FIFO queue of at most ``max_queue``, each runs on a worker thread and hands its output
 to the event loop piece by piece; a request not finished ``request_timeout_s`` after it came is
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kibidango.backends.base import ContextLengthError
-from kibidango.batching import Batcher
+from kibidango.decode.batching import Batcher
 from kibidango.pipeline import Pipeline
 
 log = logging.getLogger("kibidango.server")

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from kibidango.speculative import REQUEST_SETTINGS, SETTINGS
+from kibidango.decode.speculative import REQUEST_SETTINGS, SETTINGS
 
 
 def _valid_text(value: str, field: str) -> str:
@@ -56,7 +56,7 @@ class _Request(BaseModel):
 
 Decoding = create_model("Decoding", __base__=_Request, **_request_fields())
 """A request's decoding fields: OpenAI's (max_tokens, n, stream, stop) and the runtime's settings,
-generated from :class:`kibidango.speculative.DecodeConfig` (one declaration)."""
+generated from :class:`kibidango.decode.speculative.DecodeConfig` (one declaration)."""
 
 
 class CompletionRequest(Decoding):

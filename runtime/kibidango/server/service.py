@@ -16,13 +16,13 @@ from typing import Any
 
 from kibidango.cascade.memory import SessionMemory
 from kibidango.cascade.pipeline import CascadePipeline, CascadeResult, Draft
+from kibidango.decode.speculative import REQUEST_SETTINGS, TIERS, Metrics
 from kibidango.pipeline import Pipeline
 from kibidango.server import errors, sse
 from kibidango.server.errors import ApiError
 from kibidango.server.metrics import Stats
 from kibidango.server.scheduler import Generation, Scheduler
 from kibidango.server.schema import Decoding
-from kibidango.speculative import REQUEST_SETTINGS, TIERS, Metrics
 
 __all__ = ["CLOUD_PROMPT_TOKENS", "CompletionService", "Finished", "Prepared", "max_token_bytes"]
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kibidango.decode.speculative import MODES, SETTINGS, Decoder, Metrics
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import MODES, SETTINGS, Decoder, Metrics
 
 __all__ = [
     "BenchResult",

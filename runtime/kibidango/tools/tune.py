@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from kibidango.confidence import score_answer
+from kibidango.addons.confidence import score_answer
+from kibidango.decode.speculative import REQUEST_SETTINGS, Metrics
 from kibidango.pipeline import Pipeline
-from kibidango.speculative import REQUEST_SETTINGS, Metrics
 
 __all__ = ["TuneResult", "candidates", "describe", "format_tune", "tune", "write_tuned", "write_tuned_backends"]
 

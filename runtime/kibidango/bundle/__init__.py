@@ -1,7 +1,7 @@
 """The bundle: ``bundle.json`` plus the files it lists.
 
     bundle/
-      bundle.json                      :class:`kibidango.schema.BundleManifest`: schema, lineage,
+      bundle.json                      :class:`kibidango.bundle.schema.BundleManifest`: schema, lineage,
                                        every file with size + sha256, tier table, runtime defaults
       bundle.json.sha256               the manifest's own sha256 (``sha256sum -c`` reads it)
       tiers/<tier>/hf/                 transformers-loadable weights and tokenizer
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kibidango.bundle.pack import is_packed, unpack_bundle, unpacked_cache
+from kibidango.bundle.registry import fetch as fetch_registered
+from kibidango.bundle.registry import is_registry_uri
+from kibidango.bundle.schema import SCHEMA_VERSION, BundleManifest, FileEntry, TierEntry
 from kibidango.integrity import BundleError, contained, parse_json, sha256_bytes, sha256_file
-from kibidango.pack import is_packed, unpack_bundle, unpacked_cache
-from kibidango.registry import fetch as fetch_registered
-from kibidango.registry import is_registry_uri
-from kibidango.schema import SCHEMA_VERSION, BundleManifest, FileEntry, TierEntry
 
 __all__ = [
     "Bundle",
@@ -105,7 +105,7 @@ class Bundle:
     @property
     def adapters(self):
         """The bundle's domain adapters (``adapters/<domain>/``), limited to the listed files."""
-        from kibidango.adapters import AdapterSet
+        from kibidango.addons.adapters import AdapterSet
 
         return AdapterSet(self.root / "adapters", listed=self.listed)
 
@@ -118,7 +118,7 @@ class Bundle:
         """The bundle's decoding settings on ``backend``: ``tuned_defaults.<backend>`` (kibidango tune /
         stage 1F) read over ``runtime_defaults``; a bad key or value is a BundleError naming the file and
         the field."""
-        from kibidango.speculative import DecodeConfig
+        from kibidango.decode.speculative import DecodeConfig
 
         manifest = self.root / "bundle.json"
         tuned = self.manifest.tuned_defaults.get(backend, {})
@@ -143,29 +143,29 @@ class Bundle:
     def router(self):
         """The bundle's domain router (stage 6A, ``router/router.json``), or None when it ships
         none. Only a file bundle.json lists (so hashed at load) is read."""
-        from kibidango.router import Router
+        from kibidango.addons.router import Router
 
         path = self._part("router")
         return None if path is None else Router.load(path)
 
     def calibrator(self):
         """Stage 2G's calibrator (``calibration/calibration.json``), or None."""
-        from kibidango.confidence import Calibrator
+        from kibidango.addons.confidence import Calibrator
 
         path = self._part("calibration")
         return None if path is None else Calibrator.load(path)
 
     def escalation(self):
         """Stage 6B's escalation detector (``escalation/escalation.json``), or None."""
-        from kibidango.confidence import EscalationDetector
+        from kibidango.addons.confidence import EscalationDetector
 
         path = self._part("escalation")
         return None if path is None else EscalationDetector.load(path)
 
     def ngram_table(self, vocab_size: int | None = None):
         """The static n-gram table (``ngrams/ngrams.npz``: the target's own outputs counted;
-        :mod:`kibidango.ngrams`), or None. ``vocab_size``: the target's, which it must match."""
-        from kibidango.ngrams import NgramTable
+        :mod:`kibidango.decode.ngrams`), or None. ``vocab_size``: the target's, which it must match."""
+        from kibidango.decode.ngrams import NgramTable
 
         path = self._part("ngrams")
         return None if path is None else NgramTable.load(path, vocab_size)
@@ -221,7 +221,7 @@ def load_bundle(path: str | Path, verify: bool = True, expect_sha256: str | None
     """Read ``bundle.json`` and (by default) check every listed file's size and sha256. A packed
     bundle (stage 2E: ``pack.json``, zstd files) is unpacked into a cache directory first.
     ``expect_sha256`` (default ``$KIBIDANGO_BUNDLE_SHA256``) pins the manifest's digest. ``path``
-    may be a registered bundle, ``models:/<name>@<alias>`` (:mod:`kibidango.registry`)."""
+    may be a registered bundle, ``models:/<name>@<alias>`` (:mod:`kibidango.bundle.registry`)."""
     if is_registry_uri(path):
         path = fetch_registered(path)
     root = Path(path)
@@ -305,7 +305,7 @@ def with_meta(
     **updates: Any,
 ) -> Path:
     """A copy of the bundle at ``src`` (files hard-linked where the filesystem allows) whose
-    bundle.json has the fields ``updates`` set (:class:`kibidango.schema.BundleManifest`), with
+    bundle.json has the fields ``updates`` set (:class:`kibidango.bundle.schema.BundleManifest`), with
     bundle.json's digest file rewritten. Every listed file is verified first; the copy is written
     beside ``dest`` and renamed into place. ``add_files``: bundle path -> a file copied there and
     listed (replacing a listed file of that path); ``drop(path)``: true for a listed file the copy
@@ -369,8 +369,8 @@ def with_profile(
 
     The runtime refuses a mode or backend whose parts a profile left out, naming them
     (:meth:`Bundle.tier`). ``updates``: more bundle.json fields (:func:`with_meta`)."""
-    from kibidango.schema import Profile
-    from kibidango.speculative import TIERS
+    from kibidango.bundle.schema import Profile
+    from kibidango.decode.speculative import TIERS
 
     if profile not in ("default", "full"):
         raise BundleError(f"profile {profile!r}: use default or full")
@@ -453,10 +453,10 @@ def with_profile(
 
 
 def with_ngram_table(src: str | Path, dest: str | Path, table) -> Path:
-    """A copy of the bundle at ``src`` that ships ``table`` (a :class:`kibidango.ngrams.NgramTable`)
+    """A copy of the bundle at ``src`` that ships ``table`` (a :class:`kibidango.decode.ngrams.NgramTable`)
     at ``ngrams/ngrams.npz``, replacing any table it had, listed and hashed in bundle.json like
     every file; every file of ``src`` is verified first (:func:`with_meta`)."""
-    from kibidango.ngrams import TABLE_PATH
+    from kibidango.decode.ngrams import TABLE_PATH
 
     with tempfile.TemporaryDirectory(prefix="kbd-ngrams-") as tmp:
         path = table.save(Path(tmp) / "ngrams.npz")
@@ -553,7 +553,7 @@ def write_bundle(
 ) -> Path:
     """Assemble a bundle at ``root``. ``tiers`` maps a tier name to ``{"hf": dir, "gguf": file,
     **info}`` (either weight form may be absent); files are copied into the layout, hashed and
-    listed. Extra keyword arguments are fields of :class:`kibidango.schema.BundleManifest`
+    listed. Extra keyword arguments are fields of :class:`kibidango.bundle.schema.BundleManifest`
     (preset, stage cache keys, ...); an unknown one is refused. ``finalize(tmp_dir)`` may add files (adapters, the card)
     before anything is hashed and returns more bundle.json fields. Written to a temporary
     directory and renamed into place."""

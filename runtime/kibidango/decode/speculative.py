@@ -38,7 +38,7 @@ Adaptive speculation (sd, lookup, pyramid; lossless modes stay lossless, tested 
                 draft's ``k`` — its proposals cost nothing, while a verification costs nearly as
                 much for 12 tokens as for 5 on a CPU, so it may propose more than the draft.
   ``ngram_table``  (sd, lookup, pyramid) the bundle's static n-gram table
-                (:class:`kibidango.ngrams.NgramTable`: the target's own outputs on other prompts,
+                (:class:`kibidango.decode.ngrams.NgramTable`: the target's own outputs on other prompts,
                 counted; llama.cpp's static lookup cache) proposes up to ``table_k`` tokens where
                 the text's own n-grams (``lookup``) find nothing, before the draft model (sd,
                 pyramid) or a plain target step (lookup); verified as certain proposals.
@@ -60,8 +60,8 @@ from typing import Any
 import numpy as np
 
 from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError, Model, Session, sync_and_feed
-from kibidango.distributions import Sampler, verify
-from kibidango.ngrams import NgramTable
+from kibidango.decode.distributions import Sampler, verify
+from kibidango.decode.ngrams import NgramTable
 
 __all__ = [
     "DecodeConfig",

@@ -1,6 +1,6 @@
 """Continuous batching: several requests decode at once, their forward passes merged.
 
-Each request keeps its own decoding loop (:class:`kibidango.speculative.Decoder`, every mode:
+Each request keeps its own decoding loop (:class:`kibidango.decode.speculative.Decoder`, every mode:
 ar, sd, lookup, pyramid) on its own thread; what is shared is the forward pass. A request's
 session does not run its model itself: :meth:`BatchedSession.feed` hands its tokens to the
 :class:`Batcher` and waits. The batcher's engine thread runs a forward as soon as every request
@@ -47,7 +47,7 @@ from kibidango.backends.base import ContextLengthError
 
 __all__ = ["Batcher", "BatchedModel", "BatchedSession", "LlamaCppSlots", "TorchSlots"]
 
-log = logging.getLogger("kibidango.batching")
+log = logging.getLogger("kibidango.decode.batching")
 
 
 @dataclass
@@ -384,7 +384,7 @@ class Batcher:
     def __init__(self, pipe, slots: int):
         if slots < 1:
             raise ValueError(f"parallel must be >= 1, got {slots}")
-        from kibidango.speculative import Decoder
+        from kibidango.decode.speculative import Decoder
 
         self.slots = slots
         self.pipe = pipe
@@ -552,7 +552,7 @@ class Batcher:
     def close(self) -> None:
         """Stop the engine (requests still waiting get an error) and give the pipeline its own
         models, decoder and adapters back: it decodes one request at a time again."""
-        from kibidango.speculative import Decoder
+        from kibidango.decode.speculative import Decoder
 
         with self.lock:
             self.closed = True

@@ -11,7 +11,7 @@ is to fail (stage 6B's escalation detector) — numpy only, from small JSON file
   greedy); ``confidence(features)`` is P(the judge passes the answer) — for an answer decoded
   that way: a sampled answer is another distribution (the cascade decodes with ``decoding``);
 - :class:`EscalationDetector` (``escalation/escalation.json``): P(the local answer fails) from the
-  query's hashed n-grams (:func:`kibidango.router.features`) and the calibrated confidence.
+  query's hashed n-grams (:func:`kibidango.addons.router.features`) and the calibrated confidence.
 
 The pipeline fits these with the same feature code (it imports this module), so training and
 serving cannot disagree on a feature.
@@ -237,7 +237,7 @@ class EscalationDetector:
         return [*(f"q{i}" for i in range(dim)), "confidence"]
 
     def vector(self, query: str, confidence: float) -> np.ndarray:
-        from kibidango.router import features
+        from kibidango.addons.router import features
 
         return np.concatenate([features(query, self.dim, self.salt).astype(np.float64), [confidence]])
 

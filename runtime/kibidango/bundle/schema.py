@@ -122,7 +122,7 @@ class BundleManifest:
     cascade: str | None = _doc("The cascade thresholds and cloud prices chosen by stage 6C.", default=None)
     ngrams: str | None = _doc(
         "A static n-gram table (``ngrams/ngrams.npz``): the target's own continuations of prompts it is not "
-        "judged on, counted; proposes tokens where decoding sets ``ngram_table`` (``kibidango.ngrams``).",
+        "judged on, counted; proposes tokens where decoding sets ``ngram_table`` (``kibidango.decode.ngrams``).",
         default=None,
     )
     tuned_defaults: dict[str, dict[str, Any]] = _doc(
@@ -238,7 +238,7 @@ def describe() -> str:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             shown = re.sub(r"<class '(\w+)'>", r"\1", str(hints[f.name]))
-            shown = re.sub(r"\b[\w.]+\.(\w+)", r"\1", shown)  # typing.Any, kibidango.schema.TierEntry
+            shown = re.sub(r"\b[\w.]+\.(\w+)", r"\1", shown)  # typing.Any, kibidango.bundle.schema.TierEntry
             lines.append(f"| `{f.name}` | `{shown}` | {f.metadata['doc']} |")
         lines.append("")
     return "\n".join(lines)

@@ -1,0 +1,4 @@
+"""What a request may add to decoding (floor 2): the domain router (:mod:`.router`), the domain
+adapters it routes to (:mod:`.adapters`: an LRU of peft / llama.cpp LoRAs) and the calibrated
+confidence and escalation detector (:mod:`.confidence`). Each reads its part of a bundle; none
+imports the decoding core, the bundle loader or anything above."""
