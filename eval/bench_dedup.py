@@ -23,7 +23,7 @@ from eval.dedup_quality import rensa_duplicates
 from eval.shared_data import SHARED, instruction_examples, shared_available
 from methods.curation.dedup import DedupConfig, find_duplicates
 from methods.curation.distributed import Cluster
-from methods.serving import redis_server
+from methods.local_server import redis_server
 
 
 def _timed(label: str, texts: list[str], cfg: DedupConfig, finder, repeat: int) -> list:

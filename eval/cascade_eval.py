@@ -29,7 +29,7 @@ queries, against the local-only and cloud-only baselines.
 
 Prints a table (tier split, judged quality, dollars per 1K queries), writes every query's outcome
 to ``<workspace>/reports/eval-cascade.json`` and the table to ``make report`` (the record
-``eval-cascade``, :mod:`core.records`)."""
+``eval-cascade``, :mod:`core.measurements`)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from core.measurements import make_command, shown_path, write_record
 from core.paths import home
-from core.records import make_command, shown_path, write_record
 from core.store import ArtifactStore
 from eval.lineage import manifest, newest, upstream
 from eval.shared_data import SHARED
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from methods.judges import make_judges
-    from methods.serving import chat_settings
+    from methods.local_server import chat_settings
     from stages.calibrate import Config as CalibrationConfig
 
     store = ArtifactStore(home() / "store")
@@ -177,7 +177,7 @@ def _run(
     from kibidango.cascade.pipeline import CascadePipeline
     from kibidango.paid.ledger import Ledger
     from methods.failures import task_of, task_record
-    from methods.serving import llama_cpp_server
+    from methods.local_server import llama_cpp_server
     from methods.training.chat import prompt_ids
 
     if gold is None and cloud_model.is_dir():

@@ -37,7 +37,7 @@ from methods.curation.dedup import (
     normalize_for_dedup,
 )
 from methods.curation.distributed import Cluster
-from methods.serving import redis_server
+from methods.local_server import redis_server
 
 __all__ = ["EDITS", "PlantedResult", "evaluate_planted", "plant", "rensa_duplicates"]
 

@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from core.measurements import make_command, shown_path, write_record
 from core.paths import home, tracking_uri
-from core.records import make_command, shown_path, write_record
 from core.store import ArtifactStore
 
 KEY_ENV = "KIBIDANGO_HARNESS_KEY"
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eval.lineage import newest
     from eval.server_load import serve_bundle, stop_server
-    from methods.serving import free_port
+    from methods.local_server import free_port
 
     store = ArtifactStore(home() / "store")
     evaluation = args.evaluation or newest(store, "9", args.preset)

@@ -4,7 +4,7 @@
 
 The command's output (stdout and stderr together) is shown as it comes; when the command
 succeeds, the output (progress bars dropped) is written with the command line, the commit, the
-time and the wall time to ``<workspace>/reports/records/NAME.json`` (:mod:`core.records`), which
+time and the wall time to ``<workspace>/reports/records/NAME.json`` (:mod:`core.measurements`), which
 ``make report`` prints under "Measurements". A failed command leaves the last good record in place
 and exits with the command's status. The Makefile's measuring targets (``make eval-dedup``,
 ``make bench-dedup``, ``make fuzz-ingest``, ``make bench-runtime``, ``make bench-router``,
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from core.records import write_record
+from core.measurements import write_record
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _PROGRESS = re.compile(r"\d+%\|.*\|")  # a tqdm bar

@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 from core.contract import KibidangoError
+from core.measurements import make_command, shown_path, write_record
 from core.paths import home
-from core.records import make_command, shown_path, write_record
 from core.store import ArtifactStore
 from eval.lineage import newest
-from methods.serving import free_port, wait_ready
+from methods.local_server import free_port, wait_ready
 
 
 def serve_bundle(bundle: Path, port: int, log: Path, *options: str, timeout_s: float = 180) -> subprocess.Popen:

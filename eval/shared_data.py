@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from methods.curation.example import Example
 from methods.curation.ingest import SourceSpec, read_source
-from methods.curation.records import Example
 
 __all__ = ["SHARED", "instruction_sources", "instruction_texts", "shared_available"]
 

@@ -33,7 +33,7 @@ def _run(args: argparse.Namespace) -> None:
     describe_plan(plan, args.force)
 
     from core.redaction import redact_text
-    from flows.pipeline import pipeline, preset_flows
+    from flows.stage_flow import pipeline, preset_flows
     from flows.workspace import home, reap_orphan_prefect_servers, tracking_uri
 
     _quiet_user_errors()
@@ -114,7 +114,7 @@ def _compare(args: argparse.Namespace) -> None:
     if args.preset and not args.stage and not args.metrics:  # the evaluation view: and the registered bundles
         from mlflow.tracking import MlflowClient
 
-        from flows.registry import versions_table
+        from flows.model_registry import versions_table
         from flows.workspace import tracking_uri
 
         print()
@@ -159,8 +159,8 @@ def _report(args: argparse.Namespace) -> None:
 
 
 def _schedule(args: argparse.Namespace) -> None:
-    from flows.pipeline import preset_flows
     from flows.preset import load_preset
+    from flows.stage_flow import preset_flows
 
     plan = load_preset(args.preset)
     flow_fn = preset_flows()[plan.name]

@@ -9,7 +9,7 @@ curves); failure mining and the teachers (1B, 1C, 1D); compression and the bundl
 size/quality plot); routing, calibration and escalation (6A, 2G, 6B, 6C); the evaluation (9, with
 acceptance per decoding mode) and the quality gates (9A); then every measurement recorded in the
 workspace (``make eval-dedup``, ``make bench-runtime``, ``make eval-cascade``, ``make loadtest``,
-...; :mod:`core.records`), with a warning where one was measured on another bundle than this run's.
+...; :mod:`core.measurements`), with a warning where one was measured on another bundle than this run's.
 
 Written to ``<workspace>/reports/<preset>/`` (``REPORT.md`` and PNGs beside it). ``--publish``
 also copies it to ``docs/report/<preset>/`` in the repository and rewrites the README's summary
@@ -25,8 +25,8 @@ import shutil
 from pathlib import Path
 
 from core.contract import KibidangoError
+from core.measurements import read_records, shown_path
 from core.paths import REPO_ROOT, home
-from core.records import read_records, shown_path
 from flows.preset import load_preset
 from flows.tracking import TAG
 from flows.workspace import tracking_uri

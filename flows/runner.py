@@ -1,6 +1,6 @@
 """Run one stage through the cache: key -> store lookup -> (run into a staging dir -> publish),
 with an MLflow child run either way (and, for a stage with ``REGISTERS``, a version in the MLflow
-Model Registry: :mod:`flows.registry`). ``execute_stage`` is plain Python (tests call it
+Model Registry: :mod:`flows.model_registry`). ``execute_stage`` is plain Python (tests call it
 directly); ``stage_task`` is the Prefect task the flows use: it also shows each stage in
 Prefect's UI — its card as a markdown artifact, its metrics as a table artifact, keyed
 ``<preset>-stage-<id>-card`` / ``-figures`` so the Artifacts page keeps every run's version."""
@@ -211,7 +211,7 @@ def _register(
     sub = getattr(module, "REGISTERS", None)
     if not sub:
         return
-    from flows.registry import model_name, register_bundle, source_runs
+    from flows.model_registry import model_name, register_bundle, source_runs
 
     bundle = Path(artifact.path) / sub
     version, new = register_bundle(

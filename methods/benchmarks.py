@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.contract import KibidangoError
+from methods.curation.example import Reject, normalize_text
 from methods.curation.ingest import FieldError, SourceSpec, parse_record, records
-from methods.curation.records import Reject, normalize_text
 from methods.curation.split import BENCHMARKS, EVALUATION_SHARE, part, task_id, unit_hash
 from methods.judges.base import Task
 

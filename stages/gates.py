@@ -31,7 +31,7 @@ from pydantic import Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 
 LIBRARIES = ()
-REGISTERS = "bundle"  # the runner registers the judged bundle in the MLflow Model Registry (flows/registry.py)
+REGISTERS = "bundle"  # the runner registers the judged bundle in the MLflow Model Registry (flows/model_registry.py)
 
 log = logging.getLogger("kibidango.stage.9A")
 

@@ -484,7 +484,7 @@ def _serve(cfg: Config, inputs: dict[str, Path], work_dir: Path, stack: ExitStac
     if not local:
         return {}
     from methods.llama_cpp_tools import convert_hf_to_gguf
-    from methods.serving import chat_settings, llama_cpp_server
+    from methods.local_server import chat_settings, llama_cpp_server
 
     models = {}
     for t in local:

@@ -131,7 +131,7 @@ def openai_server():
     Yields ``(base_url, key)``; stopped at the end of the session. Skips when llama-cpp-python's
     server extra or the GGUF is absent."""
     pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (make setup)")
-    from methods.serving import llama_cpp_server
+    from methods.local_server import llama_cpp_server
 
     gguf = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
     if not gguf.is_file():
@@ -155,7 +155,7 @@ def instruct_server():
     real JSON verdicts and real answers where the story model writes stories. Yields
     ``(base_url, key)``. Skips when the wheel or the server extra is absent."""
     pytest.importorskip("llama_cpp.server.app", reason="needs llama-cpp-python's server extra (make setup)")
-    from methods.serving import llama_cpp_server
+    from methods.local_server import llama_cpp_server
 
     gguf = smollm2_gguf()
     if gguf is None:
@@ -176,7 +176,7 @@ def served(cmd: list[str], health: str, log: Path, what: str, timeout_s: float, 
     """A server subprocess (its own session, output to ``log``), once ``health`` answers; stopped on exit."""
     import subprocess
 
-    from methods.serving import stop_process, wait_ready
+    from methods.local_server import stop_process, wait_ready
 
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -199,7 +199,7 @@ class S3Server:
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     """``moto_server`` (moto's S3-compatible server) on loopback, with one bucket."""
-    from methods.serving import free_port
+    from methods.local_server import free_port
 
     exe = Path(sys.executable).with_name("moto_server")
     if not exe.is_file():
@@ -227,7 +227,7 @@ def s3(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """``mlflow server`` with a SQL (sqlite) backend and an artifact root; yields its URL."""
-    from methods.serving import free_port
+    from methods.local_server import free_port
 
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
@@ -253,7 +253,7 @@ def mlflow_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """``prefect server start`` on loopback with its own home; yields its API URL."""
-    from methods.serving import free_port
+    from methods.local_server import free_port
 
     root = tmp_path_factory.mktemp("prefect-server")
     port = free_port()

@@ -65,19 +65,19 @@ def test_a_plumbing_edit_keeps_every_key(baseline):
 
 def test_moving_a_definition_to_another_module_keeps_every_key(baseline):
     """normalize_text moves from records.py into a new module, and ingest.py imports it from there."""
-    records = _source("methods.curation.records")
+    records = _source("methods.curation.example")
     start = records.index("def normalize_text(")
     moved = "import unicodedata\n\n\n" + records[start:]
     sources = {
-        "methods.curation.records": records[:start],
+        "methods.curation.example": records[:start],
         "methods.curation.text": moved,
         "methods.curation.ingest": _source("methods.curation.ingest").replace(
-            "from methods.curation.records import Example, Reject, normalize_text",
-            "from methods.curation.records import Example, Reject\nfrom methods.curation.text import normalize_text",
+            "from methods.curation.example import Example, Reject, normalize_text",
+            "from methods.curation.example import Example, Reject\nfrom methods.curation.text import normalize_text",
         ),
         "methods.benchmarks": _source("methods.benchmarks").replace(
-            "from methods.curation.records import Reject, normalize_text",
-            "from methods.curation.records import Reject\nfrom methods.curation.text import normalize_text",
+            "from methods.curation.example import Reject, normalize_text",
+            "from methods.curation.example import Reject\nfrom methods.curation.text import normalize_text",
         ),
     }
     assert sources["methods.curation.ingest"] != _source("methods.curation.ingest")

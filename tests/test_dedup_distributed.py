@@ -23,7 +23,7 @@ from tests.conftest import needs_shared
 def redis_url():
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not on PATH (make setup installs it with apt-get; CI runs make setup)")
-    from methods.serving import redis_server
+    from methods.local_server import redis_server
 
     with redis_server() as url:
         yield url

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from methods.curation.example import Example
 from methods.curation.filters import LanguageConfig, LanguageFilter, QualityConfig, infer_domain, quality_reason
-from methods.curation.records import Example
 
 
 def ex(instruction="", output="", domain="general", input_=""):

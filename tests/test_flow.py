@@ -204,7 +204,7 @@ def _run_and_check_rerun(home: Path, preset: Path, stage_dir: Path, orphans: lis
 
 
 def test_schedule_builds_a_cron_deployment():
-    from flows.pipeline import preset_flows
+    from flows.stage_flow import preset_flows
 
     deployment = preset_flows()["tiny"].to_deployment(
         name="tiny-scheduled", cron="0 3 * * *", parameters={"preset": "tiny"}

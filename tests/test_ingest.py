@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from methods.curation.example import Example, Reject
 from methods.curation.ingest import SourceError, SourceSpec, read_source, source_digest
-from methods.curation.records import Example, Reject
 from tests.conftest import write_jsonl
 
 

@@ -27,7 +27,7 @@ def _gates(maximum: float):
 def test_9a_registers_every_judged_bundle_and_champion_follows_only_releasable_ones(workspace, monkeypatch):
     from core.contract import KibidangoError
     from core.store import ArtifactStore
-    from flows.registry import model_name, versions_table
+    from flows.model_registry import model_name, versions_table
     from flows.runner import RunContext, execute_stage
     from flows.tracking import TAG, Tracker
     from flows.workspace import tracking_uri

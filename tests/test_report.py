@@ -1,4 +1,4 @@
-"""Measurement records (``eval.record``, :mod:`core.records`) and publishing the report
+"""Measurement records (``eval.record``, :mod:`core.measurements`) and publishing the report
 (``make report PUBLISH=1``): what a measuring command printed is kept with its command, and the
 README's summary block is rewritten from the report, nothing around it touched. The report
 itself is built from a real flow run in tests/test_flow.py."""
@@ -109,7 +109,7 @@ def test_publish_rewrites_only_the_readme_block(tmp_path):
 def test_a_measurement_of_one_presets_bundle_is_kept_apart(tmp_path, monkeypatch):
     """The presets share a workspace: eval-cascade of the small bundle must not replace tiny's
     record, and the command it shows is the one a user types."""
-    from core.records import make_command, read_records, write_record
+    from core.measurements import make_command, read_records, write_record
 
     monkeypatch.setenv("KIBIDANGO_HOME", str(tmp_path))
     write_record("bench-dedup", "Dedup", "make bench-dedup")

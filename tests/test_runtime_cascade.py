@@ -304,7 +304,7 @@ def test_a_missing_key_answers_locally_and_no_key_ever_shows(pipe, proxy, tmp_pa
 
 
 def test_a_cloud_that_refuses_connections_is_retried_then_answered_locally(pipe, proxy, tmp_path):
-    from methods.serving import free_port
+    from methods.local_server import free_port
 
     casc = _cascade(pipe, proxy, tmp_path, max_attempts=3)
     nobody = f"http://127.0.0.1:{free_port()}/v1"
@@ -413,7 +413,7 @@ def test_two_servers_share_one_budget_under_load_and_a_restart(pipe, proxy, tmp_
 
     from kibidango.paid.ledger import Ledger
     from kibidango.server.loadtest import run_load
-    from methods.serving import free_port
+    from methods.local_server import free_port
 
     limit = 0.1  # about 160 of the 200 answers: the budget runs out near the end
     config = tmp_path / "cascade.json"

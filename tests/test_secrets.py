@@ -107,7 +107,7 @@ def test_credentials_in_a_tracking_uri_reach_no_output(capsys):
     logger = logging.getLogger("kibidango.test.redaction")
     handler = logging.StreamHandler(sys.stderr)
     logger.addHandler(handler)
-    try:  # the flow's closing line, as flows/pipeline.py logs it
+    try:  # the flow's closing line, as flows/stage_flow.py logs it
         logger.info("MLflow: %s  experiment '%s'", "http://alice:s3cretpw@mlflow.internal:5000", "kibidango-tiny")
         logger.warning("MLflow: %s  experiment '%s'", "http://alice:s3cretpw@mlflow.internal:5000", "kibidango-tiny")
     finally:

@@ -39,7 +39,7 @@ def test_code_version_covers_the_helpers_a_stage_uses_and_nothing_else():
     from core.contract import PLUMBING, PROJECT_PACKAGES
 
     reached = {module for module, _ in definitions(load_stage("0"), PROJECT_PACKAGES, PLUMBING)}
-    assert {"stages.curate", "methods.curation.dedup", "methods.curation.ingest", "methods.curation.records"} <= reached
+    assert {"stages.curate", "methods.curation.dedup", "methods.curation.ingest", "methods.curation.example"} <= reached
     assert not any(name.startswith("flows") or name in PLUMBING for name in reached)
 
 

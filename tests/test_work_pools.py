@@ -18,7 +18,7 @@ import yaml
 
 from core.store import ArtifactStore
 from flows.tracking import TAG
-from methods.serving import stop_process
+from methods.local_server import stop_process
 from tests.conftest import REPO, cli_env
 from tests.test_training_resume import _needs_axolotl_and_shared
 from tests.test_training_resume import _preset as _chain

@@ -11,7 +11,7 @@ import unicodedata
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from methods.curation.records import Example
+from methods.curation.example import Example
 
 __all__ = ["LanguageConfig", "LanguageFilter", "QualityConfig", "infer_domain", "quality_reason"]
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.contract import KibidangoError
 from core.hashing import file_sha256, tree_sha256
-from methods.curation.records import Example, Reject, normalize_text
+from methods.curation.example import Example, Reject, normalize_text
 from methods.curation.split import part, task_id
 from methods.ladder import LadderSource
 

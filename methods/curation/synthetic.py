@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from methods.curation.records import Example
+from methods.curation.example import Example
 
 __all__ = ["synthetic_examples"]
 

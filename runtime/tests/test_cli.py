@@ -88,7 +88,10 @@ def test_bad_inputs_get_one_line_naming_the_file_never_a_traceback(tmp_path, cap
         "deep.yaml": ("a: " + "[" * 5000 + "]" * 5000, "deep.yaml: nested too deeply"),
         "keys.yaml": ("1: x\ndraft: {}\n", "keys.yaml: 1: Keys should be strings"),
         "model5.json": (json.dumps({"cloud": {**cloud, "model": 5}}), "cloud.model: Input should be a valid string"),
-        "modellist.json": (json.dumps({"cloud": {**cloud, "model": ["a"]}}), "cloud.model: Input should be a valid string"),
+        "modellist.json": (
+            json.dumps({"cloud": {**cloud, "model": ["a"]}}),
+            "cloud.model: Input should be a valid string",
+        ),
     }
     for name, (text, message) in configs.items():
         (tmp_path / name).write_text(text)
