@@ -139,3 +139,40 @@ def test_usage_a_reply_reports_is_believed_only_when_credible():
     assert trusted_cost(None, 0.5) == (0.5, False) and trusted_cost(-2000.0, 0.5) == (0.5, False)
     assert trusted_cost(0.2, 0.5) == (0.2, True)
     assert trusted_cost(7.0, 0.5) == (7.0, True)  # dearer than reserved: recorded as reported (the ledger holds)
+
+
+def test_one_endpoint_type_for_tiers_judges_and_the_cloud():
+    """1D's tiers, the llm judge and the cascade's cloud embed one endpoint type: the same fields,
+    checked the same way (a key where its variable's name belongs is refused without being echoed),
+    one retry vocabulary (``max_attempts``, retries included), and one way to the paid client's
+    Endpoint."""
+    from pydantic import ValidationError
+
+    from kibidango.cascade.config import CloudConfig
+    from kibidango.paid.settings import EndpointSettings, config_error
+    from methods.judges.llm import LLMJudgeSettings
+    from methods.teachers import TierConfig, _endpoint
+
+    endpoint_fields = set(EndpointSettings.model_fields)
+    for kind in (TierConfig, LLMJudgeSettings, CloudConfig):
+        assert issubclass(kind, EndpointSettings) and endpoint_fields <= set(kind.model_fields), kind
+        assert "max_retries" not in kind.model_fields, kind
+    key = "sk-" + "z" * 40
+    for kind, extra in ((TierConfig, {"name": "t"}), (LLMJudgeSettings, {}), (EndpointSettings, {})):
+        with pytest.raises(ValidationError) as e:
+            kind(base_url="http://127.0.0.1:9/v1", model="m", api_key_env=key, **extra)
+        message = config_error(e.value, "recipe.yaml")
+        assert "recipe.yaml: api_key_env: the NAME of an environment variable" in message and key not in message
+    with pytest.raises(ValidationError, match="an http"):
+        EndpointSettings(base_url="ftp://x", model="m")
+    tier = TierConfig(name="t", serve="package:x/y.gguf", max_attempts=2, timeout_s=5)
+    e = _endpoint(tier, "http://127.0.0.1:7/v1")  # a served tier: its address known once served
+    assert (e.base_url, e.model, e.max_attempts, e.timeout_s, e.name) == (
+        "http://127.0.0.1:7/v1",
+        "t",
+        2,
+        5,
+        "teacher t",
+    )
+    judge = LLMJudgeSettings(base_url="http://127.0.0.1:9/v1", model="m").endpoint("llm judge m")
+    assert (judge.max_attempts, judge.timeout_s) == (3, 60.0)
