@@ -834,21 +834,9 @@ def _measurements(records: list[dict], bundles: list[str]) -> list[str]:
     return lines
 
 
-def write_report(preset: str, out_dir: Path | None = None) -> Path:
-    plan = load_preset(preset)
-    client = _client()
-    flow = _latest_flow_run(client, plan.experiment, plan.name)
-    runs = _stage_runs(client, flow)
-    out_dir = out_dir or home() / "reports" / plan.name
-    if out_dir.exists():
-        shutil.rmtree(out_dir)  # a stale plot must not outlive the run it came from
-    out_dir.mkdir(parents=True)
+def _header(plan, flow) -> list[str]:
     started = dt.datetime.fromtimestamp(flow.info.start_time / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    artifacts = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
-    artifacts = {sid: a for sid, a in artifacts.items() if a and Path(a).is_dir()}
-    order = {name: i for i, name in enumerate(_MEASUREMENTS)}
-    records = sorted(read_records(plan.name), key=lambda r: (order.get(r["name"], len(order)), r["name"]))
-    lines = [
+    return [
         f"# kibidango report — preset `{plan.name}`",
         "",
         f"Flow run `{flow.info.run_id}` ({flow.info.status}), started {started}, git "
@@ -856,11 +844,11 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
         "are relative to the workspace (`$KIBIDANGO_HOME`, default `.kibidango`). Regenerate with "
         f"`make report PRESET={plan.name}` after `make demo`{' PRESET=' + plan.name if plan.name != 'tiny' else ''}.",
     ]
-    minutes = {sid: _compute_minutes(client, r) for sid, r in runs.items()}
-    summary = summary_table(flow, runs, minutes, artifacts, records)
-    if summary:
-        lines += ["", "## Summary", "", *summary]
-    lines += [
+
+
+def _stages_table(runs: dict, artifacts: dict, minutes: dict) -> list[str]:
+    """One row per stage of the flow run: computed or cached, its run, its minutes, its summary."""
+    lines = [
         "",
         "## Stages",
         "",
@@ -883,61 +871,66 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
             f"| {sid} | {tags.get(f'{TAG}stage_name', '')} | {status} | `{_source(run)}` | "
             f"{'-' if minutes[sid] is None else f'{minutes[sid]:.1f} min'} | {summary_line[:300]} |"
         )
+    return lines
 
-    study = _study_figures(client, plan)
-    lines += _loop_section(runs, artifacts, study, records)
-    lines += _study_section(study)
 
+def _figure(sid: str, run, art: str, made: bool, caption: str, image: str, alt: str) -> list[str]:
+    """A plot the report made from the stage's artifact, with its caption and source (nothing if not made)."""
+    return ["", caption, "", f"![{alt}]({image})", "", _cite(sid, run, art)] if made else []
+
+
+def _stage_part(sid: str, name: str | None, images: list[str], run, art: str, out_dir: Path) -> list[str]:
+    """A stage's part of a report section: its card (and plots) or, without a card, its metrics."""
+    if name is None:  # no card: the stage's metrics
+        metrics = json.loads((Path(art) / "manifest.json").read_text()).get("metrics", {})
+        if not metrics:
+            return []
+        return [
+            "",
+            f"### Stage {sid} ({run.data.tags.get(f'{TAG}stage_name', '')})",
+            "",
+            "| metric | value |",
+            "|---|---:|",
+            *[f"| {k} | {v:.4g} |" for k, v in metrics.items()],
+            "",
+            _cite(sid, run, art),
+        ]
+    if not (Path(art) / name).is_file():
+        return []
+    heading, text = _card((Path(art) / name).read_text())
+    body = ["", f"### {heading or 'Stage ' + sid}", "", text]
+    for image in images:
+        if (Path(art) / image).is_file():
+            shutil.copy2(Path(art) / image, out_dir / f"{sid}-{image}")
+            body += ["", f"![{image}]({sid}-{image})"]
+    body += ["", _cite(sid, run, art)]
+    if sid == "X":
+        made = _size_quality_plot(_size_quality_points(Path(art)), out_dir / "size_quality.png")
+        caption = "Size on disk against validation perplexity, every form of every tier:"
+        body += _figure(sid, run, art, made, caption, "size_quality.png", "size and quality")
+    if sid == "9":
+        evaluation = json.loads((Path(art) / "evaluation.json").read_text())
+        made = _acceptance_plot(evaluation, out_dir / "acceptance.png")
+        body += _figure(
+            sid,
+            run,
+            art,
+            made,
+            "Acceptance per decoding mode and tier (stage 9's speed benchmark):",
+            "acceptance.png",
+            "acceptance",
+        )
+    return body
+
+
+def _stage_sections(client, runs: dict, artifacts: dict, out_dir: Path) -> list[str]:
+    """The report's sections (:data:`_SECTIONS`), each with its stages' parts; training's with the loss curves."""
+    lines: list[str] = []
     for title, intro, parts in _SECTIONS:
         body: list[str] = []
         for sid, name, images in parts:
-            art = artifacts.get(sid)
-            if sid not in runs or not art:
-                continue
-            if name is None:  # no card: the stage's metrics
-                metrics = json.loads((Path(art) / "manifest.json").read_text()).get("metrics", {})
-                if metrics:
-                    body += [
-                        "",
-                        f"### Stage {sid} ({runs[sid].data.tags.get(f'{TAG}stage_name', '')})",
-                        "",
-                        "| metric | value |",
-                        "|---|---:|",
-                        *[f"| {k} | {v:.4g} |" for k, v in metrics.items()],
-                    ]
-                    body += ["", _cite(sid, runs[sid], art)]
-                continue
-            if not (Path(art) / name).is_file():
-                continue
-            heading, text = _card((Path(art) / name).read_text())
-            body += ["", f"### {heading or 'Stage ' + sid}", "", text]
-            for image in images:
-                if (Path(art) / image).is_file():
-                    shutil.copy2(Path(art) / image, out_dir / f"{sid}-{image}")
-                    body += ["", f"![{image}]({sid}-{image})"]
-            body += ["", _cite(sid, runs[sid], art)]
-            if sid == "X":
-                points = _size_quality_points(Path(art))
-                if _size_quality_plot(points, out_dir / "size_quality.png"):
-                    body += [
-                        "",
-                        "Size on disk against validation perplexity, every form of every tier:",
-                        "",
-                        "![size and quality](size_quality.png)",
-                        "",
-                        _cite(sid, runs[sid], art),
-                    ]
-            if sid == "9":
-                evaluation = json.loads((Path(art) / "evaluation.json").read_text())
-                if _acceptance_plot(evaluation, out_dir / "acceptance.png"):
-                    body += [
-                        "",
-                        "Acceptance per decoding mode and tier (stage 9's speed benchmark):",
-                        "",
-                        "![acceptance](acceptance.png)",
-                        "",
-                        _cite(sid, runs[sid], art),
-                    ]
+            if sid in runs and artifacts.get(sid):
+                body += _stage_part(sid, name, images, runs[sid], artifacts[sid], out_dir)
         if title.startswith("Training"):
             used = _loss_plot(client, runs, out_dir / "loss_curves.png")
             if used:
@@ -951,7 +944,32 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
                 ]
         if body:
             lines += ["", f"## {title}", *([intro] if intro else []), *body]
+    return lines
 
+
+def write_report(preset: str, out_dir: Path | None = None) -> Path:
+    plan = load_preset(preset)
+    client = _client()
+    flow = _latest_flow_run(client, plan.experiment, plan.name)
+    runs = _stage_runs(client, flow)
+    out_dir = out_dir or home() / "reports" / plan.name
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a stale plot must not outlive the run it came from
+    out_dir.mkdir(parents=True)
+    artifacts = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
+    artifacts = {sid: a for sid, a in artifacts.items() if a and Path(a).is_dir()}
+    order = {name: i for i, name in enumerate(_MEASUREMENTS)}
+    records = sorted(read_records(plan.name), key=lambda r: (order.get(r["name"], len(order)), r["name"]))
+    minutes = {sid: _compute_minutes(client, r) for sid, r in runs.items()}
+    summary = summary_table(flow, runs, minutes, artifacts, records)
+    lines = _header(plan, flow)
+    if summary:
+        lines += ["", "## Summary", "", *summary]
+    lines += _stages_table(runs, artifacts, minutes)
+    study = _study_figures(client, plan)
+    lines += _loop_section(runs, artifacts, study, records)
+    lines += _study_section(study)
+    lines += _stage_sections(client, runs, artifacts, out_dir)
     # the flow run's bundles: stage X's, and the copies that 1F tuned and 9A stamped (stage 9 evaluates 1F's)
     bundles = [str(Path(a) / "bundle") for s, a in artifacts.items() if s in ("X", "1F", "9A") and a]
     if records:
