@@ -31,6 +31,8 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request
 
@@ -122,9 +124,7 @@ def create_app(
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
+    from fastapi.responses import JSONResponse
 
     stats = Stats()
     batcher = Batcher(pipe, parallel) if parallel > 1 else None
@@ -150,6 +150,20 @@ def create_app(
             stats.count_error()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
+    _install_error_handlers(app, reply)
+    _add_status_routes(app, service, scheduler, stats, pipe, cascade)
+    _add_completion_routes(app, service, pipe, reply)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, on_refuse=stats.count_error)
+    if api_keys:  # outermost: a request without a key is refused before its body is read
+        app.add_middleware(BearerAuth, keys=list(api_keys), on_refuse=stats.count_error)
+    return app
+
+
+def _install_error_handlers(app, reply: Callable[[ApiError], Any]) -> None:
+    """Every error the app answers is OpenAI-shaped (:mod:`kibidango.server.errors`) and counted."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return reply(errors.invalid_request(exc.errors()))
@@ -164,9 +178,19 @@ def create_app(
         log.error(f"request {ref} failed", exc_info=exc)
         return reply(errors.unexpected(ref))
 
-    def scope_of(request: Request) -> str:
-        """Whose sessions a request may use: its API key's digest ("" on a server without keys)."""
-        return getattr(request.state, "key_scope", "")
+
+def scope_of(request: Request) -> str:
+    """Whose sessions a request may use: its API key's digest ("" on a server without keys)."""
+    return getattr(request.state, "key_scope", "")
+
+
+def _add_status_routes(
+    app, service: CompletionService, scheduler: Scheduler, stats: Stats, pipe: Pipeline, cascade
+) -> None:
+    """``/health``, ``/v1/models`` and ``/metrics``."""
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    model_name = service.model_name
 
     @app.get("/health")
     def health():
@@ -187,6 +211,12 @@ def create_app(
         if cascade is not None:
             text += stats.cascade_metrics(model_name, cascade)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _add_completion_routes(app, service: CompletionService, pipe: Pipeline, reply: Callable[[ApiError], Any]) -> None:
+    """``/v1/completions``, ``/v1/chat/completions`` and ``DELETE /v1/sessions/{id}``: each prepares
+    its prompt and hands it to the service."""
+    from fastapi.responses import StreamingResponse
 
     async def respond(
         request: Request,
@@ -272,8 +302,3 @@ def create_app(
         """Forget a session's memory (only the calling key's session of that id)."""
         result = await service.forget(session_id, scope_of(request))
         return reply(result) if isinstance(result, ApiError) else result
-
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, on_refuse=stats.count_error)
-    if api_keys:  # outermost: a request without a key is refused before its body is read
-        app.add_middleware(BearerAuth, keys=list(api_keys), on_refuse=stats.count_error)
-    return app
