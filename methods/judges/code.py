@@ -125,6 +125,17 @@ def _interpreter() -> tuple[str, list[str]]:
     return os.path.join(prefix, "bin", os.path.basename(base)), [] if prefix.startswith("/usr/") else [prefix]
 
 
+PROGRAMS = "/kibidango-judge"
+"""Where bubblewrap binds :mod:`methods.judges.sandbox` inside a sandbox (its own path would vanish
+under the sandbox's private ``/tmp`` when the checkout lives in ``/tmp``)."""
+
+
+def program_path(script: Path, iso: dict) -> str:
+    """The path a sandboxed interpreter runs ``script`` by: inside bubblewrap, under :data:`PROGRAMS`;
+    in the fallback (no mount namespace), where it is."""
+    return f"{PROGRAMS}/{script.name}" if iso["kind"] == "bubblewrap" else str(script)
+
+
 def _bwrap_argv(python: str, extra: list[str], limits: SandboxLimits, info_fd: int) -> list[str]:
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--uid", str(_NOBODY)]
     argv += ["--gid", str(_NOBODY), "--hostname", "sandbox", "--info-fd", str(info_fd), "--ro-bind", "/usr", "/usr"]
@@ -133,8 +144,9 @@ def _bwrap_argv(python: str, extra: list[str], limits: SandboxLimits, info_fd: i
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
-    for path in [*extra, str(sandbox.FOLDER)]:  # the interpreter's folders; the programs, run by path
+    for path in extra:  # the interpreter's folders
         argv += ["--ro-bind", path, path]
+    argv += ["--ro-bind", str(sandbox.FOLDER), PROGRAMS]  # the programs, at a path no checkout (a /tmp one) hides
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp"]
     argv += ["--remount-ro", "/dev", "--remount-ro", "/"]  # the size-capped /tmp is the one writable place
     argv += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
@@ -291,7 +303,7 @@ class _Sandboxed:
         self._info_fd = None
         try:
             self.proc = subprocess.Popen(
-                [*(prefix or []), *argv, "-I", str(script), *map(str, fds)],
+                [*(prefix or []), *argv, "-I", program_path(script, iso), *map(str, fds)],
                 cwd=cwd,
                 env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"},
                 stdin=subprocess.PIPE,
