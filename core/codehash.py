@@ -190,6 +190,18 @@ def _chain(node: ast.Attribute) -> list[str]:
     return [cur.id, *reversed(parts)] if isinstance(cur, ast.Name) else []
 
 
+def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
+    """``body`` less its leading docstring (a module's, a class's, a function's)."""
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        body = body[1:]
+    return body or [ast.Pass()]
+
+
 class _Normalise(ast.NodeTransformer):
     """Drop docstrings and the imports of the project's modules, plumbing included (a move rewrites
     those, not behaviour)."""
@@ -197,19 +209,9 @@ class _Normalise(ast.NodeTransformer):
     def __init__(self, graph: _Graph, module: _Module):
         self.graph, self.module = graph, module
 
-    def _body(self, body: list[ast.stmt]) -> list[ast.stmt]:
-        if (
-            body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
-            body = body[1:]
-        return body or [ast.Pass()]
-
     def generic_visit(self, node: ast.AST) -> ast.AST:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
-            node.body = self._body(node.body)
+            node.body = _without_docstring(node.body)
         return super().generic_visit(node)
 
     def visit_Import(self, node: ast.Import):
@@ -228,8 +230,8 @@ def _normalised(graph: _Graph, ref: Ref) -> str:
     module = graph.module(ref[0])
     if module is None:
         return ""
-    nodes = _Normalise(graph, module)._body(module.tree.body) if ref[1] == "*" else [module.defs[ref[1]]]
-    out = []  # (a whole module: its docstring dropped like a definition's)
+    nodes = _without_docstring(module.tree.body) if ref[1] == "*" else [module.defs[ref[1]]]
+    out = []
     for node in nodes:
         clean = _Normalise(graph, module).visit(copy.deepcopy(node))
         if clean is not None:
