@@ -143,6 +143,15 @@ class RowLog:
         return iter(self.rows.values())
 
 
+def loop_mix(pairs: list[dict], replay_from: list[dict], replay_share: float, pair_repeats: int, seed: int):
+    """The retraining round's mix (stage 1R; 2F trains on it again): each corrected pair
+    ``pair_repeats`` times, and replay rows drawn (seeded) from ``replay_from`` (stage 0's train
+    split) so that they are ``replay_share`` of the mix. Returns (pair rows, replay rows)."""
+    train_rows = [r for r in pairs for _ in range(pair_repeats)]
+    n_replay = round(len(train_rows) * replay_share / (1 - replay_share))
+    return train_rows, sample(replay_from, n_replay, seed, key=lambda r: r["id"])
+
+
 def severity(score: float, confidence: float, domain_weight: float, confidence_weight: float) -> float:
     """``domain_weight * (1 - score) * ((1 - confidence_weight) + confidence_weight * confidence)``:
     a failure the judge scored lower, that the student wrote with more confidence (it does not

@@ -37,7 +37,8 @@ from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.measure import lm
 from methods.training import axolotl
-from methods.training.chat import axolotl_dataset, axolotl_template, encode, load_split, messages, prompt_ids
+from methods.training.chat import axolotl_template, load_split, messages, prompt_ids
+from methods.training.kd import KDLoss, check_alignment, fitting_examples, kd_dataset, teacher_logprobs
 from methods.training.models import (
     copy_tokenizer,
     resolve_base,
@@ -51,7 +52,6 @@ RESUMABLE = True
 LIBRARIES = ("transformers", "torch")
 
 log = logging.getLogger("kibidango.stage.1E")
-KD_DATASET_TYPE = "axolotl.integrations.kd.chat_template"
 
 
 class Student(StageConfig):
@@ -89,19 +89,7 @@ class OwnOutputs(StageConfig):
 class Config(StageConfig):
     teacher_tier: str = Field("target", description="Tier of the `teacher` input that teaches.")
     students: dict[str, Student] = Field(description="Tiers distilled from the teacher: draft, qualifier.")
-    top_k: int = Field(8, gt=0, le=64, description="Teacher log-probabilities kept per position.")
-    kd_alpha: float = Field(0.9, ge=0, description="Weight of the KD (forward KL on the teacher's top-k) loss.")
-    kd_ce_alpha: float = Field(0.1, ge=0, description="Weight of the plain cross-entropy on the data.")
-    kd_temperature: float = Field(
-        1.0, gt=0, description="Softmax temperature of the KD loss (axolotl's kd_temperature)."
-    )
-    kd_normalize_topk: bool = Field(
-        True,
-        description="Compare the student's distribution renormalised over the teacher's top-k (axolotl "
-        "kd_normalize_topk). "
-        "Without it the student is pushed to put all its mass on the top-k (the teacher's top-k is renormalised), "
-        "sharper than the teacher: agreement rises while expected acceptance falls.",
-    )
+    kd: KDLoss = Field(description="The distillation loss: top-k kept, KD and cross-entropy weights, temperature.")
     distill_rows: int = Field(
         1000,
         gt=0,
@@ -121,49 +109,19 @@ class Config(StageConfig):
         True, description="Also measure the runtime's sd / pyramid acceptance (needs draft, qualifier and the target)."
     )
 
-    def kd_keys(self) -> dict:
-        return {
-            "plugins": ["axolotl.integrations.kd.KDPlugin"],
-            "kd_trainer": True,
-            "kd_alpha": self.kd_alpha,
-            "kd_ce_alpha": self.kd_ce_alpha,
-            "kd_temperature": self.kd_temperature,
-            "kd_normalize_topk": self.kd_normalize_topk,
-        }
-
-
-def _dataset(path: str) -> dict:
-    return axolotl_dataset(path, type=KD_DATASET_TYPE, logprobs_field="logprobs")
-
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     return {
         name: axolotl.render(
             s.train,
             s.init or (f"<teacher's layers {s.keep_layers}>" if s.keep_layers else f"<stage P artifact>/{name}"),
-            [_dataset("<artifact>/teacher/logprobs.jsonl")],
+            [kd_dataset("<artifact>/teacher/logprobs.jsonl")],
             f"<work>/{name}",
-            extra={**cfg.kd_keys(), "tokenizer_config": f"<work>/{name}/tokenizer"},
+            extra={**cfg.kd.axolotl_keys(), "tokenizer_config": f"<work>/{name}/tokenizer"},
             cuda=cuda,
         )
         for name, s in cfg.students.items()
     }
-
-
-def distillation_set(tokenizer, rows: list[dict], cfg: Config) -> list[tuple[list[dict], list[int]]]:
-    """(messages, token ids) of the first ``distill_rows`` rows whose whole conversation fits in
-    ``sequence_len``. Longer rows are left out rather than truncated: axolotl aligns the
-    teacher's log-probabilities from the end of the *untruncated* sequence and truncates after,
-    so a truncated row would pair every position with the wrong teacher distribution."""
-    out = []
-    for row in rows:
-        turns = messages(row)
-        ids, _ = encode(tokenizer, turns, 1 << 30)
-        if len(ids) <= cfg.sequence_len:
-            out.append((turns, ids))
-            if len(out) == cfg.distill_rows:
-                break
-    return out
 
 
 def own_outputs(teacher, tokenizer, rows: list[dict], spec: OwnOutputs, path: Path) -> list[dict]:
@@ -209,52 +167,6 @@ def own_outputs(teacher, tokenizer, rows: list[dict], spec: OwnOutputs, path: Pa
     return out
 
 
-def teacher_logprobs(teacher, examples: list[tuple[list[dict], list[int]]], top_k: int, out: Path) -> None:
-    """Write the teacher's top-k log-probabilities at every position of every example."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    progress = Progress("1E teacher top-k log-probabilities", len(examples), log)
-    with out.open("w", encoding="utf-8") as f, torch.inference_mode():
-        for i, (turns, ids) in enumerate(examples):
-            logp = torch.log_softmax(
-                teacher(input_ids=torch.tensor([ids], device=teacher.device)).logits[0].float().cpu(), dim=-1
-            )
-            top = logp.topk(top_k, dim=-1)
-            record = {
-                "messages": turns,
-                "target_token_ids": top.indices.tolist(),
-                "logprobs": [[round(v, 5) for v in pos] for pos in top.values.tolist()],
-            }
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            progress.update(i + 1)
-    progress.finish(len(examples))
-
-
-def check_alignment(prepared: Path, scored: list[list[int]], label: str) -> None:
-    """axolotl's tokenization of the distillation set must be the ids the teacher scored."""
-    from datasets import load_from_disk
-
-    dirs = [p.parent for p in prepared.rglob("dataset_info.json")]
-    if not dirs:
-        raise KibidangoError(f"{label}: axolotl preprocess wrote no dataset under {prepared}")
-    prepared_ds = load_from_disk(str(dirs[0]))
-    for i, row in enumerate(prepared_ds):
-        if not len(row["input_ids"]) == len(row["target_logprobs"]) == len(row["target_token_ids"]):
-            raise KibidangoError(
-                f"{label}: prepared row {i} has {len(row['input_ids'])} tokens but {len(row['target_logprobs'])} "
-                "teacher positions: axolotl would pair tokens with the wrong teacher distributions"
-            )
-    theirs = sorted(tuple(r) for r in prepared_ds["input_ids"])
-    ours = sorted(tuple(r) for r in scored)
-    if theirs != ours:
-        diff = sum(a != b for a, b in zip(theirs, ours, strict=False)) + abs(len(theirs) - len(ours))
-        raise KibidangoError(
-            f"{label}: axolotl tokenized {diff} of {len(ours)} distillation rows differently from the ids the teacher "
-            "scored; the teacher's log-probabilities would be misaligned. Check the chat template "
-            "(methods/training/chat.py) and the tokenizer files of teacher and student."
-        )
-    log.info(f"{label}: axolotl's token ids match the teacher's on all {len(ours)} rows")
-
-
 def _measure(tiers: dict, tokenizer, val: list[dict], paths, prompts, cfg: Config, tag: str) -> dict[str, float]:
     out: dict[str, float] = {}
     teacher = tiers[cfg.teacher_tier]
@@ -290,7 +202,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     teacher = lm.load_causal_lm(teacher_dir)
 
     train = load_split(data, "train")
-    examples = distillation_set(tokenizer, train, cfg)
+    examples = fitting_examples(tokenizer, train, cfg.sequence_len, cfg.distill_rows)
     if not examples:
         raise KibidangoError(f"no train row of {data} fits in sequence_len {cfg.sequence_len}")
     log.info(f"distillation set: {len(examples):,} rows that fit in {cfg.sequence_len} tokens")
@@ -299,11 +211,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         answers = own_outputs(teacher, tokenizer, train, cfg.own_outputs, work_dir / "own_outputs.jsonl")
         (out_dir / "teacher").mkdir(parents=True, exist_ok=True)
         shutil.copy2(work_dir / "own_outputs.jsonl", out_dir / "teacher" / "own_outputs.jsonl")
-        own = distillation_set(tokenizer, answers, cfg.model_copy(update={"distill_rows": len(answers)}))
+        own = fitting_examples(tokenizer, answers, cfg.sequence_len)
         examples += own
         log.info(f"distillation set: + {len(own):,} of the teacher's own answers (sequence-level KD)")
     logprobs_file = out_dir / "teacher" / "logprobs.jsonl"
-    teacher_logprobs(teacher, examples, cfg.top_k, logprobs_file)
+    teacher_logprobs(teacher, examples, cfg.kd.top_k, logprobs_file, "1E")
     scored = [ids for _, ids in examples]
 
     val = load_split(data, "validation", limit=cfg.eval_rows)
@@ -324,9 +236,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         spec = axolotl.render(
             student.train,
             str(inits[name]),  # a Path (a student cut from the teacher's layers) would not survive yaml.safe_dump
-            [_dataset(str(logprobs_file))],
+            [kd_dataset(str(logprobs_file))],
             str(run_dir),
-            extra={**cfg.kd_keys(), "tokenizer_config": str(tok_dir)},
+            extra={**cfg.kd.axolotl_keys(), "tokenizer_config": str(tok_dir)},
             tokenizer_type=tokenizer_type(tok_dir),
             chat_template=axolotl_template(tok_dir),
         )

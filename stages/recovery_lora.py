@@ -1,38 +1,41 @@
-"""Stage 2F — recovery LoRA: win back what compression cost, where it cost most.
+"""Stage 2F — recovery LoRA: win back what compression cost, on what the loop taught.
 
 1. The compressed target (stage 2B's AWQ checkpoint) is decompressed once into a dense
    transformers checkpoint (its weights stay on 2B's grid: 4-bit for tiny, 8-bit for small): the
    base the LoRA trains on, in a form axolotl loads without compressed-tensors.
-2. Every candidate row of stage 0's train split is scored under the compressed model; the
-   ``hardest_rows`` with the highest response-token loss are the training set (the plan: the
-   hardest 5K examples). ``selection: loss_increase`` ranks by the loss compression *added*
-   (compressed minus reference model) instead: the highest absolute losses are mostly rows the
-   model never could predict (on the tiny family: code in the stories tokenizer's byte pieces),
-   not rows compression damaged. ``candidate_rows`` bounds the rows scored; ``candidates:
-   by_domain`` draws them in turn from each domain (the split's first rows may all be one domain's:
-   the small preset's first 120 are all general instructions).
-3. axolotl trains a LoRA on them (``train``: a TrainRecipe, unmerged LoRA).
-4. Validation perplexity of the reference model (before compression, the ``reference`` input),
-   the compressed model, and the compressed model with the LoRA; recovered = the share of the
-   perplexity lost to compression that the LoRA wins back.
+2. The training rows (``rows``):
+   - ``loop``: what 1R learned — 1D's corrected pairs (the ``pairs`` input) and the replay rows of
+     1R's own mix, rebuilt from 1R's recipe (``replay_share``, ``pair_repeats``, ``seed``, read
+     from the ``reference`` input's manifest) by the function 1R draws them with. A LoRA trained on
+     other rows taught the base something else: on the small preset the ``hardest`` LoRA below
+     recovered 60% of the perplexity compression cost and halved the ladder's math in stage 9
+     (41.7% -> 16.7% of 48), teaching back long worked answers in place of the ladder's ``#### N``.
+   - ``hardest``: the ``hardest_rows`` of stage 0's train split with the highest response-token loss
+     under the compressed model (the plan: the hardest 5K examples), or with ``selection:
+     loss_increase`` the loss compression *added* (compressed minus reference). ``candidate_rows``
+     bounds the rows scored; ``candidates: by_domain`` draws them in turn from each domain.
+3. axolotl trains a LoRA on them (``train``: a TrainRecipe, unmerged LoRA). With ``kd``, the
+   uncompressed 1R (the ``reference`` input) is the teacher: its top-k log-probabilities at every
+   position of every row that fits in ``train.sequence_len`` are the KD target of axolotl's KD
+   plugin (:mod:`methods.training.kd`, 1E's engine), beside the data's cross-entropy: the LoRA
+   learns back the reference's distribution, not only its greedy tokens.
+4. Validation perplexity of the reference model (before compression), the compressed model, and
+   the compressed model with the LoRA; recovered = the share of the perplexity lost to compression
+   that the LoRA wins back.
 5. ``check``: perplexity is not the tasks. The compressed target answers held-out math-ladder
    tasks of the **mining** part (a draw of its own; stage 9 judges on the evaluation part) with and
    without the LoRA, greedy, judged by the math judge; the adapter is fit to be the bundle's default
    weights (``default_weights`` in ``adapter.json``, which stage 2G reads) only if it passes more
    tasks than the bare weights: a tie keeps the bare weights, which decode without the LoRA's extra
-   matmuls. On the small preset a LoRA that recovered 60% of the perplexity cost halved the ladder's
-   math in stage 9 (41.7% -> 16.7% of 48, the bare compressed target against the default weights);
-   in the next run the check tied (7/32 each) and stage 9 showed the same loss (29.2% -> 12.5%): the
-   LoRA, trained on the rows whose loss compression raised most, teaches back long worked answers
-   in place of the ladder's ``#### N`` (level 1: "7 + 6 = 13 / #### 13" became a paragraph ending
-   in 7).
+   matmuls.
 
 The adapter applies to the compressed target as transformers loads it (torch backend). The GGUF
-target (2D) is quantized by llama.cpp from the pruned model (Q5_K_M for tiny, Q8_0 for small), not
-from 2B's grid, so no GGUF form of this adapter is shipped.
+target (2D) is quantized by llama.cpp from its own source (its fidelity table's choice), not from
+2B's grid, so no GGUF form of this adapter is shipped.
 
-Outputs: ``adapter/`` (peft), ``adapter.json`` (the runtime's manifest), ``hardest.jsonl`` (row
-index, loss), ``recovery.json``, ``axolotl.yaml``, ``logs/train.log``.
+Outputs: ``adapter/`` (peft), ``adapter.json`` (the runtime's manifest), ``rows.jsonl`` (the
+training rows: id, domain, and their loss and rank for ``hardest`` or their source for ``loop``),
+``recovery.json``, ``axolotl.yaml``, ``logs/train.log``.
 """
 
 from __future__ import annotations
@@ -50,12 +53,14 @@ from pydantic import BaseModel, Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
+from methods.failures import loop_mix, read_jsonl
 from methods.measure import lm
 from methods.measure.lm import summarise, validation_loss, validation_rows
 from methods.training import axolotl
 from methods.training.adapter_manifest import write_adapter_manifest
 from methods.training.chat import axolotl_dataset, axolotl_template, load_split, messages, write_jsonl
-from methods.training.models import copy_tokenizer, resolve_base, tokenizer_type
+from methods.training.kd import KDLoss, check_alignment, fitting_examples, kd_dataset, teacher_logprobs
+from methods.training.models import copy_tokenizer, resolve_base, right_padded_tokenizer, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
 
@@ -79,7 +84,18 @@ CHECK_ROWS = 8  # validation rows on which the decompressed base must score as t
 
 class Config(StageConfig):
     tier: str = Field("target", description="Tier of the `compressed` (and `reference`) input to recover.")
-    hardest_rows: int = Field(5000, gt=0, description="Train on this many highest-loss rows (the plan: 5K).")
+    rows: Literal["hardest", "loop"] = Field(
+        "hardest",
+        description="Train on the `hardest_rows` of stage 0's train split (by `selection`), or on what 1R "
+        "learned: 1D's corrected pairs (the `pairs` input) and the replay rows of 1R's own mix.",
+    )
+    kd: KDLoss | None = Field(
+        None,
+        description="Distil the `reference` model (uncompressed 1R) into the LoRA: its top-k distribution at every "
+        "position of the training rows that fit in train.sequence_len (longer rows left out). None: "
+        "cross-entropy on the rows only.",
+    )
+    hardest_rows: int = Field(5000, gt=0, description="`rows: hardest`: this many highest-loss rows (the plan: 5K).")
     selection: Literal["loss", "loss_increase"] = Field(
         "loss", description="Rank rows by loss under the compressed model, or by how much compression raised it."
     )
@@ -110,12 +126,14 @@ class Config(StageConfig):
 
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
+    data = "<work>/data/logprobs.jsonl" if cfg.kd else "<work>/data/rows.jsonl"
     return {
         "recovery": axolotl.render(
             cfg.train,
             "<work>/base (stage 2B's target, decompressed)",
-            [axolotl_dataset("<work>/data/hardest.jsonl")],
+            [kd_dataset(data) if cfg.kd else axolotl_dataset(data)],
             "<work>/lora",
+            extra={**cfg.kd.axolotl_keys(), "tokenizer_config": "<work>/tokenizer"} if cfg.kd else None,
             cuda=cuda,
         )
     }
@@ -217,15 +235,9 @@ def task_check(check: TaskCheck, compressed: Path, adapter_dir: Path, work_dir: 
     }
 
 
-def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
-    from transformers import AutoTokenizer
-
-    compressed = Path(resolve_base(None, inputs.get("compressed"), cfg.tier, "compressed model"))
-    reference = Path(resolve_base(None, inputs.get("reference"), cfg.tier, "reference model"))
-    base = decompress(compressed, work_dir / "base")
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    data = inputs["data"] / "dataset"
-
+def _hardest_rows(cfg: Config, base: Path, reference: Path, tokenizer, data: Path, out_dir: Path):
+    """``rows: hardest``: the train rows ranked by loss under the compressed model (or by the loss
+    compression added), written to ``rows.jsonl`` with their losses. Returns (rows, metrics)."""
     rows = _candidates(data, cfg)
     if not rows:
         raise KibidangoError(f"stage 0's train split ({data}) is empty")
@@ -236,32 +248,120 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         rank = [a - b for a, b in zip(losses, reference_losses)]
     hardest = sorted(range(len(rows)), key=lambda i: -rank[i])[: cfg.hardest_rows]
     write_jsonl(
-        out_dir / "hardest.jsonl",
+        out_dir / "rows.jsonl",
         (
             {"row": i, "id": rows[i]["id"], "domain": rows[i]["domain"], "loss": losses[i], "rank_score": rank[i]}
             for i in hardest
         ),
     )
-    data_file = work_dir / "data" / "hardest.jsonl"
-    write_jsonl(data_file, ({"messages": messages(rows[i])} for i in hardest))
     picked = Counter(rows[i]["domain"] for i in hardest)
     log.info(
         f"2F: {len(hardest):,} hardest of {len(rows):,} rows ({dict(picked.most_common())}; "
         f"loss {losses[hardest[-1]]:.3f} .. {losses[hardest[0]]:.3f})"
     )
+    return [rows[i] for i in hardest], {
+        "hardest_rows": float(len(hardest)),
+        "candidate_rows": float(len(rows)),
+        "hardest_mean_loss": sum(losses[i] for i in hardest) / len(hardest),
+        "all_mean_loss": sum(losses) / len(losses),
+    }
 
+
+def _loop_rows(inputs: dict[str, Path], data: Path, out_dir: Path):
+    """``rows: loop``: 1D's corrected pairs and the replay rows of 1R's own mix (1R's recipe, from the
+    ``reference`` input's manifest), written to ``rows.jsonl`` with their source. Returns (rows, metrics)."""
+    if "pairs" not in inputs:
+        raise KibidangoError(
+            "2F `rows: loop` needs the `pairs` input (stage 1D's corrected pairs); the graph gives none"
+        )
+    manifest = inputs["reference"] / "manifest.json"
+    recipe = json.loads(manifest.read_text())["config"] if manifest.is_file() else {}
+    missing = [k for k in ("replay_share", "pair_repeats", "seed") if k not in recipe]
+    if missing:
+        raise KibidangoError(
+            f"2F `rows: loop`: the reference input is not a retraining round's artifact ({manifest} has no "
+            f"config.{missing[0]}): wire `reference` to stage 1R"
+        )
+    pairs = read_jsonl(inputs["pairs"] / "pairs.jsonl", "the pairs input (stage 1D)")
+    if not pairs:
+        raise KibidangoError(f"no corrected pairs in {inputs['pairs']} (stage 1D answered none): nothing to recover on")
+    pair_rows, replay = loop_mix(
+        pairs, load_split(data, "train"), recipe["replay_share"], recipe["pair_repeats"], recipe["seed"]
+    )
+    write_jsonl(
+        out_dir / "rows.jsonl",
+        (
+            *({"id": r["id"], "domain": r["domain"], "source": "pair"} for r in pair_rows),
+            *({"id": r["id"], "domain": r["domain"], "source": "replay"} for r in replay),
+        ),
+    )
+    log.info(f"2F: 1R's mix, {len(pair_rows):,} corrected pair rows + {len(replay):,} replay rows")
+    return [*pair_rows, *replay], {"loop_pair_rows": float(len(pair_rows)), "loop_replay_rows": float(len(replay))}
+
+
+def _train(cfg: Config, rows: list[dict], base: Path, reference: Path, tokenizer, out_dir: Path, work_dir: Path):
+    """The LoRA on ``rows`` (axolotl): cross-entropy, or with ``kd`` the reference's top-k beside it
+    (the rows that fit in train.sequence_len; axolotl's prepared ids checked against the teacher's
+    before training). Writes axolotl.yaml and logs/train.log; returns the last logged metrics and
+    ``kd_rows``, the rows the KD trained on."""
+    run_dir = work_dir / "lora"
+    extra, template_from, examples = None, base, []
+    if cfg.kd is None:
+        data_file = work_dir / "data" / "rows.jsonl"
+        write_jsonl(data_file, ({"messages": messages(r)} for r in rows))
+        dataset = axolotl_dataset(str(data_file))
+    else:
+        examples = fitting_examples(tokenizer, rows, cfg.train.sequence_len)
+        if not examples:
+            raise KibidangoError(f"2F: no training row fits in train.sequence_len {cfg.train.sequence_len}")
+        log.info(
+            f"2F: KD on {len(examples):,} of {len(rows):,} rows (those that fit in {cfg.train.sequence_len} tokens)"
+        )
+        data_file = work_dir / "data" / "logprobs.jsonl"
+        teacher_logprobs(lm.load_causal_lm(reference), examples, cfg.kd.top_k, data_file, "2F")
+        dataset = kd_dataset(str(data_file))
+        template_from = right_padded_tokenizer(base, work_dir / "tokenizer")
+        extra = {**cfg.kd.axolotl_keys(), "tokenizer_config": str(template_from)}
     spec = axolotl.render(
         cfg.train,
         str(base),
-        [axolotl_dataset(str(data_file))],
-        str(work_dir / "lora"),
-        tokenizer_type=tokenizer_type(base),
-        chat_template=axolotl_template(base),
+        [dataset],
+        str(run_dir),
+        extra=extra,
+        tokenizer_type=tokenizer_type(template_from),
+        chat_template=axolotl_template(template_from),
     )
     (out_dir / "axolotl.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    last = axolotl.train(spec, work_dir / "lora", "2F/recovery", gpus=cfg.train.gpus)
+    if cfg.kd is not None:  # fail before training: a launch of its own that only tokenizes
+        axolotl.train(spec, run_dir, "2F/recovery", preprocess_only=True)
+        check_alignment(run_dir / "prepared", [ids for _, ids in examples], "2F/recovery")
+    last = axolotl.train(spec, run_dir, "2F/recovery", gpus=cfg.train.gpus)
     (out_dir / "logs").mkdir()
-    shutil.copy2(work_dir / "lora" / "axolotl.log", out_dir / "logs" / "train.log")
+    shutil.copy2(run_dir / "axolotl.log", out_dir / "logs" / "train.log")
+    return {**last, "kd_rows": float(len(examples))}
+
+
+def _rows_said(cfg: Config, metrics: dict) -> str:
+    kd = f", KD from the uncompressed model's top-{cfg.kd.top_k} on {metrics['kd_rows']:,.0f} rows" if cfg.kd else ""
+    if cfg.rows == "loop":
+        return f"1R's mix: {metrics['loop_pair_rows']:,.0f} pair + {metrics['loop_replay_rows']:,.0f} replay rows{kd}"
+    return f"{metrics['hardest_rows']:,.0f} rows by {cfg.selection}{kd}"
+
+
+def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
+    from transformers import AutoTokenizer
+
+    compressed = Path(resolve_base(None, inputs.get("compressed"), cfg.tier, "compressed model"))
+    reference = Path(resolve_base(None, inputs.get("reference"), cfg.tier, "reference model"))
+    base = decompress(compressed, work_dir / "base")
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    data = inputs["data"] / "dataset"
+
+    if cfg.rows == "loop":
+        rows, picked = _loop_rows(inputs, data, out_dir)
+    else:
+        rows, picked = _hardest_rows(cfg, base, reference, tokenizer, data, out_dir)
+    last = _train(cfg, rows, base, reference, tokenizer, out_dir, work_dir)
     adapter = axolotl.trained_files(work_dir / "lora", out_dir / "adapter")
     if not (adapter / "adapter_config.json").is_file():
         raise KibidangoError(f"axolotl wrote no adapter_config.json; see {out_dir / 'logs' / 'train.log'}")
@@ -289,17 +389,18 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "recovered_share": (comp["perplexity"] - rec["perplexity"]) / lost
         if lost > 0.01 * ref["perplexity"]
         else float("nan"),
-        "hardest_rows": float(len(hardest)),
-        "candidate_rows": float(len(rows)),
-        "hardest_mean_loss": sum(losses[i] for i in hardest) / len(hardest),
-        "all_mean_loss": sum(losses) / len(losses),
+        **picked,
+        "train_rows": float(len(rows)),
         "train_loss_final": last.get("loss", float("nan")),
+        "kd_rows": last["kd_rows"],  # the rows that fit in train.sequence_len (0: no KD)
     }
     manifest = {
         "domain": "recovery",
         "base_tier": cfg.tier,
         "base_model": f"stage 2B {cfg.tier} (AWQ, compressed-tensors)",
         "lora": cfg.train.lora.model_dump(),
+        "rows": cfg.rows,
+        "kd": cfg.kd is not None,
         "metrics": metrics,
     }
     peft = {"peft": ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]}
@@ -319,7 +420,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             if share == share
             else "compression cost under 1%: nothing to recover"
         )
-        + f"; {len(hardest):,} rows by {cfg.selection})"
+        + f"; {_rows_said(cfg, metrics)})"
     )
     if check is not None:
         summary += (

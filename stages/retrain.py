@@ -33,7 +33,16 @@ from pydantic import Field
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.evaluation import EvalSample, evaluation_tasks, mcnemar, mcnemar_power, mined_bands, wilson
-from methods.failures import failure_rate, mined_judges, read_jsonl, sample, task_of, training_texts, verdict_record
+from methods.failures import (
+    failure_rate,
+    loop_mix,
+    mined_judges,
+    read_jsonl,
+    sample,
+    task_of,
+    training_texts,
+    verdict_record,
+)
 from methods.heldout import answer_and_judge, parallel_field
 from methods.measure import lm
 from methods.training import axolotl
@@ -93,34 +102,15 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     student = inputs["student"] / cfg.tier
     if not (student / "config.json").is_file():
         raise KibidangoError(f"the student input has no transformers checkpoint at {student}")
-    pairs = read_jsonl(inputs["pairs"] / "pairs.jsonl", "the pairs input (stage 1D)")
-    held = read_jsonl(inputs["pairs"] / "held_out.jsonl", "the pairs input (stage 1D)")
-    if not pairs:
-        raise KibidangoError(f"no corrected pairs in {inputs['pairs']} (stage 1D answered none): nothing to retrain on")
-    leaked = {p["id"] for p in pairs} & {h["id"] for h in held}
-    if leaked:
-        raise KibidangoError(f"{len(leaked)} held-out failures have corrected pairs (e.g. {sorted(leaked)[0]})")
+    pairs, held = _pairs_and_held_out(inputs["pairs"])
     judges = mined_judges(inputs["mined"])
 
-    train_rows = [r for r in pairs for _ in range(cfg.pair_repeats)]
-    n_replay = round(len(train_rows) * cfg.replay_share / (1 - cfg.replay_share))
     stage0_train = load_split(inputs["data"] / "dataset", "train")
-    replay = sample(stage0_train, n_replay, cfg.seed, key=lambda r: r["id"])
+    train_rows, replay = loop_mix(pairs, stage0_train, cfg.replay_share, cfg.pair_repeats, cfg.seed)
     data_file = work_dir / "data" / "train.jsonl"
     write_jsonl(data_file, ({"messages": messages(r)} for r in [*train_rows, *replay]))
     log.info(f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows")
-    mixes = {}  # control -> its training rows: the same count and the same replay rows as 1R's mix
-    if "random" in cfg.controls:
-        drawn = _random_tasks(inputs["mined"], pairs, held, judges, cfg.seed)
-        mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
-    if "replay" in cfg.controls:
-        mixes["replay"] = sample(stage0_train, len(train_rows) + n_replay, cfg.seed, key=lambda r: r["id"])
-    if "gold" in cfg.controls:
-        mixes["gold"] = [r for r in _gold_pairs(inputs["mined"], pairs) for _ in range(cfg.pair_repeats)] + replay
-    for name, share in (("pairs25", 0.25), ("pairs50", 0.5)):
-        if name in cfg.controls:
-            some = sample(pairs, max(1, round(share * len(pairs))), cfg.seed, key=lambda r: r["id"])
-            mixes[name] = [r for r in some for _ in range(cfg.pair_repeats)] + replay
+    mixes = _control_mixes(cfg, inputs["mined"], pairs, held, judges, stage0_train, replay)
 
     from transformers import AutoTokenizer
 
@@ -143,30 +133,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     for name, rows in mixes.items():
         models[name] = _control(cfg, student, name, rows, work_dir, out_dir)
     models["1R"] = model_dir
-    comparison = {}
-    if cfg.evaluation:
-        from datasets import load_from_disk
-
-        data = inputs["data"] / "dataset"
-        splits = list(load_from_disk(str(data)).keys())
-        seen = set().union(*(training_texts(load_split(data, split)) for split in splits))
-        tasks = evaluation_tasks(cfg.evaluation, cfg.seed, seen, mined_bands(inputs.get("mined")))
-        verdicts = {name: _evaluate(path, name, tasks, judges, cfg, work_dir) for name, path in models.items()}
-        comparison = _compare(tasks, verdicts)
-        with open(out_dir / "evaluation.jsonl", "w", encoding="utf-8") as f:
-            for t in tasks:
-                verdict = {
-                    name: v[t["id"]]["passed"] if v[t["id"]]["outcome"] != "judge_error" else None
-                    for name, v in verdicts.items()
-                }
-                record = {"id": t["id"], "sample": t["sample"], "level": t.get("level", 0), "passed": verdict}
-                f.write(json.dumps(record) + "\n")
+    comparison = _evaluation(cfg, inputs, models, judges, out_dir, work_dir) if cfg.evaluation else {}
 
     mining = inputs["mined"] / "mining.json"
-    round_no = json.loads(mining.read_text()).get("round", 1) if mining.is_file() else 1
     stats = {
         "command": "make stage-1r",
-        "round": round_no,
+        "round": json.loads(mining.read_text()).get("round", 1) if mining.is_file() else 1,
         "pairs": len(pairs),
         "pair_repeats": cfg.pair_repeats,
         "replay_rows": len(replay),
@@ -183,10 +155,75 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     }
     (out_dir / "retrain.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
     (out_dir / "RETRAIN_CARD.md").write_text(_card(stats))
+    return StageResult(
+        _metrics(stats, loss_before, loss_after),
+        ["RETRAIN_CARD.md", "retrain.json", "axolotl.yaml"],
+        _summary(stats),
+        tables={"evaluation.json": "evaluation.jsonl"} if comparison else {},
+    )
+
+
+def _pairs_and_held_out(pairs_dir: Path) -> tuple[list[dict], list[dict]]:
+    """1D's corrected pairs and the critical failures it held out; a held-out failure with a pair is refused."""
+    pairs = read_jsonl(pairs_dir / "pairs.jsonl", "the pairs input (stage 1D)")
+    held = read_jsonl(pairs_dir / "held_out.jsonl", "the pairs input (stage 1D)")
+    if not pairs:
+        raise KibidangoError(f"no corrected pairs in {pairs_dir} (stage 1D answered none): nothing to retrain on")
+    leaked = {p["id"] for p in pairs} & {h["id"] for h in held}
+    if leaked:
+        raise KibidangoError(f"{len(leaked)} held-out failures have corrected pairs (e.g. {sorted(leaked)[0]})")
+    return pairs, held
+
+
+def _control_mixes(
+    cfg: Config, mined: Path, pairs: list[dict], held: list[dict], judges: dict, stage0_train: list[dict], replay
+) -> dict[str, list[dict]]:
+    """Control -> its training rows: the same count and the same replay rows as 1R's mix."""
+    mixes = {}
+    n_pair_rows = len(pairs) * cfg.pair_repeats
+    if "random" in cfg.controls:
+        drawn = _random_tasks(mined, pairs, held, judges, cfg.seed)
+        mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
+    if "replay" in cfg.controls:
+        mixes["replay"] = sample(stage0_train, n_pair_rows + len(replay), cfg.seed, key=lambda r: r["id"])
+    if "gold" in cfg.controls:
+        mixes["gold"] = [r for r in _gold_pairs(mined, pairs) for _ in range(cfg.pair_repeats)] + replay
+    for name, share in (("pairs25", 0.25), ("pairs50", 0.5)):
+        if name in cfg.controls:
+            some = sample(pairs, max(1, round(share * len(pairs))), cfg.seed, key=lambda r: r["id"])
+            mixes[name] = [r for r in some for _ in range(cfg.pair_repeats)] + replay
+    return mixes
+
+
+def _evaluation(
+    cfg: Config, inputs: dict[str, Path], models: dict[str, Path], judges: dict, out_dir: Path, work_dir: Path
+) -> dict:
+    """Every model on the same held-out evaluation tasks (none any stage trained on): the comparison
+    (:func:`_compare`), and every model's verdict per task in ``evaluation.jsonl``."""
+    from datasets import load_from_disk
+
+    data = inputs["data"] / "dataset"
+    splits = list(load_from_disk(str(data)).keys())
+    seen = set().union(*(training_texts(load_split(data, split)) for split in splits))
+    tasks = evaluation_tasks(cfg.evaluation, cfg.seed, seen, mined_bands(inputs.get("mined")))
+    verdicts = {name: _evaluate(path, name, tasks, judges, cfg, work_dir) for name, path in models.items()}
+    with open(out_dir / "evaluation.jsonl", "w", encoding="utf-8") as f:
+        for t in tasks:
+            verdict = {
+                name: v[t["id"]]["passed"] if v[t["id"]]["outcome"] != "judge_error" else None
+                for name, v in verdicts.items()
+            }
+            record = {"id": t["id"], "sample": t["sample"], "level": t.get("level", 0), "passed": verdict}
+            f.write(json.dumps(record) + "\n")
+    return _compare(tasks, verdicts)
+
+
+def _metrics(stats: dict, loss_before: dict, loss_after: dict) -> dict[str, float]:
+    before, after, comparison = stats["before"], stats["after"], stats["comparison"]
     metrics = {
-        "pairs": len(pairs),
-        "replay_rows": len(replay),
-        "held_out": len(held),
+        "pairs": stats["pairs"],
+        "replay_rows": stats["replay_rows"],
+        "held_out": stats["held_out"],
         "failure_rate_before": before["rate"],
         "failure_rate_after": after["rate"],
         **{f"failure_rate_before/{d}": v["rate"] for d, v in before["domains"].items()},
@@ -203,10 +240,16 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             metrics[f"eval/{name}/{group}"] = g["rate"]
     for name, test in comparison.get("mcnemar", {}).items():
         metrics[f"mcnemar/1R_vs_{name}/p"] = test["p"]
+    return metrics
+
+
+def _summary(stats: dict) -> str:
+    before, after, comparison = stats["before"], stats["after"], stats["comparison"]
     summary = (
-        f"failure rate on {len(held)} held-out critical failures: {before['rate']:.1%} -> {after['rate']:.1%} "
-        f"({len(pairs):,} corrected pairs + {len(replay):,} replay rows); validation perplexity "
-        f"{loss_before['perplexity']:.2f} -> {loss_after['perplexity']:.2f} ({len(val)} rows: what it forgot)"
+        f"failure rate on {stats['held_out']} held-out critical failures: {before['rate']:.1%} -> {after['rate']:.1%} "
+        f"({stats['pairs']:,} corrected pairs + {stats['replay_rows']:,} replay rows); validation perplexity "
+        f"{stats['val_perplexity_before']:.2f} -> {stats['val_perplexity_after']:.2f} "
+        f"({stats['val_rows']} rows: what it forgot)"
     )
     if comparison:
         summary += (
@@ -216,12 +259,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             + ", ".join(f"1R vs {n} p={t['p']:.3f}" for n, t in comparison["mcnemar"].items())
             + ")"
         )
-    return StageResult(
-        metrics,
-        ["RETRAIN_CARD.md", "retrain.json", "axolotl.yaml"],
-        summary,
-        tables={"evaluation.json": "evaluation.jsonl"} if comparison else {},
-    )
+    return summary
 
 
 def _random_tasks(mined: Path, pairs: list[dict], held: list[dict], judges: dict, seed: int) -> list[dict]:

@@ -62,3 +62,38 @@ def test_validation_rows_read_every_domain(tmp_path: Path, monkeypatch) -> None:
     )
     scored = lm.validation_rows(model, data, 3, 32)
     assert read == [["r0", "r5", "r8"]] and len(scored) == 3 and all(n > 0 for _, n in scored)
+
+
+def test_loop_rows_are_the_retraining_rounds_own_mix(tmp_path: Path) -> None:
+    """`rows: loop` trains on 1D's pairs and exactly the replay rows 1R drew (1R's recipe, read from the
+    reference artifact's manifest, through the function 1R itself draws them with); a reference that is
+    not a retraining round's artifact, or a graph without the pairs, is refused by name."""
+    import json
+
+    from core.contract import KibidangoError
+    from methods.failures import loop_mix
+    from stages.recovery_lora import _loop_rows
+
+    data = _split(tmp_path)
+    pairs = [{"id": f"p{i}", "domain": "math", "instruction": "q", "input": "", "output": "#### 1"} for i in range(3)]
+    (tmp_path / "1D").mkdir()
+    (tmp_path / "1D" / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (tmp_path / "1R").mkdir()
+    recipe = {"replay_share": 0.5, "pair_repeats": 2, "seed": 3}
+    (tmp_path / "1R" / "manifest.json").write_text(json.dumps({"config": recipe}))
+    out = tmp_path / "out"
+    out.mkdir()
+    inputs = {"reference": tmp_path / "1R", "pairs": tmp_path / "1D"}
+    rows, metrics = _loop_rows(inputs, data, out)
+    pair_rows, replay = loop_mix(pairs, load_split(data, "train"), 0.5, 2, 3)
+    assert rows == [*pair_rows, *replay] and len(pair_rows) == 6 and len(replay) == 6
+    assert metrics == {"loop_pair_rows": 6.0, "loop_replay_rows": 6.0}
+    written = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [w["source"] for w in written] == ["pair"] * 6 + ["replay"] * 6
+    assert [w["id"] for w in written[6:]] == [r["id"] for r in replay]
+
+    (tmp_path / "1R" / "manifest.json").write_text(json.dumps({"config": {"tier": "target"}}))
+    with pytest.raises(KibidangoError, match=r"not a retraining round's artifact .*config\.replay_share"):
+        _loop_rows(inputs, data, out)
+    with pytest.raises(KibidangoError, match="needs the `pairs` input"):
+        _loop_rows({"reference": tmp_path / "1R"}, data, out)

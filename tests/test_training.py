@@ -19,8 +19,8 @@ from flows.preset import load_preset
 from flows.runner import RunContext, execute_stage
 from methods.training import axolotl
 from methods.training.chat import TEMPLATE, messages
+from methods.training.kd import check_alignment
 from methods.training.recipe import TrainRecipe
-from stages.distill import check_alignment
 
 LORA = TrainRecipe(max_steps=10, adapter="lora", axolotl={"flash_attention": True, "sample_packing": True})
 

@@ -134,6 +134,16 @@ def size_table(stages: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def _recovery_rows(f: dict[str, float]) -> str:
+    """What 2F's LoRA trained on, from its metrics."""
+    if "loop_pair_rows" in f:
+        return (
+            f"what 1R learned ({int(f['loop_pair_rows'])} corrected pair rows of 1D and "
+            f"{int(f['loop_replay_rows'])} replay rows: 1R's own mix)"
+        )
+    return f"{int(f['hardest_rows'])} of {int(f['candidate_rows'])} training rows, the compressed target's hardest"
+
+
 def bundle_card(
     preset: str,
     metrics: dict[str, dict],
@@ -176,8 +186,8 @@ def bundle_card(
             else "compression cost under 1% perplexity, so there was nothing to win back"
         )
         lines += [
-            f"Recovery LoRA (2F): trained on {int(f['hardest_rows'])} of {int(f['candidate_rows'])} training rows, the "
-            f"hardest for the compressed target; {verdict} ({f['val_perplexity_reference']:.2f} before compression, "
+            f"Recovery LoRA (2F): trained on {_recovery_rows(f)}; {verdict} "
+            f"({f['val_perplexity_reference']:.2f} before compression, "
             f"{f['val_perplexity_compressed']:.2f} after, {f['val_perplexity_recovered']:.2f} with the LoRA). The "
             + (
                 "adapter ships under adapters/recovery as the target's default weights on the torch backend "
