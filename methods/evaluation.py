@@ -34,7 +34,7 @@ SEED_TASKS_DOMAIN = "general"
 
 
 class EvalSample(StageConfig):
-    name: str
+    name: str = Field(description="Name of the sample in tables and metric keys (eval/<model>/<name>).")
     source: Literal["gsm8k", "mbpp", "humaneval", "alpaca_seed", "ladder"] = Field(
         description="A benchmark (its evaluation part), self-instruct's seed tasks (general, reference judge), "
         "or the task ladder's evaluation part (methods/ladder)."

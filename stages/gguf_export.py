@@ -40,6 +40,7 @@ from methods.compression.gguf import (
     TENSOR_TYPES,
     AgreementReport,
     fallback_tensors,
+    gguf_parameters,
     gguf_response_loss,
     quantize,
     token_agreement,
@@ -399,20 +400,22 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         fallbacks = fallback_tensors(gguf.with_suffix(".log"))
 
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-        hf, model = TorchModel(hf_dir, name=tier), LlamaCppModel(gguf, name=tier)
+        hf = TorchModel(hf_dir, name=tier)
         table = tables.get(tier)
         if table is not None and table.chosen is not None:  # the table measured the shipped file
             agreement, gguf_ppl = table.agreement, table.chosen.ppl
         else:
+            model = LlamaCppModel(gguf, name=tier)
             prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
             agreement = token_agreement(hf, model, tokenizer, prompts, cfg.new_tokens)
             gguf_ppl = gguf_response_loss(model, tokenizer, rows, cfg.eval_max_len)["perplexity"]
+            del model
         hf_loss = lm.response_loss(hf.hf, tokenizer, rows, cfg.eval_max_len)
         m = {
             "hf_bytes": float(weight_bytes(hf_dir)),
             "f16_bytes": float(f16_bytes),
             "gguf_bytes": float(gguf.stat().st_size),
-            "bits_per_weight": 8 * gguf.stat().st_size / model.parameters(),
+            "bits_per_weight": 8 * gguf.stat().st_size / gguf_parameters(gguf),
             "fallback_tensors": float(fallbacks),
             "token_agreement": agreement.agreement,
             "identical_prompts": float(agreement.identical_prompts),
@@ -438,7 +441,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             report += ["where the GGUF first differs:", "", agreement.table(), ""]
         if verdict == "FAIL":
             failed.append(f"{tier} ({quant}): agreement {agreement.agreement:.2%} < {gate:.0%}")
-        del model
     text = "\n".join(report)
     if failed:
         raise KibidangoError(f"GGUF token-agreement gate failed: {'; '.join(failed)}\n\n{text}")

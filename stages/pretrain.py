@@ -45,12 +45,12 @@ log = logging.getLogger("kibidango.stage.P")
 
 
 class Architecture(StageConfig):
-    hidden_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    max_position_embeddings: int = Field(512, gt=0)
+    hidden_size: int = Field(gt=0, description="Width of the residual stream (embedding size).")
+    num_hidden_layers: int = Field(gt=0, description="Decoder layers.")
+    num_attention_heads: int = Field(gt=0, description="Query heads per layer (hidden_size must divide by it).")
+    num_key_value_heads: int = Field(gt=0, description="Key/value heads per layer (grouped-query attention).")
+    intermediate_size: int = Field(gt=0, description="Width of each layer's gated MLP.")
+    max_position_embeddings: int = Field(512, gt=0, description="Longest context the tier is built for (RoPE).")
     init_seed: int = Field(0, description="Seed of the random initial weights.")
 
 
@@ -60,7 +60,7 @@ class TierPlan(StageConfig):
         None, description="A pretrained model directory whose embeddings, `keep_layers`, norm and head start the tier."
     )
     keep_layers: list[int] | None = Field(None, description="init_from: its decoder layers to keep, in order.")
-    train: TrainRecipe
+    train: TrainRecipe = Field(description="The tier's pre-training run (axolotl): steps, learning rate, batch.")
 
     @model_validator(mode="after")
     def _one_start(self) -> TierPlan:

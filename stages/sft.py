@@ -49,9 +49,11 @@ class Config(StageConfig):
     )
     domains: list[str] | None = Field(None, description="Train only on these stage-0 domains (None: all).")
     max_train_rows: int | None = Field(None, gt=0, description="Cap on training rows (None: the whole train split).")
-    train: TrainRecipe
+    train: TrainRecipe = Field(description="The fine-tune (axolotl): steps, learning rate, warm-up, batch.")
     eval_rows: int = Field(300, gt=0, description="Validation rows the loss is measured on.")
-    eval_max_len: int = Field(256, gt=8)
+    eval_max_len: int = Field(
+        256, gt=8, description="Tokens per validation row in the perplexity passes (longer rows cut)."
+    )
 
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:

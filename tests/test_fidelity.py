@@ -140,3 +140,14 @@ def test_llama_cpp_quantizes_with_an_importance_matrix_named_for_the_gguf(tmp_pa
 
     with pytest.raises(KibidangoError, match="non-finite"):
         quantize(f16, tmp_path / "n-Q4_0.gguf", "Q4_0", imatrix={"blk.0.attn_q.weight": np.full(64, np.nan)})
+
+
+def test_gguf_parameters_read_from_the_header_match_llama_cpp() -> None:
+    """2D's bits per weight divide by the weights its header lists: llama.cpp's own count, no model loaded."""
+    path = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
+    if not path.is_file():
+        pytest.skip(f"needs {path} (../shared)")
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+    from methods.compression.gguf import gguf_parameters
+
+    assert gguf_parameters(path) == LlamaCppModel(path, name="t").parameters() == 292_800

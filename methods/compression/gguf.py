@@ -86,6 +86,14 @@ def fallback_tensors(log: Path) -> int:
     )
 
 
+def gguf_parameters(path: Path) -> int:
+    """Weights in a GGUF file (every tensor's elements, as llama.cpp's ``llama_model_n_params``
+    counts them), read from its header: no model is loaded."""
+    from gguf import GGUFReader
+
+    return int(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+
+
 def quantize(
     src: Path,
     out: Path,

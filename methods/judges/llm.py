@@ -113,7 +113,7 @@ class LLMJudgeSettings(EndpointSettings):
     """The ``llm`` judge's settings: an endpoint (:class:`kibidango.paid.settings.EndpointSettings`)
     and how it is asked."""
 
-    kind: Literal["llm"] = "llm"
+    kind: Literal["llm"] = Field("llm", description="Judge kind: a model asked through an OpenAI-compatible endpoint.")
     max_attempts: int = Field(3, ge=1, le=100, description="HTTP requests per verdict, retries included.")
     rubric: str = Field(DEFAULT_RUBRIC, description="The system prompt the verdict follows.")
     response_format: Literal["json_schema", "json_object", "none"] = Field(

@@ -29,12 +29,14 @@ class TrainRecipe(StageConfig):
     micro_batch_size: int = Field(8, description="Sequences per device per forward pass.", gt=0)
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     sequence_len: int = Field(256, gt=8, description="Tokens per sequence; longer examples are truncated.")
-    learning_rate: float = Field(1e-3, gt=0)
+    learning_rate: float = Field(
+        1e-3, gt=0, description="Peak learning rate (after warm-up, before the schedule's decay)."
+    )
     lr_scheduler: str = Field("cosine", description="transformers scheduler name.")
-    warmup_steps: int = Field(10, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10, ge=0, description="Steps of linear warm-up from 0 to the learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay of the optimizer.")
     optimizer: str = Field("adamw_torch", description="axolotl optimizer name (adamw_torch runs everywhere).")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of initialisation, data order and dropout.")
     logging_steps: int = Field(10, gt=0, description="Loss is logged (console and MLflow) every this many steps.")
     save_steps: int = Field(
         100, gt=0, description="Checkpoint every this many steps; an interrupted stage resumes from the last one."
