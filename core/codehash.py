@@ -10,6 +10,12 @@ the file it lives in. So a comment, a docstring, reformatting, or moving a defin
 module keeps the version; a one-character change to a function a stage uses changes the version
 of exactly the stages that reach that function. The versions of the libraries the stage declares
 (``LIBRARIES``) are hashed too.
+
+A module's top-level functions named ``report_*`` (a stage's part of the report: they read its
+artifact, never write it) are presentation, not behaviour: they are left out of the module's
+hash and their references are not followed, and any other definition of the module that calls
+one is refused (:class:`PresentationUsed`), so a report edit never re-keys a stage and never hides
+a change of what it writes.
 """
 
 from __future__ import annotations
@@ -24,7 +30,18 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["code_version", "definitions"]
+__all__ = ["PresentationUsed", "code_version", "definitions"]
+
+PRESENTATION = "report_"  # top-level functions so named only render an artifact: not part of a code version
+
+
+class PresentationUsed(ValueError):
+    """A definition that a code version hashes calls a ``report_*`` function (presentation)."""
+
+
+def _presentation(node: ast.stmt) -> bool:
+    return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith(PRESENTATION)
+
 
 Ref = tuple[str, str]  # (module, top-level name); name "*" is the whole module
 
@@ -202,6 +219,12 @@ def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
     return body or [ast.Pass()]
 
 
+def _behaviour(module: _Module) -> list[ast.stmt]:
+    """A whole module's statements that a code version hashes: no docstring, no ``report_*``
+    function."""
+    return [node for node in _without_docstring(module.tree.body) if not _presentation(node)] or [ast.Pass()]
+
+
 class _Normalise(ast.NodeTransformer):
     """Drop docstrings and the imports of the project's modules, plumbing included (a move rewrites
     those, not behaviour)."""
@@ -230,7 +253,7 @@ def _normalised(graph: _Graph, ref: Ref) -> str:
     module = graph.module(ref[0])
     if module is None:
         return ""
-    nodes = _without_docstring(module.tree.body) if ref[1] == "*" else [module.defs[ref[1]]]
+    nodes = _behaviour(module) if ref[1] == "*" else [module.defs[ref[1]]]
     out = []
     for node in nodes:
         clean = _Normalise(graph, module).visit(copy.deepcopy(node))
@@ -260,8 +283,14 @@ def definitions(
             continue
         if ref not in graph.normalised:
             graph.normalised[ref] = _normalised(graph, ref)
-            nodes = info.tree.body if ref[1] == "*" else [info.defs[ref[1]]]
+            nodes = _behaviour(info) if ref[1] == "*" else [info.defs[ref[1]]]
             graph.refs[ref] = graph.references(ref[0], nodes)
+        used = sorted(r[1] for r in graph.refs[ref] if r[0] == ref[0] and r[1].startswith(PRESENTATION))
+        if used:
+            raise PresentationUsed(
+                f"{ref[0]}: {'the module' if ref[1] == '*' else ref[1]} calls {used[0]}, a report function: "
+                f"{PRESENTATION}* functions only render an artifact and are not part of the code version"
+            )
         seen[ref] = graph.normalised[ref]
         todo += [r for r in graph.refs[ref] if r not in seen]
     return seen

@@ -30,7 +30,7 @@ from core.paths import REPO_ROOT, home
 from flows.preset import load_preset
 from flows.tracking import TAG
 from flows.workspace import tracking_uri
-from stages import base_id
+from stages import STAGES, base_id, load_stage
 
 __all__ = ["write_report", "publish", "summary_table"]
 
@@ -75,13 +75,6 @@ _SECTIONS = [
     ("Evaluation on held-out tasks (stage 9)", "", [("9", "EVALUATION_CARD.md", [])]),
     ("Quality gates (stage 9A)", "", [("9A", "GATES_CARD.md", [])]),
 ]
-_SHOWN = {
-    "humaneval": "HumanEval pass@1",
-    "mbpp": "MBPP pass@1",
-    "gsm8k": "GSM8K accuracy",
-    "ladder_math": "ladder math, all levels",
-    "ladder_code": "ladder code, all levels",
-}
 # measurements in reading order (data, routing, runtime, cascade, server); others follow by name
 _MEASUREMENTS = [
     "eval-dedup",
@@ -270,8 +263,8 @@ def _json(path: Path) -> dict | None:
 
 def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: list[dict]) -> list[str]:
     """The headline figures, each with where it came from: the flow run (stages computed and
-    cached, wall time), the bundle's release verdict, pass rates with intervals, size, speed, and
-    the measurements' headline (cascade, server)."""
+    cached, wall time), each stage's own rows (its ``report_headline``: the release verdict, pass
+    rates with intervals, size, speed, ...), and the measurements' headline (cascade, server)."""
     rows = []
     computed = sum(r.data.tags.get(f"{TAG}cached") != "yes" for r in runs.values())
     if flow.info.end_time:
@@ -286,92 +279,10 @@ def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: lis
     def cite(sid: str) -> str:
         return f"stage {sid}, run `{_source(runs[sid])}`"
 
-    ev = _json(Path(artifacts["9"]) / "evaluation.json") if artifacts.get("9") else None
-    gates = _json(Path(artifacts["9A"]) / "gates.json") if artifacts.get("9A") else None
-    if gates:
-        n_pass = sum(g["passed"] for g in gates["gates"])
-        verdict = "**releasable**" if gates["releasable"] else "**not releasable**"
-        failed = f"; failed: {', '.join(gates['failed'])}" if gates["failed"] else ""
-        waived = f"; waived: {', '.join(gates['waived'])}" if gates["waived"] else ""
-        rows.append(
-            f"| quality gates | {verdict}: {n_pass}/{len(gates['gates'])} pass{failed}{waived} | {cite('9A')} |"
-        )
-        shipped = _json(Path(artifacts["9A"]) / "bundle" / "bundle.json") or {}
-        if profile := shipped.get("profile"):
-            size = sum(f["size"] for f in shipped["files"]) / 1e6
-            rows.append(
-                f"| the shipped bundle: {profile['name']} profile for {', '.join(profile['backends'])} | "
-                f"{size:.2f} MB; left out: {'; '.join(profile['left_out']) or 'nothing'} | {cite('9A')} |"
-            )
-    if ev:
-        q = ev["quality"]
-        for name, label in _SHOWN.items():
-            if name in q:
-                pol = q[name]["policies"]
-                shown = "; ".join(
-                    f"`{p}` {_pct(v['rate'])} [{_pct(v['ci'][0])}, {_pct(v['ci'][1])}]" for p, v in pol.items()
-                )
-                seen = f"; **not held out**: {q[name]['seen_by_base']}" if q[name].get("seen_by_base") else ""
-                rows.append(f"| {label} (n = {q[name]['n']}, 95% Wilson{seen}) | {shown} | {cite('9')} |")
-        if "all" in q:
-            rows.append(
-                f"| gold answers' perplexity under the base target (all {q['all']['n']} tasks) | "
-                f"{q['all']['reference_perplexity']:.1f} | {cite('9')} |"
-            )
-        rows.append(
-            f"| the bundle stage 9 evaluated (every part) on disk; peak RSS loading it and generating | "
-            f"{ev['size']['bytes'] / 1e6:.2f} MB; "
-            f"{ev['peak_rss_mb']:.0f} MB | {cite('9')} |"
-        )
-        if beside := ev.get("input_model"):
-            sp, test = beside["speed"], q.get("all", {}).get("bundle_vs_input")
-            rss = "" if beside["peak_rss_mb"] is None else f", peak RSS {beside['peak_rss_mb']:.0f} MB"
-            paired = (
-                f"; all tasks: bundle only {test['a_only']} / input only {test['b_only']}, McNemar p = {test['p']:.3g}"
-                if test
-                else ""
-            )
-            rows.append(
-                f"| beside the input model, {beside['name']} (policy `input` above) | {beside['bytes'] / 1e6:.1f} MB"
-                f"{rss}; the bundle target's greedy tokens/s {sp['ratio']:.2f}x [{sp['ci'][0]:.2f}, "
-                f"{sp['ci'][1]:.2f}] the input's{paired} | {cite('9')} |"
-            )
-    fidelity = (_json(Path(artifacts["2D"]) / "gguf.json") or {}).get("fidelity") if artifacts.get("2D") else None
-    for tier, table in (fidelity or {}).items():
-        ref = next(r for r in table if r["reference"])
-        chosen = next((r for r in table if r["chosen"]), None)
-        shown = (
-            f"{chosen['name']}: {chosen['bytes'] / 1e6:.1f} MB, {chosen['bits_per_weight']:.2f} bits/weight, "
-            f"perplexity {chosen['ppl_ratio']:.3f}x the reference's, mean KL {chosen['kl']:.4f}, mining ladder "
-            f"{chosen['ladder_passed']}/{chosen['ladder_tasks']} (reference {ref['ladder_passed']})"
-            if chosen
-            else "no candidate fits the rule: the recipe's fallback ships"
-        )
-        rows.append(
-            f"| the {tier}'s GGUF, chosen by 2D's fidelity table ({len(table) - 1} rows) | {shown} | {cite('2D')} |"
-        )
-    if ev:
-        speed = [r for r in (ev.get("speed") or {}).get("rows", []) if r["mode"] != "ar"]
-        if speed:
-            shown = "; ".join(
-                f"{r['mode']} {r['speed_vs_ar']:.2f}x"
-                + (
-                    " (acceptance " + ", ".join(f"{t} {_pct(a)}" for t, a in r["acceptance"].items()) + ")"
-                    if r.get("acceptance")
-                    else ""
-                )
-                for r in speed
-            )
-            rows.append(f"| tokens/s against target-only decoding, side by side | {shown} | {cite('9')} |")
-    tuning = _json(Path(artifacts["1F"]) / "tuning.json") if artifacts.get("1F") else None
-    if tuning:
-        from kibidango.tools.tune import describe
-
-        shown = "; ".join(
-            f"{b}: {describe(tuning['tuned_defaults'][b])} at {t['chosen_speed_vs_ar']:.2f}x ar"
-            for b, t in tuning["tuning"].items()
-        )
-        rows.append(f"| decoding defaults chosen by tuning (greedy, held-out prompts) | {shown} | {cite('1F')} |")
+    for sid in reversed([sid for sid in STAGES if artifacts.get(sid)]):  # the product first: 9A, 9, 1F, ... 2D
+        headline = getattr(load_stage(sid), "report_headline", None)
+        if headline is not None:
+            rows += [f"| {figure} | {value} | {cite(sid)} |" for figure, value in headline(Path(artifacts[sid]))]
     by_name = {r["name"]: r for r in records}
     cascade = by_name.get("eval-cascade", {}).get("data")
     if cascade and "cascade" in cascade:

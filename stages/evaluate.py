@@ -633,3 +633,72 @@ def _card(r: dict) -> str:
             fwd = row.get("target_forwards_per_token")
             lines.append(f"| {row['mode']} | {ratio} | {acc} | {'-' if fwd is None else f'{fwd:.2f}'} |")
     return "\n".join(lines) + "\n"
+
+
+def report_headline(artifact: Path) -> list[tuple[str, str]]:
+    """This stage's rows of the report's summary (figure, value): pass rates per policy with their
+    intervals, the bundle's size and memory, the input model beside it, and tokens/s against
+    target-only decoding."""
+    path = artifact / "evaluation.json"
+    if not path.is_file():
+        return []
+    ev = json.loads(path.read_text())
+
+    def pct(x: float) -> str:
+        return f"{x:.1%}"
+
+    shown_samples = {
+        "humaneval": "HumanEval pass@1",
+        "mbpp": "MBPP pass@1",
+        "gsm8k": "GSM8K accuracy",
+        "ladder_math": "ladder math, all levels",
+        "ladder_code": "ladder code, all levels",
+    }
+    q, rows = ev["quality"], []
+    for name, label in shown_samples.items():
+        if name in q:
+            pol = q[name]["policies"]
+            shown = "; ".join(f"`{p}` {pct(v['rate'])} [{pct(v['ci'][0])}, {pct(v['ci'][1])}]" for p, v in pol.items())
+            seen = f"; **not held out**: {q[name]['seen_by_base']}" if q[name].get("seen_by_base") else ""
+            rows.append((f"{label} (n = {q[name]['n']}, 95% Wilson{seen})", shown))
+    if "all" in q:
+        rows.append(
+            (
+                f"gold answers' perplexity under the base target (all {q['all']['n']} tasks)",
+                f"{q['all']['reference_perplexity']:.1f}",
+            )
+        )
+    rows.append(
+        (
+            "the bundle stage 9 evaluated (every part) on disk; peak RSS loading it and generating",
+            f"{ev['size']['bytes'] / 1e6:.2f} MB; {ev['peak_rss_mb']:.0f} MB",
+        )
+    )
+    if beside := ev.get("input_model"):
+        sp, test = beside["speed"], q.get("all", {}).get("bundle_vs_input")
+        rss = "" if beside["peak_rss_mb"] is None else f", peak RSS {beside['peak_rss_mb']:.0f} MB"
+        paired = (
+            f"; all tasks: bundle only {test['a_only']} / input only {test['b_only']}, McNemar p = {test['p']:.3g}"
+            if test
+            else ""
+        )
+        rows.append(
+            (
+                f"beside the input model, {beside['name']} (policy `input` above)",
+                f"{beside['bytes'] / 1e6:.1f} MB{rss}; the bundle target's greedy tokens/s {sp['ratio']:.2f}x "
+                f"[{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}] the input's{paired}",
+            )
+        )
+    speed = [r for r in (ev.get("speed") or {}).get("rows", []) if r["mode"] != "ar"]
+    if speed:
+        shown = "; ".join(
+            f"{r['mode']} {r['speed_vs_ar']:.2f}x"
+            + (
+                " (acceptance " + ", ".join(f"{t} {pct(a)}" for t, a in r["acceptance"].items()) + ")"
+                if r.get("acceptance")
+                else ""
+            )
+            for r in speed
+        )
+        rows.append(("tokens/s against target-only decoding, side by side", shown))
+    return rows

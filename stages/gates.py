@@ -179,3 +179,28 @@ def gate_table(rows: list[dict]) -> str:
         outcome = "pass" if r["passed"] else ("FAIL (waived)" if r["waived"] else "**FAIL**")
         lines.append(f"| {r['name']} | {r['stage']} | {r['metric']} | {r['value']:.4g} | {bound} | {outcome} |")
     return "\n".join(lines)
+
+
+def report_headline(artifact: Path) -> list[tuple[str, str]]:
+    """This stage's rows of the report's summary (figure, value): the release verdict, and the
+    shipped bundle's profile and size."""
+    path = artifact / "gates.json"
+    if not path.is_file():
+        return []
+    gates = json.loads(path.read_text())
+    n_pass = sum(g["passed"] for g in gates["gates"])
+    verdict = "**releasable**" if gates["releasable"] else "**not releasable**"
+    failed = f"; failed: {', '.join(gates['failed'])}" if gates["failed"] else ""
+    waived = f"; waived: {', '.join(gates['waived'])}" if gates["waived"] else ""
+    rows = [("quality gates", f"{verdict}: {n_pass}/{len(gates['gates'])} pass{failed}{waived}")]
+    bundle = artifact / "bundle" / "bundle.json"
+    profile = json.loads(bundle.read_text()).get("profile") if bundle.is_file() else None
+    if profile:
+        size = sum(f["size"] for f in json.loads(bundle.read_text())["files"]) / 1e6
+        rows.append(
+            (
+                f"the shipped bundle: {profile['name']} profile for {', '.join(profile['backends'])}",
+                f"{size:.2f} MB; left out: {'; '.join(profile['left_out']) or 'nothing'}",
+            )
+        )
+    return rows

@@ -461,3 +461,23 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         for t, q in shipped.items()
     )
     return StageResult(metrics, ["gguf.json", "gguf_report.md"], summary)
+
+
+def report_headline(artifact: Path) -> list[tuple[str, str]]:
+    """This stage's rows of the report's summary (figure, value): per tier with a fidelity table,
+    the row its rule chose."""
+    path = artifact / "gguf.json"
+    fidelity = json.loads(path.read_text()).get("fidelity") if path.is_file() else None
+    rows = []
+    for tier, table in (fidelity or {}).items():
+        ref = next(r for r in table if r["reference"])
+        chosen = next((r for r in table if r["chosen"]), None)
+        shown = (
+            f"{chosen['name']}: {chosen['bytes'] / 1e6:.1f} MB, {chosen['bits_per_weight']:.2f} bits/weight, "
+            f"perplexity {chosen['ppl_ratio']:.3f}x the reference's, mean KL {chosen['kl']:.4f}, mining ladder "
+            f"{chosen['ladder_passed']}/{chosen['ladder_tasks']} (reference {ref['ladder_passed']})"
+            if chosen
+            else "no candidate fits the rule: the recipe's fallback ships"
+        )
+        rows.append((f"the {tier}'s GGUF, chosen by 2D's fidelity table ({len(table) - 1} rows)", shown))
+    return rows

@@ -251,3 +251,18 @@ def _plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def report_headline(artifact: Path) -> list[tuple[str, str]]:
+    """This stage's row of the report's summary (figure, value): the decoding defaults it chose per backend."""
+    from kibidango.tools.tune import describe
+
+    path = artifact / "tuning.json"
+    if not path.is_file():
+        return []
+    tuning = json.loads(path.read_text())
+    shown = "; ".join(
+        f"{b}: {describe(tuning['tuned_defaults'][b])} at {t['chosen_speed_vs_ar']:.2f}x ar"
+        for b, t in tuning["tuning"].items()
+    )
+    return [("decoding defaults chosen by tuning (greedy, held-out prompts)", shown)]

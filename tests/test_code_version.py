@@ -144,3 +144,21 @@ def test_an_edit_to_the_decoding_core_changes_exactly_the_stages_that_decode(bas
     changed = {sid for sid, v in _versions({"kibidango.bundle": edited}).items() if v != baseline[sid]}
     decoding = {"1B", "1C", "1D", "1E", "1F", "1R", "1S", "2D", "2F", "2G", "3", "4", "5", "9"}
     assert changed and changed <= decoding | {"X", "9A"}, changed
+
+
+def test_a_stages_report_functions_are_not_its_behaviour(baseline):
+    """A stage's ``report_*`` functions (its rows of the report) only render its artifact: editing
+    one keeps every key; a definition that would call one is refused, so a report function can never
+    carry a change of what the stage writes past the cache."""
+    from core.codehash import PresentationUsed
+
+    src = _source("stages.gguf_export")
+    assert "\ndef report_headline(" in src
+    edited = src.replace("chosen by 2D's fidelity table", "chosen by the fidelity table (reworded)")
+    edited += "\n\ndef report_extra(artifact):\n    return [('a figure', str(artifact))]\n"
+    assert edited != src
+    assert _versions({"stages.gguf_export": edited}) == baseline
+    calls = edited.replace("    rows = load_split(", "    report_extra(out_dir)\n    rows = load_split(", 1)
+    assert calls != edited
+    with pytest.raises(PresentationUsed, match="calls report_extra, a report function"):
+        _versions({"stages.gguf_export": calls})

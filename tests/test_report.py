@@ -301,3 +301,28 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
     assert "| -1.0 points [-5.0, +3.0] | no |" in lines
     assert "| 0.810 [0.740, 0.880] on 120 fresh queries | yes |" in lines
     assert "| predicted 20.0%, measured 28.0% | no |" in lines
+
+
+def test_each_stage_supplies_its_own_summary_rows(tmp_path):
+    """The summary's rows come from the stages (``report_headline``), read from their artifacts: an
+    artifact without the file gives none; the gates' verdict and the shipped profile read as written."""
+    from stages import STAGES, load_stage
+
+    suppliers = [sid for sid in STAGES if hasattr(load_stage(sid), "report_headline")]
+    assert {"9A", "9", "1F", "2D"} <= set(suppliers)
+    for sid in suppliers:
+        assert load_stage(sid).report_headline(tmp_path) == [], sid
+    gates = {
+        "gates": [{"passed": True}, {"passed": False}],
+        "releasable": False,
+        "failed": ["ladder_math"],
+        "waived": [],
+    }
+    (tmp_path / "gates.json").write_text(json.dumps(gates))
+    (tmp_path / "bundle").mkdir()
+    profile = {"name": "default", "backends": ["llamacpp"], "left_out": ["draft"]}
+    (tmp_path / "bundle" / "bundle.json").write_text(json.dumps({"profile": profile, "files": [{"size": 2_500_000}]}))
+    assert load_stage("9A").report_headline(tmp_path) == [
+        ("quality gates", "**not releasable**: 1/2 pass; failed: ladder_math"),
+        ("the shipped bundle: default profile for llamacpp", "2.50 MB; left out: draft"),
+    ]
