@@ -269,10 +269,8 @@ def run_bench(
         kv_cache=kv_cache,
         compile=compile,
     )
-    decoder = base.decoder
     ids = [base.encode(p) for p in prompts]
     threads_of = _Threads(base.models, backend)
-    other_ar = _other_targets(ar_ggufs, base.models["target"], threads, kv_cache)
     mode_threads = {m: {k: v for k, v in own.items() if k in _THREADS} for m, (_, _, own) in specs.items()}
     for m, t in mode_threads.items():
         threads_of.check(m, t)
@@ -287,52 +285,97 @@ def run_bench(
         )
         for m, (mode, variant, own) in specs.items()
     }
-    totals = {m: Metrics(m) for m in modes}
-    cells: dict[str, list[tuple[int, float]]] = {m: [] for m in modes}  # (tokens, seconds) per prompt x round
-    hf_peer = "hf" in peers and "draft" in base.models and backend == "torch"
-    llama_peer = (
-        _LlamaCppPeer(base.bundle, cfgs.get("sd", next(iter(cfgs.values()))).k, threads)
-        if "llamacpp" in peers
-        else None
-    )
-    hf_time = hf_plain_time = 0.0
-    hf_tokens = 0
-    for m in modes:  # warm-up, untimed: first-call costs (allocations; with --compile, the compilation)
-        threads_of.apply(mode_threads[m])
-        for _chunk in decoder.generate(ids[0], dataclasses.replace(cfgs[m], max_new_tokens=8), Metrics(m)):
-            pass
-    for other in other_ar.values():
-        for _chunk in other.generate(ids[0], dataclasses.replace(cfgs["ar"], max_new_tokens=8), Metrics("ar")):
-            pass
-    other_cells: dict[str, list[tuple[int, float]]] = {name: [] for name in other_ar}
-    for round_ in range(repeats):
-        for i, prompt_ids in enumerate(ids):
-            for m in modes:
-                threads_of.apply(mode_threads[m])
-                metrics = Metrics(m)
-                for _chunk in decoder.generate(prompt_ids, cfgs[m], metrics):
-                    pass
-                totals[m].add(metrics)
-                cells[m].append((metrics.generated_tokens, metrics.seconds))
-            threads_of.apply({})  # the peers and the step costs below run at the models' own counts
-            for name, other in other_ar.items():  # at the thread counts it was loaded with
-                metrics = Metrics("ar")
-                for _chunk in other.generate(prompt_ids, cfgs["ar"], metrics):
-                    pass
-                other_cells[name].append((metrics.generated_tokens, metrics.seconds))
-            if hf_peer:
-                dt, n = _hf_generate(base, prompt_ids, max_new_tokens, assistant=True)
-                hf_time += dt
-                hf_tokens += n
-                hf_plain_time += _hf_generate(base, prompt_ids, max_new_tokens, assistant=False)[0]
-            if llama_peer:
-                llama_peer.run(prompt_ids, max_new_tokens)
-            if progress is not None:
-                progress(round_ * len(ids) + i + 1, repeats * len(ids))
+    rounds = _Rounds(base, ids, cfgs, threads_of, mode_threads, peers, backend)
+    rounds.other_ar = _other_targets(ar_ggufs, base.models["target"], threads, kv_cache)
+    if "llamacpp" in peers:
+        rounds.llama_peer = _LlamaCppPeer(base.bundle, cfgs.get("sd", next(iter(cfgs.values()))).k, threads)
+    rounds.warm_up()
+    rounds.run(repeats, max_new_tokens, progress)
     result = BenchResult()
-    ar_tps = totals["ar"].tokens_per_second if "ar" in totals else None
-    for m in modes:
-        t = totals[m]
+    ar_tps = rounds.totals["ar"].tokens_per_second if "ar" in rounds.totals else None
+    _mode_rows(result, rounds, ar_tps)
+    result.notes += _pyramid_vs_sd(result.rows, rounds.cells, len(prompts), repeats)
+    result.notes += _table_vs_without(rounds.cells, len(prompts), repeats)
+    _peer_rows(result, rounds, ar_tps, len(prompts), repeats)
+    _costs(result, rounds, ar_tps)
+    return result
+
+
+@dataclass
+class _Rounds:
+    """The timed decoding of a bench: every mode (and the other targets and peers) on every prompt
+    in every round, side by side; what each produced, per mode and per prompt x round."""
+
+    base: Pipeline
+    ids: list[list[int]]
+    cfgs: dict
+    threads_of: _Threads
+    mode_threads: dict[str, dict]
+    peers: tuple[str, ...]
+    backend: str
+    other_ar: dict = field(default_factory=dict)
+    llama_peer: _LlamaCppPeer | None = None
+    totals: dict[str, Metrics] = field(default_factory=dict)
+    cells: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # (tokens, seconds) per prompt x round
+    other_cells: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    hf_time: float = 0.0
+    hf_plain_time: float = 0.0
+    hf_tokens: int = 0
+
+    @property
+    def hf_peer(self) -> bool:
+        return "hf" in self.peers and "draft" in self.base.models and self.backend == "torch"
+
+    def warm_up(self) -> None:
+        """Untimed: first-call costs (allocations; with --compile, the compilation)."""
+        decoder = self.base.decoder
+        for m in self.cfgs:
+            self.threads_of.apply(self.mode_threads[m])
+            short = dataclasses.replace(self.cfgs[m], max_new_tokens=8)
+            for _chunk in decoder.generate(self.ids[0], short, Metrics(m)):
+                pass
+        for other in self.other_ar.values():
+            short = dataclasses.replace(self.cfgs["ar"], max_new_tokens=8)
+            for _chunk in other.generate(self.ids[0], short, Metrics("ar")):
+                pass
+
+    def run(self, repeats: int, max_new_tokens: int, progress: Callable[[int, int], None] | None) -> None:
+        decoder, modes = self.base.decoder, list(self.cfgs)
+        self.totals = {m: Metrics(m) for m in modes}
+        self.cells = {m: [] for m in modes}
+        self.other_cells = {name: [] for name in self.other_ar}
+        for round_ in range(repeats):
+            for i, prompt_ids in enumerate(self.ids):
+                for m in modes:
+                    self.threads_of.apply(self.mode_threads[m])
+                    metrics = Metrics(m)
+                    for _chunk in decoder.generate(prompt_ids, self.cfgs[m], metrics):
+                        pass
+                    self.totals[m].add(metrics)
+                    self.cells[m].append((metrics.generated_tokens, metrics.seconds))
+                self.threads_of.apply({})  # the peers and the step costs below run at the models' own counts
+                for name, other in self.other_ar.items():  # at the thread counts it was loaded with
+                    metrics = Metrics("ar")
+                    for _chunk in other.generate(prompt_ids, self.cfgs["ar"], metrics):
+                        pass
+                    self.other_cells[name].append((metrics.generated_tokens, metrics.seconds))
+                if self.hf_peer:
+                    dt, n = _hf_generate(self.base, prompt_ids, max_new_tokens, assistant=True)
+                    self.hf_time += dt
+                    self.hf_tokens += n
+                    self.hf_plain_time += _hf_generate(self.base, prompt_ids, max_new_tokens, assistant=False)[0]
+                if self.llama_peer:
+                    self.llama_peer.run(prompt_ids, max_new_tokens)
+                if progress is not None:
+                    progress(round_ * len(self.ids) + i + 1, repeats * len(self.ids))
+
+
+def _mode_rows(result: BenchResult, rounds: _Rounds, ar_tps: float | None) -> None:
+    """One row per mode: its speed against ``ar`` (with a bootstrap interval over prompt x round
+    cells), acceptance per tier, target forwards per token and mean acceptance length."""
+    cfgs, cells = rounds.cfgs, rounds.cells
+    for m in cfgs:
+        t = rounds.totals[m]
         row = {
             "mode": m if m.split("+")[0] != "pyramid" else f"pyramid-{cfgs[m].variant}{m[len('pyramid') :]}",
             "tau": (cfgs[m].tau_Q, cfgs[m].tau_T) if cfgs[m].mode == "pyramid" else None,
@@ -344,15 +387,19 @@ def run_bench(
             "mean_acceptance_length": t.mean_acceptance_length,
         }
         result.rows.append(row)
-    result.notes += _pyramid_vs_sd(result.rows, cells, len(prompts), repeats)
-    result.notes += _table_vs_without(cells, len(prompts), repeats)
+
+
+def _peer_rows(result: BenchResult, rounds: _Rounds, ar_tps: float | None, n_prompts: int, repeats: int) -> None:
+    """Rows of ``ar`` on the other targets (and the best mode against each), HF's assisted
+    generation and llama-cpp-python's own speculative loop."""
+    modes = list(rounds.cfgs)
     best = max(
         (m for m in modes if m != "ar" and result.rows[modes.index(m)]["speed_vs_ar"] is not None),
         key=lambda m: result.rows[modes.index(m)]["speed_vs_ar"],
         default=None,
     )
-    for name, c in other_cells.items():
-        point, lo, hi = bootstrap_ratio(c, cells["ar"])
+    for name, c in rounds.other_cells.items():
+        point, lo, hi = bootstrap_ratio(c, rounds.cells["ar"])
         result.rows.append(
             {
                 "mode": f"ar on {name}",
@@ -363,24 +410,30 @@ def run_bench(
             }
         )
         if best is not None and len(c) > 1:
-            point, lo, hi = bootstrap_ratio(cells[best], c)
+            point, lo, hi = bootstrap_ratio(rounds.cells[best], c)
             result.notes.append(
                 f"best mode ({best}) / ar on {name}: {point:.2f}x [{lo:.2f}, {hi:.2f}] "
-                f"(95% bootstrap over {len(prompts)} prompts x {repeats} rounds)"
+                f"(95% bootstrap over {n_prompts} prompts x {repeats} rounds)"
             )
-    if hf_peer:
+    if rounds.hf_peer:
         result.rows.append(
             {
                 "mode": "HF generate(assistant_model=draft)",
-                "tokens": hf_tokens,
-                "speed_vs_ar": (hf_plain_time / hf_time) if hf_time else None,
+                "tokens": rounds.hf_tokens,
+                "speed_vs_ar": (rounds.hf_plain_time / rounds.hf_time) if rounds.hf_time else None,
                 "note": "ratio to HF generate() without assistant",
             }
         )
-    if llama_peer:
-        result.rows.append(llama_peer.row())
+    if rounds.llama_peer:
+        result.rows.append(rounds.llama_peer.row())
+
+
+def _costs(result: BenchResult, rounds: _Rounds, ar_tps: float | None) -> None:
+    """Each tier's step cost against the target's, the share of the memory-bandwidth bound ``ar``
+    reaches, and Leviathan's model of ``sd``'s speed-up against the measured one."""
+    base, cfgs, totals = rounds.base, rounds.cfgs, rounds.totals
     k_sd = cfgs["sd"].k if "sd" in cfgs else None
-    costs, verify_s = step_costs(base.models, ids[0], batch=k_sd + 1 if k_sd else None)
+    costs, verify_s = step_costs(base.models, rounds.ids[0], batch=k_sd + 1 if k_sd else None)
     result.cost_ratio = {name: costs[name] / costs["target"] for name in costs}
     verify = verify_s / costs["target"] if verify_s else None
     if ar_tps:
@@ -411,7 +464,6 @@ def run_bench(
                 f"sd: one {k + 1}-token verification costs {verify:.2f} target steps (Leviathan's model takes 1); "
                 f"with it the model predicts {tokens_per_round / (k * c + verify):.2f}x"
             )
-    return result
 
 
 def _other_targets(paths, target, threads: int | None, kv_cache: str | None) -> dict:
