@@ -9,15 +9,19 @@ stage fails with a table of where the GGUF diverges; nothing is published.
 
 A tier may instead let a **fidelity table** choose its type (``quant: auto``, its ``fidelity``
 block; :mod:`methods.compression.fidelity`): each candidate (a source model, a llama.cpp type, with
-or without an importance matrix computed on calibration rows, the embedding at its own type) is
+or without an importance matrix computed on calibration rows, the embedding at its own type, and
+optionally an AWQ recipe applied to the source first: AWQ exported to GGUF) is
 measured against the uncompressed reference (1R's F16 GGUF) — bits per weight, bytes, perplexity
 ratio and mean KL on the validation rows, math-ladder pass on the ladder's mining part, agreement
 with its own transformers model, tokens/s — and the smallest file within the recipe's bounds ships.
 Nothing is chosen on stage 9's evaluation tasks.
 
 The sources are the full-precision tiers (the pruned target, the distilled draft and
-qualifier): llama.cpp quantizes from F16 with its own k-quants. The AWQ checkpoints of 2B/2C are
-the transformers/vLLM form of the same tiers.
+qualifier, and 1R's uncompressed model as the reference): llama.cpp quantizes from F16 with its own
+types. An AWQ row runs llm-compressor on its source (the recipe, the table's calibration rows),
+dequantizes the checkpoint (its weights stay on the grid AWQ chose) and quantizes that: an
+asymmetric 4-bit group of 32 is a Q4_1 block exactly, so AWQ's choice of scales survives the
+export. The AWQ checkpoints of 2B/2C are the transformers/vLLM form of the tiers.
 
 Outputs: ``<tier>/<tier>-<QUANT>.gguf`` per tier (and llama.cpp's quantization log beside it), ``gguf.json`` (metrics),
 ``gguf_report.md``.
@@ -52,7 +56,7 @@ from methods.measure.weights import weight_bytes
 from methods.training.chat import load_split
 from methods.training.models import resolve_base
 
-LIBRARIES = ("llama_cpp_python", "transformers", "torch", "gguf")
+LIBRARIES = ("llama_cpp_python", "transformers", "torch", "gguf", "llmcompressor", "compressed-tensors")
 
 log = logging.getLogger("kibidango.stage.2D")
 
@@ -66,6 +70,12 @@ class Candidate(BaseModel):
     embedding: str | None = Field(
         None, description="llama.cpp tensor type for the token embedding and head (default: the type's own choice)."
     )
+    awq: str | None = Field(
+        None,
+        description="An llm-compressor AWQ recipe (relative to the repository root) applied to the source first, "
+        "calibrated on the table's calibration rows; the weights it chose, dequantized, are what llama.cpp quantizes "
+        "(AWQ exported to GGUF: a Q4_1 block of 32 holds an asymmetric 4-bit group of 32 exactly).",
+    )
 
     @model_validator(mode="after")
     def _known_types(self) -> Candidate:
@@ -75,9 +85,14 @@ class Candidate(BaseModel):
             raise ValueError(f"unknown embedding type {self.embedding!r}; known: {', '.join(TENSOR_TYPES)}")
         return self
 
+    def source(self, tier_input: str) -> str:
+        """The model this row quantizes: a stage input, or that input after this row's AWQ recipe."""
+        src = self.input or tier_input
+        return f"{src} AWQ {Path(self.awq).name.split('.')[0]}" if self.awq else src
+
     def label(self, tier_input: str) -> str:
         extra = (" +imatrix" if self.imatrix else "") + (f" emb {self.embedding}" if self.embedding else "")
-        return f"{self.input or tier_input} {self.quant}{extra}"
+        return f"{self.source(tier_input)} {self.quant}{extra}"
 
 
 class Fidelity(BaseModel):
@@ -95,7 +110,9 @@ class Fidelity(BaseModel):
     ladder_levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Math-ladder levels (mining part).")
     ladder_per_level: int = Field(12, gt=0, description="Mining-part math tasks per level.")
     ladder_new_tokens: int = Field(96, gt=0, description="Greedy tokens per ladder answer.")
-    imatrix_rows: int = Field(16, gt=0, description="Calibration rows (stage 0 train) for the importance matrix.")
+    imatrix_rows: int = Field(
+        16, gt=0, description="Calibration rows (stage 0 train) for the importance matrix and the AWQ rows."
+    )
     imatrix_max_len: int = Field(256, gt=8, description="Tokens per calibration row.")
     speed_prompts: int = Field(6, gt=0, description="Held-out prompts timed per row.")
     speed_tokens: int = Field(48, gt=0, description="Greedy tokens timed per prompt.")
@@ -141,6 +158,14 @@ class Config(StageConfig):
     new_tokens: int = Field(32, gt=0, description="Greedy tokens per prompt for the agreement gate.")
     eval_rows: int = Field(200, gt=0, description="Validation rows for GGUF perplexity (the rows 2A-2C use).")
     eval_max_len: int = Field(256, gt=8, description="Tokens per validation row in the perplexity passes.")
+
+
+def external_inputs(cfg: Config) -> dict[str, str]:
+    """The digests of the AWQ recipes the fidelity tables apply: editing one changes the cache key."""
+    from methods.compression import llmc
+
+    recipes = sorted({c.awq for t in cfg.tiers.values() if t.fidelity for c in t.fidelity.candidates if c.awq})
+    return {f"awq:{r}": llmc.recipe_digest(r)["recipe"] for r in recipes}
 
 
 def _check_inputs(tier: str, spec: TierExport, inputs: dict[str, Path]) -> None:
@@ -228,19 +253,23 @@ class _Measured:
 
 def _quantize_candidates(tier: str, spec: TierExport, inputs: dict[str, Path], work: Path) -> _Candidates:
     """Convert every source the fidelity block names to F16 and quantize each candidate from it
-    (with the source's importance matrix where the candidate asks for one)."""
+    (with the source's importance matrix where the candidate asks for one). A candidate with an AWQ
+    recipe has a source of its own: its input after the recipe, dequantized."""
     from methods.compression.imatrix import compute_imatrix
 
     f = spec.fidelity
     names = dict.fromkeys([f.reference, spec.input, *(c.input or spec.input for c in f.candidates)])
     sources = {n: Path(resolve_base(None, inputs[n], tier, f"GGUF fidelity ({tier}, {n})")) for n in names}
-    f16 = {n: convert_hf_to_gguf(d, work / f"{n}-F16.gguf", "f16") for n, d in sources.items()}
-    need_imatrix = {c.input or spec.input for c in f.candidates if c.imatrix}
     calibration = load_split(inputs["data"] / "dataset", "train", limit=f.imatrix_rows, by_domain=True)
+    for c in f.candidates:
+        if c.awq and c.source(spec.input) not in sources:
+            sources[c.source(spec.input)] = _awq_source(c, sources[c.input or spec.input], inputs, f, work)
+    f16 = {n: convert_hf_to_gguf(d, work / f"{n.replace(' ', '_')}-F16.gguf", "f16") for n, d in sources.items()}
+    need_imatrix = {c.source(spec.input) for c in f.candidates if c.imatrix}
     imatrix = {n: compute_imatrix(sources[n], f16[n], calibration, f.imatrix_max_len) for n in need_imatrix}
     files: dict[str, tuple[Candidate, str, Path]] = {}
     for i, c in enumerate(f.candidates):
-        src = c.input or spec.input
+        src = c.source(spec.input)
         log.info("2D %s fidelity: quantizing %s (%d/%d)", tier, c.label(spec.input), i + 1, len(f.candidates))
         out = quantize(
             f16[src],
@@ -251,6 +280,28 @@ def _quantize_candidates(tier: str, spec: TierExport, inputs: dict[str, Path], w
         )
         files[c.label(spec.input)] = (c, src, out)
     return _Candidates(sources, f16, files)
+
+
+def _awq_source(c: Candidate, source: Path, inputs: dict[str, Path], f: Fidelity, work: Path) -> Path:
+    """``source`` after the candidate's AWQ recipe (llm-compressor, the table's calibration rows),
+    dequantized into a dense transformers checkpoint llama.cpp's converter reads."""
+    from methods.compression import llmc
+
+    where = work / "awq" / Path(c.awq).name.split(".")[0]
+    if not (where / "compressed" / "config.json").is_file():
+        llmc.compress(
+            str(source),
+            llmc.recipe_file(c.awq),
+            inputs["data"] / "dataset",
+            where / "compressed",
+            stage=f"2D AWQ ({c.awq})",
+            samples=f.imatrix_rows,
+            max_len=f.imatrix_max_len,
+            seed=0,
+            save_compressed=True,
+            log_file=where / "llmcompressor.log",
+        )
+    return llmc.decompress(where / "compressed", where / "dense")
 
 
 def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[dict]) -> _Measured:

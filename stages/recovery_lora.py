@@ -47,12 +47,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
-import torch
 import yaml
 from pydantic import BaseModel, Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
+from methods.compression.llmc import decompress
 from methods.failures import loop_mix, read_jsonl
 from methods.measure import lm
 from methods.measure.lm import summarise, validation_loss, validation_rows
@@ -60,7 +60,7 @@ from methods.training import axolotl
 from methods.training.adapter_manifest import write_adapter_manifest
 from methods.training.chat import axolotl_dataset, axolotl_template, load_split, messages, write_jsonl
 from methods.training.kd import KDLoss, check_alignment, fitting_examples, kd_dataset, teacher_logprobs
-from methods.training.models import copy_tokenizer, resolve_base, right_padded_tokenizer, tokenizer_type
+from methods.training.models import resolve_base, right_padded_tokenizer, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
 
@@ -137,40 +137,6 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
             cuda=cuda,
         )
     }
-
-
-def decompress(compressed: Path, dest: Path) -> Path:
-    """A dense copy of a compressed-tensors checkpoint (weights dequantized, no
-    ``quantization_config``), with the family's tokenizer files.
-
-    transformers decompresses the weights in memory on load, but ``save_pretrained`` of that model
-    compresses them again (weight_packed, weight_scale); with the quantization config dropped,
-    those tensors are "unexpected" and the Linear weights come back *randomly initialised*
-    (measured: perplexity 37.69 -> 378.66). So after one forward pass (which makes
-    compressed-tensors decompress the weights in memory) the dense weights are copied into a
-    fresh model of the same architecture, every key accounted for, and that model is saved."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if (dest / "config.json").is_file():  # an earlier attempt of this very key did it
-        return dest
-    quantized = AutoModelForCausalLM.from_pretrained(str(compressed))
-    with torch.no_grad():  # compressed-tensors decompresses the weights in memory on the first forward pass
-        quantized(input_ids=torch.tensor([[quantized.config.bos_token_id or 1]]))
-    config = AutoConfig.from_pretrained(str(compressed))
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    dense = AutoModelForCausalLM.from_config(config)
-    weights = quantized.state_dict()
-    missing = [k for k in dense.state_dict() if k not in weights]
-    if missing:
-        raise KibidangoError(f"{compressed} decompressed without dense weights for {missing[:4]}")
-    dense.load_state_dict({k: weights[k] for k in dense.state_dict()}, strict=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dense.save_pretrained(str(tmp))
-    copy_tokenizer(compressed, tmp)
-    tmp.rename(dest)
-    return dest
 
 
 def _score(model_dir: Path, tokenizer, rows: list[dict], max_len: int, label: str) -> list[float]:

@@ -146,8 +146,8 @@ def test_awq_writes_a_compressed_tensors_checkpoint_the_runtime_loads(family, da
     model = TorchModel(out, name="draft")
     assert model.new_session().feed([1, 403, 407]).shape == (3, 512)
     # 2F's dense copy reproduces the compressed model (a plain save/reload re-initialised its Linear weights)
+    from methods.compression.llmc import decompress
     from methods.measure.lm import validation_loss
-    from stages.recovery_lora import decompress
 
     dense = decompress(out, tmp_path / "dense")
     assert "quantization_config" not in json.loads((dense / "config.json").read_text())
@@ -487,3 +487,53 @@ def test_a_missing_llama_cpp_names_the_stage_and_the_remedy(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the llamacpp extra were not installed
     with pytest.raises(KibidangoError, match=r"stage 2D needs llama-cpp-python .* remedy: make setup"):
         quantize(tmp_path / "m-F16.gguf", tmp_path / "m-Q8_0.gguf", "Q8_0")
+
+
+def test_awq_exported_to_gguf_keeps_the_grid_awq_chose(data, tmp_path):
+    """A fidelity row with an AWQ recipe quantizes its source after AWQ (2D's ``awq``): the
+    dequantized checkpoint sits on AWQ's asymmetric 4-bit grid in groups of 32, and Q4_1 (blocks of
+    32, a minimum and a step each) stores that grid: the GGUF's weights are AWQ's to within Q4_1's
+    16-bit rounding of its step, where Q4_1 of the same weights before AWQ moves them by whole steps."""
+    _needs_stories()
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from methods.compression.gguf import quantize
+    from methods.llama_cpp_tools import convert_hf_to_gguf
+    from methods.training.models import copy_tokenizer
+    from stages.gguf_export import Candidate, Fidelity, _awq_source
+
+    config = AutoConfig.from_pretrained(STORIES)
+    config.intermediate_size = 128  # every Linear's input width a multiple of 32 (stories260K's MLP: 172)
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    copy_tokenizer(STORIES, src)
+    row = Candidate(quant="Q4_1", awq="recipes/stage2B/awq-w4a16-asym-g32.llmc.yaml")
+    table = Fidelity(reference="reference", candidates=[row], imatrix_rows=8, imatrix_max_len=64)
+    dense = _awq_source(row, src, {"data": data}, table, tmp_path / "work")
+    assert row.label("target") == "target AWQ awq-w4a16-asym-g32 Q4_1"
+
+    def q4_1(model_dir: Path, name: str) -> dict[str, np.ndarray]:
+        f16 = convert_hf_to_gguf(model_dir, tmp_path / f"{name}-F16.gguf", "f16")
+        reader = GGUFReader(str(quantize(f16, tmp_path / f"{name}-Q4_1.gguf", "Q4_1")))
+        return {t.name: dequantize(t.data, t.tensor_type).reshape(-1) for t in reader.tensors}
+
+    from safetensors.torch import load_file
+
+    def steps_moved(stored: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """How far each weight moved, in its group of 32's step of a 16-level grid spanning the group."""
+        step = np.repeat(np.ptp(w.reshape(-1, 32), axis=1) / 15, 32)
+        return np.abs(stored - w) / np.maximum(step, 1e-12)
+
+    awq_weights, before = load_file(str(dense / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    awq_gguf, before_gguf = q4_1(dense, "awq"), q4_1(src, "before")
+    for layer in range(config.num_hidden_layers):
+        for ours, theirs in (("mlp.down_proj", "ffn_down"), ("mlp.up_proj", "ffn_up"), ("self_attn.v_proj", "attn_v")):
+            key, name = f"model.layers.{layer}.{ours}.weight", f"blk.{layer}.{theirs}.weight"
+            moved = steps_moved(awq_gguf[name], awq_weights[key].float().numpy().reshape(-1))
+            assert np.median(moved) < 0.005 and np.quantile(moved, 0.99) < 0.02, (name, np.quantile(moved, 0.99))
+            # plain Q4_1 of the weights before AWQ rounds most of them by a sizeable share of a step
+            assert np.median(steps_moved(before_gguf[name], before[key].float().numpy().reshape(-1))) > 0.15

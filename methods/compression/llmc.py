@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from core.paths import REPO_ROOT
 from methods.training.chat import encode, load_split, messages
 from methods.training.models import copy_tokenizer
 
-__all__ = ["calibration_dataset", "compress", "read_recipe", "recipe_digest", "recipe_file"]
+__all__ = ["calibration_dataset", "compress", "decompress", "read_recipe", "recipe_digest", "recipe_file"]
 
 
 log = logging.getLogger("kibidango.stage.llmc")
@@ -176,3 +177,37 @@ def compress(
     if not (out / "config.json").is_file():
         raise KibidangoError(f"{stage}: llm-compressor saved no config.json into {out}")
     copy_tokenizer(Path(model_dir), out)
+
+
+def decompress(compressed: Path, dest: Path) -> Path:
+    """A dense copy of a compressed-tensors checkpoint (weights dequantized, no
+    ``quantization_config``), with the family's tokenizer files.
+
+    transformers decompresses the weights in memory on load, but ``save_pretrained`` of that model
+    compresses them again (weight_packed, weight_scale); with the quantization config dropped,
+    those tensors are "unexpected" and the Linear weights come back *randomly initialised*
+    (measured: perplexity 37.69 -> 378.66). So after one forward pass (which makes
+    compressed-tensors decompress the weights in memory) the dense weights are copied into a
+    fresh model of the same architecture, every key accounted for, and that model is saved."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (dest / "config.json").is_file():  # an earlier attempt of this very key did it
+        return dest
+    quantized = AutoModelForCausalLM.from_pretrained(str(compressed))
+    with torch.no_grad():  # compressed-tensors decompresses the weights in memory on the first forward pass
+        quantized(input_ids=torch.tensor([[quantized.config.bos_token_id or 1]]))
+    config = AutoConfig.from_pretrained(str(compressed))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    dense = AutoModelForCausalLM.from_config(config)
+    weights = quantized.state_dict()
+    missing = [k for k in dense.state_dict() if k not in weights]
+    if missing:
+        raise KibidangoError(f"{compressed} decompressed without dense weights for {missing[:4]}")
+    dense.load_state_dict({k: weights[k] for k in dense.state_dict()}, strict=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dense.save_pretrained(str(tmp))
+    copy_tokenizer(compressed, tmp)
+    tmp.rename(dest)
+    return dest
