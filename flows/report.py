@@ -317,52 +317,6 @@ def _ci(r: dict) -> str:
     return f"{r['rate']:.0%} [{r['ci'][0]:.0%}, {r['ci'][1]:.0%}]"
 
 
-def _routing_lines(runs: dict, artifacts: dict) -> list[str]:
-    """Stage 9's ladder answers: the share that ran the domain's adapter (the router picked it with
-    the confidence the cascade's threshold asks) and the share that ran the bundle's default
-    adapter (2F's recovery LoRA), and the answers of policy auto against the bare target's (policy
-    none) on the same tasks."""
-    from methods.evaluation import mcnemar, wilson
-
-    path = Path(artifacts["9"]) / "answers.jsonl" if "9" in artifacts else None
-    if path is None or not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("source") == "ladder" and {"auto", "none"} <= set(r.get("answers", {}))]
-    if not rows:
-        return []
-    out = [
-        "",
-        "### Adapters on the ladder: policy auto against the bare target",
-        "",
-        "| domain | tasks | ran its domain adapter | ran the default adapter | bare target (none) | auto | auto only "
-        "/ none only, McNemar p |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    evaluation = _json(Path(artifacts["9"]) / "evaluation.json") or {}
-    default = evaluation.get("default_adapter")
-    for domain in sorted({r["domain"] for r in rows}):
-        rs = [r for r in rows if r["domain"] == domain]
-        routed = sum(r["answers"]["auto"].get("adapter") == domain for r in rs)
-        fallback = sum(default is not None and r["answers"]["auto"].get("adapter") == default for r in rs)
-        auto = {r["id"]: bool(r["answers"]["auto"]["passed"]) for r in rs}
-        none = {r["id"]: bool(r["answers"]["none"]["passed"]) for r in rs}
-        test = mcnemar(auto, none)
-
-        def cell(p: dict) -> str:
-            k = sum(p.values())
-            lo, hi = wilson(k, len(p))
-            return f"{k / len(p):.0%} [{lo:.0%}, {hi:.0%}]"
-
-        out.append(
-            f"| {domain} | {len(rs)} | {routed / len(rs):.0%} | "
-            + (f"{fallback / len(rs):.0%} (`{default}`)" if default else "- (none shipped)")
-            + f" | {cell(none)} | {cell(auto)} | "
-            f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f} |"
-        )
-    return [*out, "", _cite("9", runs["9"], artifacts["9"])]
-
-
 def _rounds_lines(runs: dict, artifacts: dict) -> list[str]:
     """Each round of the loop (``rounds:`` in the preset): its pairs by tier, and its 1R against
     the student it started from (the last round's 1R) on the same held-out tasks."""
@@ -630,9 +584,9 @@ def _paired_difference(pairs: list[tuple[bool, bool]], rounds: int = 2000, seed:
 
 def _loop_section(runs: dict, artifacts: dict, study: dict | None = None, records: list[dict] = ()) -> list[str]:
     """Does the quality loop work? Per ladder level: 1A, 1R's controls and 1R on the same held-out
-    evaluation tasks (1R's card), and the shipped bundle (stage 9); the teachers' tier split and
-    cost cut (1D); answer calibration before and after (2G); the cascade against random escalation
-    (6C). Each figure cites its stage and run."""
+    evaluation tasks (1R's card), and the shipped bundle (stage 9); each round; then each stage's
+    own part (its ``report_loop``: the teachers' tier split and cost cut, answer calibration, the
+    cascade against random escalation, the adapters on the ladder). Each figure cites its stage and run."""
     out: list[str] = _claims(artifacts, study, list(records)) if "1R" in artifacts else []
     retrain = _json(Path(artifacts["1R"]) / "retrain.json") if "1R" in artifacts else None
     comparison = (retrain or {}).get("comparison") or {}
@@ -677,47 +631,11 @@ def _loop_section(runs: dict, artifacts: dict, study: dict | None = None, record
             _cite("1R", runs["1R"], artifacts["1R"]) + (" " + _cite("9", runs["9"], artifacts["9"]) if shipped else ""),
         ]
     out += _rounds_lines(runs, artifacts)
-    out += _routing_lines(runs, artifacts)
-    teach = _metrics(artifacts, "1D")
-    if teach:
-        tiers = {k.split("/", 1)[1]: int(v) for k, v in teach.items() if k.startswith("answered_by/")}
-        out += [
-            "",
-            "### The teachers' tier split and cost cut",
-            "",
-            f"{int(teach.get('pairs', 0))} corrected pairs from {int(teach.get('rows', 0))} critical failures; first "
-            "passing tier: " + ", ".join(f"{t} {n}" for t, n in tiers.items()) + f"; spent ${teach['spend_usd']:.4f} "
-            f"against ${teach['top_tier_only_usd']:.4f} for the top tier alone (cut {teach['cost_cut']:.0%}).",
-            "",
-            _cite("1D", runs["1D"], artifacts["1D"]),
-        ]
-    cal = _metrics(artifacts, "2G")
-    if cal.get("answer/fitted"):
-        out += [
-            "",
-            "### Answer-level calibration",
-            "",
-            f"{int(cal['answer/fit_answers'])} judged answers fitted, {int(cal['answer/eval_answers'])} evaluated "
-            f"({int(cal['answer/eval_passes'])} passing): ECE {cal['answer/ece_before']:.3f} -> "
-            f"{cal['answer/ece_after']:.3f} (a constant at the pass rate: {cal['answer/ece_constant']:.3f}), Brier "
-            f"{cal['answer/brier_before']:.3f} -> {cal['answer/brier_after']:.3f}, AUROC "
-            f"{cal['answer/auroc_before']:.3f} -> {cal['answer/auroc_after']:.3f}.",
-            "",
-            _cite("2G", runs["2G"], artifacts["2G"]),
-        ]
-    th = _metrics(artifacts, "6C")
-    if th:
-        out += [
-            "",
-            "### The cascade against random escalation",
-            "",
-            f"At the chosen thresholds {th['chosen/escalated']:.0%} of held-out queries are escalated for a judged "
-            f"quality of {th['chosen/quality']:.1%}; escalating the same share at random reaches "
-            f"{th['random_escalation/quality']:.1%} (local only {th['local_only/quality']:.1%}, cloud only "
-            f"{th['cloud_only/quality']:.1%}).",
-            "",
-            _cite("6C", runs["6C"], artifacts["6C"]),
-        ]
+    for sid in [sid for sid in STAGES if sid in artifacts and sid in runs]:  # each stage's own part
+        part = getattr(load_stage(sid), "report_loop", None)
+        lines = part(Path(artifacts[sid])) if part is not None else []
+        if lines:
+            out += ["", *lines, "", _cite(sid, runs[sid], artifacts[sid])]
     if out:
         out = ["", "## Does the loop work?", *out]
     return out

@@ -398,3 +398,20 @@ def _card(r: dict) -> str:
         )
     lines.append("")
     return "\n".join(lines)
+
+
+def report_loop(artifact: Path) -> list[str]:
+    """This stage's part of the report's "Does the loop work?" section: answer-level calibration."""
+    manifest = artifact / "manifest.json"
+    cal = json.loads(manifest.read_text()).get("metrics", {}) if manifest.is_file() else {}
+    if not cal.get("answer/fitted"):
+        return []
+    return [
+        "### Answer-level calibration",
+        "",
+        f"{int(cal['answer/fit_answers'])} judged answers fitted, {int(cal['answer/eval_answers'])} evaluated "
+        f"({int(cal['answer/eval_passes'])} passing): ECE {cal['answer/ece_before']:.3f} -> "
+        f"{cal['answer/ece_after']:.3f} (a constant at the pass rate: {cal['answer/ece_constant']:.3f}), Brier "
+        f"{cal['answer/brier_before']:.3f} -> {cal['answer/brier_after']:.3f}, AUROC "
+        f"{cal['answer/auroc_before']:.3f} -> {cal['answer/auroc_after']:.3f}.",
+    ]

@@ -702,3 +702,46 @@ def report_headline(artifact: Path) -> list[tuple[str, str]]:
         )
         rows.append(("tokens/s against target-only decoding, side by side", shown))
     return rows
+
+
+def report_loop(artifact: Path) -> list[str]:
+    """This stage's part of the report's "Does the loop work?" section: on the ladder, the share of
+    answers that ran the domain's adapter (the router picked it with the confidence the cascade's
+    threshold asks) and the share that ran the bundle's default adapter (2F's recovery LoRA), and
+    the answers of policy auto against the bare target's (policy none) on the same tasks."""
+    path = artifact / "answers.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("source") == "ladder" and {"auto", "none"} <= set(r.get("answers", {}))]
+    if not rows:
+        return []
+    out = [
+        "### Adapters on the ladder: policy auto against the bare target",
+        "",
+        "| domain | tasks | ran its domain adapter | ran the default adapter | bare target (none) | auto | auto only "
+        "/ none only, McNemar p |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    evaluation = artifact / "evaluation.json"
+    default = json.loads(evaluation.read_text()).get("default_adapter") if evaluation.is_file() else None
+
+    def cell(p: dict) -> str:
+        k = sum(p.values())
+        lo, hi = wilson(k, len(p))
+        return f"{k / len(p):.0%} [{lo:.0%}, {hi:.0%}]"
+
+    for domain in sorted({r["domain"] for r in rows}):
+        rs = [r for r in rows if r["domain"] == domain]
+        routed = sum(r["answers"]["auto"].get("adapter") == domain for r in rs)
+        fallback = sum(default is not None and r["answers"]["auto"].get("adapter") == default for r in rs)
+        auto = {r["id"]: bool(r["answers"]["auto"]["passed"]) for r in rs}
+        none = {r["id"]: bool(r["answers"]["none"]["passed"]) for r in rs}
+        test = mcnemar(auto, none)
+        out.append(
+            f"| {domain} | {len(rs)} | {routed / len(rs):.0%} | "
+            + (f"{fallback / len(rs):.0%} (`{default}`)" if default else "- (none shipped)")
+            + f" | {cell(none)} | {cell(auto)} | "
+            f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f} |"
+        )
+    return out

@@ -694,3 +694,20 @@ def _plot(r: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def report_loop(artifact: Path) -> list[str]:
+    """This stage's part of the report's "Does the loop work?" section: the first passing tier of
+    every pair, and the spend against the top tier alone."""
+    manifest = artifact / "manifest.json"
+    teach = json.loads(manifest.read_text()).get("metrics", {}) if manifest.is_file() else {}
+    if not teach:
+        return []
+    tiers = {k.split("/", 1)[1]: int(v) for k, v in teach.items() if k.startswith("answered_by/")}
+    return [
+        "### The teachers' tier split and cost cut",
+        "",
+        f"{int(teach.get('pairs', 0))} corrected pairs from {int(teach.get('rows', 0))} critical failures; first "
+        "passing tier: " + ", ".join(f"{t} {n}" for t, n in tiers.items()) + f"; spent ${teach['spend_usd']:.4f} "
+        f"against ${teach['top_tier_only_usd']:.4f} for the top tier alone (cut {teach['cost_cut']:.0%}).",
+    ]

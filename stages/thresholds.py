@@ -334,3 +334,20 @@ def _card(r: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def report_loop(artifact: Path) -> list[str]:
+    """This stage's part of the report's "Does the loop work?" section: the cascade at its chosen
+    thresholds against escalating the same share at random."""
+    manifest = artifact / "manifest.json"
+    th = json.loads(manifest.read_text()).get("metrics", {}) if manifest.is_file() else {}
+    if not th:
+        return []
+    return [
+        "### The cascade against random escalation",
+        "",
+        f"At the chosen thresholds {th['chosen/escalated']:.0%} of held-out queries are escalated for a judged "
+        f"quality of {th['chosen/quality']:.1%}; escalating the same share at random reaches "
+        f"{th['random_escalation/quality']:.1%} (local only {th['local_only/quality']:.1%}, cloud only "
+        f"{th['cloud_only/quality']:.1%}).",
+    ]

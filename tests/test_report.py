@@ -312,6 +312,10 @@ def test_each_stage_supplies_its_own_summary_rows(tmp_path):
     assert {"9A", "9", "1F", "2D"} <= set(suppliers)
     for sid in suppliers:
         assert load_stage(sid).report_headline(tmp_path) == [], sid
+    loop_parts = [sid for sid in STAGES if hasattr(load_stage(sid), "report_loop")]
+    assert {"1D", "2G", "6C", "9"} <= set(loop_parts)
+    for sid in loop_parts:
+        assert load_stage(sid).report_loop(tmp_path) == [], sid
     gates = {
         "gates": [{"passed": True}, {"passed": False}],
         "releasable": False,
