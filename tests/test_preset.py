@@ -29,6 +29,15 @@ def test_every_experiment_preset_validates(path):
     assert plan.order() and set(plan.configs) == set(plan.spec.stages)
 
 
+def _llmc_files(value) -> set[str]:
+    """Every llm-compressor recipe a stage recipe names, at any depth."""
+    if isinstance(value, dict):
+        return set().union(*(_llmc_files(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_llmc_files(v) for v in value))
+    return {value} if isinstance(value, str) and value.endswith(".llmc.yaml") else set()
+
+
 def test_every_stage_recipe_is_used_by_a_preset_and_validates():
     used = {plan.recipe for p in PRESETS_DIR.glob("*.yaml") for plan in load_preset(p.stem).spec.stages.values()}
     llmc_used = set()
@@ -37,7 +46,7 @@ def test_every_stage_recipe_is_used_by_a_preset_and_validates():
         if rel.endswith(".llmc.yaml"):  # llm-compressor's own format: checked below
             continue
         assert rel in used, f"{rel} is not referenced by any preset"
-        llmc_used.add(yaml.safe_load(recipe.read_text()).get("recipe"))
+        llmc_used |= _llmc_files(yaml.safe_load(recipe.read_text()))  # 2A-2C's `recipe`, 2D's AWQ rows' `awq`
         stage_id = recipe.parent.name.removeprefix("stage").upper()
         load_stage(stage_id).Config.model_validate(yaml.safe_load(recipe.read_text()))
     for recipe in REPO_ROOT.glob("recipes/stage*/*.llmc.yaml"):
