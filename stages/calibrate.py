@@ -88,6 +88,18 @@ def _fit_as_default(adapter_dirs: list[Path], domain: str) -> bool:
     return True
 
 
+def _domain(adapter_dir: Path) -> str:
+    return json.loads((adapter_dir / "adapter.json").read_text())["domain"]
+
+
+def _forms(adapter_dirs: list[Path], domain: str | None) -> set[str]:
+    """The formats (``peft``, ``gguf``) the adapter of ``domain`` ships in; empty for None."""
+    for d in adapter_dirs:
+        if domain is not None and _domain(d) == domain:
+            return set(json.loads((d / "adapter.json").read_text())["formats"])
+    return set()
+
+
 def _fit_half(row_id: str, share: float) -> bool:
     return unit_hash(f"kibidango/calibration-split/v1:{row_id}") < share
 
@@ -112,16 +124,20 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
             "calibrating the bare weights, the bundle's default"
         )
         default = None
-    if default is not None:
-        answerer.adapters.use(default)  # the token-level fit reads the torch target as it ships
-    tokens = _token_level(cfg, data, answerer, inputs, out_dir)
+    forms = _forms(adapter_dirs, default)
+    # each backend runs the default in the form it has (2F's `base: gguf`: a GGUF adapter alone)
+    torch_default = default if "peft" in forms else None
+    if torch_default is not None:
+        answerer.adapters.use(torch_default)  # the token-level fit reads the torch target as it ships
+    gguf_lora = next((d for d in adapter_dirs if "gguf" in forms and _domain(d) == default), None)
+    tokens = _token_level(cfg, data, answerer, inputs, out_dir, gguf_lora)
     temperature = tokens["torch"]["temperature"]
 
     seen = training_texts(load_split(data, "train"))
     rows, _ = select_tasks(cfg, data, seen)
     if not rows:
         raise KibidangoError("no held-out tasks to answer: every sample is absent or empty")
-    table = _answers(cfg, rows, answerer, router, temperature, work_dir, default)
+    table = _answers(cfg, rows, answerer, router, temperature, work_dir, torch_default)
     answers = _answer_level(cfg, table, out_dir)
 
     calibrator = Calibrator(
@@ -143,6 +159,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "answer": answers,
         "decoding": calibrator.decoding,
         "default_adapter": default,  # stage X ships it as the bundle's default_adapter
+        "default_adapter_forms": sorted(forms),  # the backends it applies to: peft (torch), gguf (llama.cpp)
     }
     reliability_plot(answers.pop("curves"), out_dir / "reliability_answers.png", "answers: P(judge passes)", BINS)
     (out_dir / "calibration_eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
@@ -166,8 +183,11 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     return StageResult(metrics, files, summary, tables={"answers.json": "answers.jsonl"})
 
 
-def _token_level(cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict, out_dir: Path) -> dict:
-    """Per backend: the fitted temperature, NLL and ECE before/after on the evaluation half."""
+def _token_level(
+    cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict, out_dir: Path, gguf_lora: Path | None = None
+) -> dict:
+    """Per backend: the fitted temperature, NLL and ECE before/after on the evaluation half; the
+    GGUF with ``gguf_lora`` (the default adapter's GGUF form) applied, as llama.cpp runs it."""
     rows = [r for r in load_split(data, "validation", limit=cfg.token_rows) if r["output"]]
     encoded = [(r["id"], *encode(answerer.tokenizer, messages(r), cfg.max_len)) for r in rows]
     models = {"torch": answerer.model}
@@ -178,6 +198,11 @@ def _token_level(cfg: Config, data: Path, answerer: ScoredAnswerer, inputs: dict
         if len(ggufs) != 1:
             raise KibidangoError(f"gguf: expected one GGUF of tier {cfg.tier!r} in the gguf input, found {len(ggufs)}")
         models["llamacpp"] = LlamaCppModel(ggufs[0], name="target")
+        if gguf_lora is not None:
+            from kibidango.addons.adapters import Adapter
+
+            models["llamacpp"].load_lora("default", Adapter.from_dir(gguf_lora))
+            models["llamacpp"].set_lora("default")
     out, curves = {}, {}
     for backend, model in models.items():
         fit_logits, fit_labels, eval_logits, eval_labels = [], [], [], []
@@ -337,6 +362,16 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4f}"
 
 
+def _default_said(r: dict) -> str:
+    """Which weights the token-level fit read, per backend."""
+    name = r.get("default_adapter")
+    if not name:
+        return "The target's bare weights (no default adapter)."
+    forms = r.get("default_adapter_forms", ["peft"])
+    on = [b for b, f in (("torch", "peft"), ("llama.cpp", "gguf")) if f in forms]
+    return f"The target as the bundle ships it: with its default adapter `{name}` on {' and '.join(on)}."
+
+
 def _card(r: dict) -> str:
     a = r["answer"]
     lines = [
@@ -347,11 +382,7 @@ def _card(r: dict) -> str:
         "",
         "## Token level: temperature scaling",
         "",
-        (
-            f"The torch target as the bundle ships it: with its default adapter `{r['default_adapter']}`."
-            if r.get("default_adapter")
-            else "The torch target's bare weights (no default adapter)."
-        ),
+        _default_said(r),
         "",
         "| backend | T | positions fit / eval | NLL before | NLL after | ECE before | ECE after | top-1 acc |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -367,7 +398,11 @@ def _card(r: dict) -> str:
         "## Answer level: Platt scaling to P(the judge passes)",
         "",
         f"{a['answers']:,} judged answers (the default weights"
-        + (f", the target with its `{r['default_adapter']}` adapter," if r.get("default_adapter") else "")
+        + (
+            f", the target with its `{r['default_adapter']}` adapter,"
+            if "peft" in r.get("default_adapter_forms", ["peft"]) and r.get("default_adapter")
+            else ""
+        )
         + " and the routed adapter; greedy at temperature "
         f"{r['decoding']['temperature']:g}, at most {r['decoding']['max_new_tokens']} new tokens: the runtime's "
         f"cascade decodes its local answers the same way), pass rate **{a['pass_rate']:.1%}**; "

@@ -29,13 +29,19 @@
    tasks than the bare weights: a tie keeps the bare weights, which decode without the LoRA's extra
    matmuls.
 
-The adapter applies to the compressed target as transformers loads it (torch backend). The GGUF
-target (2D) is quantized by llama.cpp from its own source (its fidelity table's choice), not from
-2B's grid, so no GGUF form of this adapter is shipped.
+``base`` says which compressed weights the LoRA recovers. ``awq``: the compressed target as
+transformers loads it (2B, the torch backend's weights). ``gguf``: the GGUF the bundle ships for
+llama.cpp (2D's fidelity-table choice, quantized from its own source, not from 2B's grid), its
+weights dequantized by transformers' GGUF loader into the base the LoRA trains on; the LoRA is
+converted by llama.cpp's ``convert_lora_to_gguf`` and ships in that form only (it was trained on the
+GGUF's weights, not 2B's), and the check runs on llama.cpp: the reference's F16 GGUF, the shipped GGUF
+bare and the shipped GGUF with the LoRA, as rows of 2D's fidelity table (bytes with the LoRA's file,
+perplexity ratio and KL against the reference on the validation rows, the check's ladder tasks,
+tokens/s side by side).
 
-Outputs: ``adapter/`` (peft), ``adapter.json`` (the runtime's manifest), ``rows.jsonl`` (the
-training rows: id, domain, and their loss and rank for ``hardest`` or their source for ``loop``),
-``recovery.json``, ``axolotl.yaml``, ``logs/train.log``.
+Outputs: ``adapter/`` (peft), ``adapter.gguf`` (``base: gguf``), ``adapter.json`` (the runtime's
+manifest), ``rows.jsonl`` (the training rows: id, domain, and their loss and rank for ``hardest`` or
+their source for ``loop``), ``recovery.json``, ``axolotl.yaml``, ``logs/train.log``.
 """
 
 from __future__ import annotations
@@ -52,15 +58,17 @@ from pydantic import BaseModel, Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
+from methods.compression.fidelity import table as fid_table
 from methods.compression.llmc import decompress
 from methods.failures import loop_mix, read_jsonl
+from methods.llama_cpp_tools import convert_lora_to_gguf
 from methods.measure import lm
 from methods.measure.lm import summarise, validation_loss, validation_rows
 from methods.training import axolotl
 from methods.training.adapter_manifest import write_adapter_manifest
 from methods.training.chat import axolotl_dataset, axolotl_template, load_split, messages, write_jsonl
 from methods.training.kd import KDLoss, check_alignment, fitting_examples, kd_dataset, teacher_logprobs
-from methods.training.models import resolve_base, right_padded_tokenizer, tokenizer_type
+from methods.training.models import dense_from_gguf, resolve_base, right_padded_tokenizer, tokenizer_type
 from methods.training.recipe import TrainRecipe
 
 
@@ -72,6 +80,10 @@ class TaskCheck(BaseModel):
     seed: int = Field(2, description="The draw of mining tasks (1B mines seed 0's).")
     max_new_tokens: int = Field(96, gt=0, description="Most tokens of an answer in the check.")
     parallel: int = Field(32, gt=0, description="Answers decoded together.")
+    threads: int = Field(2, gt=0, description="`base: gguf`: llama.cpp threads for the check's rows.")
+    speed_prompts: int = Field(
+        6, gt=0, description="`base: gguf`: held-out prompts timed per row (48 tokens, 2 rounds)."
+    )
 
 
 RESUMABLE = True
@@ -84,6 +96,12 @@ CHECK_ROWS = 8  # validation rows on which the decompressed base must score as t
 
 class Config(StageConfig):
     tier: str = Field("target", description="Tier of the `compressed` (and `reference`) input to recover.")
+    base: Literal["awq", "gguf"] = Field(
+        "awq",
+        description="The compressed weights the LoRA recovers: `awq`, the `compressed` input (2B's checkpoint, the "
+        "torch backend's weights); `gguf`, the `gguf` input's GGUF of the tier (2D's choice, llama.cpp's weights, "
+        "dequantized to train on), the LoRA shipped as a GGUF adapter and checked on llama.cpp.",
+    )
     rows: Literal["hardest", "loop"] = Field(
         "hardest",
         description="Train on the `hardest_rows` of stage 0's train split (by `selection`), or on what 1R "
@@ -130,7 +148,7 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     return {
         "recovery": axolotl.render(
             cfg.train,
-            "<work>/base (stage 2B's target, decompressed)",
+            f"<work>/base (stage {'2D' if cfg.base == 'gguf' else '2B'}'s target, dequantized)",
             [kd_dataset(data) if cfg.kd else axolotl_dataset(data)],
             "<work>/lora",
             extra={**cfg.kd.axolotl_keys(), "tokenizer_config": "<work>/tokenizer"} if cfg.kd else None,
@@ -314,12 +332,152 @@ def _rows_said(cfg: Config, metrics: dict) -> str:
     return f"{metrics['hardest_rows']:,.0f} rows by {cfg.selection}{kd}"
 
 
+def _shipped_gguf(inputs: dict[str, Path], tier: str) -> Path:
+    """``base: gguf``: the one GGUF of ``tier`` in the ``gguf`` input (stage 2D's choice)."""
+    if "gguf" not in inputs:
+        raise KibidangoError("2F `base: gguf` needs the `gguf` input (stage 2D's GGUF files); the graph gives none")
+    found = sorted((inputs["gguf"] / tier).glob("*.gguf"))
+    if len(found) != 1:
+        raise KibidangoError(
+            f"2F `base: gguf`: expected one GGUF of tier {tier!r} in {inputs['gguf']}, found {len(found)}"
+        )
+    return found[0]
+
+
+def _check_base(cfg: Config, base: Path, compressed: Path | None, gguf: Path | None, data: Path, comp_rows) -> None:
+    """The LoRA's base must be the compressed model: the dense copy scores the first validation rows
+    as the compressed model does (a handful suffices: a broken copy, e.g. random weights, is off by
+    whole nats). A GGUF is scored by llama.cpp, whose quantized dot products round activations too:
+    a 3% tolerance, against 0.1% for a compressed-tensors checkpoint read by transformers."""
+    n = min(CHECK_ROWS, cfg.eval_rows)
+    dense = summarise(validation_rows(base, data, n, cfg.eval_max_len))
+    if gguf is None:
+        theirs, tolerance, what = summarise(comp_rows[:n])["loss"], 1e-3, compressed
+    else:
+        from transformers import AutoTokenizer
+
+        from kibidango.backends.llamacpp_backend import LlamaCppModel
+        from methods.compression.gguf import gguf_response_loss
+
+        rows = load_split(data, "validation", limit=n, by_domain=True)
+        model = LlamaCppModel(gguf, name="shipped", n_ctx=cfg.eval_max_len)
+        theirs = gguf_response_loss(model, AutoTokenizer.from_pretrained(str(base)), rows, cfg.eval_max_len)["loss"]
+        tolerance, what = 0.03, gguf
+    if abs(dense["loss"] - theirs) > tolerance * max(theirs, 1e-9):
+        raise KibidangoError(
+            f"the dense base {base} does not reproduce {what} "
+            f"(validation loss on the first {n} rows {dense['loss']:.4f} vs {theirs:.4f})"
+        )
+
+
+def gguf_check(
+    cfg: Config, reference: Path, gguf: Path, adapter_dir: Path, tokenizer, data: Path, work_dir: Path
+) -> tuple[dict, list]:
+    """``base: gguf``: the shipped GGUF without and with the LoRA (``adapter.gguf``) on llama.cpp, as
+    rows of 2D's fidelity table against the reference's F16 GGUF (the same validation rows, the
+    check's mining-part ladder tasks, tokens/s in the same rounds), and the check's verdict as
+    :func:`task_check` gives it."""
+    from kibidango.addons.adapters import Adapter
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+    from methods.compression import fidelity as fid
+    from methods.compression.gguf import gguf_parameters
+    from methods.evaluation import mcnemar
+    from methods.ladder import ladder_rows
+    from methods.llama_cpp_tools import convert_hf_to_gguf
+    from methods.measure.speed import decode_cells, tokens_per_s
+
+    check = cfg.check
+    f16 = work_dir / "reference-F16.gguf"
+    if not f16.is_file():
+        convert_hf_to_gguf(reference, f16, "f16")
+    trained = json.loads((reference / "config.json").read_text()).get("max_position_embeddings", 1024)
+    n_ctx = min(max(cfg.eval_max_len, 1024), trained)  # room for a ladder answer, within the trained context
+    load = lambda path, name: LlamaCppModel(path, name=name, n_ctx=n_ctx, threads=check.threads)  # noqa: E731
+    ref, bare, adapted = load(f16, "reference F16"), load(gguf, "bare"), load(gguf, "with the LoRA")
+    adapted.load_lora("recovery", Adapter.from_dir(adapter_dir))
+    adapted.set_lora("recovery")
+    models = {"bare": bare, "with the LoRA": adapted}
+    rows = load_split(data, "validation", limit=cfg.eval_rows, by_domain=True)
+    log.info(f"2F: the shipped GGUF with and without the LoRA on llama.cpp ({len(rows)} validation rows)")
+    div = fid.divergence(ref, models, tokenizer, rows, cfg.eval_max_len)
+    tasks = ladder_rows("math", check.levels, "mining", check.per_level * len(check.levels), seed=check.seed)
+    ladder = {}
+    for label, model in {"reference F16": ref, **models}.items():
+        log.info(f"2F: {len(tasks)} mining-part ladder tasks on llama.cpp, {label}")
+        ladder[label] = fid.ladder_pass(model, tokenizer, tasks, check.max_new_tokens)
+    prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: check.speed_prompts]]
+    speed = {k: tokens_per_s(c) for k, c in decode_cells({"reference F16": ref, **models}, prompts, 48, 2).items()}
+    weights = gguf_parameters(gguf)
+    quant = gguf.stem.split("-")[-1]
+    lora_bytes = (adapter_dir / "adapter.gguf").stat().st_size
+    ref_div = div["bare"]
+    table = [
+        fid.FidelityRow(
+            "reference F16",
+            "reference",
+            "F16",
+            False,
+            None,
+            f16.stat().st_size,
+            8 * f16.stat().st_size / weights,
+            ref_div.ppl_reference,
+            1.0,
+            0.0,
+            sum(ladder["reference F16"]),
+            len(tasks),
+            None,
+            speed["reference F16"],
+            ref_div.tokens,
+            reference=True,
+        )
+    ]
+    for label, extra in (("bare", 0), ("with the LoRA", lora_bytes)):
+        size, d = gguf.stat().st_size + extra, div[label]
+        table.append(
+            fid.FidelityRow(
+                f"shipped {quant}" + (" + recovery LoRA" if extra else ""),
+                "2D",
+                quant,
+                False,
+                None,
+                size,
+                8 * size / weights,
+                d.ppl,
+                d.ppl_ratio,
+                d.mean_kl,
+                sum(ladder[label]),
+                len(tasks),
+                None,
+                speed[label],
+                d.tokens,
+            )
+        )
+    by_id = {label: {t["id"]: p for t, p in zip(tasks, ladder[label])} for label in models}
+    test = mcnemar(by_id["with the LoRA"], by_id["bare"])
+    bare_n, adapted_n = sum(ladder["bare"]), sum(ladder["with the LoRA"])
+    verdict = {
+        "tasks": len(tasks),
+        "bare_passed": bare_n,
+        "adapter_passed": adapted_n,
+        "adapter_only": test["a_only"],
+        "bare_only": test["b_only"],
+        "p": test["p"],
+        "default_weights": adapted_n > bare_n,
+    }
+    return verdict, table
+
+
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
     from transformers import AutoTokenizer
 
-    compressed = Path(resolve_base(None, inputs.get("compressed"), cfg.tier, "compressed model"))
     reference = Path(resolve_base(None, inputs.get("reference"), cfg.tier, "reference model"))
-    base = decompress(compressed, work_dir / "base")
+    compressed = gguf = None
+    if cfg.base == "gguf":
+        gguf = _shipped_gguf(inputs, cfg.tier)
+        base = dense_from_gguf(gguf, reference, work_dir / "base")
+    else:
+        compressed = Path(resolve_base(None, inputs.get("compressed"), cfg.tier, "compressed model"))
+        base = decompress(compressed, work_dir / "base")
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     data = inputs["data"] / "dataset"
 
@@ -333,18 +491,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         raise KibidangoError(f"axolotl wrote no adapter_config.json; see {out_dir / 'logs' / 'train.log'}")
 
     ref = validation_loss(reference, data, cfg.eval_rows, cfg.eval_max_len)
-    comp_rows = validation_rows(compressed, data, cfg.eval_rows, cfg.eval_max_len)
+    comp_rows = validation_rows(compressed or base, data, cfg.eval_rows, cfg.eval_max_len)
     comp = summarise(comp_rows)
-    # The LoRA's base must be the compressed model: the decompressed copy scores the first rows
-    # alike (a handful suffices: a broken copy, e.g. random weights, is off by whole nats).
-    check = min(CHECK_ROWS, cfg.eval_rows)
-    dense = summarise(validation_rows(base, data, check, cfg.eval_max_len))
-    comp_check = summarise(comp_rows[:check])
-    if abs(dense["loss"] - comp_check["loss"]) > 1e-3 * max(comp_check["loss"], 1e-9):
-        raise KibidangoError(
-            f"the decompressed base {base} does not reproduce {compressed} "
-            f"(validation loss on the first {check} rows {dense['loss']:.4f} vs {comp_check['loss']:.4f})"
-        )
+    _check_base(cfg, base, compressed, gguf, data, comp_rows)
     rec = validation_loss(base, data, cfg.eval_rows, cfg.eval_max_len, adapter=adapter)
     lost = comp["perplexity"] - ref["perplexity"]
     metrics = {
@@ -360,27 +509,59 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "train_loss_final": last.get("loss", float("nan")),
         "kd_rows": last["kd_rows"],  # the rows that fit in train.sequence_len (0: no KD)
     }
+    if gguf is None:
+        files = {"peft": ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]}
+        base_model = f"stage 2B {cfg.tier} (AWQ, compressed-tensors)"
+    else:  # trained on the GGUF's weights: it ships for them alone, as llama.cpp applies it
+        convert_lora_to_gguf(adapter, base, out_dir / "adapter.gguf", "f32")
+        files = {"gguf": ["adapter.gguf"]}
+        base_model = f"stage 2D {cfg.tier} GGUF {gguf.name}"
     manifest = {
         "domain": "recovery",
         "base_tier": cfg.tier,
-        "base_model": f"stage 2B {cfg.tier} (AWQ, compressed-tensors)",
+        "base_model": base_model,
         "lora": cfg.train.lora.model_dump(),
         "rows": cfg.rows,
         "kd": cfg.kd is not None,
         "metrics": metrics,
     }
-    peft = {"peft": ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]}
-    write_adapter_manifest(out_dir, peft, **manifest)
-    check = None
+    write_adapter_manifest(out_dir, files, **manifest)
+    check, table = None, None
     if cfg.check is not None:
-        check = task_check(cfg.check, compressed, out_dir, work_dir / "check")
+        if gguf is None:
+            check = task_check(cfg.check, compressed, out_dir, work_dir / "check")
+        else:
+            check, table = gguf_check(cfg, reference, gguf, out_dir, tokenizer, data, work_dir / "check")
+            metrics |= _table_metrics(table)
         metrics.update({f"check_{k}": float(v) for k, v in check.items()})
-        write_adapter_manifest(out_dir, peft, **manifest, default_weights=check["default_weights"])
-    (out_dir / "recovery.json").write_text(json.dumps({**metrics, "check": check}, indent=2))
+        write_adapter_manifest(out_dir, files, **manifest, default_weights=check["default_weights"])
+    rows_out = [r.as_dict() for r in table] if table else None
+    (out_dir / "recovery.json").write_text(json.dumps({**metrics, "check": check, "gguf_table": rows_out}, indent=2))
+    if table:
+        (out_dir / "gguf_table.md").write_text(fid_table(table) + "\n")
+    return StageResult(metrics, ["recovery.json", "adapter.json", "axolotl.yaml"], _summary(cfg, metrics, check))
+
+
+def _table_metrics(table: list) -> dict[str, float]:
+    """The GGUF rows' figures, bare and with the LoRA, as metrics."""
+    out = {}
+    for row, key in zip(table[1:], ("gguf_bare", "gguf_lora")):
+        out |= {
+            f"{key}_ppl_ratio": row.ppl_ratio,
+            f"{key}_kl": row.kl,
+            f"{key}_ladder_passed": float(row.ladder_passed),
+            f"{key}_bytes": float(row.bytes),
+            f"{key}_tokens_per_s_ratio": row.tokens_per_s / max(table[0].tokens_per_s, 1e-9),
+        }
+    return out
+
+
+def _summary(cfg: Config, metrics: dict, check: dict | None) -> str:
     share = metrics["recovered_share"]
     summary = (
-        f"validation perplexity reference {ref['perplexity']:.2f}, compressed {comp['perplexity']:.2f}, "
-        f"compressed + recovery LoRA {rec['perplexity']:.2f} ("
+        f"validation perplexity reference {metrics['val_perplexity_reference']:.2f}, compressed "
+        f"{metrics['val_perplexity_compressed']:.2f}, compressed + recovery LoRA "
+        f"{metrics['val_perplexity_recovered']:.2f} ("
         + (
             f"{share:.0%} of the compression cost recovered"
             if share == share
@@ -388,10 +569,16 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         )
         + f"; {_rows_said(cfg, metrics)})"
     )
+    if "gguf_lora_ppl_ratio" in metrics:
+        summary += (
+            f"; on llama.cpp the shipped GGUF's perplexity ratio {metrics['gguf_bare_ppl_ratio']:.3f} bare, "
+            f"{metrics['gguf_lora_ppl_ratio']:.3f} with the LoRA (KL {metrics['gguf_bare_kl']:.4f} -> "
+            f"{metrics['gguf_lora_kl']:.4f})"
+        )
     if check is not None:
         summary += (
             f"; held-out math ladder (mining part) {check['bare_passed']}/{check['tasks']} bare, "
             f"{check['adapter_passed']}/{check['tasks']} with the LoRA (p={check['p']:.2f}): "
             + ("the default weights" if check["default_weights"] else "not the default weights")
         )
-    return StageResult(metrics, ["recovery.json", "adapter.json", "axolotl.yaml"], summary)
+    return summary

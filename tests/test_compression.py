@@ -447,6 +447,66 @@ def test_bundle_export_and_packing_make_a_bundle_the_runtime_verifies(family, da
         load_bundle(out / "bundle")
 
 
+def test_recovery_lora_for_the_shipped_gguf_trains_on_its_weights_and_is_checked_on_llamacpp(data, tmp_path):
+    """2F `base: gguf`: the shipped GGUF dequantized is the LoRA's base (it scores the validation
+    rows as llama.cpp scores the GGUF, with the reference's tokenizer files; a damaged copy is
+    refused), and a LoRA on it, converted by llama.cpp's converter, is checked on llama.cpp as rows
+    of 2D's fidelity table: its bytes count the adapter's file, and a LoRA that moves the model
+    away from the reference diverges from it more than the bare GGUF does."""
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    _needs_stories()
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import stages.recovery_lora as s2f
+    from methods.compression.gguf import quantize
+    from methods.llama_cpp_tools import convert_hf_to_gguf, convert_lora_to_gguf
+    from methods.training.adapter_manifest import write_adapter_manifest
+    from methods.training.models import dense_from_gguf, tokenizer_files
+
+    shipped = tmp_path / "2D" / "target"
+    shipped.mkdir(parents=True)
+    gguf = quantize(convert_hf_to_gguf(STORIES, tmp_path / "f16.gguf", "f16"), shipped / "target-Q8_0.gguf", "Q8_0")
+    assert s2f._shipped_gguf({"gguf": tmp_path / "2D"}, "target") == gguf
+    base = dense_from_gguf(gguf, STORIES, tmp_path / "base")
+    assert sorted(f.name for f in tokenizer_files(base)) == sorted(f.name for f in tokenizer_files(STORIES))
+    assert all(file_sha256(f) == file_sha256(base / f.name) for f in tokenizer_files(STORIES))
+    cfg = s2f.Config.model_validate(
+        {
+            "base": "gguf",
+            "train": {"max_steps": 1, "adapter": "lora"},
+            "eval_rows": 8,
+            "eval_max_len": 64,
+            "check": {"levels": [1], "per_level": 2, "max_new_tokens": 8, "speed_prompts": 2},
+        }
+    )
+    s2f._check_base(cfg, base, None, gguf, data / "dataset", None)
+    damaged = noisy_copy(base, tmp_path / "damaged", 0.3)
+    with pytest.raises(KibidangoError, match="does not reproduce"):
+        s2f._check_base(cfg, damaged, None, gguf, data / "dataset", None)
+
+    torch.manual_seed(0)
+    adapter = tmp_path / "2F"
+    lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), lora).save_pretrained(str(adapter / "adapter"))
+    convert_lora_to_gguf(adapter / "adapter", base, adapter / "adapter.gguf")
+    write_adapter_manifest(adapter, {"gguf": ["adapter.gguf"]}, domain="recovery", base_tier="target")
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    verdict, table = s2f.gguf_check(cfg, STORIES, gguf, adapter, tokenizer, data / "dataset", tmp_path / "check")
+    assert [r.name for r in table] == ["reference F16", "shipped Q8_0", "shipped Q8_0 + recovery LoRA"]
+    ref, bare, adapted = table
+    assert ref.reference and ref.ppl_ratio == 1.0 and ref.kl == 0.0
+    assert (
+        adapted.bytes
+        == gguf.stat().st_size + (adapter / "adapter.gguf").stat().st_size
+        == bare.bytes + (adapter / "adapter.gguf").stat().st_size
+    )
+    assert 0 < bare.kl < adapted.kl and bare.tokens == adapted.tokens > 0
+    assert verdict["tasks"] == 2 and verdict["default_weights"] == (verdict["adapter_passed"] > verdict["bare_passed"])
+    metrics = s2f._table_metrics(table)
+    assert metrics["gguf_lora_kl"] == adapted.kl and metrics["gguf_bare_bytes"] == bare.bytes
+
+
 def test_2g_takes_an_adapter_as_default_weights_only_if_its_check_allowed_it(tmp_path):
     from methods.training.adapter_manifest import write_adapter_manifest
     from stages.calibrate import _fit_as_default
@@ -460,6 +520,26 @@ def test_2g_takes_an_adapter_as_default_weights_only_if_its_check_allowed_it(tmp
         dirs.append(d)
     assert not _fit_as_default(dirs, "recovery")  # 2F's check: fewer ladder tasks than the bare weights
     assert _fit_as_default(dirs, "code")  # no check made
+
+
+def test_2g_runs_a_gguf_only_default_adapter_on_llamacpp_alone(tmp_path):
+    """2F `base: gguf` ships its LoRA as a GGUF adapter only: 2G answers with the torch target's bare
+    weights, fits llama.cpp's temperature with the adapter applied, and its card says which."""
+    from methods.training.adapter_manifest import write_adapter_manifest
+    from stages.calibrate import _default_said, _forms
+
+    for domain, formats in (("recovery", ["gguf"]), ("code", ["peft", "gguf"])):
+        d = tmp_path / domain
+        d.mkdir()
+        for f in formats:
+            (d / f).write_text(f)
+        write_adapter_manifest(d, {f: [f] for f in formats}, domain=domain, base_tier="target")
+    dirs = [tmp_path / "recovery", tmp_path / "code"]
+    assert _forms(dirs, "recovery") == {"gguf"} and _forms(dirs, "code") == {"peft", "gguf"}
+    assert _forms(dirs, None) == set()
+    said = _default_said({"default_adapter": "recovery", "default_adapter_forms": ["gguf"]})
+    assert said.endswith("`recovery` on llama.cpp.")
+    assert _default_said({"default_adapter": None}) == "The target's bare weights (no default adapter)."
 
 
 def test_the_bundle_default_adapter_is_the_one_2g_calibrated_with_and_must_ship(tmp_path):

@@ -18,6 +18,7 @@ __all__ = [
     "base_file_digest",
     "installed_file",
     "dequantize_gguf",
+    "dense_from_gguf",
     "gguf_config",
     "gguf_tokenizer",
     "copy_tokenizer",
@@ -112,6 +113,23 @@ def dequantize_gguf(path: Path, out: Path) -> Path:
     model.save_pretrained(str(out))
     gguf_tokenizer(path, config).save_pretrained(str(out))
     _byte_level_bpe(out / "tokenizer.json")
+    return out
+
+
+def dense_from_gguf(path: Path, tokenizer_from: Path, out: Path) -> Path:
+    """A quantized GGUF's weights as a float32 transformers checkpoint (:func:`dequantize_gguf`: the
+    weights llama.cpp runs, in a form a LoRA trains on) with the tokenizer files of ``tokenizer_from``,
+    the transformers model the GGUF was converted from (byte for byte: the ids a teacher of that family
+    writes are the ids the checkpoint reads)."""
+    if (out / "config.json").is_file():
+        return out  # made before an interruption: whole, as it is renamed into place last
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    dequantize_gguf(path, partial)
+    for f in tokenizer_files(partial):
+        f.unlink()
+    copy_tokenizer(tokenizer_from, partial)
+    partial.rename(out)
     return out
 
 
