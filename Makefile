@@ -1,6 +1,6 @@
 # kibidango — every target sets itself up first (a fresh clone needs nothing but python3.11).
 #   make demo            the tiny preset end to end (PRESET=... for another; ARGS="--set 0.dedup.threshold=0.6")
-#   make study-loop      the quality loop's study (every arm on the same tasks) after make demo (PRESET=... too)
+#   make study-loop      the quality loop's study (every arm on the same tasks) and its second round, after make demo (PRESET=... too)
 #   make test            lint (ruff) and the test suite (what CI runs); make test-slow: the slow-marked tests (the full tiny preset as a test, among them)
 #   make stage-<id>      rerun one stage (forced), reusing cached upstream stages, e.g. make stage-0, make stage-2b
 #   make dry-run         resolve and print the stage plan of PRESET without running it
@@ -108,9 +108,11 @@ demo: setup
 	$(PY) -m flows run --preset $(PRESET) $(ARGS)
 
 # The quality loop's study (recipes/presets/<preset>-study.yaml): the preset's stages up to 1R (cache
-# hits after make demo) and stage 1S, every arm the loop's claims need on the same held-out tasks.
+# hits after make demo) and stage 1S, every arm the loop's claims need on the same held-out tasks;
+# then the loop's second round (recipes/presets/<preset>-rounds.yaml: 1B.2 -> 1C.2 -> 1D.2 -> 1R.2).
 study-loop: setup
 	$(PY) -m flows run --preset $(PRESET)-study $(ARGS)
+	$(PY) -m flows run --preset $(PRESET)-rounds $(ARGS)
 
 test: setup lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)

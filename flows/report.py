@@ -381,6 +381,20 @@ def _study_figures(client, plan) -> dict | None:
     return study
 
 
+def _later_rounds(client, plan) -> tuple[dict, dict]:
+    """The loop's later rounds (``1B.2`` ... ``1R.2``, ...): the preset's own where it runs them
+    (``rounds:``), else the latest ``<preset>-rounds`` flow run's (``make study-loop``), whose first
+    round is the preset's own (the same recipes: cache hits). Returns (runs, artifacts) by stage id."""
+    try:
+        flow = _latest_flow_run(client, plan.experiment, f"{plan.name}-rounds")
+    except KibidangoError:
+        return {}, {}
+    runs = {sid: r for sid, r in _stage_runs(client, flow).items() if "." in sid}
+    artifacts = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
+    artifacts = {sid: a for sid, a in artifacts.items() if a and Path(a).is_dir()}
+    return {sid: runs[sid] for sid in artifacts}, artifacts
+
+
 def _study_section(study: dict | None) -> list[str]:
     """``make study-loop``'s figures: every arm on the same held-out tasks, 1R against each
     (McNemar), 1R against gold-only for non-inferiority (the plan: within 3 points at the cascade's
@@ -511,7 +525,7 @@ def _round_claims(artifacts: dict) -> list[Claim]:
     goal = "a gain, p < 0.05 (or the figure)"
     later = sorted((sid for sid in artifacts if sid.startswith("1R.")), key=lambda sid: int(sid.split(".")[1]))
     if not later:
-        return [("round 2 adds a further gain", goal, "not run (the preset's rounds: 1)", "-")]
+        return [("round 2 adds a further gain", goal, "not run (`make study-loop` runs round 2)", "-")]
     rows: list[Claim] = []
     for sid in later:
         comparison = (_json(Path(artifacts[sid]) / "retrain.json") or {}).get("comparison") or {}
@@ -796,7 +810,8 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
         lines += ["", "## Summary", "", *summary]
     lines += _stages_table(runs, artifacts, minutes)
     study = _study_figures(client, plan)
-    lines += _loop_section(runs, artifacts, study, records)
+    later_runs, later = ({}, {}) if any("." in sid for sid in artifacts) else _later_rounds(client, plan)
+    lines += _loop_section({**runs, **later_runs}, {**artifacts, **later}, study, records)
     lines += _study_section(study)
     lines += _stage_sections(client, runs, artifacts, out_dir)
     # the flow run's bundles: stage X's, and the copies that 1F tuned and 9A stamped (stage 9 evaluates 1F's)

@@ -80,7 +80,9 @@ def test_wrong_values_and_unknown_presets_are_explained(tmp_path):
     with pytest.raises(KibidangoError, match=r"'dedup\.threshold': Input should be less than 1"):
         load_preset(_preset(tmp_path, {"sources": SRC, "dedup": {"threshold": 1.5}}))
     with pytest.raises(
-        KibidangoError, match="unknown preset 'nope'; known presets: llama31-8b, small, small-study, tiny, tiny-study"
+        KibidangoError,
+        match="unknown preset 'nope'; known presets: llama31-8b, small, small-rounds, small-study, tiny, "
+        "tiny-rounds, tiny-study",
     ):
         load_preset("nope")
 
@@ -238,6 +240,21 @@ def test_a_study_preset_runs_its_presets_loop_as_it_runs_it_and_every_arm():
         # 1R's own recipe (one declaration of the fine-tune): every field but the arms is 1R's
         assert study.configs["1S"].model_copy(update={"controls": base.configs["1R"].controls}) == base.configs["1R"]
         assert not {"9", "X", "2E"} & set(study.spec.stages)
+
+
+def test_a_rounds_preset_runs_its_presets_first_round_as_it_runs_it_then_a_second():
+    """``make study-loop`` runs <preset>-rounds after the study: round 1 is the preset's own loop (the
+    same configs and inputs: cache hits after make demo), round 2 mines, teaches and retrains round 1's
+    1R with the same recipes, and nothing after the loop runs."""
+    for name in ("tiny", "small"):
+        base, rounds = load_preset(name), load_preset(f"{name}-rounds")
+        for sid in ("0", "1A", "1B", "1C", "1D", "1R"):
+            assert rounds.configs[sid] == base.configs[sid] and rounds.needs(sid) == base.needs(sid), (name, sid)
+        assert rounds.needs("1B.2")["student"] == "1R" and rounds.needs("1B.2")["previous"] == "1B"
+        assert rounds.needs("1R.2")["student"] == "1R" and rounds.needs("1R.2")["pairs"] == "1D.2"
+        for sid in ("1B", "1C", "1D", "1R"):
+            assert rounds.configs[f"{sid}.2"] == base.configs[sid], (name, sid)
+        assert not {"1S", "2D", "X", "9"} & set(rounds.spec.stages)
 
 
 def test_a_misspelt_runtime_default_fails_at_dry_run_naming_the_recipe_and_the_key(tmp_path):

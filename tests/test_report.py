@@ -192,6 +192,34 @@ def test_the_report_shows_each_round_of_the_loop(tmp_path):
     assert _rounds_lines({}, {"1R": artifacts["1R"]}) == []  # one round: no such table
 
 
+def test_the_report_reads_the_later_rounds_of_make_study_loop(tmp_path):
+    """The latest ``<preset>-rounds`` flow run's round-2 stages (not its round 1: the preset's own)."""
+    from types import SimpleNamespace
+
+    from flows.report import _later_rounds
+    from flows.tracking import TAG
+
+    run = lambda tags, **info: SimpleNamespace(data=SimpleNamespace(tags=tags), info=SimpleNamespace(**info))  # noqa: E731
+    flow = run({}, run_id="flow", experiment_id="e")
+    stages = []
+    for sid in ("1R", "1R.2", "1D.2"):
+        (tmp_path / sid).mkdir()
+        stages.append(run({f"{TAG}stage_id": sid, f"{TAG}artifact": str(tmp_path / sid)}, run_id=sid))
+    asked = []
+
+    class Client:
+        def get_experiment_by_name(self, name):
+            return SimpleNamespace(experiment_id="e")
+
+        def search_runs(self, ids, filter_string, **kw):
+            asked.append(filter_string)
+            return stages if "parentRunId" in filter_string else [flow]
+
+    runs, artifacts = _later_rounds(Client(), SimpleNamespace(experiment="kibidango-tiny", name="tiny"))
+    assert sorted(artifacts) == sorted(runs) == ["1D.2", "1R.2"]
+    assert "'tiny-rounds'" in asked[0]
+
+
 def test_the_report_has_the_study_when_make_study_loop_ran(tmp_path):
     """The latest ``<preset>-study`` flow run's 1S: every arm's pass rate, 1R against each, and 1R
     against gold-only with a paired bootstrap for non-inferiority."""
@@ -270,8 +298,8 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
     assert "| dollars per corrected pair against gold-only | <= 50% | $0.0253 against $0.0500 (51%) | no |" in lines
     assert "not measured (make eval-cascade)" in lines
     assert (
-        "| round 2 adds a further gain | a gain, p < 0.05 (or the figure) | not run (the preset's rounds: 1) | - |"
-        in lines
+        "| round 2 adds a further gain | a gain, p < 0.05 (or the figure) | "
+        "not run (`make study-loop` runs round 2) | - |" in lines
     )
     record = {
         "name": "eval-cascade",
