@@ -513,7 +513,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         files = {"peft": ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"]}
         base_model = f"stage 2B {cfg.tier} (AWQ, compressed-tensors)"
     else:  # trained on the GGUF's weights: it ships for them alone, as llama.cpp applies it
-        convert_lora_to_gguf(adapter, base, out_dir / "adapter.gguf", "f32")
+        convert_lora_to_gguf(adapter, base, out_dir / "adapter.gguf", "f16")  # half the bytes of f32
         files = {"gguf": ["adapter.gguf"]}
         base_model = f"stage 2D {cfg.tier} GGUF {gguf.name}"
     manifest = {

@@ -489,7 +489,7 @@ def test_recovery_lora_for_the_shipped_gguf_trains_on_its_weights_and_is_checked
     adapter = tmp_path / "2F"
     lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), lora).save_pretrained(str(adapter / "adapter"))
-    convert_lora_to_gguf(adapter / "adapter", base, adapter / "adapter.gguf")
+    convert_lora_to_gguf(adapter / "adapter", base, adapter / "adapter.gguf", "f16")  # as 2F converts it
     write_adapter_manifest(adapter, {"gguf": ["adapter.gguf"]}, domain="recovery", base_tier="target")
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     verdict, table = s2f.gguf_check(cfg, STORIES, gguf, adapter, tokenizer, data / "dataset", tmp_path / "check")
