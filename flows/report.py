@@ -126,6 +126,12 @@ def _stage_runs(client, flow) -> dict[str, object]:
     return {r.data.tags.get(f"{TAG}stage_id", ""): r for r in children if r.data.tags.get(f"{TAG}stage_id")}
 
 
+def _artifacts(runs: dict) -> dict[str, str]:
+    """Stage id -> the artifact directory each run names (its tag), where it is on disk."""
+    where = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
+    return {sid: a for sid, a in where.items() if a and Path(a).is_dir()}
+
+
 def _source(run) -> str:
     """The run that computed the artifact (a cache hit's source run), as a short reference."""
     tags = run.data.tags
@@ -382,17 +388,17 @@ def _study_figures(client, plan) -> dict | None:
 
 
 def _later_rounds(client, plan) -> tuple[dict, dict]:
-    """The loop's later rounds (``1B.2`` ... ``1R.2``, ...): the preset's own where it runs them
-    (``rounds:``), else the latest ``<preset>-rounds`` flow run's (``make study-loop``), whose first
-    round is the preset's own (the same recipes: cache hits). Returns (runs, artifacts) by stage id."""
+    """The loop's later rounds (``1B.2`` ... ``1R.2``, ...) of the latest ``<preset>-rounds`` flow run
+    (``make study-loop``), whose first round is the preset's own (the same recipes: cache hits); the
+    caller reads a preset's own later rounds (``rounds:``) from its own run instead. Returns (runs,
+    artifacts) by stage id: those whose artifact is on disk."""
     try:
         flow = _latest_flow_run(client, plan.experiment, f"{plan.name}-rounds")
     except KibidangoError:
         return {}, {}
-    runs = {sid: r for sid, r in _stage_runs(client, flow).items() if "." in sid}
-    artifacts = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
-    artifacts = {sid: a for sid, a in artifacts.items() if a and Path(a).is_dir()}
-    return {sid: runs[sid] for sid in artifacts}, artifacts
+    later = {sid: r for sid, r in _stage_runs(client, flow).items() if "." in sid}
+    artifacts = _artifacts(later)
+    return {sid: later[sid] for sid in artifacts}, artifacts
 
 
 def _study_section(study: dict | None) -> list[str]:
@@ -799,8 +805,7 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     if out_dir.exists():
         shutil.rmtree(out_dir)  # a stale plot must not outlive the run it came from
     out_dir.mkdir(parents=True)
-    artifacts = {sid: r.data.tags.get(f"{TAG}artifact") for sid, r in runs.items()}
-    artifacts = {sid: a for sid, a in artifacts.items() if a and Path(a).is_dir()}
+    artifacts = _artifacts(runs)
     order = {name: i for i, name in enumerate(_MEASUREMENTS)}
     records = sorted(read_records(plan.name), key=lambda r: (order.get(r["name"], len(order)), r["name"]))
     minutes = {sid: _compute_minutes(client, r) for sid, r in runs.items()}

@@ -78,26 +78,26 @@ class Config(HeldOutTasks):
     )
 
 
+def _manifest_of(adapter_dirs: list[Path], domain: str | None) -> tuple[Path, dict] | None:
+    """The directory and ``adapter.json`` of ``domain``'s adapter; None for None or no such adapter."""
+    for d in adapter_dirs:
+        manifest = json.loads((d / "adapter.json").read_text())
+        if domain is not None and manifest.get("domain") == domain:
+            return d, manifest
+    return None
+
+
 def _fit_as_default(adapter_dirs: list[Path], domain: str) -> bool:
     """Whether the adapter of ``domain`` may be the default weights: its manifest's
     ``default_weights`` (2F's task check), True where its stage made no such check."""
-    for d in adapter_dirs:
-        manifest = json.loads((d / "adapter.json").read_text())
-        if manifest.get("domain") == domain:
-            return bool(manifest.get("default_weights", True))
-    return True
-
-
-def _domain(adapter_dir: Path) -> str:
-    return json.loads((adapter_dir / "adapter.json").read_text())["domain"]
+    found = _manifest_of(adapter_dirs, domain)
+    return True if found is None else bool(found[1].get("default_weights", True))
 
 
 def _forms(adapter_dirs: list[Path], domain: str | None) -> set[str]:
     """The formats (``peft``, ``gguf``) the adapter of ``domain`` ships in; empty for None."""
-    for d in adapter_dirs:
-        if domain is not None and _domain(d) == domain:
-            return set(json.loads((d / "adapter.json").read_text())["formats"])
-    return set()
+    found = _manifest_of(adapter_dirs, domain)
+    return set() if found is None else set(found[1]["formats"])
 
 
 def _fit_half(row_id: str, share: float) -> bool:
@@ -129,7 +129,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     torch_default = default if "peft" in forms else None
     if torch_default is not None:
         answerer.adapters.use(torch_default)  # the token-level fit reads the torch target as it ships
-    gguf_lora = next((d for d in adapter_dirs if "gguf" in forms and _domain(d) == default), None)
+    gguf_lora = _manifest_of(adapter_dirs, default)[0] if "gguf" in forms else None
     tokens = _token_level(cfg, data, answerer, inputs, out_dir, gguf_lora)
     temperature = tokens["torch"]["temperature"]
 
@@ -193,11 +193,11 @@ def _token_level(
     models = {"torch": answerer.model}
     if cfg.gguf:
         from kibidango.backends.llamacpp_backend import LlamaCppModel
+        from methods.compression.gguf import tier_gguf
 
-        ggufs = sorted((inputs["gguf"] / cfg.tier).glob("*.gguf")) if "gguf" in inputs else []
-        if len(ggufs) != 1:
-            raise KibidangoError(f"gguf: expected one GGUF of tier {cfg.tier!r} in the gguf input, found {len(ggufs)}")
-        models["llamacpp"] = LlamaCppModel(ggufs[0], name="target")
+        if "gguf" not in inputs:
+            raise KibidangoError("gguf: true needs the `gguf` input (stage 2D's GGUF files); the graph gives none")
+        models["llamacpp"] = LlamaCppModel(tier_gguf(inputs["gguf"], cfg.tier, "the gguf input"), name="target")
         if gguf_lora is not None:
             from kibidango.addons.adapters import Adapter
 

@@ -39,6 +39,7 @@ from pydantic import Field, field_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.bundle import TIER_ORDER
 from methods.compression.card import bundle_card, lineage, scheme_label
+from methods.compression.gguf import tier_gguf
 from methods.training.adapter_manifest import ships
 from methods.training.chat import TEMPLATE, own_template
 
@@ -93,21 +94,19 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         if tier not in cfg.hf_tiers:
             continue
         hf = inputs[cfg.hf_tiers[tier]] / tier
-        ggufs = sorted((inputs[cfg.gguf_input] / tier).glob("*.gguf"))
         if not (hf / "config.json").is_file():
             raise KibidangoError(f"{hf} is not a transformers checkpoint (no config.json)")
-        if len(ggufs) != 1:
-            raise KibidangoError(f"expected one GGUF in {inputs[cfg.gguf_input] / tier}, found {len(ggufs)}")
+        gguf = tier_gguf(inputs[cfg.gguf_input], tier, f"the {cfg.gguf_input} input")
         config = json.loads((hf / "config.json").read_text())
         tiers[tier] = {
             "hf": hf,
-            "gguf": ggufs[0],
+            "gguf": gguf,
             "vocab_size": config["vocab_size"],
             "hidden_size": config["hidden_size"],
             "layers": config["num_hidden_layers"],
             "quantization": {
                 "hf": f"AWQ {scheme_label(config)} (compressed-tensors)",
-                "gguf": ggufs[0].stem.split("-")[-1],
+                "gguf": gguf.stem.split("-")[-1],
             },
         }
 

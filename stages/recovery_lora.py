@@ -59,6 +59,7 @@ from pydantic import BaseModel, Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.compression.fidelity import table as fid_table
+from methods.compression.gguf import tier_gguf
 from methods.compression.llmc import decompress
 from methods.failures import loop_mix, read_jsonl
 from methods.llama_cpp_tools import convert_lora_to_gguf
@@ -336,37 +337,35 @@ def _shipped_gguf(inputs: dict[str, Path], tier: str) -> Path:
     """``base: gguf``: the one GGUF of ``tier`` in the ``gguf`` input (stage 2D's choice)."""
     if "gguf" not in inputs:
         raise KibidangoError("2F `base: gguf` needs the `gguf` input (stage 2D's GGUF files); the graph gives none")
-    found = sorted((inputs["gguf"] / tier).glob("*.gguf"))
-    if len(found) != 1:
-        raise KibidangoError(
-            f"2F `base: gguf`: expected one GGUF of tier {tier!r} in {inputs['gguf']}, found {len(found)}"
-        )
-    return found[0]
+    return tier_gguf(inputs["gguf"], tier, "2F `base: gguf`, the gguf input")
 
 
-def _check_base(cfg: Config, base: Path, compressed: Path | None, gguf: Path | None, data: Path, comp_rows) -> None:
+def _check_base(
+    cfg: Config, base: Path, compressed: Path | None, gguf: Path | None, data: Path, comp_rows, tokenizer
+) -> None:
     """The LoRA's base must be the compressed model: the dense copy scores the first validation rows
     as the compressed model does (a handful suffices: a broken copy, e.g. random weights, is off by
-    whole nats). A GGUF is scored by llama.cpp, whose quantized dot products round activations too:
-    a 3% tolerance, against 0.1% for a compressed-tensors checkpoint read by transformers."""
+    whole nats). ``comp_rows`` are the validation rows scored under the compressed model as
+    transformers reads it: a compressed-tensors checkpoint (``compressed``), or for a GGUF the dense
+    copy itself, then compared with llama.cpp on the GGUF, whose quantized dot products round
+    activations too: a 3% tolerance, against 0.1% for a compressed-tensors checkpoint."""
     n = min(CHECK_ROWS, cfg.eval_rows)
-    dense = summarise(validation_rows(base, data, n, cfg.eval_max_len))
     if gguf is None:
+        dense = summarise(validation_rows(base, data, n, cfg.eval_max_len))["loss"]
         theirs, tolerance, what = summarise(comp_rows[:n])["loss"], 1e-3, compressed
     else:
-        from transformers import AutoTokenizer
-
         from kibidango.backends.llamacpp_backend import LlamaCppModel
         from methods.compression.gguf import gguf_response_loss
 
+        dense = summarise(comp_rows[:n])["loss"]
         rows = load_split(data, "validation", limit=n, by_domain=True)
         model = LlamaCppModel(gguf, name="shipped", n_ctx=cfg.eval_max_len)
-        theirs = gguf_response_loss(model, AutoTokenizer.from_pretrained(str(base)), rows, cfg.eval_max_len)["loss"]
+        theirs = gguf_response_loss(model, tokenizer, rows, cfg.eval_max_len)["loss"]
         tolerance, what = 0.03, gguf
-    if abs(dense["loss"] - theirs) > tolerance * max(theirs, 1e-9):
+    if abs(dense - theirs) > tolerance * max(theirs, 1e-9):
         raise KibidangoError(
             f"the dense base {base} does not reproduce {what} "
-            f"(validation loss on the first {n} rows {dense['loss']:.4f} vs {theirs:.4f})"
+            f"(validation loss on the first {n} rows {dense:.4f} vs {theirs:.4f})"
         )
 
 
@@ -493,7 +492,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     ref = validation_loss(reference, data, cfg.eval_rows, cfg.eval_max_len)
     comp_rows = validation_rows(compressed or base, data, cfg.eval_rows, cfg.eval_max_len)
     comp = summarise(comp_rows)
-    _check_base(cfg, base, compressed, gguf, data, comp_rows)
+    _check_base(cfg, base, compressed, gguf, data, comp_rows, tokenizer)
     rec = validation_loss(base, data, cfg.eval_rows, cfg.eval_max_len, adapter=adapter)
     lost = comp["perplexity"] - ref["perplexity"]
     metrics = {

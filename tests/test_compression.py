@@ -461,6 +461,7 @@ def test_recovery_lora_for_the_shipped_gguf_trains_on_its_weights_and_is_checked
     import stages.recovery_lora as s2f
     from methods.compression.gguf import quantize
     from methods.llama_cpp_tools import convert_hf_to_gguf, convert_lora_to_gguf
+    from methods.measure.lm import validation_rows
     from methods.training.adapter_manifest import write_adapter_manifest
     from methods.training.models import dense_from_gguf, tokenizer_files
 
@@ -480,10 +481,12 @@ def test_recovery_lora_for_the_shipped_gguf_trains_on_its_weights_and_is_checked
             "check": {"levels": [1], "per_level": 2, "max_new_tokens": 8, "speed_prompts": 2},
         }
     )
-    s2f._check_base(cfg, base, None, gguf, data / "dataset", None)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    scored = lambda model: validation_rows(model, data / "dataset", 8, 64)  # noqa: E731 - as 2F scores comp_rows
+    s2f._check_base(cfg, base, None, gguf, data / "dataset", scored(base), tokenizer)
     damaged = noisy_copy(base, tmp_path / "damaged", 0.3)
     with pytest.raises(KibidangoError, match="does not reproduce"):
-        s2f._check_base(cfg, damaged, None, gguf, data / "dataset", None)
+        s2f._check_base(cfg, damaged, None, gguf, data / "dataset", scored(damaged), tokenizer)
 
     torch.manual_seed(0)
     adapter = tmp_path / "2F"
@@ -491,7 +494,6 @@ def test_recovery_lora_for_the_shipped_gguf_trains_on_its_weights_and_is_checked
     get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), lora).save_pretrained(str(adapter / "adapter"))
     convert_lora_to_gguf(adapter / "adapter", base, adapter / "adapter.gguf", "f16")  # as 2F converts it
     write_adapter_manifest(adapter, {"gguf": ["adapter.gguf"]}, domain="recovery", base_tier="target")
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
     verdict, table = s2f.gguf_check(cfg, STORIES, gguf, adapter, tokenizer, data / "dataset", tmp_path / "check")
     assert [r.name for r in table] == ["reference F16", "shipped Q8_0", "shipped Q8_0 + recovery LoRA"]
     ref, bare, adapted = table

@@ -32,6 +32,7 @@ __all__ = [
     "TENSOR_TYPES",
     "AgreementReport",
     "fallback_tensors",
+    "tier_gguf",
     "quantize",
     "token_agreement",
     "gguf_response_loss",
@@ -84,6 +85,15 @@ def fallback_tensors(log: Path) -> int:
     return (
         sum("falling back to" in line for line in log.read_text(errors="replace").splitlines()) if log.is_file() else 0
     )
+
+
+def tier_gguf(artifact: Path, tier: str, what: str) -> Path:
+    """The one GGUF of ``tier`` in a stage 2D artifact (``<artifact>/<tier>/*.gguf``); ``what`` names
+    the input in the error when there is none or more than one."""
+    found = sorted((artifact / tier).glob("*.gguf"))
+    if len(found) != 1:
+        raise KibidangoError(f"{what}: expected one GGUF of tier {tier!r} in {artifact / tier}, found {len(found)}")
+    return found[0]
 
 
 def gguf_parameters(path: Path) -> int:
