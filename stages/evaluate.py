@@ -475,13 +475,13 @@ _INPUT_RSS_PROBE = (
 import sys
 from kibidango import DecodeConfig, Pipeline
 from kibidango.bundle import load_bundle
-from transformers import AutoTokenizer
+from kibidango.bundle.tokenizer import load_tokenizer
 backend, path, bundle, prompt, new = sys.argv[1:6]
 if backend == "llamacpp":
     from kibidango.backends.llamacpp_backend import LlamaCppModel as Model
 else:
     from kibidango.backends.torch_backend import TorchModel as Model
-tokenizer = AutoTokenizer.from_pretrained(str(load_bundle(bundle, verify=False).tokenizer_dir))
+tokenizer = load_tokenizer(load_bundle(bundle, verify=False).tokenizer_dir)
 pipe = Pipeline(tokenizer, {"target": Model(path, name="target")}, DecodeConfig(mode="ar"), backend=backend)
 pipe.generate(prompt, max_new_tokens=int(new))
 """

@@ -27,6 +27,7 @@ from kibidango.addons.router import Router
 from kibidango.backends import load_model
 from kibidango.backends.base import Model
 from kibidango.bundle import Bundle, BundleError, load_bundle, resolve_backend
+from kibidango.bundle.tokenizer import load_tokenizer
 from kibidango.decode.ngrams import NgramTable
 from kibidango.decode.speculative import TIERS, DecodeConfig, Decoder, Metrics
 
@@ -106,13 +107,11 @@ class Pipeline:
         runtime default on llama.cpp, else f16); ``compile`` (torch): the draft's and qualifier's
         single-token steps compiled with ``torch.compile`` on a static cache (the target stays
         eager, so lossless modes output what they did; the first steps pay the compilation)."""
-        from transformers import AutoTokenizer
-
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
         backend = resolve_backend(bundle, backend)
         cfg = bundle.decode_config(backend)  # the bundle's own settings, before any caller's
         cfg = dataclasses.replace(cfg, **{**overrides, **({"mode": mode} if mode is not None else {})})
-        tokenizer = AutoTokenizer.from_pretrained(str(bundle.tokenizer_dir))
+        tokenizer = load_tokenizer(bundle.tokenizer_dir)
         if kv_cache is None:
             kv_cache = str(bundle.defaults.get("kv_cache", "f16")) if backend == "llamacpp" else "f16"
         steps = compile and backend == "torch"

@@ -20,9 +20,15 @@ def load_model(
     """A tier's model on ``backend``; ``kv_cache`` (llama.cpp only): the K/V cache type;
     ``compile_steps`` (torch only): a static cache and a compiled single-token step."""
     if backend == "torch":
-        import torch
+        try:
+            import torch
 
-        from kibidango.backends.torch_backend import TorchModel
+            from kibidango.backends.torch_backend import TorchModel
+        except ImportError as e:
+            raise ImportError(
+                f"the torch backend needs torch and transformers ({e}): pip install 'kibidango[torch]' "
+                "(on a CPU machine pip install torch==2.13.0 first), or run the bundle with --backend llamacpp"
+            ) from e
 
         if kv_cache != "f16":
             raise ValueError(f"a {kv_cache} KV cache is a llama.cpp option: use --backend llamacpp")

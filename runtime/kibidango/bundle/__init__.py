@@ -37,6 +37,7 @@ from kibidango.bundle.pack import is_packed, unpack_bundle, unpacked_cache
 from kibidango.bundle.registry import fetch as fetch_registered
 from kibidango.bundle.registry import is_registry_uri
 from kibidango.bundle.schema import SCHEMA_VERSION, BundleManifest, FileEntry, TierEntry
+from kibidango.bundle.tokenizer import write_tokenizer_json
 from kibidango.integrity import BundleError, contained, parse_json, sha256_bytes, sha256_file
 
 __all__ = [
@@ -567,6 +568,7 @@ def write_bundle(
         if spec.get("hf"):
             dest = tmp / "tiers" / name / "hf"
             shutil.copytree(spec["hf"], dest)
+            write_tokenizer_json(dest)  # so that a runtime without transformers reads the tokenizer
             entry["hf"] = dest.relative_to(tmp).as_posix()
         if spec.get("gguf"):
             src = Path(spec["gguf"])
