@@ -137,7 +137,12 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         **{f"domain/{d}": n for d, n in stats["domains"].items()},
         **{f"split/{k}": v for k, v in stats["splits"].items()},
     }
-    summary = ("SYNTHETIC DATA (no source present): " if synthetic else "") + (
+    absent = [src["name"] for src in source_stats if src.get("status") == "absent"]
+    metrics["sources_absent"] = len(absent)
+    loud = "SYNTHETIC DATA (no source present): " if synthetic else ""
+    if absent and not synthetic:  # a clone away from ../shared still runs: say what it ran without
+        loud = f"SOURCES ABSENT, skipped as optional ({', '.join(absent)}): "
+    summary = loud + (
         f"{rows_in:,} valid rows in, {stats['rejected']:,} quarantined, {len(kept):,} out "
         f"({exact:,} exact + {near:,} near duplicates, {sum(drops.values()) - dups:,} filtered); "
         f"splits {stats['splits']}"

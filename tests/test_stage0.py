@@ -137,6 +137,21 @@ def test_synthetic_fallback_when_no_source_is_present(tmp_path):
         s0.run(s0.Config(sources=absent), {}, out2)
 
 
+def test_an_absent_optional_source_beside_a_present_one_is_named_in_the_summary(tmp_path):
+    present = tmp_path / "rows.json"
+    rows = [{"instruction": f"Say {i}.", "input": "", "output": f"{i} " * 8} for i in range(40)]
+    present.write_text(json.dumps(rows))
+    sources = [
+        {"name": "here", "path": str(present), "format": "alpaca", "license": "MIT"},
+        {"name": "gone", "path": str(tmp_path / "gone.json"), "format": "alpaca", "license": "MIT", "optional": True},
+    ]
+    out = tmp_path / "out"
+    out.mkdir()
+    result = s0.run(s0.Config(sources=sources), {}, out)
+    assert result.summary.startswith("SOURCES ABSENT, skipped as optional (gone): ")
+    assert result.metrics["sources_absent"] == 1 and result.metrics["synthetic"] == 0.0
+
+
 def test_a_present_source_with_no_valid_rows_is_an_error_not_a_synthetic_fallback(tmp_path):
     """The probe: a JSON array read as JSONL (27 rejects) was replaced by 2,000 generated rows."""
     broken = write_jsonl(tmp_path / "broken.jsonl", [{"question": "wrong format"}] * 27)
