@@ -77,7 +77,11 @@ class FastTokenizer:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise BundleError(f"{path}: not a tokenizers file ({e})") from e
-        config = _read_json(self.directory / "tokenizer_config.json")
+        # the special tokens where an older transformers wrote them (special_tokens_map.json), then the config's
+        config = {
+            **_read_json(self.directory / "special_tokens_map.json"),
+            **_read_json(self.directory / "tokenizer_config.json"),
+        }
         self.special_tokens_map: dict[str, str] = {}
         for key in _SPECIAL_KEYS:
             if (text := _content(config.get(key))) is not None:
