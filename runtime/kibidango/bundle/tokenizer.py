@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,10 @@ class FastTokenizer:
 
         self.directory = Path(directory)
         path = self.directory / "tokenizer.json"
-        try:
-            self._tokenizer = Tokenizer.from_file(str(path))
+        try:  # read once: the tokenizers object and the added tokens' special flags come from the same text
+            text = path.read_text(encoding="utf-8")
+            spec = json.loads(text)
+            self._tokenizer = Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise BundleError(f"{path}: not a tokenizers file ({e})") from e
         # the special tokens where an older transformers wrote them (special_tokens_map.json), then the config's
@@ -86,7 +89,6 @@ class FastTokenizer:
         for key in _SPECIAL_KEYS:
             if (text := _content(config.get(key))) is not None:
                 self.special_tokens_map[key] = text
-        spec = json.loads(path.read_text(encoding="utf-8"))
         self.added_tokens_decoder: dict[int, AddedToken] = {
             int(t["id"]): AddedToken(t["content"], bool(t.get("special", False))) for t in spec.get("added_tokens", [])
         }
@@ -104,13 +106,10 @@ class FastTokenizer:
         self.chat_template: str | None = (
             template.read_text(encoding="utf-8") if template.is_file() else config.get("chat_template") or None
         )
-        for key, text in self.special_tokens_map.items():
-            setattr(self, key, text)
-            setattr(self, f"{key}_id", self._tokenizer.token_to_id(text))
-        for key in _SPECIAL_KEYS:
-            if key not in self.special_tokens_map:
-                setattr(self, key, None)
-                setattr(self, f"{key}_id", None)
+        for key in _SPECIAL_KEYS:  # bos_token, bos_token_id, ...: None where the tokenizer has none
+            token = self.special_tokens_map.get(key)
+            setattr(self, key, token)
+            setattr(self, f"{key}_id", None if token is None else self._tokenizer.token_to_id(token))
 
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
@@ -143,9 +142,6 @@ class FastTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab(with_added_tokens=True)
 
-    def convert_tokens_to_ids(self, token: str) -> int | None:
-        return self._tokenizer.token_to_id(token)
-
     def apply_chat_template(
         self,
         conversation: list[dict[str, str]],
@@ -170,7 +166,10 @@ class FastTokenizer:
         return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
 
+@lru_cache(maxsize=8)
 def _compiled(template: str):
+    """The template compiled once (stage 9 and the showcase render one per prompt). The server renders
+    a client's turns apart, bounded, in a worker (kibidango.server.template_worker)."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
