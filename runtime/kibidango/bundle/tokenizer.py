@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -170,22 +169,9 @@ class FastTokenizer:
 def _compiled(template: str):
     """The template compiled once (stage 9 and the showcase render one per prompt). The server renders
     a client's turns apart, bounded, in a worker (kibidango.server.template_worker)."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from kibidango.jinja_env import chat_environment
 
-    def raise_exception(message: str):
-        raise TemplateError(message)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(template)
+    return chat_environment().from_string(template)
 
 
 def _read_json(path: Path) -> dict:

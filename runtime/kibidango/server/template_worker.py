@@ -28,8 +28,9 @@ import json
 import resource
 import sys
 import time
-from datetime import datetime
 from functools import lru_cache
+
+from kibidango.jinja_env import chat_environment
 
 
 class _Bound(Exception):
@@ -38,8 +39,6 @@ class _Bound(Exception):
 
 @lru_cache(maxsize=8)
 def _compile(template: str, max_chars: int, max_range: int):
-    import jinja2
-    import jinja2.ext
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -70,17 +69,8 @@ def _compile(template: str, max_chars: int, max_range: int):
             raise SecurityError(f"range of {len(r):,} numbers; this server renders at most {max_range:,}")
         return r
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(
-        range=bounded_range, raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f)
-    )
+    env = chat_environment(Bounded)
+    env.globals["range"] = bounded_range
     return env.from_string(template)
 
 
