@@ -343,45 +343,32 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
 def _rows(f: Fidelity, made: _Candidates, m: _Measured) -> list[fid.FidelityRow]:
     """The table: the reference's row, then one per candidate."""
     ref_label, ref_file = f"{f.reference} F16", made.f16[f.reference]
-    ref_div, tasks = next(iter(m.div.values())), len(m.ladder[ref_label])
-    size = lambda path: (path.stat().st_size, 8 * path.stat().st_size / m.parameters)  # noqa: E731
+    ref_div = next(iter(m.div.values()))
     rows = [
-        fid.FidelityRow(
+        fid.FidelityRow.reference_of(
             ref_label,
             f.reference,
-            "F16",
-            False,
-            None,
-            *size(ref_file),
-            ref_div.ppl_reference,
-            1.0,
-            0.0,
-            sum(m.ladder[ref_label]),
-            tasks,
-            None,
+            ref_file.stat().st_size,
+            m.parameters,
+            ref_div,
+            m.ladder[ref_label],
             m.speed[ref_label],
-            ref_div.tokens,
-            reference=True,
         )
     ]
     for label, (c, src, path) in made.files.items():
-        d = m.div[label]
         rows.append(
-            fid.FidelityRow(
+            fid.FidelityRow.measured(
                 label,
                 src,
                 c.quant,
-                c.imatrix,
-                c.embedding,
-                *size(path),
-                d.ppl,
-                d.ppl_ratio,
-                d.mean_kl,
-                sum(m.ladder[label]),
-                tasks,
-                m.agreement[label].agreement,
+                path.stat().st_size,
+                m.parameters,
+                m.div[label],
+                m.ladder[label],
                 m.speed[label],
-                d.tokens,
+                agreement=m.agreement[label].agreement,
+                imatrix=c.imatrix,
+                embedding=c.embedding,
             )
         )
     return rows

@@ -409,47 +409,17 @@ def gguf_check(
     weights = gguf_parameters(gguf)
     quant = gguf.stem.split("-")[-1]
     lora_bytes = (adapter_dir / "adapter.gguf").stat().st_size
-    ref_div = div["bare"]
+    ref = "reference F16"
     table = [
-        fid.FidelityRow(
-            "reference F16",
-            "reference",
-            "F16",
-            False,
-            None,
-            f16.stat().st_size,
-            8 * f16.stat().st_size / weights,
-            ref_div.ppl_reference,
-            1.0,
-            0.0,
-            sum(ladder["reference F16"]),
-            len(tasks),
-            None,
-            speed["reference F16"],
-            ref_div.tokens,
-            reference=True,
+        fid.FidelityRow.reference_of(
+            ref, "reference", f16.stat().st_size, weights, div["bare"], ladder[ref], speed[ref]
         )
     ]
     for label, extra in (("bare", 0), ("with the LoRA", lora_bytes)):
-        size, d = gguf.stat().st_size + extra, div[label]
+        name = f"shipped {quant}" + (" + recovery LoRA" if extra else "")
+        size = gguf.stat().st_size + extra
         table.append(
-            fid.FidelityRow(
-                f"shipped {quant}" + (" + recovery LoRA" if extra else ""),
-                "2D",
-                quant,
-                False,
-                None,
-                size,
-                8 * size / weights,
-                d.ppl,
-                d.ppl_ratio,
-                d.mean_kl,
-                sum(ladder[label]),
-                len(tasks),
-                None,
-                speed[label],
-                d.tokens,
-            )
+            fid.FidelityRow.measured(name, "2D", quant, size, weights, div[label], ladder[label], speed[label])
         )
     by_id = {label: {t["id"]: p for t, p in zip(tasks, ladder[label])} for label in models}
     test = mcnemar(by_id["with the LoRA"], by_id["bare"])

@@ -151,3 +151,14 @@ def test_gguf_parameters_read_from_the_header_match_llama_cpp() -> None:
     from methods.compression.gguf import gguf_parameters
 
     assert gguf_parameters(path) == LlamaCppModel(path, name="t").parameters() == 292_800
+
+
+def test_a_row_reads_its_figures_off_the_divergence_and_ladder():
+    d = fid.Divergence(nll_reference=2.0 * 10, nll=2.1 * 10, kl=0.5, tokens=10)
+    row = fid.FidelityRow.measured("Q4_0", "reference", "Q4_0", 500, 1000, d, [True, False, True], 42.0, agreement=0.9)
+    assert (row.bits_per_weight, row.ladder_passed, row.ladder_tasks, row.tokens) == (4.0, 2, 3, 10)
+    assert row.ppl == pytest.approx(np.exp(2.1)) and row.ppl_ratio == pytest.approx(np.exp(0.1))
+    assert row.kl == pytest.approx(0.05) and row.agreement == 0.9 and not row.reference
+    ref = fid.FidelityRow.reference_of("F16", "reference", 2000, 1000, d, [True] * 3, 40.0)
+    assert ref.reference and ref.ppl == pytest.approx(np.exp(2.0)) and (ref.ppl_ratio, ref.kl) == (1.0, 0.0)
+    assert (ref.bits_per_weight, ref.agreement, ref.quant) == (16.0, None, "F16")

@@ -148,6 +148,38 @@ class FidelityRow:
     chosen: bool = False
     why_not: list[str] = field(default_factory=list)
 
+    @classmethod
+    def measured(
+        cls,
+        name: str,
+        source: str,
+        quant: str,
+        size: int,
+        weights: int,
+        div: Divergence,
+        ladder: list[bool],
+        tokens_per_s: float,
+        agreement: float | None = None,
+        imatrix: bool = False,
+        embedding: str | None = None,
+    ) -> FidelityRow:
+        """A candidate's row: ``size`` bytes over ``weights`` parameters, ``div`` against the
+        reference, its ladder verdicts."""
+        return cls(
+            name, source, quant, imatrix, embedding, size, 8 * size / weights, div.ppl, div.ppl_ratio,
+            div.mean_kl, sum(ladder), len(ladder), agreement, tokens_per_s, div.tokens,
+        )  # fmt: skip
+
+    @classmethod
+    def reference_of(
+        cls, name: str, source: str, size: int, weights: int, div: Divergence, ladder: list[bool], tokens_per_s: float
+    ) -> FidelityRow:
+        """The reference's own row (F16), its perplexity read off any candidate's ``div``."""
+        return cls(
+            name, source, "F16", False, None, size, 8 * size / weights, div.ppl_reference, 1.0, 0.0,
+            sum(ladder), len(ladder), None, tokens_per_s, div.tokens, reference=True,
+        )  # fmt: skip
+
     def as_dict(self) -> dict:
         return asdict(self)
 
