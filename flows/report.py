@@ -359,9 +359,11 @@ _ARMS = ("1A", "replay", "pairs25", "pairs50", "1R", "random", "gold")
 50, 100% of the pairs), then the controls 1R must beat (random) and match (gold-only)."""
 
 
-def _study_figures(client, plan) -> dict | None:
+def _study_figures(client, plan, retrained_key: str | None = None) -> dict | None:
     """The latest ``<preset>-study`` flow run's stage 1S: its run, artifact, comparison and, with a
-    gold-only arm, 1R minus gold-only over the same tasks (paired bootstrap); None without one."""
+    gold-only arm, 1R minus gold-only over the same tasks (paired bootstrap); None without one.
+    ``earlier``: the study's 1R cache key where it is not ``retrained_key`` (this report's 1R): a study
+    of an earlier loop, whose figures the report labels as such."""
     try:
         flow = _latest_flow_run(client, plan.experiment, f"{plan.name}-study")
     except KibidangoError:
@@ -373,7 +375,11 @@ def _study_figures(client, plan) -> dict | None:
     comparison = (_json(Path(where) / "retrain.json") or {}).get("comparison") or {}
     if "1R" not in (comparison.get("models") or {}):
         return None
-    study = {"run": runs["1S"], "where": where, "comparison": comparison, "gold": None}
+    study = {"run": runs["1S"], "where": where, "comparison": comparison, "gold": None, "earlier": None}
+    studied = runs["1S"].data.tags.get(f"{TAG}input_keys")
+    studied = json.loads(studied).get("retrained") if studied else None
+    if retrained_key and studied and studied != retrained_key:
+        study["earlier"] = studied
     verdicts = Path(where) / "evaluation.jsonl"
     if "gold" in comparison["models"] and verdicts.is_file():
         rows = [json.loads(line) for line in verdicts.read_text().splitlines() if line.strip()]
@@ -438,6 +444,12 @@ def _study_section(study: dict | None) -> list[str]:
             f"1R (cascade pairs) minus gold-only: {gold['diff']:+.1%} [{gold['ci'][0]:+.1%}, {gold['ci'][1]:+.1%}] "
             f"(paired bootstrap over {gold['tasks']} tasks): {verdict}.",
         ]
+    if study.get("earlier"):
+        lines += [
+            "",
+            f"**This study trained its arms beside an earlier 1R** (cache key `{study['earlier']}`, not this "
+            "report's): the loop has been recomputed since; `make study-loop` reruns the study on this one.",
+        ]
     return [*lines, "", _cite("1S", study["run"], study["where"])]
 
 
@@ -468,6 +480,7 @@ def _retrain_claims(retrain: dict | None, study: dict | None) -> list[Claim]:
                 "yes" if gain >= 0.10 and t["p"] < 0.01 else "no",
             )
         )
+    own = set(tests)
     for arm, t in ((study or {}).get("comparison", {}).get("mcnemar") or {}).items():
         tests.setdefault(arm, t)
     for arm in ("random", "replay"):
@@ -477,7 +490,10 @@ def _retrain_claims(retrain: dict | None, study: dict | None) -> list[Claim]:
             continue
         t = tests[arm]
         met = t["a_only"] > t["b_only"] and t["p"] < 0.05
-        rows.append((*claim, f"{t['a_only']} / {t['b_only']} discordant, p = {t['p']:.3f}", "yes" if met else "no"))
+        where = "" if arm in own else _study_label(study)
+        rows.append(
+            (*claim, f"{t['a_only']} / {t['b_only']} discordant, p = {t['p']:.3f}{where}", "yes" if met else "no")
+        )
     if retrain and retrain.get("before"):
         before, after = retrain["before"]["rate"], retrain["after"]["rate"]
         rows.append(
@@ -522,8 +538,13 @@ def _teaching_claims(retrain: dict | None, cost: dict | None, study: dict | None
     if not gold:
         return [*rows, (*claim, "not measured (make study-loop)", "-")]
     ci = gold["ci"]
-    measured = f"{gold['diff'] * 100:+.1f} points [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]"
+    measured = f"{gold['diff'] * 100:+.1f} points [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]{_study_label(study)}"
     return [*rows, (*claim, measured, "yes" if ci[0] > -0.03 else "no")]
+
+
+def _study_label(study: dict | None) -> str:
+    """What a figure drawn from the study says of it: nothing, or that its 1R was an earlier one."""
+    return " (the study, beside an earlier 1R)" if (study or {}).get("earlier") else " (the study)"
 
 
 def _round_claims(artifacts: dict) -> list[Claim]:
@@ -814,7 +835,7 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     if summary:
         lines += ["", "## Summary", "", *summary]
     lines += _stages_table(runs, artifacts, minutes)
-    study = _study_figures(client, plan)
+    study = _study_figures(client, plan, runs["1R"].data.tags.get(f"{TAG}cache_key") if "1R" in runs else None)
     later_runs, later = ({}, {}) if any("." in sid for sid in artifacts) else _later_rounds(client, plan)
     lines += _loop_section({**runs, **later_runs}, {**artifacts, **later}, study, records)
     lines += _study_section(study)

@@ -347,6 +347,8 @@ def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
 
     spec = cfg.input_model
     model = beside.models["target"]
+    if pipe.adapters is not None:  # the bundle's default weights, set here, not left by the last answer
+        pipe.adapters.use(pipe.default_adapter)
     prompts = [prompt_ids(pipe.tokenizer, [{"role": "user", "content": p}]) for p in _speed_prompts(pipe, rows, cfg)]
     cells = decode_cells(
         {"bundle": pipe.models["target"], "input": model}, prompts or [[0]], cfg.speed_new_tokens, spec.speed_rounds
@@ -365,6 +367,7 @@ def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
             "ci": [lo, hi],
             "bundle_tokens_per_s": tokens_per_s(cells["bundle"]),
             "input_tokens_per_s": tokens_per_s(cells["input"]),
+            "adapter": pipe.default_adapter,
             "prompts": len(prompts),
             "new_tokens": cfg.speed_new_tokens,
             "rounds": spec.speed_rounds,
@@ -615,7 +618,14 @@ def _card(r: dict) -> str:
             "",
             f"Speed: the bundle target's and the input's one-token steps, {sp['prompts']} evaluation prompts x "
             f"{sp['new_tokens']} tokens x {sp['rounds']} rounds, the two in turn; 95% bootstrap interval over "
-            "(prompt, round) cells. The bundle's tuned decoding mode adds its own ratio over ar (1F).",
+            "(prompt, round) cells. The bundle's tuned decoding mode adds its own ratio over ar (1F). "
+            + (
+                ""
+                if "adapter" not in sp  # an evaluation from before it was recorded
+                else f"The bundle's target ran with its default adapter `{sp['adapter']}`."
+                if sp["adapter"]
+                else "The bundle's target ran with its bare weights."
+            ),
         ]
     speed = r["speed"]
     if speed:

@@ -249,10 +249,17 @@ def test_the_report_has_the_study_when_make_study_loop_ran(tmp_path):
         def search_runs(self, ids, filter_string, **kw):
             return [stage] if "parentRunId" in filter_string else [flow]
 
-    study = _study_figures(Client(), SimpleNamespace(experiment="kibidango-tiny", name="tiny"))
+    plan = SimpleNamespace(experiment="kibidango-tiny", name="tiny")
+    study = _study_figures(Client(), plan)
     lines = "\n".join(_study_section(study))
     assert "### The study" in lines and "| pairs25 | 24% [19%, 29%] | 12 / 4, p = 0.080 | 30% |" in lines
     assert "1R (cascade pairs) minus gold-only: -1.0%" in lines and "non-inferior" in lines
+    assert "earlier 1R" not in lines
+    # A study whose arms were trained beside another 1R than the report's says so.
+    stage.data.tags[f"{TAG}input_keys"] = json.dumps({"retrained": "aaa", "student": "bbb"})
+    assert _study_figures(Client(), plan, "aaa")["earlier"] is None
+    study = _study_figures(Client(), plan, "ccc")
+    assert study["earlier"] == "aaa" and "beside an earlier 1R** (cache key `aaa`" in "\n".join(_study_section(study))
     diff, ci = _paired_difference([(True, False)] * 10 + [(False, False)] * 10)
     assert diff == pytest.approx(0.5) and ci[0] <= 0.5 <= ci[1]
 
@@ -325,8 +332,8 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
         "| round 2 adds a further gain | a gain, p < 0.05 (or the figure) | +5.0 points (42.0% -> 47.0%), "
         "p = 0.036 | yes |" in lines
     )
-    assert "| 1R beats the replay control | p < 0.05 | 40 / 10 discordant, p = 0.000 | yes |" in lines
-    assert "| -1.0 points [-5.0, +3.0] | no |" in lines
+    assert "| 1R beats the replay control | p < 0.05 | 40 / 10 discordant, p = 0.000 (the study) | yes |" in lines
+    assert "| -1.0 points [-5.0, +3.0] (the study) | no |" in lines
     assert "| 0.810 [0.740, 0.880] on 120 fresh queries | yes |" in lines
     assert "| predicted 20.0%, measured 28.0% | no |" in lines
 
