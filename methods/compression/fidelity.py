@@ -166,9 +166,22 @@ class FidelityRow:
         """A candidate's row: ``size`` bytes over ``weights`` parameters, ``div`` against the
         reference, its ladder verdicts."""
         return cls(
-            name, source, quant, imatrix, embedding, size, 8 * size / weights, div.ppl, div.ppl_ratio,
-            div.mean_kl, sum(ladder), len(ladder), agreement, tokens_per_s, div.tokens,
-        )  # fmt: skip
+            name,
+            source,
+            quant,
+            imatrix,
+            embedding,
+            size,
+            8 * size / weights,
+            div.ppl,
+            div.ppl_ratio,
+            div.mean_kl,
+            sum(ladder),
+            len(ladder),
+            agreement,
+            tokens_per_s,
+            div.tokens,
+        )
 
     @classmethod
     def reference_of(
@@ -176,9 +189,23 @@ class FidelityRow:
     ) -> FidelityRow:
         """The reference's own row (F16), its perplexity read off any candidate's ``div``."""
         return cls(
-            name, source, "F16", False, None, size, 8 * size / weights, div.ppl_reference, 1.0, 0.0,
-            sum(ladder), len(ladder), None, tokens_per_s, div.tokens, reference=True,
-        )  # fmt: skip
+            name,
+            source,
+            "F16",
+            False,
+            None,
+            size,
+            8 * size / weights,
+            div.ppl_reference,
+            1.0,
+            0.0,
+            sum(ladder),
+            len(ladder),
+            None,
+            tokens_per_s,
+            div.tokens,
+            reference=True,
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -169,7 +169,7 @@ class FastTokenizer:
 def _compiled(template: str):
     """The template compiled once (stage 9 and the showcase render one per prompt). The server renders
     a client's turns apart, bounded, in a worker (kibidango.server.template_worker)."""
-    from kibidango.jinja_env import chat_environment
+    from kibidango.addons.chat_template import chat_environment
 
     return chat_environment().from_string(template)
 

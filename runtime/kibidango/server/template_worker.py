@@ -30,7 +30,7 @@ import sys
 import time
 from functools import lru_cache
 
-from kibidango.jinja_env import chat_environment
+from kibidango.addons.chat_template import chat_environment
 
 
 class _Bound(Exception):
