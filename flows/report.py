@@ -376,8 +376,8 @@ def _study_figures(client, plan, retrained_key: str | None = None) -> dict | Non
     if "1R" not in (comparison.get("models") or {}):
         return None
     study = {"run": runs["1S"], "where": where, "comparison": comparison, "gold": None, "earlier": None}
-    studied = runs["1S"].data.tags.get(f"{TAG}input_keys")
-    studied = json.loads(studied).get("retrained") if studied else None
+    input_keys = runs["1S"].data.tags.get(f"{TAG}input_keys")
+    studied = json.loads(input_keys).get("retrained") if input_keys else None
     if retrained_key and studied and studied != retrained_key:
         study["earlier"] = studied
     verdicts = Path(where) / "evaluation.jsonl"

@@ -599,6 +599,11 @@ def _card(r: dict) -> str:
         lines.append(f"Peak RSS of a process that loads the bundle and generates: {r['peak_rss_mb']:.0f} MB.")
     if beside:
         m, sp = r["input_model"], r["input_model"]["speed"]
+        ran_with = ""  # an evaluation from before the adapter was recorded says nothing
+        if "adapter" in sp:
+            ran_with = " The bundle's target ran with " + (
+                f"its default adapter `{sp['adapter']}`." if sp["adapter"] else "its bare weights."
+            )
         target = size["tiers"].get("target/gguf") or size["tiers"].get("target/hf")
         rss = "-" if m["peak_rss_mb"] is None else f"{m['peak_rss_mb']:.0f} MB"
         lines += [
@@ -618,14 +623,7 @@ def _card(r: dict) -> str:
             "",
             f"Speed: the bundle target's and the input's one-token steps, {sp['prompts']} evaluation prompts x "
             f"{sp['new_tokens']} tokens x {sp['rounds']} rounds, the two in turn; 95% bootstrap interval over "
-            "(prompt, round) cells. The bundle's tuned decoding mode adds its own ratio over ar (1F). "
-            + (
-                ""
-                if "adapter" not in sp  # an evaluation from before it was recorded
-                else f"The bundle's target ran with its default adapter `{sp['adapter']}`."
-                if sp["adapter"]
-                else "The bundle's target ran with its bare weights."
-            ),
+            f"(prompt, round) cells. The bundle's tuned decoding mode adds its own ratio over ar (1F).{ran_with}",
         ]
     speed = r["speed"]
     if speed:

@@ -21,7 +21,7 @@ and agreement are all within the recipe's bounds.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -188,24 +188,8 @@ class FidelityRow:
         cls, name: str, source: str, size: int, weights: int, div: Divergence, ladder: list[bool], tokens_per_s: float
     ) -> FidelityRow:
         """The reference's own row (F16), its perplexity read off any candidate's ``div``."""
-        return cls(
-            name,
-            source,
-            "F16",
-            False,
-            None,
-            size,
-            8 * size / weights,
-            div.ppl_reference,
-            1.0,
-            0.0,
-            sum(ladder),
-            len(ladder),
-            None,
-            tokens_per_s,
-            div.tokens,
-            reference=True,
-        )
+        row = cls.measured(name, source, "F16", size, weights, div, ladder, tokens_per_s)
+        return replace(row, ppl=div.ppl_reference, ppl_ratio=1.0, kl=0.0, reference=True)
 
     def as_dict(self) -> dict:
         return asdict(self)
