@@ -46,6 +46,7 @@ from methods.compression.gguf import (
     fallback_tensors,
     gguf_parameters,
     gguf_response_loss,
+    greedy_paths,
     quantize,
     token_agreement,
 )
@@ -331,11 +332,17 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
     speed = {label: tokens_per_s(c) for label, c in cells.items()}
     agree_prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
     agreement = {}
-    for src in dict.fromkeys(src for _, src, _ in made.files.values()):
+    # each source's greedy paths once (torch decoding is the slow part), then every GGUF of it along
+    # them; the reference F16's own agreement is what a faithful export of that model reaches
+    for src in dict.fromkeys([f.reference, *(src for _, src, _ in made.files.values())]):
         hf = TorchModel(made.sources[src], name=src)
-        for label, (_, s, _) in made.files.items():
-            if s == src:
-                agreement[label] = token_agreement(hf, models[label], tokenizer, agree_prompts, cfg.new_tokens)
+        log.info("2D %s fidelity: %s's greedy paths on %d prompts (agreement)", tier, src, len(agree_prompts))
+        paths = greedy_paths(hf, agree_prompts, cfg.new_tokens)
+        ggufs = {label: models[label] for label, (_, s, _) in made.files.items() if s == src}
+        if src == f.reference:
+            ggufs[ref_label] = reference
+        for label, model in ggufs.items():
+            agreement[label] = token_agreement(hf, model, tokenizer, agree_prompts, cfg.new_tokens, paths)
         del hf
     return _Measured(div, ladder, speed, agreement, reference.parameters())
 
@@ -353,6 +360,8 @@ def _rows(f: Fidelity, made: _Candidates, m: _Measured) -> list[fid.FidelityRow]
             ref_div,
             m.ladder[ref_label],
             m.speed[ref_label],
+            m.agreement[ref_label].agreement,
+            m.agreement[ref_label].interval(),
         )
     ]
     for label, (c, src, path) in made.files.items():
@@ -369,6 +378,7 @@ def _rows(f: Fidelity, made: _Candidates, m: _Measured) -> list[fid.FidelityRow]
                 agreement=m.agreement[label].agreement,
                 imatrix=c.imatrix,
                 embedding=c.embedding,
+                agreement_interval=m.agreement[label].interval(),
             )
         )
     return rows
@@ -462,13 +472,15 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         }
         metrics.update({f"{tier}_{k}": v for k, v in m.items()})
         verdict = "PASS" if agreement.agreement >= gate else "FAIL"
+        lo, hi = agreement.interval()
         report += [
             f"## {tier}: {quant}, {m['gguf_bytes'] / 1e6:.2f} MB ({m['bits_per_weight']:.2f} bits/weight)  {verdict}",
             "",
             f"{fallbacks} tensors in llama.cpp's fallback type (rows not a multiple of the quant block; "
             f"see {tier}/{gguf.with_suffix('.log').name})",
             "",
-            f"token agreement with {source}'s {hf_dir.name} (HF): {agreement.agreement:.2%} of "
+            f"token agreement with {source}'s {hf_dir.name} (HF): {agreement.agreement:.2%} "
+            f"[{lo:.1%}, {hi:.1%}: 95% bootstrap over prompts] of "
             f"{agreement.positions} positions ({agreement.identical_prompts}/{agreement.prompts} prompts x "
             f"{cfg.new_tokens} tokens identical); gate {gate:.0%}",
             "",

@@ -26,8 +26,9 @@
    tasks of the **mining** part (a draw of its own; stage 9 judges on the evaluation part) with and
    without the LoRA, greedy, judged by the math judge; the adapter is fit to be the bundle's default
    weights (``default_weights`` in ``adapter.json``, which stage 2G reads) only if it passes more
-   tasks than the bare weights: a tie keeps the bare weights, which decode without the LoRA's extra
-   matmuls.
+   tasks than the bare weights, by a paired exact McNemar test at ``check.max_p`` where the recipe
+   asks for one: a tie, or a gain within noise, keeps the bare weights, which decode without the
+   LoRA's extra matmuls.
 
 ``base`` says which compressed weights the LoRA recovers. ``awq``: the compressed target as
 transformers loads it (2B, the torch backend's weights). ``gguf``: the GGUF the bundle ships for
@@ -85,6 +86,18 @@ class TaskCheck(BaseModel):
     speed_prompts: int = Field(
         6, gt=0, description="`base: gguf`: held-out prompts timed per row (48 tokens, 2 rounds)."
     )
+    max_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="The adapter becomes the default weights only if it passes more tasks AND the exact McNemar "
+        "test of the two (two-sided) gives p <= max_p: a LoRA set by default costs decoding speed and memory "
+        "on every request, so a gain within noise keeps the bare weights (1.0: passing more is enough).",
+    )
+
+    def default_weights(self, adapter_passed: int, bare_passed: int, p: float) -> bool:
+        """Whether the adapter is fit to be the default weights: more tasks passed, at ``p <= max_p``."""
+        return adapter_passed > bare_passed and p <= self.max_p
 
 
 RESUMABLE = True
@@ -132,7 +145,8 @@ class Config(StageConfig):
     check: TaskCheck | None = Field(
         None,
         description="Answer held-out ladder tasks with and without the adapter; it becomes the default weights "
-        "only if it passes more (a tie keeps the bare weights; None: no check, the adapter is fit to be the default).",
+        "only if it passes more, at check.max_p (a tie keeps the bare weights; None: no check, the adapter is fit "
+        "to be the default).",
     )
 
     @model_validator(mode="after")
@@ -179,7 +193,7 @@ def _candidates(data: Path, cfg: Config) -> list[dict]:
 def task_check(check: TaskCheck, compressed: Path, adapter_dir: Path, work_dir: Path) -> dict:
     """Pass counts of the compressed target on ``check``'s ladder tasks without and with the adapter
     in ``adapter_dir`` (its ``adapter.json``), the paired McNemar test, and whether the adapter is
-    fit to be the default weights (it passes more: a tie keeps the bare weights). Each pass is resumable in its own
+    fit to be the default weights (:meth:`TaskCheck.default_weights`). Each pass is resumable in its own
     directory under ``work_dir`` (:func:`methods.heldout.answer_and_judge`)."""
     from methods.evaluation import mcnemar
     from methods.failures import verdict_record
@@ -216,7 +230,7 @@ def task_check(check: TaskCheck, compressed: Path, adapter_dir: Path, work_dir: 
         "adapter_only": test["a_only"],
         "bare_only": test["b_only"],
         "p": test["p"],
-        "default_weights": adapted > bare,
+        "default_weights": check.default_weights(adapted, bare, test["p"]),
     }
 
 
@@ -431,7 +445,7 @@ def gguf_check(
         "adapter_only": test["a_only"],
         "bare_only": test["b_only"],
         "p": test["p"],
-        "default_weights": adapted_n > bare_n,
+        "default_weights": check.default_weights(adapted_n, bare_n, test["p"]),
     }
     return verdict, table
 
@@ -549,5 +563,6 @@ def _summary(cfg: Config, metrics: dict, check: dict | None) -> str:
             f"; held-out math ladder (mining part) {check['bare_passed']}/{check['tasks']} bare, "
             f"{check['adapter_passed']}/{check['tasks']} with the LoRA (p={check['p']:.2f}): "
             + ("the default weights" if check["default_weights"] else "not the default weights")
+            + (f" (the rule: passes more at p <= {cfg.check.max_p})" if cfg.check.max_p < 1 else "")
         )
     return summary

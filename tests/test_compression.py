@@ -202,6 +202,15 @@ def _check_recovery_adapter(compressed, dense, tmp_path, monkeypatch):
         assert result["default_weights"] == fit, (name, reward_change, result)
 
 
+def test_an_adapter_that_costs_speed_is_the_default_only_beyond_noise_where_the_recipe_asks():
+    from stages.recovery_lora import TaskCheck
+
+    plain, strict = TaskCheck(), TaskCheck(max_p=0.05)
+    assert plain.default_weights(17, 15, 0.625) and not plain.default_weights(15, 15, 1.0)
+    assert not strict.default_weights(17, 15, 0.625)  # the small run's check: 3 vs 1 discordant
+    assert strict.default_weights(20, 12, 0.039) and not strict.default_weights(12, 20, 0.039)
+
+
 def test_a_group_size_the_widths_do_not_allow_names_the_stage(family, data, tmp_path):
     with pytest.raises(
         KibidangoError,
@@ -302,6 +311,8 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
     ]
     ref = rows[0]
     assert ref["reference"] and ref["ppl_ratio"] == 1.0 and ref["kl"] == 0.0
+    # every row's agreement (the reference F16's with its own model too) with its bootstrap interval
+    assert all(lo <= r["agreement"] <= hi for r in rows for lo, hi in [r["agreement_interval"]])
     assert all(r["tokens"] == ref["tokens"] > 0 and r["ladder_tasks"] == 2 for r in rows)
     assert all(r["kl"] > 0 and r["bytes"] < ref["bytes"] for r in rows[1:])
     fits = [r for r in rows[1:] if not r["why_not"]]

@@ -162,3 +162,60 @@ def test_a_row_reads_its_figures_off_the_divergence_and_ladder():
     ref = fid.FidelityRow.reference_of("F16", "reference", 2000, 1000, d, [True] * 3, 40.0)
     assert ref.reference and ref.ppl == pytest.approx(np.exp(2.0)) and (ref.ppl_ratio, ref.kl) == (1.0, 0.0)
     assert (ref.bits_per_weight, ref.agreement, ref.quant) == (16.0, None, "F16")
+
+
+class _Session:
+    """Logits over 8 tokens: the next token is the last one + 1, except after ``flip``."""
+
+    def __init__(self, flip: int | None) -> None:
+        self.flip, self.last = flip, None
+
+    def feed(self, ids: list[int]) -> np.ndarray:
+        rows = []
+        for t in ids:
+            nxt = 0 if t == self.flip else (t + 1) % 8
+            rows.append(np.eye(8)[nxt] * 5.0)
+        return np.stack(rows)
+
+
+class _Model:
+    def __init__(self, flip: int | None = None) -> None:
+        self.flip = flip
+
+    def new_session(self) -> _Session:
+        return _Session(self.flip)
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_token_agreement_along_shared_greedy_paths_with_an_interval_over_prompts():
+    from methods.compression.gguf import greedy_paths, token_agreement
+
+    hf, gguf = _Model(), _Model(flip=5)  # the GGUF differs wherever the path reaches token 5
+    prompts = [[0], [4], [6], [1, 2]]
+    paths = greedy_paths(hf, prompts, 4)
+    assert [p for p, _ in paths] == [[1, 2, 3, 4], [5, 6, 7, 0], [7, 0, 1, 2], [3, 4, 5, 6]]
+    report = token_agreement(hf, gguf, _Tokenizer(), prompts, 4, paths)
+    # teacher-forced: only the position after a 5 differs (prompt 2 at 1, prompt 4 at 3)
+    assert report.per_prompt == [(4, 4), (3, 4), (4, 4), (3, 4)]
+    assert (report.agreement, report.positions, report.identical_prompts) == (14 / 16, 16, 2)
+    assert [d.position for d in report.divergences] == [1, 3]
+    assert token_agreement(hf, gguf, _Tokenizer(), prompts, 4) == report  # the paths are hf's own
+    lo, hi = report.interval()
+    assert 0.75 <= lo <= report.agreement <= hi == 1.0  # the resampled shares lie between 3/4 and 1
+    same = token_agreement(hf, hf, _Tokenizer(), prompts, 4, paths)
+    assert same.agreement == 1.0 and same.interval() == (1.0, 1.0)
+
+
+def test_the_table_shows_agreement_with_its_interval():
+    d = fid.Divergence(nll_reference=20.0, nll=21.0, kl=0.5, tokens=10)
+    row = fid.FidelityRow.measured(
+        "Q5_0", "reference", "Q5_0", 500, 1000, d, [True], 42.0, agreement=0.893, agreement_interval=(0.871, 0.912)
+    )
+    ref = fid.FidelityRow.reference_of("F16", "reference", 2000, 1000, d, [True], 40.0, 0.995, (0.99, 1.0))
+    assert (ref.agreement, ref.agreement_interval) == (0.995, (0.99, 1.0))
+    text = fid.table([ref, row])
+    assert "89.3% [87.1%, 91.2%]" in text and "99.5% [99.0%, 100.0%]" in text

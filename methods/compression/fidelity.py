@@ -147,6 +147,8 @@ class FidelityRow:
     reference: bool = False
     chosen: bool = False
     why_not: list[str] = field(default_factory=list)
+    agreement_interval: tuple[float, float] | None = None
+    """95% bootstrap interval of ``agreement`` over its prompts."""
 
     @classmethod
     def measured(
@@ -162,6 +164,7 @@ class FidelityRow:
         agreement: float | None = None,
         imatrix: bool = False,
         embedding: str | None = None,
+        agreement_interval: tuple[float, float] | None = None,
     ) -> FidelityRow:
         """A candidate's row: ``size`` bytes over ``weights`` parameters, ``div`` against the
         reference, its ladder verdicts."""
@@ -181,14 +184,26 @@ class FidelityRow:
             agreement,
             tokens_per_s,
             div.tokens,
+            agreement_interval=agreement_interval,
         )
 
     @classmethod
     def reference_of(
-        cls, name: str, source: str, size: int, weights: int, div: Divergence, ladder: list[bool], tokens_per_s: float
+        cls,
+        name: str,
+        source: str,
+        size: int,
+        weights: int,
+        div: Divergence,
+        ladder: list[bool],
+        tokens_per_s: float,
+        agreement: float | None = None,
+        agreement_interval: tuple[float, float] | None = None,
     ) -> FidelityRow:
-        """The reference's own row (F16), its perplexity read off any candidate's ``div``."""
-        row = cls.measured(name, source, "F16", size, weights, div, ladder, tokens_per_s)
+        """The reference's own row (F16), its perplexity read off any candidate's ``div``; its agreement
+        with its own transformers model, where measured, is what a faithful export reaches."""
+        row = cls.measured(name, source, "F16", size, weights, div, ladder, tokens_per_s, agreement)
+        row.agreement_interval = agreement_interval
         return replace(row, ppl=div.ppl_reference, ppl_ratio=1.0, kl=0.0, reference=True)
 
     def as_dict(self) -> dict:
@@ -230,6 +245,8 @@ def table(rows: list[FidelityRow]) -> str:
     for r in sorted(rows, key=lambda r: (not r.reference, -r.bytes)):
         verdict = "reference" if r.reference else "**chosen**" if r.chosen else "; ".join(r.why_not) or "fits, larger"
         agreement = "" if r.agreement is None else f"{r.agreement:.1%}"
+        if r.agreement_interval is not None:
+            agreement += f" [{r.agreement_interval[0]:.1%}, {r.agreement_interval[1]:.1%}]"
         out.append(
             f"| {r.name} | {r.bits_per_weight:.2f} | {r.bytes / 1e6:.1f} | {r.ppl:.3f} ({r.ppl_ratio:.3f}) | "
             f"{r.kl:.4f} | {r.ladder_passed}/{r.ladder_tasks} | {agreement} | {r.tokens_per_s:.1f} | {verdict} |"

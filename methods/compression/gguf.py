@@ -19,7 +19,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ __all__ = [
     "fallback_tensors",
     "tier_gguf",
     "quantize",
+    "greedy_paths",
     "token_agreement",
     "gguf_response_loss",
 ]
@@ -178,6 +179,19 @@ class AgreementReport:
     identical_prompts: int
     prompts: int
     divergences: list[Divergence]
+    per_prompt: list[tuple[int, int]] = field(default_factory=list)
+    """(agreeing positions, positions) of each prompt, in prompt order."""
+
+    def interval(self, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+        """A percentile bootstrap interval of the agreement, resampling prompts (a prompt's positions
+        share one context, so they are not independent draws)."""
+        if not self.per_prompt:
+            return self.agreement, self.agreement
+        counts = np.array(self.per_prompt, dtype=np.float64)
+        draws = np.random.default_rng(seed).integers(0, len(counts), size=(resamples, len(counts)))
+        shares = counts[draws, 0].sum(1) / np.maximum(counts[draws, 1].sum(1), 1)
+        lo, hi = np.quantile(shares, [(1 - level) / 2, (1 + level) / 2])
+        return float(lo), float(hi)
 
     def table(self, limit: int = 8) -> str:
         """Where the GGUF first differs from the HF model, worst prompts first."""
@@ -201,17 +215,26 @@ def _greedy(session, prompt: list[int], new_tokens: int) -> tuple[list[int], np.
     return out, np.stack(rows)
 
 
-def token_agreement(hf, gguf, tokenizer, prompts: list[list[int]], new_tokens: int) -> AgreementReport:
+def greedy_paths(hf, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], np.ndarray]]:
+    """``hf``'s greedy continuation of each prompt and the logits rows that chose it: computed once
+    per source model, then compared with each of its GGUFs by :func:`token_agreement`."""
+    return [_greedy(hf.new_session(), ids, new_tokens) for ids in prompts]
+
+
+def token_agreement(
+    hf, gguf, tokenizer, prompts: list[list[int]], new_tokens: int, paths: list | None = None
+) -> AgreementReport:
     """Agreement of ``gguf`` (a runtime llamacpp model) with ``hf`` (a runtime torch model) along
-    ``hf``'s greedy continuations of ``prompts``."""
-    agree = total = identical = 0
-    divergences = []
-    for ids in prompts:
-        path, hf_rows = _greedy(hf.new_session(), ids, new_tokens)
+    ``hf``'s greedy continuations of ``prompts`` (``paths``: those continuations, from
+    :func:`greedy_paths`, when several GGUFs of one model are compared)."""
+    if paths is None:
+        paths = greedy_paths(hf, prompts, new_tokens)
+    per_prompt, identical, divergences = [], 0, []
+    for ids, (path, hf_rows) in zip(prompts, paths, strict=True):
         g_rows = gguf.new_session().feed(ids + path[:-1])[len(ids) - 1 :]
         g_choice = g_rows.argmax(-1)
         same = g_choice == np.array(path)
-        agree, total = agree + int(same.sum()), total + len(path)
+        per_prompt.append((int(same.sum()), len(path)))
         if same.all():
             identical += 1
             continue
@@ -227,7 +250,8 @@ def token_agreement(hf, gguf, tokenizer, prompts: list[list[int]], new_tokens: i
             )
         )
     divergences.sort(key=lambda d: d.position)
-    return AgreementReport(agree / max(total, 1), total, identical, len(prompts), divergences)
+    agree, total = sum(a for a, _ in per_prompt), sum(n for _, n in per_prompt)
+    return AgreementReport(agree / max(total, 1), total, identical, len(prompts), divergences, per_prompt)
 
 
 def gguf_response_loss(gguf, tokenizer, rows: list[dict], max_len: int) -> dict[str, float]:
