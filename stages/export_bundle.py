@@ -53,7 +53,9 @@ class Config(StageConfig):
     )
     gguf_input: str = Field("gguf", description="Input holding the 2D GGUF files (`<input>/<tier>/*.gguf`).")
     adapters: list[str] = Field(
-        default_factory=list, description="Inputs holding an adapter (adapter.json), shipped under adapters/<domain>/."
+        default_factory=list,
+        description="Inputs that may hold an adapter (adapter.json), shipped under adapters/<domain>/ when wired and "
+        "its stage's check let it ship (an input the preset does not wire: its stage did not run).",
     )
     router: str | None = Field(
         None, description="Input holding the domain router (stage 6A's router.json), shipped as router/router.json."
@@ -86,7 +88,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from kibidango.bundle import load_bundle, write_bundle
 
     parts = [p for p in (cfg.router, cfg.calibration, cfg.escalation, cfg.cascade) if p]
-    for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *cfg.adapters, *parts]:
+    for name in [*cfg.hf_tiers.values(), cfg.gguf_input, *parts]:
         if name not in inputs:
             raise KibidangoError(f"input {name!r} is not wired (add it to the preset's needs of stage X)")
     tiers: dict[str, dict[str, Any]] = {}
@@ -143,6 +145,9 @@ def _add_extras(
             (hf / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
     shipped = []
     for name in cfg.adapters:
+        if name not in inputs:  # the preset does not run its stage (recipes/graph.yaml: an optional input)
+            log.info(f"adapter input {name!r} is not wired: the preset does not run its stage")
+            continue
         if not ships(inputs[name]):  # its stage's check: no better than the weights it modifies
             log.info(f"adapter input {name!r} does not ship (its stage's check found it no better)")
             continue

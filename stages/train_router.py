@@ -3,7 +3,8 @@
 Trained on stage 0's domain labels (train split), evaluated on its test split; the features are
 the runtime's hashed n-grams and the model an MLP dim-64-32-K (:mod:`kibidango.addons.router`, trained by
 :mod:`methods.routing`), so the runtime loads ``router.json`` with numpy alone. The labels are
-``domains`` (the bundle's adapters) plus ``base`` for a row of any other domain. A control trained
+``domains`` whose adapter input is wired and ships (the bundle's adapters) plus ``base`` for a
+row of any other domain. A control trained
 on shuffled labels shows what the features alone do not explain.
 
 Outputs: ``router.json``, ``router_eval.json`` (accuracy, majority baseline, control, per-domain
@@ -30,7 +31,10 @@ log = logging.getLogger("kibidango.stage.6A")
 
 
 class Config(StageConfig):
-    domains: list[str] = Field(description="Domains with an adapter in the bundle; other rows are labelled `base`.")
+    domains: list[str] = Field(
+        description="Domains that may have an adapter (an input of that name): those whose adapter is wired and "
+        "ships are routed to; every other row is labelled `base`."
+    )
     dim: int = Field(128, gt=0, description="Hashed feature dimensions (the plan's 128).")
     hidden: list[int] = Field([64, 32], description="Hidden layer widths (the plan's 64-32).")
     epochs: int = Field(20, gt=0, description="Passes over the training rows.")
@@ -47,10 +51,14 @@ def query_text(row: dict) -> str:
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     data = inputs["data"] / "dataset"
-    # route only to adapters that ship: a domain whose adapter input (named for the domain) its
-    # stage's check found no better than the weights it modifies is routed to `base`
-    domains = [d for d in cfg.domains if d not in inputs or ships(inputs[d])]
-    dropped = sorted(set(cfg.domains) - set(domains))
+    # route only to adapters that ship: a domain whose adapter input (named for the domain) is not
+    # wired (the preset does not run its stage) or whose stage's check found it no better than the
+    # weights it modifies is routed to `base`
+    domains = [d for d in cfg.domains if d in inputs and ships(inputs[d])]
+    unwired = [d for d in cfg.domains if d not in inputs]
+    if unwired:
+        log.info(f"routing no query to {', '.join(unwired)}: no adapter input (the preset does not run its stage)")
+    dropped = sorted(set(cfg.domains) - set(domains) - set(unwired))
     if dropped:
         log.info(f"routing no query to {', '.join(dropped)}: those adapters do not ship")
     labels = [*domains, "base"]

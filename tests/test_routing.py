@@ -28,18 +28,29 @@ def stage0(tmp_path_factory):
 def test_the_router_beats_the_majority_class_and_a_shuffled_control_does_not(stage0, tmp_path):
     """Stage 6A with the tiny recipe on the real stage-0 output."""
     from kibidango.addons.router import Router
+    from methods.training.adapter_manifest import write_adapter_manifest
     from stages.train_router import Config, run
 
-    result = run(
-        Config(**yaml.safe_load((REPO_ROOT / "recipes/stage6A/tiny.yaml").read_text())), {"data": stage0}, tmp_path
-    )
+    cfg = Config(**yaml.safe_load((REPO_ROOT / "recipes/stage6A/tiny.yaml").read_text()))
+    adapters = {}
+    for domain in ("code", "math", "general"):  # adapters their stages did not check: they ship
+        adapters[domain] = tmp_path / "adapters" / domain
+        adapters[domain].mkdir(parents=True)
+        write_adapter_manifest(adapters[domain], {}, domain=domain, base_tier="target")
+    # a preset that runs none of the adapter stages wires none: every query goes to the base weights
+    (tmp_path / "alone").mkdir()
+    alone = run(cfg, {"data": stage0}, tmp_path / "alone")
+    assert json.loads((tmp_path / "alone" / "router.json").read_text())["labels"] == ["base"], alone.metrics
+    out = tmp_path / "router"
+    out.mkdir()
+    result = run(cfg, {"data": stage0, **adapters}, out)
     m = result.metrics
     assert m["test_accuracy"] > m["majority_baseline"] + 0.05, m
     assert m["shuffled_label_control"] < m["test_accuracy"] - 0.2, m
-    router = Router.load(tmp_path / "router.json")
+    router = Router.load(out / "router.json")
     assert router.labels == ["code", "math", "general", "base"] and len(router.layers) == 3
     assert [w.shape for w, _ in router.layers] == [(128, 64), (64, 32), (32, 4)]
-    assert "| code |" in (tmp_path / "ROUTER_CARD.md").read_text()
+    assert "| code |" in (out / "ROUTER_CARD.md").read_text()
 
 
 def test_the_runtime_router_reads_back_what_was_trained(tmp_path):
