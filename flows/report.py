@@ -376,6 +376,7 @@ def _study_figures(client, plan, retrained_key: str | None = None) -> dict | Non
     if "1R" not in (comparison.get("models") or {}):
         return None
     study = {"run": runs["1S"], "where": where, "comparison": comparison, "gold": None, "earlier": None}
+    study["adapters"] = _study_adapters(runs)
     input_keys = runs["1S"].data.tags.get(f"{TAG}input_keys")
     studied = json.loads(input_keys).get("retrained") if input_keys else None
     if retrained_key and studied and studied != retrained_key:
@@ -391,6 +392,40 @@ def _study_figures(client, plan, retrained_key: str | None = None) -> dict | Non
         diff, ci = _paired_difference(pairs)
         study["gold"] = {"diff": diff, "ci": ci, "tasks": len(pairs)}
     return study
+
+
+def _study_adapters(runs: dict) -> list[dict]:
+    """The domain adapters (3-5) a study trained, where the preset's own run leaves them out: each
+    one's held-out check (adapter.json) with its run and artifact."""
+    out = []
+    for sid, run in runs.items():
+        where = run.data.tags.get(f"{TAG}artifact")
+        manifest = _json(Path(where) / "adapter.json") if where and base_id(sid) in ("3", "4", "5") else None
+        if manifest and manifest.get("check"):
+            out.append({"sid": sid, "run": run, "where": where, "domain": manifest["domain"], **manifest["check"]})
+    return out
+
+
+def _adapter_lines(adapters: list[dict]) -> list[str]:
+    """The study's domain adapters: each against the weights it modifies on its domain's held-out tasks."""
+    if not adapters:
+        return []
+    lines = [
+        "",
+        "### The domain adapters (stages 3-5, in the study)",
+        "",
+        "Each adapter against 1R's weights on its own domain's held-out tasks (mining part, less what 1B mined), "
+        "greedy; it ships only if it passes more by an exact McNemar test at its recipe's `ship_p`, and 6A routes only to those that ship.",
+        "",
+        "| stage | domain | tasks | 1R alone | with the adapter | adapter only / 1R only, p | ships |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for a in adapters:
+        lines.append(
+            f"| {a['sid']} | {a['domain']} | {a['tasks']} | {a['base_passes']} | {a['adapter_passes']} | "
+            f"{a['adapter_only']} / {a['base_only']}, p = {a['p']:.3f} | {'yes' if a['ships'] else 'no'} |"
+        )
+    return [*lines, "", " ".join(_cite(a["sid"], a["run"], a["where"]) for a in adapters)]
 
 
 def _later_rounds(client, plan) -> tuple[dict, dict]:
@@ -450,7 +485,7 @@ def _study_section(study: dict | None) -> list[str]:
             f"**This study trained its arms beside an earlier 1R** (cache key `{study['earlier']}`, not this "
             "report's): the loop has been recomputed since; `make study-loop` reruns the study on this one.",
         ]
-    return [*lines, "", _cite("1S", study["run"], study["where"])]
+    return [*lines, "", _cite("1S", study["run"], study["where"]), *_adapter_lines(study.get("adapters") or [])]
 
 
 Claim = tuple[str, str, str, str]

@@ -241,13 +241,18 @@ def test_the_report_has_the_study_when_make_study_loop_ran(tmp_path):
     run = lambda tags, **info: SimpleNamespace(data=SimpleNamespace(tags=tags), info=SimpleNamespace(**info))  # noqa: E731
     flow = run({}, run_id="flow", experiment_id="e")
     stage = run({f"{TAG}stage_id": "1S", f"{TAG}artifact": str(where), "mlflow.parentRunId": "flow"}, run_id="s")
+    math = tmp_path / "4"  # a domain adapter the study trained (the preset's own run leaves 3-5 out)
+    math.mkdir()
+    check = {"tasks": 48, "base_passes": 24, "adapter_passes": 23, "adapter_only": 2, "base_only": 3, "p": 1.0}
+    (math / "adapter.json").write_text(json.dumps({"domain": "math", "check": {**check, "ships": False}}))
+    adapter = run({f"{TAG}stage_id": "4", f"{TAG}artifact": str(math), "mlflow.parentRunId": "flow"}, run_id="m")
 
     class Client:
         def get_experiment_by_name(self, name):
             return SimpleNamespace(experiment_id="e")
 
         def search_runs(self, ids, filter_string, **kw):
-            return [stage] if "parentRunId" in filter_string else [flow]
+            return [stage, adapter] if "parentRunId" in filter_string else [flow]
 
     plan = SimpleNamespace(experiment="kibidango-tiny", name="tiny")
     study = _study_figures(Client(), plan)
@@ -255,6 +260,8 @@ def test_the_report_has_the_study_when_make_study_loop_ran(tmp_path):
     assert "### The study" in lines and "| pairs25 | 24% [19%, 29%] | 12 / 4, p = 0.080 | 30% |" in lines
     assert "1R (cascade pairs) minus gold-only: -1.0%" in lines and "non-inferior" in lines
     assert "earlier 1R" not in lines
+    assert "### The domain adapters (stages 3-5, in the study)" in lines
+    assert "| 4 | math | 48 | 24 | 23 | 2 / 3, p = 1.000 | no |" in lines
     # A study whose arms were trained beside another 1R than the report's says so.
     stage.data.tags[f"{TAG}input_keys"] = json.dumps({"retrained": "aaa", "student": "bbb"})
     assert _study_figures(Client(), plan, "aaa")["earlier"] is None
