@@ -415,7 +415,8 @@ def _adapter_lines(adapters: list[dict]) -> list[str]:
         "### The domain adapters (stages 3-5, in the study)",
         "",
         "Each adapter against 1R's weights on its own domain's held-out tasks (mining part, less what 1B mined), "
-        "greedy; it ships only if it passes more by an exact McNemar test at its recipe's `ship_p`, and 6A routes only to those that ship.",
+        "greedy; it ships only if it passes more by an exact McNemar test at its recipe's `ship_p`, and 6A "
+        "routes only to those that ship.",
         "",
         "| stage | domain | tasks | 1R alone | with the adapter | adapter only / 1R only, p | ships |",
         "|---|---|---:|---:|---:|---:|---|",
