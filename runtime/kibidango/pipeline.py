@@ -181,11 +181,15 @@ class Pipeline:
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = metrics if metrics is not None else Metrics(cfg.mode)
+        given = metrics.target_rows
+        metrics.target_rows = self._target_rows(cfg, score, given)
         query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
         self._route(query, adapter, metrics)
         yield from self._text(ids, cfg, stop or [], metrics, out, should_stop)
         self._score(ids, out, metrics, score)
+        if given is None:
+            metrics.target_rows = None  # the pipeline's own rows, scored: not kept with the metrics
 
     def generate(
         self,
@@ -203,12 +207,14 @@ class Pipeline:
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = Metrics(cfg.mode)
-        metrics.target_rows = target_rows if cfg.mode == "ar" else None
+        metrics.target_rows = self._target_rows(cfg, score, target_rows)
         query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
         self._route(query, adapter, metrics)
         text = "".join(self._text(ids, cfg, stop or [], metrics, out, should_stop))
         self._score(ids, out, metrics, score)
+        if target_rows is None:
+            metrics.target_rows = None  # the pipeline's own rows, scored: not kept with the result
         return GenerationResult(text, out, metrics)
 
     def resolve_adapter(self, query: str, adapter: str | None = None) -> tuple[str | None, str | None, float | None]:
@@ -240,11 +246,23 @@ class Pipeline:
             raise BundleError(f"adapter {chosen!r}: the bundle ships no domain adapters")
         metrics.adapter = chosen
 
+    def _target_rows(self, cfg: DecodeConfig, score: bool | None, given: list | None) -> list | None:
+        """The list that receives the target's logits choosing each token (``ar`` mode only): the
+        caller's, else one of the pipeline's own where it will score the answer, so that the
+        calibrator's features need no second forward pass over prompt and answer (which doubled a
+        request's prefill and the memory its logits take)."""
+        if cfg.mode != "ar":
+            return None
+        if given is not None:
+            return given
+        return [] if self.calibrator is not None and score is not False else None
+
     def _score(self, ids: list[int], out: list[int], metrics: Metrics, score: bool | None) -> None:
         if self.calibrator is None or score is False or metrics.finish_reason == "cancelled":
             return
         answer = [t for t in out if t not in self.defaults.stop_ids]
-        feats = score_answer(self.models["target"], ids, answer, self.calibrator.temperature_for(self.backend))
+        temperature = self.calibrator.temperature_for(self.backend)
+        feats = score_answer(self.models["target"], ids, answer, temperature, rows=metrics.target_rows)
         confidence = self.calibrator.confidence(feats)
         if math.isfinite(confidence) and 0.0 <= confidence <= 1.0:
             metrics.confidence = confidence

@@ -185,11 +185,21 @@ def test_the_calibrated_confidence_follows_the_calibrator(bundle):
     from kibidango.addons.confidence import score_answer
 
     pipe = Pipeline.from_bundle(bundle, adapter="none")
+    target = pipe.models["target"]
+    sessions = []
+    opened = target.new_session
+    target.new_session = lambda: sessions.append(1) or opened()
     result = pipe.generate("Once upon a time", max_new_tokens=8)
+    # scored from the logits that chose each token as it was decoded: no second pass over prompt and answer
+    assert len(sessions) == 1 and result.metrics.target_rows is None
+    del target.new_session
     ids = pipe.encode("Once upon a time")
     answer = [t for t in result.token_ids if t != 2]
-    feats = score_answer(pipe.models["target"], ids, answer, 1.3)
-    assert result.metrics.confidence == pytest.approx(pipe.calibrator.confidence(feats))
+    feats = score_answer(target, ids, answer, 1.3)  # one forward pass over prompt and answer
+    assert result.metrics.confidence == pytest.approx(pipe.calibrator.confidence(feats), rel=1e-4)
+    rows: list = []
+    kept = pipe.generate("Once upon a time", max_new_tokens=8, target_rows=rows)
+    assert kept.metrics.target_rows is rows and len(rows) == len(kept.token_ids)  # the caller's rows are kept
     assert pipe.generate("Once upon a time", max_new_tokens=8, score=False).metrics.confidence is None
 
 
