@@ -210,7 +210,7 @@ def _token_level(
         for row_id, ids, start in encoded:
             if positions >= cfg.max_positions or start >= len(ids):
                 continue
-            logits = model.new_session().feed(ids)[start - 1 : -1]
+            logits = model.new_session().feed(ids, first=start - 1)[:-1]
             labels = ids[start:]
             positions += len(labels)
             (fit_logits if _fit_half(row_id, cfg.fit_share) else eval_logits).append(logits)

@@ -40,8 +40,8 @@ class _Session:
     def __init__(self, table: dict[tuple[int, ...], np.ndarray]):
         self.table = table
 
-    def feed(self, ids: list[int]) -> np.ndarray:
-        return self.table[tuple(ids)]
+    def feed(self, ids: list[int], first: int = 0) -> np.ndarray:
+        return self.table[tuple(ids)][first:]
 
 
 class _Model:
@@ -164,29 +164,29 @@ def test_a_row_reads_its_figures_off_the_divergence_and_ladder():
     assert (ref.bits_per_weight, ref.agreement, ref.quant) == (16.0, None, "F16")
 
 
-class _Session:
+class _StepSession:
     """Logits over 8 tokens: the next token is the last one + 1, except after ``flip``."""
 
     def __init__(self, flip: int | None) -> None:
         self.flip, self.last = flip, None
 
-    def feed(self, ids: list[int]) -> np.ndarray:
+    def feed(self, ids: list[int], first: int = 0) -> np.ndarray:
         rows = []
         for t in ids:
             nxt = 0 if t == self.flip else (t + 1) % 8
             rows.append(np.eye(8)[nxt] * 5.0)
-        return np.stack(rows)
+        return np.stack(rows)[first:]
 
 
-class _Model:
+class _StepModel:
     def __init__(self, flip: int | None = None) -> None:
         self.flip = flip
 
-    def new_session(self) -> _Session:
-        return _Session(self.flip)
+    def new_session(self) -> _StepSession:
+        return _StepSession(self.flip)
 
 
-class _Tokenizer:
+class _DecodeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return " ".join(map(str, ids))
 
@@ -194,19 +194,19 @@ class _Tokenizer:
 def test_token_agreement_along_shared_greedy_paths_with_an_interval_over_prompts():
     from methods.compression.gguf import greedy_paths, token_agreement
 
-    hf, gguf = _Model(), _Model(flip=5)  # the GGUF differs wherever the path reaches token 5
+    hf, gguf = _StepModel(), _StepModel(flip=5)  # the GGUF differs wherever the path reaches token 5
     prompts = [[0], [4], [6], [1, 2]]
     paths = greedy_paths(hf, prompts, 4)
     assert [p for p, _ in paths] == [[1, 2, 3, 4], [5, 6, 7, 0], [7, 0, 1, 2], [3, 4, 5, 6]]
-    report = token_agreement(hf, gguf, _Tokenizer(), prompts, 4, paths)
+    report = token_agreement(hf, gguf, _DecodeTokenizer(), prompts, 4, paths)
     # teacher-forced: only the position after a 5 differs (prompt 2 at 1, prompt 4 at 3)
     assert report.per_prompt == [(4, 4), (3, 4), (4, 4), (3, 4)]
     assert (report.agreement, report.positions, report.identical_prompts) == (14 / 16, 16, 2)
     assert [d.position for d in report.divergences] == [1, 3]
-    assert token_agreement(hf, gguf, _Tokenizer(), prompts, 4) == report  # the paths are hf's own
+    assert token_agreement(hf, gguf, _DecodeTokenizer(), prompts, 4) == report  # the paths are hf's own
     lo, hi = report.interval()
     assert 0.75 <= lo <= report.agreement <= hi == 1.0  # the resampled shares lie between 3/4 and 1
-    same = token_agreement(hf, hf, _Tokenizer(), prompts, 4, paths)
+    same = token_agreement(hf, hf, _DecodeTokenizer(), prompts, 4, paths)
     assert same.agreement == 1.0 and same.interval() == (1.0, 1.0)
 
 

@@ -101,9 +101,9 @@ def divergence(
             continue
         start = max(start, 1)
         targets = ids[start:]
-        p_log = log_softmax(reference.new_session().feed(ids)[start - 1 : len(ids) - 1])
+        p_log = log_softmax(reference.new_session().feed(ids, first=start - 1)[:-1])
         for name, model in models.items():
-            out[name].add_log_probs(p_log, model.new_session().feed(ids)[start - 1 : len(ids) - 1], targets)
+            out[name].add_log_probs(p_log, model.new_session().feed(ids, first=start - 1)[:-1], targets)
     return out
 
 

@@ -206,7 +206,7 @@ class AgreementReport:
 
 def _greedy(session, prompt: list[int], new_tokens: int) -> tuple[list[int], np.ndarray]:
     """Greedy continuation and the logits row that chose each token."""
-    row = session.feed(prompt)[-1]
+    row = session.feed(prompt, first=len(prompt) - 1)[-1]
     out, rows = [], []
     for _ in range(new_tokens):
         rows.append(row)
@@ -231,7 +231,7 @@ def token_agreement(
         paths = greedy_paths(hf, prompts, new_tokens)
     per_prompt, identical, divergences = [], 0, []
     for ids, (path, hf_rows) in zip(prompts, paths, strict=True):
-        g_rows = gguf.new_session().feed(ids + path[:-1])[len(ids) - 1 :]
+        g_rows = gguf.new_session().feed(ids + path[:-1], first=len(ids) - 1)
         g_choice = g_rows.argmax(-1)
         same = g_choice == np.array(path)
         per_prompt.append((int(same.sum()), len(path)))

@@ -24,7 +24,7 @@ def decode_cells(
             model = models[name]
             for ids in prompts:
                 session = model.new_session()
-                row = session.feed(ids)[-1]
+                row = session.feed(ids, first=len(ids) - 1)[-1]
                 started = time.perf_counter()
                 for _ in range(new_tokens):
                     row = session.feed([int(np.argmax(row))])[0]

@@ -19,9 +19,9 @@ class _SlowSession:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def feed(self, tokens):
+    def feed(self, tokens, first=0):
         time.sleep(self._delay)
-        return self._inner.feed(tokens)
+        return self._inner.feed(tokens, first)
 
 
 class SlowModel:

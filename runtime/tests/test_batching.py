@@ -163,6 +163,26 @@ def test_answer_features_from_the_decoding_rows_equal_a_scoring_pass(family):
         assert reused[key] == pytest.approx(scored[key], rel=1e-5, abs=1e-6), key  # rows kept as float32
 
 
+def test_answer_features_a_few_rows_at_a_time_equal_the_whole_answers():
+    """answer_features bounds its float64 temporaries by computing a few rows at a time; every
+    figure is a per-row one, so the values are the whole-array formulas' exactly."""
+    from kibidango.addons import confidence
+
+    rng = np.random.default_rng(0)
+    logits, answer, t = rng.normal(size=(37, 500)).astype(np.float32), rng.integers(0, 500, 37), 1.3
+    whole = confidence._log_softmax(logits)
+    token = whole[np.arange(37), answer]
+    calibrated = confidence._log_softmax(logits / t)[np.arange(37), answer]
+    got = confidence.answer_features(logits, list(answer), t)
+    assert 37 % confidence._ROWS and got == {
+        "mean_logprob": float(token.mean()),
+        "min_logprob": float(token.min()),
+        "mean_entropy": float((-(np.exp(whole) * whole).sum(axis=-1)).mean()),
+        "tokens": 37.0,
+        "calibrated_mean_logprob": float(calibrated.mean()),
+    }
+
+
 def test_a_model_outside_a_member_is_refused(family):
     pipe = Pipeline(None, dict(family), DecodeConfig(mode="ar", max_new_tokens=2))
     batcher = Batcher(pipe, slots=2)

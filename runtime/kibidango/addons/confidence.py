@@ -34,6 +34,9 @@ ANSWER_FEATURES = ("mean_logprob", "min_logprob", "mean_entropy", "tokens", "cal
 
 TEMPERATURE_RANGE = (1e-2, 1e2)
 
+_ROWS = 8
+"""Answer rows :func:`answer_features` computes at once (its memory, not its values, depends on it)."""
+
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     z = np.asarray(z, dtype=np.float64)
@@ -48,11 +51,14 @@ def answer_features(logits: np.ndarray, answer_ids: list[int], temperature: floa
     if n == 0:
         return None
     logits = np.asarray(logits)[:n]
-    idx = np.arange(n), np.asarray(answer_ids)
-    logp = _log_softmax(logits)
-    token_logp = logp[idx]
-    entropy = -(np.exp(logp) * logp).sum(axis=-1)
-    calibrated = _log_softmax(logits / temperature)[idx]
+    answer = np.asarray(answer_ids)
+    token_logp, entropy, calibrated = np.empty(n), np.empty(n), np.empty(n)
+    for lo in range(0, n, _ROWS):  # a few rows at a time: float64 temporaries of a 49K vocabulary are 393 KB a row
+        rows, idx = logits[lo : lo + _ROWS], (np.arange(min(_ROWS, n - lo)), answer[lo : lo + _ROWS])
+        logp = _log_softmax(rows)
+        token_logp[lo : lo + _ROWS] = logp[idx]
+        entropy[lo : lo + _ROWS] = -(np.exp(logp) * logp).sum(axis=-1)
+        calibrated[lo : lo + _ROWS] = _log_softmax(rows / temperature)[idx]
     return {
         "mean_logprob": float(token_logp.mean()),
         "min_logprob": float(token_logp.min()),
@@ -75,7 +81,7 @@ def score_answer(
     n = len(ids) - len(prompt_ids)
     if n < 1 or not prompt_ids:
         return None
-    logits = model.new_session().feed(ids)[len(prompt_ids) - 1 : -1]
+    logits = model.new_session().feed(ids, first=len(prompt_ids) - 1)[:-1]
     return answer_features(logits, ids[len(prompt_ids) :], temperature)
 
 

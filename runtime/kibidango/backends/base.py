@@ -27,9 +27,11 @@ class Session(Protocol):
     forward_calls: int
     tokens_fed: int
 
-    def feed(self, tokens: list[int]) -> np.ndarray:
-        """Append ``tokens`` in one forward pass; returns float32 logits ``[len(tokens), vocab]``,
-        row i being the next-token logits after ``tokens[i]``."""
+    def feed(self, tokens: list[int], first: int = 0) -> np.ndarray:
+        """Append ``tokens`` in one forward pass; returns float32 logits ``[len(tokens) - first,
+        vocab]``, row i being the next-token logits after ``tokens[first + i]``. ``first``: the rows
+        before it are not needed (a prompt's, where only its last row chooses the next token), so a
+        backend need not compute or keep them (a 49K vocabulary's row is 196 KB)."""
         ...
 
     def crop(self, n: int) -> None:
@@ -61,5 +63,4 @@ def sync_and_feed(session: Session, committed: list[int], extra: list[int]) -> n
     keep = min(shared, len(committed) - 1)
     session.crop(keep)
     pending = committed[keep:]
-    rows = session.feed(pending + extra)
-    return rows[len(pending) - 1 :]
+    return session.feed(pending + extra, first=len(pending) - 1)

@@ -1,7 +1,7 @@
 """GGUF models through llama-cpp-python (the ``llamacpp`` extra).
 
-A verification is one ``Llama.eval`` of all the drafted tokens (one batch, one decode) with
-``logits_all=True``, which keeps the logits of every position; a rollback drops the rejected
+A verification is one ``llama_decode`` of all the drafted tokens (one batch) that asks for the
+logits of the positions the decoder reads (a prompt's last, every drafted token's); a rollback drops the rejected
 positions from the KV cache with llama.cpp's sequence-removal call (``llama_memory_seq_rm``)
 and moves ``n_tokens`` back, so the kept prefix is never evaluated again.
 """
@@ -142,9 +142,11 @@ class LlamaCppSession:
         self.tokens_fed = 0
         model.active = self
 
-    def feed(self, tokens: list[int]) -> np.ndarray:
+    def feed(self, tokens: list[int], first: int = 0) -> np.ndarray:
         if not tokens:
             raise ValueError("feed() needs at least one token")
+        if not 0 <= first < len(tokens):
+            raise ValueError(f"feed(): first={first} is not a row of {len(tokens)} tokens")
         if self._model.active is not self:
             raise RuntimeError(f"{self._model.name}: another session has used this llama.cpp context since")
         if len(self.tokens) + len(tokens) > self._model.context_length:
@@ -152,12 +154,34 @@ class LlamaCppSession:
                 f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of "
                 f"{self._model.context_length}"
             )
-        n0 = self._llm.n_tokens
-        self._llm.eval(tokens)  # one decode while len(tokens) <= n_batch (the context size here)
+        rows = self._decode(tokens, first)
         self.tokens.extend(tokens)
         self.forward_calls += 1
         self.tokens_fed += len(tokens)
-        return np.array(self._llm.scores[n0 : n0 + len(tokens)], dtype=np.float32, copy=True)
+        return rows
+
+    def _decode(self, tokens: list[int], first: int) -> np.ndarray:
+        """``tokens`` through ``llama_decode`` in batches of the context's n_batch, asking llama.cpp
+        for the logits of positions ``first`` on only (a batch with none of them yields its last
+        row, which is dropped): llama-cpp-python's ``eval`` with ``logits_all`` computes the output
+        layer at every position and keeps each row twice (its output buffer and ``Llama.scores``),
+        ~3 x 196 KB a prompt token for a 49K vocabulary."""
+        llm = self._llm
+        llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)  # as Llama.eval: nothing cached past the sequence
+        rows = np.empty((len(tokens) - first, self._model.vocab_size), dtype=np.float32)
+        for start in range(0, len(tokens), llm.n_batch):
+            chunk = tokens[start : start + llm.n_batch]
+            want = max(first - start, 0)  # the chunk's first wanted row (len(chunk): none)
+            llm._batch.set_batch(batch=chunk, n_past=llm.n_tokens, logits_all=False)
+            for i in range(want, len(chunk)):
+                llm._batch.batch.logits[i] = True
+            llm._ctx.decode(llm._batch)
+            llm.input_ids[llm.n_tokens : llm.n_tokens + len(chunk)] = chunk
+            llm.n_tokens += len(chunk)
+            if want < len(chunk):
+                got = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(len(chunk) - want, rows.shape[1]))
+                rows[start + want - first : start + len(chunk) - first] = got
+        return rows
 
     def crop(self, n: int) -> None:
         if n < len(self.tokens):
@@ -201,7 +225,6 @@ class LlamaCppModel:
                 model_path=str(path),
                 n_ctx=probe_ctx,
                 n_batch=max(probe_ctx, 512),
-                logits_all=True,
                 n_threads=self.threads,
                 n_threads_batch=self.threads_batch,
                 verbose=False,

@@ -38,9 +38,11 @@ class TorchSession:
         self.forward_calls = 0
         self.tokens_fed = 0
 
-    def feed(self, tokens: list[int]) -> np.ndarray:
+    def feed(self, tokens: list[int], first: int = 0) -> np.ndarray:
         if not tokens:
             raise ValueError("feed() needs at least one token")
+        if not 0 <= first < len(tokens):
+            raise ValueError(f"feed(): first={first} is not a row of {len(tokens)} tokens")
         if len(self.tokens) + len(tokens) > self._model.context_length:
             raise ContextLengthError(
                 f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of "
@@ -58,7 +60,7 @@ class TorchSession:
         self.tokens.extend(tokens)
         self.forward_calls += 1
         self.tokens_fed += len(tokens)
-        return out.logits[0].float().cpu().numpy()
+        return out.logits[0, first:].float().cpu().numpy()
 
     def crop(self, n: int) -> None:
         drop = len(self.tokens) - n

@@ -300,9 +300,11 @@ class BatchedSession:
         self.forward_calls = 0
         self.tokens_fed = 0
 
-    def feed(self, tokens: list[int]) -> np.ndarray:
+    def feed(self, tokens: list[int], first: int = 0) -> np.ndarray:
         if not tokens:
             raise ValueError("feed() needs at least one token")
+        if not 0 <= first < len(tokens):
+            raise ValueError(f"feed(): first={first} is not a row of {len(tokens)} tokens")
         context = self._model.context_length
         if len(self.tokens) + len(tokens) > context:
             raise ContextLengthError(
@@ -313,7 +315,7 @@ class BatchedSession:
         self.tokens.extend(tokens)
         self.forward_calls += 1
         self.tokens_fed += len(tokens)
-        return rows
+        return rows[first:]
 
     def crop(self, n: int) -> None:
         if n < len(self.tokens):  # the slot follows at the next feed (see _Feed.cached)

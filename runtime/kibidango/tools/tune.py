@@ -113,7 +113,7 @@ def divergence_gap(model, prompt: list[int], ar: list[int], out: list[int]) -> f
     if i is None:
         return None
     session = model.new_session()
-    logits = session.feed(list(prompt))[-1]
+    logits = session.feed(list(prompt), first=len(prompt) - 1)[-1]
     for token in ar[:i]:
         logits = session.feed([token])[-1]
     return float(logits[ar[i]] - logits[out[i]])
