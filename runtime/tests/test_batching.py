@@ -216,5 +216,12 @@ def test_llama_cpp_scores_several_sequences_in_one_decode_as_separate_sessions_d
             keep = then[i].cached
             alone.crop(keep)
             assert np.allclose(alone.feed(then[i].tokens), then[i].rows, atol=1e-3), i
+        # a feed that reads only its last rows (a prompt's) gets exactly those, alone and in a batch
+        tail = [_Feed("target", i, 0, s, None, first=len(s) - 2) for i, s in enumerate(seqs)]
+        slots.forward(tail)
+        for i, s in enumerate(seqs):
+            whole = model.new_session().feed(s)
+            assert tail[i].rows.shape == (2, whole.shape[1]) and np.allclose(tail[i].rows, whole[-2:], atol=1e-3), i
+            assert np.allclose(model.new_session().feed(s, first=len(s) - 1), whole[-1:], atol=1e-3), i
     finally:
         slots.close()

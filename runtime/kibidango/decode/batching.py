@@ -57,6 +57,7 @@ class _Feed:
     cached: int  # the session's cached length before these tokens (its slot is cropped to it)
     tokens: list[int]
     adapter: str | None
+    first: int = 0  # the rows the session reads: tokens[first:]'s (a prompt's last only)
     rows: np.ndarray | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -121,13 +122,14 @@ class LlamaCppSlots:
                 b.pos[j] = f.cached + i
                 b.n_seq_id[j] = 1
                 b.seq_id[j][0] = f.slot
-                b.logits[j] = 1
+                b.logits[j] = int(i >= f.first)  # llama.cpp computes the output layer for these only
             code = self._lib.llama_decode(self.ctx, b)
             if code != 0:
                 raise RuntimeError(f"{self.model.name}: llama_decode returned {code} for a batch of {len(chunk)}")
-            for j, (f, _) in enumerate(chunk):
-                ptr = self._lib.llama_get_logits_ith(self.ctx, j)
-                rows[id(f)].append(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy())
+            for j, (f, i) in enumerate(chunk):
+                if i >= f.first:
+                    ptr = self._lib.llama_get_logits_ith(self.ctx, j)
+                    rows[id(f)].append(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy())
         for f in feeds:
             f.rows = np.stack(rows[id(f)]).astype(np.float32, copy=False)
             self.length[f.slot] = f.cached + len(f.tokens)
@@ -275,13 +277,19 @@ class TorchSlots:
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         self.cache.use(rows, position, width)
         call = functools.partial(self.model.mixed_lora_forward, adapters) if mixed else hf
+        skip = min(f.first for f in feeds)  # positions no feed reads: no output layer for them
         with torch.inference_mode():
             out = call(
-                input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=self.cache, use_cache=True
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=n - skip,
             )
         logits = out.logits.float().cpu().numpy()
         for i, f in enumerate(feeds):
-            f.rows = logits[f.slot if prefix else i]
+            f.rows = logits[f.slot if prefix else i, f.first - skip :]
             self.length[f.slot] = f.cached + n
 
     def close(self) -> None:
@@ -310,12 +318,12 @@ class BatchedSession:
             raise ContextLengthError(
                 f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of {context}"
             )
-        feed = _Feed(self._model.name, self.slot, len(self.tokens), list(tokens), self.adapter)
+        feed = _Feed(self._model.name, self.slot, len(self.tokens), list(tokens), self.adapter, first)
         rows = self._model.batcher.submit(feed)
         self.tokens.extend(tokens)
         self.forward_calls += 1
         self.tokens_fed += len(tokens)
-        return rows[first:]
+        return rows
 
     def crop(self, n: int) -> None:
         if n < len(self.tokens):  # the slot follows at the next feed (see _Feed.cached)
