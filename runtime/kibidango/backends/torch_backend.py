@@ -53,14 +53,25 @@ class TorchSession:
             if self._static:
                 start = len(self.tokens)
                 position = torch.arange(start, start + len(tokens), device=self._model.device)
-                forward = self._model.compiled_step if len(tokens) == 1 else self._model.hf.forward
-                out = forward(input_ids=ids, past_key_values=self._cache, use_cache=True, cache_position=position)
-            else:
-                out = self._model.hf(input_ids=ids, past_key_values=self._cache, use_cache=True)
+                if len(tokens) == 1:
+                    out = self._model.compiled_step(
+                        input_ids=ids, past_key_values=self._cache, use_cache=True, cache_position=position
+                    )
+                else:
+                    out = self._model.hf.forward(
+                        input_ids=ids,
+                        past_key_values=self._cache,
+                        use_cache=True,
+                        cache_position=position,
+                        logits_to_keep=len(tokens) - first,
+                    )
+            else:  # the output layer on the rows asked for only
+                keep = len(tokens) - first
+                out = self._model.hf(input_ids=ids, past_key_values=self._cache, use_cache=True, logits_to_keep=keep)
         self.tokens.extend(tokens)
         self.forward_calls += 1
         self.tokens_fed += len(tokens)
-        return out.logits[0, first:].float().cpu().numpy()
+        return out.logits[0, -(len(tokens) - first) :].float().cpu().numpy()
 
     def crop(self, n: int) -> None:
         drop = len(self.tokens) - n
