@@ -237,12 +237,19 @@ def _register(
     )
 
 
+def artifact_key(preset: str, stage_id: str) -> str:
+    """``<preset>-stage-<id>``, as Prefect takes an artifact key: lowercase letters, digits and dashes
+    (a later round's ``1B.2`` is ``1b-2``)."""
+    slug = lambda text: re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")  # noqa: E731
+    return f"{slug(preset) or 'preset'}-stage-{slug(stage_id)}"
+
+
 def show_in_prefect(stage_id: str, artifact: Artifact, ctx: RunContext) -> None:
     """The stage's card(s) as a Prefect markdown artifact and its metrics as a table artifact, on
     the current flow run. A view: when Prefect refuses, a warning, and the stage's result stands."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    key = f"{re.sub(r'[^a-z0-9-]+', '-', ctx.preset.lower()).strip('-') or 'preset'}-stage-{stage_id.lower()}"
+    key = artifact_key(ctx.preset, stage_id)
     manifest = artifact.manifest
     run = manifest.get("mlflow_run_id")
     head = [

@@ -246,3 +246,13 @@ def test_clean_cache_lists_before_it_deletes(tmp_path):
     assert "would delete 0/abc" in dry.stdout and (tmp_path / "home" / "store" / "0" / "abc").is_dir()
     real = _cli(tmp_path / "home", "clean-cache")
     assert "deleted 0/abc" in real.stdout and not (tmp_path / "home" / "store" / "0" / "abc").exists()
+
+
+def test_a_later_rounds_stage_gets_an_artifact_key_prefect_takes():
+    import re
+
+    from flows.runner import artifact_key
+
+    assert artifact_key("small-rounds", "1B.2") == "small-rounds-stage-1b-2"  # Prefect refused "1b.2"
+    assert artifact_key("My Preset", "0") == "my-preset-stage-0"
+    assert all(re.fullmatch(r"[a-z0-9-]+", artifact_key(p, s)) for p in ("tiny", "x.y") for s in ("1R.3", "9A"))
