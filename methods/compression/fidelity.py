@@ -203,8 +203,9 @@ class FidelityRow:
         """The reference's own row (F16), its perplexity read off any candidate's ``div``; its agreement
         with its own transformers model, where measured, is what a faithful export reaches."""
         row = cls.measured(name, source, "F16", size, weights, div, ladder, tokens_per_s, agreement)
-        row.agreement_interval = agreement_interval
-        return replace(row, ppl=div.ppl_reference, ppl_ratio=1.0, kl=0.0, reference=True)
+        return replace(
+            row, ppl=div.ppl_reference, ppl_ratio=1.0, kl=0.0, reference=True, agreement_interval=agreement_interval
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)

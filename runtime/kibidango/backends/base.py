@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["KV_CACHE_TYPES", "ContextLengthError", "Model", "Session", "sync_and_feed"]
+__all__ = ["KV_CACHE_TYPES", "ContextLengthError", "Model", "Session", "check_feed", "sync_and_feed"]
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 """llama.cpp K/V cache types (a bundle's ``kv_cache`` default, ``--kv-cache``)."""
@@ -47,6 +47,17 @@ class Model(Protocol):
     def new_session(self) -> Session: ...
 
     def parameters(self) -> int: ...
+
+
+def check_feed(name: str, cached: int, tokens: list[int], first: int, context: int) -> None:
+    """What every backend's :meth:`Session.feed` refuses: no tokens, a ``first`` that is not one of
+    their rows, and a sequence (``cached`` tokens before them) longer than the model's ``context``."""
+    if not tokens:
+        raise ValueError("feed() needs at least one token")
+    if not 0 <= first < len(tokens):
+        raise ValueError(f"feed(): first={first} is not a row of {len(tokens)} tokens")
+    if cached + len(tokens) > context:
+        raise ContextLengthError(f"{name}: {cached + len(tokens)} tokens exceed the context of {context}")
 
 
 def sync_and_feed(session: Session, committed: list[int], extra: list[int]) -> np.ndarray:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError, sync_and_feed
+from kibidango.backends.base import KV_CACHE_TYPES, check_feed, sync_and_feed
 
 __all__ = ["KV_CACHE_TYPES", "LlamaCppModel", "LlamaCppSession", "DraftModelHook", "thread_counts"]
 # KV_CACHE_TYPES (backends/base.py): the K/V cache types the runtime offers (plan row 1H): f16 (2
@@ -143,17 +143,9 @@ class LlamaCppSession:
         model.active = self
 
     def feed(self, tokens: list[int], first: int = 0) -> np.ndarray:
-        if not tokens:
-            raise ValueError("feed() needs at least one token")
-        if not 0 <= first < len(tokens):
-            raise ValueError(f"feed(): first={first} is not a row of {len(tokens)} tokens")
+        check_feed(self._model.name, len(self.tokens), tokens, first, self._model.context_length)
         if self._model.active is not self:
             raise RuntimeError(f"{self._model.name}: another session has used this llama.cpp context since")
-        if len(self.tokens) + len(tokens) > self._model.context_length:
-            raise ContextLengthError(
-                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of "
-                f"{self._model.context_length}"
-            )
         rows = self._decode(tokens, first)
         self.tokens.extend(tokens)
         self.forward_calls += 1

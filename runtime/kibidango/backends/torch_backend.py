@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kibidango.backends import attention
-from kibidango.backends.base import ContextLengthError
+from kibidango.backends.base import check_feed
 from kibidango.integrity import BundleError
 
 __all__ = ["TorchModel", "TorchSession"]
@@ -39,15 +39,8 @@ class TorchSession:
         self.tokens_fed = 0
 
     def feed(self, tokens: list[int], first: int = 0) -> np.ndarray:
-        if not tokens:
-            raise ValueError("feed() needs at least one token")
-        if not 0 <= first < len(tokens):
-            raise ValueError(f"feed(): first={first} is not a row of {len(tokens)} tokens")
-        if len(self.tokens) + len(tokens) > self._model.context_length:
-            raise ContextLengthError(
-                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of "
-                f"{self._model.context_length}"
-            )
+        check_feed(self._model.name, len(self.tokens), tokens, first, self._model.context_length)
+        keep = len(tokens) - first  # the output layer on the rows asked for only
         ids = torch.tensor([tokens], dtype=torch.long, device=self._model.device)
         with torch.inference_mode():
             if self._static:
@@ -63,15 +56,14 @@ class TorchSession:
                         past_key_values=self._cache,
                         use_cache=True,
                         cache_position=position,
-                        logits_to_keep=len(tokens) - first,
+                        logits_to_keep=keep,
                     )
-            else:  # the output layer on the rows asked for only
-                keep = len(tokens) - first
+            else:
                 out = self._model.hf(input_ids=ids, past_key_values=self._cache, use_cache=True, logits_to_keep=keep)
         self.tokens.extend(tokens)
         self.forward_calls += 1
         self.tokens_fed += len(tokens)
-        return out.logits[0, -(len(tokens) - first) :].float().cpu().numpy()
+        return out.logits[0, -keep:].float().cpu().numpy()
 
     def crop(self, n: int) -> None:
         drop = len(self.tokens) - n

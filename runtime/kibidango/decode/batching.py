@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kibidango.backends.base import ContextLengthError
+from kibidango.backends.base import ContextLengthError, check_feed
 
 __all__ = ["Batcher", "BatchedModel", "BatchedSession", "LlamaCppSlots", "TorchSlots"]
 
@@ -309,15 +309,7 @@ class BatchedSession:
         self.tokens_fed = 0
 
     def feed(self, tokens: list[int], first: int = 0) -> np.ndarray:
-        if not tokens:
-            raise ValueError("feed() needs at least one token")
-        if not 0 <= first < len(tokens):
-            raise ValueError(f"feed(): first={first} is not a row of {len(tokens)} tokens")
-        context = self._model.context_length
-        if len(self.tokens) + len(tokens) > context:
-            raise ContextLengthError(
-                f"{self._model.name}: {len(self.tokens) + len(tokens)} tokens exceed the context of {context}"
-            )
+        check_feed(self._model.name, len(self.tokens), tokens, first, self._model.context_length)
         feed = _Feed(self._model.name, self.slot, len(self.tokens), list(tokens), self.adapter, first)
         rows = self._model.batcher.submit(feed)
         self.tokens.extend(tokens)
