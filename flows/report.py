@@ -334,10 +334,13 @@ def _rounds_lines(runs: dict, artifacts: dict) -> list[str]:
         "### Each round of the loop",
         "",
         "Round r mines, teaches and retrains round r-1's student on mining tasks no earlier round saw; each 1R is "
-        "compared with the student it started from on its own held-out evaluation tasks (exact McNemar).",
+        "compared with the student it started from on its own held-out evaluation tasks (exact McNemar), and "
+        "with that round's random control (the same budget of gold answers to tasks drawn at random from what "
+        "its 1B answered).",
         "",
-        "| round | pairs (by first passing tier) | student | 1R | 1R only / student only, p | power (10 points) |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| round | pairs (by first passing tier) | student | 1R | 1R only / student only, p | power (10 points) "
+        "| random control | 1R only / random only, p |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r, sid in ([(1, "1R")] if "1R" in artifacts else []) + later:
         comparison = (_json(Path(artifacts[sid]) / "retrain.json") or {}).get("comparison") or {}
@@ -347,9 +350,12 @@ def _rounds_lines(runs: dict, artifacts: dict) -> list[str]:
         models = comparison.get("models") or {}
         if not test or "1A" not in models:
             continue
+        control = (comparison.get("mcnemar") or {}).get("random")
+        versus = "-" if control is None else f"{control['a_only']} / {control['b_only']}, p = {control['p']:.3f}"
         out.append(
             f"| {r} | {int(teach.get('pairs', 0))} ({tiers}) | {_ci(models['1A'])} | {_ci(models['1R'])} | "
-            f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f} | {test.get('power_10pt', 0):.0%} |"
+            f"{test['a_only']} / {test['b_only']}, p = {test['p']:.3f} | {test.get('power_10pt', 0):.0%} | "
+            f"{_ci(models['random']) if 'random' in models else '-'} | {versus} |"
         )
     return [*out, "", " ".join(_cite(sid, runs[sid], artifacts[sid]) for _, sid in later if sid in runs)]
 
@@ -429,16 +435,21 @@ def _adapter_lines(adapters: list[dict]) -> list[str]:
     return [*lines, "", " ".join(_cite(a["sid"], a["run"], a["where"]) for a in adapters)]
 
 
-def _later_rounds(client, plan) -> tuple[dict, dict]:
+def _later_rounds(client, plan, retrained_key: str | None) -> tuple[dict, dict]:
     """The loop's later rounds (``1B.2`` ... ``1R.2``, ...) of the latest ``<preset>-rounds`` flow run
-    (``make study-loop``), whose first round is the preset's own (the same recipes: cache hits); the
-    caller reads a preset's own later rounds (``rounds:``) from its own run instead. Returns (runs,
-    artifacts) by stage id: those whose artifact is on disk."""
+    (``make study-loop``), when its first round is this report's (its 1R's cache key is
+    ``retrained_key``: a rounds run of an earlier loop says nothing about this one); the caller reads
+    a preset's own later rounds (``rounds:``) from its own run instead. Returns (runs, artifacts) by
+    stage id: those whose artifact is on disk."""
     try:
         flow = _latest_flow_run(client, plan.experiment, f"{plan.name}-rounds")
     except KibidangoError:
         return {}, {}
-    later = {sid: r for sid, r in _stage_runs(client, flow).items() if "." in sid}
+    runs = _stage_runs(client, flow)
+    first = runs["1R"].data.tags.get(f"{TAG}cache_key") if "1R" in runs else None
+    if retrained_key is None or first != retrained_key:
+        return {}, {}
+    later = {sid: r for sid, r in runs.items() if "." in sid}
     artifacts = _artifacts(later)
     return {sid: later[sid] for sid in artifacts}, artifacts
 
@@ -871,8 +882,10 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     if summary:
         lines += ["", "## Summary", "", *summary]
     lines += _stages_table(runs, artifacts, minutes)
-    study = _study_figures(client, plan, runs["1R"].data.tags.get(f"{TAG}cache_key") if "1R" in runs else None)
-    later_runs, later = ({}, {}) if any("." in sid for sid in artifacts) else _later_rounds(client, plan)
+    retrained_key = runs["1R"].data.tags.get(f"{TAG}cache_key") if "1R" in runs else None
+    study = _study_figures(client, plan, retrained_key)
+    own_rounds = any("." in sid for sid in artifacts)
+    later_runs, later = ({}, {}) if own_rounds else _later_rounds(client, plan, retrained_key)
     lines += _loop_section({**runs, **later_runs}, {**artifacts, **later}, study, records)
     lines += _study_section(study)
     lines += _stage_sections(client, runs, artifacts, out_dir)

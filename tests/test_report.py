@@ -173,27 +173,34 @@ def test_the_report_shows_each_round_of_the_loop(tmp_path):
         (where / "manifest.json").write_text(json.dumps({"metrics": metrics}))
         return str(where)
 
-    def compared(before: float, after: float, p: float) -> dict:
+    def compared(before: float, after: float, p: float, random: float | None = None) -> dict:
         cell = lambda r: {"rate": r, "ci": [r - 0.05, r + 0.05], "n": 200, "groups": {}}  # noqa: E731
         test = {"n": 200, "a_only": 30, "b_only": 10, "p": p, "power_10pt": 0.9}
-        return {"comparison": {"models": {"1A": cell(before), "1R": cell(after)}, "mcnemar": {"1A": test}}}
+        models, mcnemar = {"1A": cell(before), "1R": cell(after)}, {"1A": test}
+        if random is not None:
+            models["random"] = cell(random)
+            mcnemar["random"] = {"n": 200, "a_only": 12, "b_only": 23, "p": 0.09, "power_10pt": 0.6}
+        return {"comparison": {"models": models, "mcnemar": mcnemar}}
 
     artifacts = {
         "1R": stage("1R", compared(0.20, 0.30, 0.002), {}),
-        "1R.2": stage("1R.2", compared(0.30, 0.33, 0.4), {}),
+        "1R.2": stage("1R.2", compared(0.30, 0.33, 0.4, random=0.40), {}),
         "1D": stage("1D", None, {"pairs": 300, "answered_by/self": 150, "answered_by/gold": 150}),
         "1D.2": stage("1D.2", None, {"pairs": 200, "answered_by/self": 120, "answered_by/gold": 80}),
     }
     run = SimpleNamespace(data=SimpleNamespace(tags={}), info=SimpleNamespace(run_id="r"))
     lines = "\n".join(_rounds_lines({sid: run for sid in artifacts}, artifacts))
     assert "### Each round of the loop" in lines
-    assert "| 1 | 300 (self 150, gold 150) | 20% [15%, 25%] | 30% [25%, 35%] | 30 / 10, p = 0.002 | 90% |" in lines
+    first = "| 1 | 300 (self 150, gold 150) | 20% [15%, 25%] | 30% [25%, 35%] | 30 / 10, p = 0.002 | 90% | - | - |"
+    assert first in lines
     assert "| 2 | 200 (self 120, gold 80) | 30%" in lines and "p = 0.400" in lines
+    assert "| 40% [35%, 45%] | 12 / 23, p = 0.090 |" in lines  # round 2's random control
     assert _rounds_lines({}, {"1R": artifacts["1R"]}) == []  # one round: no such table
 
 
 def test_the_report_reads_the_later_rounds_of_make_study_loop(tmp_path):
-    """The latest ``<preset>-rounds`` flow run's round-2 stages (not its round 1: the preset's own)."""
+    """The latest ``<preset>-rounds`` flow run's round-2 stages (not its round 1: the preset's own),
+    and none when that run's round 1 is not this report's 1R (a rounds run of an earlier loop)."""
     from types import SimpleNamespace
 
     from flows.report import _later_rounds
@@ -204,7 +211,8 @@ def test_the_report_reads_the_later_rounds_of_make_study_loop(tmp_path):
     stages = []
     for sid in ("1R", "1R.2", "1D.2"):
         (tmp_path / sid).mkdir()
-        stages.append(run({f"{TAG}stage_id": sid, f"{TAG}artifact": str(tmp_path / sid)}, run_id=sid))
+        tags = {f"{TAG}stage_id": sid, f"{TAG}artifact": str(tmp_path / sid), f"{TAG}cache_key": f"key-{sid}"}
+        stages.append(run(tags, run_id=sid))
     asked = []
 
     class Client:
@@ -215,9 +223,12 @@ def test_the_report_reads_the_later_rounds_of_make_study_loop(tmp_path):
             asked.append(filter_string)
             return stages if "parentRunId" in filter_string else [flow]
 
-    runs, artifacts = _later_rounds(Client(), SimpleNamespace(experiment="kibidango-tiny", name="tiny"))
+    plan = SimpleNamespace(experiment="kibidango-tiny", name="tiny")
+    runs, artifacts = _later_rounds(Client(), plan, "key-1R")
     assert sorted(artifacts) == sorted(runs) == ["1D.2", "1R.2"]
     assert "'tiny-rounds'" in asked[0]
+    assert _later_rounds(Client(), plan, "key-of-a-newer-1R") == ({}, {})
+    assert _later_rounds(Client(), plan, None) == ({}, {})
 
 
 def test_the_report_has_the_study_when_make_study_loop_ran(tmp_path):
