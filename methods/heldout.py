@@ -45,6 +45,7 @@ __all__ = [
     "answer_and_judge",
     "band_rows",
     "choose_band",
+    "levels_above",
     "parallel_field",
     "select_tasks",
 ]
@@ -70,6 +71,13 @@ class Band(StageConfig):
     low: float = Field(0.1, ge=0, le=1, description="The lowest pass rate of a level in the band.")
     high: float = Field(0.9, ge=0, le=1, description="The highest pass rate of a level in the band.")
     probe: int = Field(12, ge=1, description="Mining tasks per level answered to measure the pass rates.")
+    above: int = Field(
+        0,
+        ge=0,
+        description="Levels just above the band's highest that are mined too (not part of the band): where the "
+        "student almost never passes, so the teachers above its own samples teach what the evaluation's level above "
+        "the band tests.",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Band:
@@ -93,6 +101,11 @@ def choose_band(rates: dict[int, tuple[int, int]], band: Band) -> list[int]:
         return inside
     distance = {lv: max(band.low - rate(lv), rate(lv) - band.high) for lv in levels}
     return [min(levels, key=lambda lv: (distance[lv], lv))]
+
+
+def levels_above(band: list[int], above: int, top: int) -> list[int]:
+    """The ``above`` levels just above ``band``'s highest, up to the ladder's ``top`` level."""
+    return list(range(max(band) + 1, min(max(band) + above, top) + 1)) if band else []
 
 
 def band_rows(

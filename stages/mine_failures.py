@@ -33,8 +33,9 @@ from core.hashing import file_sha256
 from core.progress import report_metrics
 from methods.evaluation import wilson
 from methods.failures import RowLog, failure_rate, task_record, training_texts, verdict_record
-from methods.heldout import HeldOutTasks, answer_and_judge, band_rows, choose_band, select_tasks
+from methods.heldout import HeldOutTasks, answer_and_judge, band_rows, choose_band, levels_above, select_tasks
 from methods.judges import sandbox_note
+from methods.ladder import LEVELS
 from methods.measure.generate import Answerer, once
 from methods.training.chat import load_split
 
@@ -189,19 +190,25 @@ def _banded(
                 passed, n = rates.get(r["level"], (0, 0))
                 rates[r["level"]] = (passed + bool(p["passed"]), n + 1)
         levels = choose_band(rates, s.band)
+        above = levels_above(levels, s.band.above, LEVELS[s.domain])
         bands[s.name] = {
             "levels": levels,
+            "above": above,
             "low": s.band.low,
             "high": s.band.high,
             "probe": {
                 lv: {"passed": a, "answered": n, "rate": a / n if n else 0.0} for lv, (a, n) in sorted(rates.items())
             },
         }
-        chosen = band_rows(s.domain, levels, s.band.probe, s.size, cfg.seed, earlier)
+        chosen = band_rows(s.domain, levels + above, s.band.probe, s.size, cfg.seed, earlier)
         out += [{**r, "sample": s.name, "source": s.source, "domain": s.sample_domain} for r in chosen]
         log.info(
             f"sample {s.name}: band levels {levels} (pass rates in [{s.band.low:.0%}, {s.band.high:.0%}] on the "
-            f"probe: " + ", ".join(f"L{lv} {a}/{n}" for lv, (a, n) in sorted(rates.items())) + f"); {len(chosen)} rows"
+            f"probe: "
+            + ", ".join(f"L{lv} {a}/{n}" for lv, (a, n) in sorted(rates.items()))
+            + ")"
+            + (f", and above it {above}" if above else "")
+            + f"; {len(chosen)} rows"
         )
     return out, bands
 
@@ -304,14 +311,20 @@ def _bands_table(bands: dict) -> list[str]:
         lines += [
             f"Band of `{name}`: levels {', '.join(map(str, b['levels']))}, where the student passed between "
             f"{b['low']:.0%} and {b['high']:.0%} of the probe's mining tasks (or nearest to that, when no level "
-            "did); chosen on the mining part only, never the evaluation part.",
+            "did); chosen on the mining part only, never the evaluation part."
+            + (
+                f" Mined too, above the band: level{'s' if len(b['above']) > 1 else ''} "
+                f"{', '.join(map(str, b['above']))} (the teachers above the student's own samples teach it)."
+                if b.get("above")
+                else ""
+            ),
             "",
-            "| level | probe passed / answered | pass rate (95% Wilson) | in the band |",
+            "| level | probe passed / answered | pass rate (95% Wilson) | mined |",
             "|---:|---:|---:|:---:|",
         ]
         for level, p in b["probe"].items():
             lo, hi = wilson(p["passed"], p["answered"])
-            mark = "yes" if int(level) in b["levels"] else ""
+            mark = "band" if int(level) in b["levels"] else "above" if int(level) in b.get("above", []) else ""
             lines.append(
                 f"| {level} | {p['passed']} / {p['answered']} | {p['rate']:.0%} [{lo:.0%}, {hi:.0%}] | {mark} |"
             )

@@ -475,6 +475,16 @@ def test_the_band_is_chosen_on_the_mining_part_from_the_students_own_rates():
         Band(low=0.9, high=0.1)
 
 
+def test_the_levels_above_the_band_stop_at_the_ladders_top():
+    """`above`: the levels just above the band's highest are mined too, never past the top level."""
+    from methods.heldout import levels_above
+
+    assert levels_above([2, 4], 1, 6) == [5]
+    assert levels_above([2, 3], 2, 7) == [4, 5]
+    assert levels_above([5, 6], 1, 6) == []  # the band reaches the top: nothing above it
+    assert levels_above([1, 2], 0, 6) == [] and levels_above([], 1, 6) == []
+
+
 def test_stage_1b_probes_every_level_then_mines_the_band(stage0, student, tmp_path):
     from stages.mine_failures import Config, run
 
@@ -498,6 +508,35 @@ def test_stage_1b_probes_every_level_then_mines_the_band(stage0, student, tmp_pa
     probed = [json.loads(line) for line in (work / "rows.jsonl").read_text().splitlines()]
     assert len(probed) == 7 * 2 + 3  # the band's probe rows were not answered twice
     assert result.metrics["band/lm/lowest"] == 1 and "Band of `lm`" in (out / "MINING_CARD.md").read_text()
+
+
+def test_stage_1b_mines_the_level_above_the_band_when_asked(stage0, student, tmp_path):
+    """`band.above: 1`: the band's level and the one above it are mined (the probe's tasks of both
+    first), the band itself stays what the probe chose (the evaluation's `above` counts from it), and
+    the card marks which level was mined as what."""
+    from stages.mine_failures import Config, run
+
+    cfg = Config.model_validate(
+        {
+            "samples": [
+                {"name": "lm", "source": "ladder", "domain": "math", "band": {"probe": 2, "above": 1}, "size": 4}
+            ],
+            "judges": {"math": {"kind": "math"}},
+            "max_new_tokens": 8,
+        }
+    )
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    run(cfg, {"data": stage0, "student": student}, out, work)
+    band = json.loads((out / "mining.json").read_text())["bands"]["lm"]
+    assert band["levels"] == [1] and band["above"] == [2]
+    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 2 + 4 and {r["level"] for r in rows} == {1, 2}
+    probed = [json.loads(line) for line in (work / "rows.jsonl").read_text().splitlines()]
+    assert len(probed) == 7 * 2 + 4  # the probe's rows of both levels were not answered twice
+    card = (out / "MINING_CARD.md").read_text()
+    assert "Mined too, above the band: level 2" in card and "| 1 | 0 / 2 |" in card and "| band |" in card
 
 
 def test_round_2_mines_no_task_round_1_answered(stage0, student, tmp_path):
