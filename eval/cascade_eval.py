@@ -316,13 +316,16 @@ def apgr(local, cloud, priority, rounds: int = 2000, seed: int = 0) -> dict:
     1 - confidence), for every share of escalated queries from 0 to 1, the share of the gap from
     local-only to cloud-only quality recovered, averaged over the shares (random escalation: 0.5);
     with a bootstrap 95% interval over queries. Also the share escalated to reach 90% of cloud-only
-    quality, the cascade's ordering beside random escalation's (the linear interpolation)."""
+    quality, the cascade's ordering beside random escalation's (the linear interpolation); and the
+    **oracle's** APGR, the ordering that escalates every query the cloud answers better first: the
+    most any router reaches on these queries (with a cloud that passes everything, (1 + local-only
+    quality) / 2, so a goal above it cannot be met by ordering, only by a better local model)."""
     import numpy as np
 
     local, cloud, priority = (np.asarray(x, dtype=float) for x in (local, cloud, priority))
 
-    def one(idx: np.ndarray) -> tuple[float | None, float | None, float | None]:
-        lo, hi, pr = local[idx], cloud[idx], priority[idx]
+    def one(idx: np.ndarray, by: np.ndarray = priority) -> tuple[float | None, float | None, float | None]:
+        lo, hi, pr = local[idx], cloud[idx], by[idx]
         n = len(idx)
         weak, strong = lo.mean(), hi.mean()
         if strong - weak <= 1e-12:
@@ -341,6 +344,7 @@ def apgr(local, cloud, priority, rounds: int = 2000, seed: int = 0) -> dict:
     n = len(local)
     point, share, random_share = one(np.arange(n))
     out = {"apgr": point, "share_for_90": share, "random_share_for_90": random_share, "queries": n}
+    out["apgr_oracle"] = one(np.arange(n), cloud - local)[0]
     if point is None:
         return {**out, "apgr_ci": None, "note": "cloud-only is no better than local-only: no gap to recover"}
     rng = np.random.default_rng(seed)
@@ -448,8 +452,14 @@ def _apgr(a: dict) -> str:
     return (
         f"\nAPGR (RouteLLM's average share of the local-to-cloud quality gap recovered over every escalation "
         f"share, queries escalated by 1 - confidence; random escalation: 0.5): {a['apgr']:.3f} "
-        f"[{a['apgr_ci'][0]:.3f}, {a['apgr_ci'][1]:.3f}] (95% bootstrap over {a['queries']} queries). 90% of "
-        f"cloud-only quality: {share}, against {a['random_share_for_90']:.0%} escalated at random."
+        f"[{a['apgr_ci'][0]:.3f}, {a['apgr_ci'][1]:.3f}] (95% bootstrap over {a['queries']} queries)"
+        + (
+            f"; the oracle's (every query the cloud answers better escalated first: the most any ordering reaches "
+            f"here) {a['apgr_oracle']:.3f}"
+            if a.get("apgr_oracle") is not None
+            else ""
+        )
+        + f". 90% of cloud-only quality: {share}, against {a['random_share_for_90']:.0%} escalated at random."
     )
 
 

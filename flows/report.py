@@ -620,6 +620,8 @@ def _cascade_claims(records: list[dict]) -> list[Claim]:
     else:
         ci = a["apgr_ci"]
         measured = f"{a['apgr']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] on {a['queries']} fresh queries"
+        if a.get("apgr_oracle") is not None:  # the ceiling: the best any escalation order reaches there
+            measured += f" (the oracle's ordering: {a['apgr_oracle']:.3f})"
         rows = [(*claim, measured, "yes" if a["apgr"] >= 0.7 and ci[0] > 0.5 else "no")]
     against = cascade.get("against_6c") or {}
     if against.get("expected_escalated") is not None:

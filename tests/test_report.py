@@ -329,7 +329,7 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
     record = {
         "name": "eval-cascade",
         "data": {
-            "apgr": {"apgr": 0.81, "apgr_ci": [0.74, 0.88], "queries": 120},
+            "apgr": {"apgr": 0.81, "apgr_ci": [0.74, 0.88], "queries": 120, "apgr_oracle": 0.86},
             "against_6c": {"expected_escalated": 0.2, "escalated": 0.28, "within_5_points": False},
         },
     }
@@ -352,7 +352,7 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
     )
     assert "| 1R beats the replay control | p < 0.05 | 40 / 10 discordant, p = 0.000 (the study) | yes |" in lines
     assert "| -1.0 points [-5.0, +3.0] (the study) | no |" in lines
-    assert "| 0.810 [0.740, 0.880] on 120 fresh queries | yes |" in lines
+    assert "| 0.810 [0.740, 0.880] on 120 fresh queries (the oracle's ordering: 0.860) | yes |" in lines
     assert "| predicted 20.0%, measured 28.0% | no |" in lines
 
 

@@ -192,6 +192,12 @@ def test_apgr_is_the_share_of_the_gap_recovered_averaged_over_escalation_shares(
     worst = apgr(local, cloud, [0.9, 0.8, 0.1, 0.2], rounds=200)  # the passes escalated first
     assert worst["apgr"] == pytest.approx(0.25) and worst["apgr"] < 0.5 < best["apgr"]  # PGR 0, 0, 0, 0.5, 1
     assert 0 <= best["apgr_ci"][0] <= best["apgr_ci"][1] <= 1 and "0.750 [" in _apgr(best)
+    # the oracle escalates the failures first: here the cascade's own order, so the best any router reaches
+    assert best["apgr_oracle"] == worst["apgr_oracle"] == pytest.approx(0.75) and "oracle's" in _apgr(best)
+    # a cloud that fails one query too; the cascade escalates 0, 2, 4, 3, 1: PGR 0, 0, 0, 0.5, 0.5, 1
+    some = apgr([1, 0, 0, 1, 0], [1, 1, 0, 1, 1], [0.9, 0.1, 0.5, 0.2, 0.3], rounds=50)
+    assert some["apgr"] == pytest.approx(0.05 + 0.1 + 0.15)
+    assert some["apgr_oracle"] == pytest.approx(0.05 + 0.15 + 0.6)  # 1 and 4 first: PGR 0, 0.5, 1, 1, 1, 1
     assert apgr([1, 0], [1, 0], [0.5, 0.5])["apgr"] is None  # no gap: nothing to recover
 
 
