@@ -237,8 +237,15 @@ def test_a_study_preset_runs_its_presets_loop_as_it_runs_it_and_every_arm():
         for sid in ("0", "1A", "1B", "1C", "1D", "1R"):
             assert study.configs[sid] == base.configs[sid] and study.needs(sid) == base.needs(sid), (name, sid)
         assert set(study.configs["1S"].controls) == {"random", "replay", "gold", "pairs25", "pairs50"}
-        # 1R's own recipe (one declaration of the fine-tune): every field but the arms is 1R's
-        assert study.configs["1S"].model_copy(update={"controls": base.configs["1R"].controls}) == base.configs["1R"]
+        # 1R's own recipe (one declaration of the fine-tune): every field but the arms and the
+        # evaluation's size (small's study evaluates more tasks, for non-inferiority) is 1R's
+        own, retrain = study.configs["1S"], base.configs["1R"]
+        same = {"controls": retrain.controls, "evaluation": retrain.evaluation}
+        assert own.model_copy(update=same) == retrain
+        assert [e.model_copy(update={"size": r.size}) for e, r in zip(own.evaluation, retrain.evaluation)] == (
+            retrain.evaluation
+        )
+        assert all(e.size >= r.size for e, r in zip(own.evaluation, retrain.evaluation))
         assert not {"9", "X", "2E"} & set(study.spec.stages)
 
 
