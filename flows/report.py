@@ -435,6 +435,11 @@ def _adapter_lines(adapters: list[dict]) -> list[str]:
     return [*lines, "", " ".join(_cite(a["sid"], a["run"], a["where"]) for a in adapters)]
 
 
+def _cache_key(runs: dict, sid: str) -> str | None:
+    """The cache key of stage ``sid``'s run among a flow run's ``runs`` (None: the flow ran no such stage)."""
+    return runs[sid].data.tags.get(f"{TAG}cache_key") if sid in runs else None
+
+
 def _later_rounds(client, plan, retrained_key: str | None) -> tuple[dict, dict]:
     """The loop's later rounds (``1B.2`` ... ``1R.2``, ...) of the latest ``<preset>-rounds`` flow run
     (``make study-loop``), when its first round is this report's (its 1R's cache key is
@@ -446,8 +451,7 @@ def _later_rounds(client, plan, retrained_key: str | None) -> tuple[dict, dict]:
     except KibidangoError:
         return {}, {}
     runs = _stage_runs(client, flow)
-    first = runs["1R"].data.tags.get(f"{TAG}cache_key") if "1R" in runs else None
-    if retrained_key is None or first != retrained_key:
+    if retrained_key is None or _cache_key(runs, "1R") != retrained_key:
         return {}, {}
     later = {sid: r for sid, r in runs.items() if "." in sid}
     artifacts = _artifacts(later)
@@ -884,7 +888,7 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     if summary:
         lines += ["", "## Summary", "", *summary]
     lines += _stages_table(runs, artifacts, minutes)
-    retrained_key = runs["1R"].data.tags.get(f"{TAG}cache_key") if "1R" in runs else None
+    retrained_key = _cache_key(runs, "1R")
     study = _study_figures(client, plan, retrained_key)
     own_rounds = any("." in sid for sid in artifacts)
     later_runs, later = ({}, {}) if own_rounds else _later_rounds(client, plan, retrained_key)
