@@ -21,8 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from methods.training.chat import prompt_ids, prompt_text
+
+if TYPE_CHECKING:
+    from kibidango.addons.confidence import AnswerStats
 
 __all__ = ["Answer", "Answerer", "ScoredAnswerer", "once"]
 
@@ -115,14 +119,14 @@ class Answerer:
         return prompt_ids(self.tokenizer, [{"role": "user", "content": prompt_text(instruction, input_)}])
 
     def __call__(self, instruction: str, input_: str = "") -> Answer:
-        from kibidango.addons.confidence import score_answer
+        from kibidango.addons.confidence import AnswerStats, score_answer
 
         with self._turn():
             started = time.monotonic()
             ids = self.prompt_ids(instruction, input_)
-            rows: list = []
-            text, out, finish = self._decode(ids, rows=rows)
-            feats = score_answer(self.target, ids, out, rows=rows)
+            stats = AnswerStats()
+            text, out, finish = self._decode(ids, stats=stats)
+            feats = score_answer(self.target, ids, out, stats=stats)
             mean = feats["mean_logprob"] if feats else None
             return Answer(text, len(out), finish, mean, time.monotonic() - started)
 
@@ -149,12 +153,12 @@ class Answerer:
             return Answer(result.text, len(out), finish, None, time.monotonic() - started)
 
     def _decode(
-        self, ids: list[int], adapter: str | None = None, rows: list | None = None
+        self, ids: list[int], adapter: str | None = None, stats: AnswerStats | None = None
     ) -> tuple[str, list[int], str]:
         """Greedy text, token ids (stop tokens dropped) and finish reason after ``ids`` (with the
         target's ``adapter``, None: base weights); finish ``context`` and no text when the prompt
-        alone fills the context. ``rows`` receives the logits that chose each token (scoring the
-        answer from them saves a forward pass over prompt and answer)."""
+        alone fills the context. ``stats`` receives each token's figures from the logits that chose
+        it (scoring the answer from them saves a forward pass over prompt and answer)."""
         room = self.model.context_length - len(ids)
         if room < 1:
             return "", [], "context"
@@ -163,7 +167,7 @@ class Answerer:
             stop=self.stop,
             max_new_tokens=min(self.config.max_new_tokens, room),
             adapter=adapter or "none",
-            target_rows=rows,
+            answer_stats=stats,
         )
         out = [t for t in result.token_ids if t not in self.config.stop_ids]
         finish = result.metrics.finish_reason or ("length" if len(out) >= self.config.max_new_tokens else "stop")
@@ -192,15 +196,15 @@ class ScoredAnswerer(Answerer):
     def answer(
         self, instruction: str, input_: str = "", adapter: str | None = None, temperature: float = 1.0
     ) -> tuple[Answer, dict | None]:
-        from kibidango.addons.confidence import score_answer
+        from kibidango.addons.confidence import AnswerStats, score_answer
 
         if adapter is not None and self.adapters is None:
             raise ValueError(f"adapter {adapter!r} asked for, but no adapters directory was given")
         with self._turn():
             started = time.monotonic()
             ids = self.prompt_ids(instruction, input_)
-            rows: list = []
-            text, out, finish = self._decode(ids, adapter, rows)
-            feats = score_answer(self.target, ids, out, temperature, rows)  # with the adapter that answered
+            stats = AnswerStats(temperature)
+            text, out, finish = self._decode(ids, adapter, stats)
+            feats = score_answer(self.target, ids, out, temperature, stats)  # with the adapter that answered
             mean = feats["mean_logprob"] if feats else None
             return Answer(text, len(out), finish, mean, time.monotonic() - started), feats

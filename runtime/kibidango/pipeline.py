@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kibidango.addons.adapters import LoadedAdapters
-from kibidango.addons.confidence import Calibrator, score_answer
+from kibidango.addons.confidence import AnswerStats, Calibrator, score_answer
 from kibidango.addons.router import Router
 from kibidango.backends import load_model
 from kibidango.backends.base import Model
@@ -181,15 +181,15 @@ class Pipeline:
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = metrics if metrics is not None else Metrics(cfg.mode)
-        given = metrics.target_rows
-        metrics.target_rows = self._target_rows(cfg, score, given)
+        given = metrics.answer_stats
+        metrics.answer_stats = self._answer_stats(cfg, score, given)
         query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
         self._route(query, adapter, metrics)
         yield from self._text(ids, cfg, stop or [], metrics, out, should_stop)
         self._score(ids, out, metrics, score)
         if given is None:
-            metrics.target_rows = None  # the pipeline's own rows, scored: not kept with the metrics
+            metrics.answer_stats = None  # the pipeline's own, scored: not kept with the metrics
 
     def generate(
         self,
@@ -199,22 +199,22 @@ class Pipeline:
         adapter: str | None = None,
         score: bool | None = None,
         should_stop: Callable[[], bool] | None = None,
-        target_rows: list | None = None,
+        answer_stats: AnswerStats | None = None,
         **kw: Any,
     ) -> GenerationResult:
-        """``target_rows``: a list that receives the target's logits that chose each token (``ar``
-        mode: :attr:`Metrics.target_rows`)."""
+        """``answer_stats``: an :class:`kibidango.addons.confidence.AnswerStats` that receives each
+        token's figures from the target's logits that chose it (``ar`` mode: :attr:`Metrics.answer_stats`)."""
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = Metrics(cfg.mode)
-        metrics.target_rows = self._target_rows(cfg, score, target_rows)
+        metrics.answer_stats = self._answer_stats(cfg, score, answer_stats)
         query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
         self._route(query, adapter, metrics)
         text = "".join(self._text(ids, cfg, stop or [], metrics, out, should_stop))
         self._score(ids, out, metrics, score)
-        if target_rows is None:
-            metrics.target_rows = None  # the pipeline's own rows, scored: not kept with the result
+        if answer_stats is None:
+            metrics.answer_stats = None  # the pipeline's own, scored: not kept with the result
         return GenerationResult(text, out, metrics)
 
     def resolve_adapter(self, query: str, adapter: str | None = None) -> tuple[str | None, str | None, float | None]:
@@ -246,23 +246,27 @@ class Pipeline:
             raise BundleError(f"adapter {chosen!r}: the bundle ships no domain adapters")
         metrics.adapter = chosen
 
-    def _target_rows(self, cfg: DecodeConfig, score: bool | None, given: list | None) -> list | None:
-        """The list that receives the target's logits choosing each token (``ar`` mode only): the
-        caller's, else one of the pipeline's own where it will score the answer, so that the
-        calibrator's features need no second forward pass over prompt and answer (which doubled a
-        request's prefill and the memory its logits take)."""
+    def _answer_stats(self, cfg: DecodeConfig, score: bool | None, given: AnswerStats | None) -> AnswerStats | None:
+        """What receives each token's figures from the target's logits that chose it (``ar`` mode
+        only): the caller's, else the pipeline's own where it will score the answer at the
+        calibrator's temperature, so that the calibrator's features need no second forward pass over
+        prompt and answer (which doubled a request's prefill) and no logits are kept."""
         if cfg.mode != "ar":
             return None
         if given is not None:
             return given
-        return [] if self.calibrator is not None and score is not False else None
+        if self.calibrator is None or score is False:
+            return None
+        return AnswerStats(self.calibrator.temperature_for(self.backend))
 
     def _score(self, ids: list[int], out: list[int], metrics: Metrics, score: bool | None) -> None:
         if self.calibrator is None or score is False or metrics.finish_reason == "cancelled":
             return
         answer = [t for t in out if t not in self.defaults.stop_ids]
         temperature = self.calibrator.temperature_for(self.backend)
-        feats = score_answer(self.models["target"], ids, answer, temperature, rows=metrics.target_rows)
+        stats = metrics.answer_stats  # a caller's, taken at another temperature: a scoring pass instead
+        stats = stats if stats is not None and stats.temperature == float(temperature) else None
+        feats = score_answer(self.models["target"], ids, answer, temperature, stats)
         confidence = self.calibrator.confidence(feats)
         if math.isfinite(confidence) and 0.0 <= confidence <= 1.0:
             metrics.confidence = confidence

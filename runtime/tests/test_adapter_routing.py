@@ -182,7 +182,7 @@ def test_a_default_adapter_the_bundle_does_not_ship_is_refused(bundle, tmp_path)
 
 def test_the_calibrated_confidence_follows_the_calibrator(bundle):
     from kibidango import Pipeline
-    from kibidango.addons.confidence import score_answer
+    from kibidango.addons.confidence import AnswerStats, score_answer
 
     pipe = Pipeline.from_bundle(bundle, adapter="none")
     target = pipe.models["target"]
@@ -191,15 +191,17 @@ def test_the_calibrated_confidence_follows_the_calibrator(bundle):
     target.new_session = lambda: sessions.append(1) or opened()
     result = pipe.generate("Once upon a time", max_new_tokens=8)
     # scored from the logits that chose each token as it was decoded: no second pass over prompt and answer
-    assert len(sessions) == 1 and result.metrics.target_rows is None
+    assert len(sessions) == 1 and result.metrics.answer_stats is None
     del target.new_session
     ids = pipe.encode("Once upon a time")
     answer = [t for t in result.token_ids if t != 2]
     feats = score_answer(target, ids, answer, 1.3)  # one forward pass over prompt and answer
     assert result.metrics.confidence == pytest.approx(pipe.calibrator.confidence(feats), rel=1e-4)
-    rows: list = []
-    kept = pipe.generate("Once upon a time", max_new_tokens=8, target_rows=rows)
-    assert kept.metrics.target_rows is rows and len(rows) == len(kept.token_ids)  # the caller's rows are kept
+    stats = AnswerStats(1.3)
+    kept = pipe.generate("Once upon a time", max_new_tokens=8, answer_stats=stats)
+    assert kept.metrics.answer_stats is stats and len(stats) == len(kept.token_ids)  # the caller's are kept
+    scored = score_answer(target, ids, [t for t in kept.token_ids if t != 2], 1.3)
+    assert kept.metrics.confidence == pytest.approx(pipe.calibrator.confidence(scored), rel=1e-4)
     assert pipe.generate("Once upon a time", max_new_tokens=8, score=False).metrics.confidence is None
 
 

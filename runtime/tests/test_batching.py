@@ -144,23 +144,42 @@ def test_a_slot_cropped_back_and_placeholders_never_touch_a_sequences_tokens(fam
         batcher.close()
 
 
-def test_answer_features_from_the_decoding_rows_equal_a_scoring_pass(family):
-    """Metrics.target_rows: the logits that chose each ar token give an answer the features a
-    second forward over prompt and answer gives (to float32 rounding: the rows are kept as float32)."""
-    from kibidango.addons.confidence import score_answer
+def test_answer_features_from_the_decoding_equal_a_scoring_pass(family):
+    """Metrics.answer_stats: each ar token's figures, reduced from the logits that chose it as it
+    was decoded, give an answer the features a second forward over prompt and answer gives."""
+    from kibidango.addons.confidence import AnswerStats, score_answer
 
     cfg = DecodeConfig(mode="ar", max_new_tokens=16, temperature=0.0)
     pipe = Pipeline(None, dict(family), cfg)
     metrics = Metrics("ar")
-    metrics.target_rows = []
+    metrics.answer_stats = AnswerStats(1.3)
     answer = [t for new in pipe.decoder.generate(list(PROMPTS[0]), cfg, metrics) for t in new]
-    rows = metrics.target_rows
-    assert len(rows) >= len(answer) > 0
+    stats = metrics.answer_stats
+    assert len(stats) >= len(answer) > 0
     scored = score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.3)
-    reused = score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.3, rows)
+    reused = score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.3, stats)
     assert reused.keys() == scored.keys()
     for key in scored:
-        assert reused[key] == pytest.approx(scored[key], rel=1e-5, abs=1e-6), key  # rows kept as float32
+        assert reused[key] == pytest.approx(scored[key], rel=1e-5, abs=1e-6), key
+    with pytest.raises(ValueError, match="temperature 1.3, not 1.0"):
+        score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.0, stats)
+
+
+def test_answer_stats_token_by_token_equal_the_whole_answers():
+    """AnswerStats reduces one row at a time what answer_features computes over the answer's rows:
+    the same values (each figure is a per-row one), three floats a token kept."""
+    from kibidango.addons import confidence
+
+    rng = np.random.default_rng(1)
+    logits, answer = rng.normal(size=(21, 300)).astype(np.float32), rng.integers(0, 300, 21)
+    stats = confidence.AnswerStats(0.7)
+    for row, token in zip(logits, answer, strict=True):
+        stats.add(row, int(token))
+    assert len(stats) == 21 and stats.features(0) is None
+    assert stats.features(21) == confidence.answer_features(logits, list(answer), 0.7)
+    assert stats.features(9) == confidence.answer_features(logits[:9], list(answer[:9]), 0.7)
+    with pytest.raises(ValueError, match="22 tokens asked for, 21 decoded"):
+        stats.features(22)
 
 
 def test_answer_features_a_few_rows_at_a_time_equal_the_whole_answers():

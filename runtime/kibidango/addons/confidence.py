@@ -3,7 +3,8 @@ is to fail (stage 6B's escalation detector) — numpy only, from small JSON file
 
 - :func:`answer_features`: from the target's logits over the answer (one forward pass of prompt +
   answer), the features stage 2G fits on: mean and min token log-probability, mean entropy, the
-  length, and the mean log-probability under the calibrated temperature;
+  length, and the mean log-probability under the calibrated temperature; :class:`AnswerStats`:
+  the same features reduced token by token as the answer is decoded (no second pass, no rows kept);
 - :class:`Logistic`: ``sigmoid(w . (x - mean) / std + b)``, the form of both 2G's Platt scaling
   and 6B's detector;
 - :class:`Calibrator` (``calibration/calibration.json``): per-backend token temperature, the
@@ -27,7 +28,15 @@ import numpy as np
 
 from kibidango.integrity import BundleError, read_json
 
-__all__ = ["ANSWER_FEATURES", "Calibrator", "EscalationDetector", "Logistic", "answer_features", "score_answer"]
+__all__ = [
+    "ANSWER_FEATURES",
+    "AnswerStats",
+    "Calibrator",
+    "EscalationDetector",
+    "Logistic",
+    "answer_features",
+    "score_answer",
+]
 
 ANSWER_FEATURES = ("mean_logprob", "min_logprob", "mean_entropy", "tokens", "calibrated_mean_logprob")
 
@@ -44,6 +53,25 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
+def _per_token(rows: np.ndarray, tokens: np.ndarray, temperature: float) -> tuple[np.ndarray, ...]:
+    """Each row's log-probability of its token, entropy, and log-probability of its token under
+    ``temperature`` (float64 temporaries of the rows' size)."""
+    idx = (np.arange(len(tokens)), tokens)
+    logp = _log_softmax(rows)
+    entropy = -(np.exp(logp) * logp).sum(axis=-1)
+    return logp[idx], entropy, _log_softmax(np.asarray(rows) / temperature)[idx]
+
+
+def _features(token_logp: np.ndarray, entropy: np.ndarray, calibrated: np.ndarray) -> dict[str, float]:
+    return {
+        "mean_logprob": float(token_logp.mean()),
+        "min_logprob": float(token_logp.min()),
+        "mean_entropy": float(entropy.mean()),
+        "tokens": float(len(token_logp)),
+        "calibrated_mean_logprob": float(calibrated.mean()),
+    }
+
+
 def answer_features(logits: np.ndarray, answer_ids: list[int], temperature: float = 1.0) -> dict[str, float] | None:
     """Features of an answer from the logits that predicted its tokens (``logits[i]`` predicts
     ``answer_ids[i]``); None for an empty answer."""
@@ -54,29 +82,54 @@ def answer_features(logits: np.ndarray, answer_ids: list[int], temperature: floa
     answer = np.asarray(answer_ids)
     token_logp, entropy, calibrated = np.empty(n), np.empty(n), np.empty(n)
     for lo in range(0, n, _ROWS):  # a few rows at a time: float64 temporaries of a 49K vocabulary are 393 KB a row
-        rows, idx = logits[lo : lo + _ROWS], (np.arange(min(_ROWS, n - lo)), answer[lo : lo + _ROWS])
-        logp = _log_softmax(rows)
-        token_logp[lo : lo + _ROWS] = logp[idx]
-        entropy[lo : lo + _ROWS] = -(np.exp(logp) * logp).sum(axis=-1)
-        calibrated[lo : lo + _ROWS] = _log_softmax(rows / temperature)[idx]
-    return {
-        "mean_logprob": float(token_logp.mean()),
-        "min_logprob": float(token_logp.min()),
-        "mean_entropy": float(entropy.mean()),
-        "tokens": float(n),
-        "calibrated_mean_logprob": float(calibrated.mean()),
-    }
+        hi = min(lo + _ROWS, n)
+        token_logp[lo:hi], entropy[lo:hi], calibrated[lo:hi] = _per_token(logits[lo:hi], answer[lo:hi], temperature)
+    return _features(token_logp, entropy, calibrated)
+
+
+class AnswerStats:
+    """What :func:`answer_features` reads of each token, reduced from its logits row as the answer
+    is decoded (``Metrics.answer_stats``, filled in ``ar`` mode): three floats a token, where
+    keeping the rows until the answer was scored held the vocabulary's logits for every token (196 KB
+    a token for SmolLM2's 49K, +20 MB of peak RSS on a 32-token answer) and scoring with a second
+    forward pass doubles the prefill. ``temperature``: the calibrated feature's (the calibrator's)."""
+
+    def __init__(self, temperature: float = 1.0):
+        self.temperature = float(temperature)
+        self._values: list[tuple[float, float, float]] = []
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def add(self, row: np.ndarray, token: int) -> None:
+        """The row of logits that chose ``token``."""
+        logp, entropy, calibrated = _per_token(np.asarray(row)[None], np.asarray([token]), self.temperature)
+        self._values.append((float(logp[0]), float(entropy[0]), float(calibrated[0])))
+
+    def features(self, n: int) -> dict[str, float] | None:
+        """:func:`answer_features` of the first ``n`` tokens (None for none)."""
+        if n < 1:
+            return None
+        if n > len(self._values):
+            raise ValueError(f"features of {n} tokens asked for, {len(self._values)} decoded")
+        return _features(*(np.asarray(column) for column in zip(*self._values[:n], strict=True)))
 
 
 def score_answer(
-    model, prompt_ids: list[int], answer_ids: list[int], temperature: float = 1.0, rows: list | None = None
+    model,
+    prompt_ids: list[int],
+    answer_ids: list[int],
+    temperature: float = 1.0,
+    stats: AnswerStats | None = None,
 ) -> dict | None:
     """:func:`answer_features` of ``answer_ids`` after ``prompt_ids`` under ``model`` (a backend
-    model): one forward pass in a fresh session, cut to the model's context. ``rows``: the
-    logits that chose the answer's tokens as it was decoded (``Metrics.target_rows``), when there
-    is one for each token: then no forward pass (the same values up to floating-point rounding)."""
-    if rows is not None and len(answer_ids) and len(rows) >= len(answer_ids):
-        return answer_features(np.stack(rows[: len(answer_ids)]), list(answer_ids), temperature)
+    model): one forward pass in a fresh session, cut to the model's context. ``stats``: the
+    answer's :class:`AnswerStats` as it was decoded (``Metrics.answer_stats``), when it holds every
+    token: then no forward pass (the same values up to floating-point rounding)."""
+    if stats is not None and len(answer_ids) and len(stats) >= len(answer_ids):
+        if stats.temperature != float(temperature):
+            raise ValueError(f"the answer's stats were taken at temperature {stats.temperature}, not {temperature}")
+        return stats.features(len(answer_ids))
     ids = (list(prompt_ids) + list(answer_ids))[: model.context_length]
     n = len(ids) - len(prompt_ids)
     if n < 1 or not prompt_ids:

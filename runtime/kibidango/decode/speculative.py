@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from kibidango.addons.confidence import AnswerStats
 from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError, Model, Session, sync_and_feed
 from kibidango.decode.distributions import Sampler, verify
 from kibidango.decode.ngrams import NgramTable
@@ -264,9 +265,10 @@ class Metrics:
     """Calibrated P(the answer passes its judge) (2G)."""
     confidence_error: str | None = None
     """Why ``confidence`` is None although the bundle has a calibrator (it gave no finite value)."""
-    target_rows: list[np.ndarray] | None = field(default=None, repr=False)
-    """Where the caller asks (a list), the target's logits that chose each token, in ``ar`` mode:
-    an answer's features without a second forward pass over prompt and answer (not reported)."""
+    answer_stats: AnswerStats | None = field(default=None, repr=False)
+    """Where the pipeline or its caller asks, each ``ar`` token's figures from the target's logits
+    that chose it: an answer's features without a second forward pass over prompt and answer (not
+    reported)."""
 
     def count(self, stage: str, drafted: int, accepted: int) -> None:
         self.num_draft_tokens[stage] = self.num_draft_tokens.get(stage, 0) + drafted
@@ -436,9 +438,10 @@ class Decoder:
 
     def _ar_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length=None) -> list[int]:
         row = sync_and_feed(sessions["target"], committed, [])[0]
-        if metrics.target_rows is not None:  # a copy: the row is a view of the whole forward's logits
-            metrics.target_rows.append(np.array(row, dtype=np.float32))
-        return [sampler.draw(sampler.probs(row), rng)]
+        token = sampler.draw(sampler.probs(row), rng)
+        if metrics.answer_stats is not None:
+            metrics.answer_stats.add(row, token)
+        return [token]
 
     def _propose(
         self, session: Session, committed: list[int], n: int, sampler, rng, p_min: float = 0.0
