@@ -3,12 +3,14 @@ contain and report."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 
+from eval.shared_data import SHARED
 from methods.judges import Task, make_judge
 from methods.judges.math import final_number
 from tests.conftest import OPENAI_KEY_ENV
@@ -30,6 +32,54 @@ def test_math_judge_reads_the_final_number_whatever_its_format():
         assert not verdict.passed and verdict.outcome == "failed", wrong
     assert final_number("half: 1/2") == final_number("0.5")
     assert make_judge("math")(Task("x", "?", reference="no number here"), "3").outcome == "judge_error"
+
+
+def test_math_judge_fails_a_list_of_guesses_whichever_comes_last():
+    """A self-taught sample of stage 1D (small, bb882cc) passed by listing seven final numbers, the
+    reference's last: several different marked final numbers fail; one repeated passes."""
+    judge = make_judge("math")
+    task = Task("ladder-math-5", "?", reference="21 + 8 = 29\n#### 29")
+    guesses = judge(task, "21 + 26 = 38\n#### 38\n#### 21\n#### 22\n#### 25\n#### 26\n#### 24\n#### 29")
+    assert not guesses.passed and guesses.outcome == "failed" and "7 different final numbers" in guesses.reason
+    assert judge(task, "#### 29\n#### 29").passed
+    assert not judge(task, "The answer is 28. No, the answer is 29.").passed
+
+
+def test_math_judge_with_working_fails_a_right_number_reached_by_wrong_arithmetic():
+    """`working: true`: an equation between plain numbers that does not hold fails the answer,
+    whatever its final number (five of the 28 self-taught math pairs of that 1D taught such sums);
+    chained, bracketed, partly worked and divided equations are not read; the ladder's and GSM8K's
+    worked solutions pass (GSM8K's test split: one flag, a slip of the dataset's own)."""
+    from methods.judges.math import wrong_working
+    from methods.ladder import ladder_rows
+
+    strict, plain = make_judge({"kind": "math", "working": True}), make_judge("math")
+    task = Task("ladder-math-5", "?", reference="#### 58")
+    verdict = strict(task, "41 + 57 = 58\n#### 58")
+    assert not verdict.passed and verdict.outcome == "failed" and "41 + 57 = 58" in verdict.reason
+    assert plain(task, "41 + 57 = 58\n#### 58").passed  # GSM8K's own scoring: the final number only
+    assert strict(task, "41 + 17 = 58\n#### 58").passed
+    assert wrong_working("If 38 + 51 = 69, then 38 + 51 = 89") == ["38 + 51 = 69"]
+    assert wrong_working("7 + 9 + 1 = 18, so 1,000 + 2,000 = 3,000 and 5 x 3 = 15") == ["7 + 9 + 1 = 18"]
+    for unread in (
+        "3 * 7 + 2 = 23",
+        "(3 + 4) = 8",
+        "4080 + 4080 / 2 = 4000 + 2040",
+        "3 / 2 = 1 1/2",
+        "17 / 3 = 5",
+        "20% of 50 = 10",
+        "50 - 20 = 30%",
+        "$350 000 + $5 = $9",
+        "x2 + 3 = 6",
+    ):
+        assert wrong_working(unread) == [], unread
+    for level in range(1, 8):
+        for row in ladder_rows("math", [level], "mining", 40, 0):
+            assert strict(row["task"], row["task"].reference).passed, row["task"].reference
+    gsm8k = SHARED / "data" / "gsm8k" / "test.jsonl"
+    if gsm8k.is_file():
+        solutions = [json.loads(line)["answer"] for line in gsm8k.open()]
+        assert [w for s in solutions if (w := wrong_working(s))] == [["$32 - $20 = $300"]]
 
 
 def test_reference_judge_scores_against_the_gold_answer():

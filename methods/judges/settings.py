@@ -27,6 +27,11 @@ class _Settings(BaseModel):
 
 class MathJudgeSettings(_Settings):
     kind: Literal["math"] = "math"
+    working: bool = Field(
+        False,
+        description="Also fail an answer whose own arithmetic is wrong (an equation between plain numbers, "
+        "`41 + 57 = 58`, that does not hold), whatever its final number (methods/judges/math.py).",
+    )
 
 
 class CodeJudgeSettings(_Settings):
