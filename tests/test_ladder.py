@@ -94,6 +94,33 @@ def test_code_tests_tell_programs_apart():
         assert sum(distinct) >= 0.9 * len(tasks), level
 
 
+def test_code_tests_fail_a_program_that_skips_a_step():
+    """A loop's condition made always or never true, or the argument returned unchanged, fails
+    at least one of the task's three tests (7-20% of loop tasks were passed by a program ignoring
+    its filter before the generator drew again on its mutants)."""
+    import re
+
+    def passes(code: str, name: str, tests: tuple[str, ...]) -> bool:
+        scope: dict = {"__builtins__": {"len": len, "max": max, "min": min, "sum": sum}}
+        try:
+            exec(code, scope)
+            return all(eval(t.removeprefix("assert "), scope) for t in tests)
+        except Exception:
+            return False
+
+    for level in range(1, LEVELS["code"] + 1):
+        for t in ladder_tasks("code", level, "mining", 60):
+            reference, tests = t.output, t.task.tests
+            name = re.match(r"def (\w+)\((\w+)\)", reference)
+            assert passes(reference, name[1], tests)
+            mutants = [f"def {name[1]}({name[2]}):\n    return {name[2]}\n"]
+            condition = re.search(r"if (.+):\n", reference)
+            if condition and level >= 4:
+                mutants += [reference.replace(condition[0], f"if {v}:\n", 1) for v in ("True", "False")]
+            for mutant in mutants:
+                assert not passes(mutant, name[1], tests), (level, reference, mutant)
+
+
 def test_a_stage0_ladder_source_reads_only_the_train_part_up_to_its_cut_off():
     from methods.curation.ingest import SourceSpec, read_source, source_digest
 

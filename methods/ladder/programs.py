@@ -21,6 +21,12 @@ sum is in the math rungs (level 1 has a few hundred programs; named, a few thous
 Tests are three asserts on inputs drawn for the task (for a conditional, on both sides of it);
 the prompt shows the first, as MBPP's prompts show theirs. Expected values come from running the
 reference, which this module wrote from its own templates (no outside code is executed here).
+Every step of a task must matter to its tests: each *mutant* of the reference — steps left out
+(all of them, levels 1-2; either of level 2's; level 5's primitive; level 6's final one), a
+condition that always or never holds (levels 3-6) — fails at least one of them, or the inputs,
+then the program, are drawn again. Without this, 7-20% of the loop levels' tasks were passed by a
+program that ignores its filter (``less than 26`` over elements of 1..20), and level 2 asked for
+``(x + 6) - 6`` or a string reversed before taking its length.
 """
 
 from __future__ import annotations
@@ -123,18 +129,23 @@ def _draw(arg_type: str) -> Callable[[random.Random], list]:
     return draw
 
 
-def _body(level: int, rng: random.Random) -> tuple[str, str, str, Callable[[random.Random], list]]:
-    """(argument type, English steps, the function's body, a draw of three test inputs) of a
-    ``level`` program."""
+def _body(level: int, rng: random.Random) -> tuple[str, str, str, Callable[[random.Random], list], list[str]]:
+    """(argument type, English steps, the function's body, a draw of three test inputs, the
+    body's mutants: a step left out, a condition that always or never holds) of a ``level``
+    program."""
     if level in (1, 2):
         arg_type = rng.choice(["int", "str", "list"])
         arg = _ARG[arg_type][0]
-        texts, code, kind = [], arg, arg_type
+        texts, codes, kind = [], [arg], arg_type
         for i in range(level):
             on = arg if i == 0 else "the result"
-            text, code, kind = _primitive(rng, kind, on, _wrap(code), k_max=30 if level == 1 else 9)
+            text, code, kind = _primitive(rng, kind, on, _wrap(codes[-1]), k_max=30 if level == 1 else 9)
             texts.append(text)
-        return arg_type, ", then ".join(texts), f"    return {code}", _draw(arg_type)
+            codes.append(code)
+        mutants = [f"    return {arg}"]  # every step left out: (x + 6) - 6 is x
+        if level == 2:  # the second step left out; the first (the second on the argument itself)
+            mutants += [f"    return {codes[1]}", f"    return {codes[2].replace(_wrap(codes[1]), arg)}"]
+        return arg_type, ", then ".join(texts), f"    return {codes[-1]}", _draw(arg_type), mutants
     if level == 3:
         k = rng.randint(5, 30)
         t1, c1, _ = _primitive(rng, "int", "x", "x")
@@ -147,7 +158,7 @@ def _body(level: int, rng: random.Random) -> tuple[str, str, str, Callable[[rand
         def both_sides(r: random.Random) -> list:
             return [r.randint(0, k), r.randint(k + 1, k + 20), r.randint(0, k + 20)]
 
-        return "int", steps, body, both_sides
+        return "int", steps, body, both_sides, [f"    return {c1}", f"    return {c2}"]
     if level not in (4, 5, 6):
         raise ValueError(f"code level {level}: the ladder has levels 1..{LEVELS}")
     # Loops over a list: a running total from 0 over the elements x that meet a condition.
@@ -155,6 +166,7 @@ def _body(level: int, rng: random.Random) -> tuple[str, str, str, Callable[[rand
     k = rng.randint(2, 9) if "divisible" in cond_text else rng.randint(3, 30)
     cond_text, cond = cond_text.format(k=k), cond.format(v="x", k=k)
     loop = "    total = 0\n    for x in xs:\n"
+    mutants = []
     if level == 4:
         what, update = rng.choice(_AGGREGATES)
         steps = f"{what} the elements that are {cond_text}"
@@ -165,6 +177,7 @@ def _body(level: int, rng: random.Random) -> tuple[str, str, str, Callable[[rand
         t1, c1, _ = _primitive(rng, "int", "x", "x")
         steps = f"for each element x that is {cond_text}, {t1} and add the result to a total that starts at 0"
         body = f"{loop}        if {cond}:\n            total += {c1}\n    return total"
+        mutants.append(body.replace(f"total += {c1}", "total += x"))
     else:
         t2, c2, _ = _primitive(rng, "int", "the total", "total")
         steps = (
@@ -174,36 +187,60 @@ def _body(level: int, rng: random.Random) -> tuple[str, str, str, Callable[[rand
         body = (
             f"{loop}        if {cond}:\n            total += x\n        else:\n            total -= x\n    return {c2}"
         )
-    return "list", steps, body, _draw("list")
+        mutants.append(body.replace(f"return {c2}", "return total"))
+    mutants += [body.replace(f"if {cond}:", "if True:"), body.replace(f"if {cond}:", "if False:")]
+    return "list", steps, body, _draw("list"), mutants
 
 
 _SAFE_BUILTINS = {"len": len, "max": max, "min": min, "sum": sum}
 _DRAWS = 20
 """Test inputs, then whole programs, are drawn again (up to this many times each) until the three
-expected values differ."""
+expected values differ and every mutant fails a test."""
+
+
+def _function(name: str, arg: str, body: str) -> Callable:
+    namespace: dict = {}
+    code = f"def {name}({arg}):\n{body}\n"
+    exec(compile(code, "<ladder>", "exec"), {"__builtins__": _SAFE_BUILTINS}, namespace)  # own template
+    return namespace[name]
+
+
+def _fails(mutant: Callable, inputs: list, expected: list) -> bool:
+    """Whether ``mutant`` gets at least one of the tests wrong (an exception counts as wrong)."""
+    for value, want in zip(inputs, expected, strict=True):
+        try:
+            if mutant(value) != want:
+                return True
+        except Exception:  # a step left out can leave a type the next one does not take
+            return True
+    return False
 
 
 def program(level: int, rng: random.Random) -> Program:
     """One program of ``level`` (1..:data:`LEVELS`), its constants, inputs and words from ``rng``.
-    A program whose three test inputs give three different results within :data:`_DRAWS` draws
-    is kept; one that cannot (``x % 2`` has two results) is drawn again, so no constant passes."""
+    A program whose three test inputs give three different results, and on which every mutant of
+    it fails a test, within :data:`_DRAWS` draws is kept; one that cannot (``x % 2`` has two
+    results; a filter no element 1..20 fails) is drawn again, so no constant and no program that
+    skips a step passes."""
     if not 1 <= level <= LEVELS:
         raise ValueError(f"code level {level}: the ladder has levels 1..{LEVELS}")
     for _ in range(_DRAWS):
-        arg_type, steps, body, draw = _body(level, rng)
+        arg_type, steps, body, draw, mutant_bodies = _body(level, rng)
         name = rng.choice(_FUNCTION_NAMES)
         reference = f"def {name}({_ARG[arg_type][0]}):\n{body}\n"
-        namespace: dict = {}
-        exec(compile(reference, "<ladder>", "exec"), {"__builtins__": _SAFE_BUILTINS}, namespace)  # own template
+        function = _function(name, _ARG[arg_type][0], body)
+        mutants = [_function(name, _ARG[arg_type][0], m) for m in mutant_bodies]
         for _ in range(_DRAWS):
             inputs = draw(rng)
-            expected = [namespace[name](value) for value in inputs]
-            if len({repr(e) for e in expected}) == len(expected):
+            expected = [function(value) for value in inputs]
+            if len({repr(e) for e in expected}) == len(expected) and all(_fails(m, inputs, expected) for m in mutants):
                 arg, arg_text = _ARG[arg_type]
                 tests = tuple(f"assert {name}({v!r}) == {e!r}" for v, e in zip(inputs, expected, strict=True))
                 prompt = rng.choice(_PROMPTS).format(name=name, arg=arg, arg_text=arg_text, steps=steps)
                 return Program(f"{level}:{reference}", name, prompt, reference, tests)
-    raise RuntimeError(f"code level {level}: no program with three distinct test results in {_DRAWS} draws")
+    raise RuntimeError(
+        f"code level {level}: no program with three distinct test results that fail its mutants in {_DRAWS} draws"
+    )
 
 
 def ast_nodes(code: str) -> int:
