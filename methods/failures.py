@@ -191,4 +191,5 @@ def verdict_record(v, kind: str) -> dict:
         "judge_usd": float(v.details.get("usd", 0.0)),
         "retryable": bool(v.details.get("retryable", False)),
         "format_failure": bool(v.details.get("format_failure")),
+        "wrong_working": bool(v.details.get("wrong_working")),
     }

@@ -224,6 +224,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         d_rate, d_failed, d_judged = _failure_rate([r for r in table if r["domain"] == d])
         domains[d] = {"tested": sum(1 for r in table if r["domain"] == d), "failed": d_failed, "judged": d_judged}
         domains[d]["format_failures"] = sum(1 for r in table if r["domain"] == d and r.get("format_failure"))
+        domains[d]["wrong_working"] = sum(1 for r in table if r["domain"] == d and r.get("wrong_working"))
         domains[d]["failure_rate"] = d_rate
     samples = {}
     for s in cfg.samples:
@@ -251,6 +252,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "failure_rate": rate,
         "judge_errors": len(table) - judged,
         "format_failures": sum(1 for r in table if r.get("format_failure")),
+        "wrong_working": sum(1 for r in table if r.get("wrong_working")),
         "outcomes": dict(Counter(r["outcome"] for r in table)),
         "domains": domains,
         "samples": samples,
@@ -272,6 +274,7 @@ def _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds) ->
         "failure_rate": rate,
         "judge_errors": stats["judge_errors"],
         "format_failures": stats["format_failures"],
+        "wrong_working": stats["wrong_working"],
         "rows_generated": generated,
         "rows_resumed": resumed,
         "rows_rejudged": rejudged,
@@ -349,21 +352,23 @@ def _card(stats: dict) -> str:
         )
     lines += [
         "",
-        "| domain | judge | tested | with a verdict | failed | of which format (no runnable code) | failure rate |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| domain | judge | tested | with a verdict | failed | of which format (no runnable code) "
+        "| of which right number, wrong working | failure rate |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for d, v in stats["domains"].items():
         lines.append(
             f"| {d} | {stats['judges'].get(d, '?')} | {v['tested']:,} | {v['judged']:,} | {v['failed']:,} "
-            f"| {v.get('format_failures', 0):,} | {v['failure_rate']:.1%} |"
+            f"| {v.get('format_failures', 0):,} | {v.get('wrong_working', 0):,} | {v['failure_rate']:.1%} |"
         )
     lines += [
         f"| **all** | | {stats['tested']:,} | {stats['judged']:,} | {stats['failed']:,} | "
-        f"{stats.get('format_failures', 0):,} | **{stats['failure_rate']:.1%}** |",
+        f"{stats.get('format_failures', 0):,} | {stats.get('wrong_working', 0):,} | **{stats['failure_rate']:.1%}** |",
         "",
         "A format failure is an answer whose code the judge could not find or parse (after taking it out of its "
         "fences and prose as EvalPlus's sanitizer does): a failure of the answer's form, counted apart from wrong "
-        "answers.",
+        "answers. Right number, wrong working: a math answer whose final number is the reference's but whose own "
+        "arithmetic is wrong (`41 + 57 = 58`; the recipe's math judge `working: true`), a failure the loop teaches.",
         "",
         *_levels_table(stats.get("levels", {})),
         *_bands_table(stats.get("bands", {})),

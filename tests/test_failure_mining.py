@@ -433,6 +433,36 @@ def test_answers_decoded_together_are_the_answers_decoded_alone(student):
     assert together.pipeline.models["target"] is together.model  # closed: the pipeline decodes alone again
 
 
+def test_right_numbers_reached_by_wrong_working_are_counted_apart():
+    """With the recipe's math judge reading the working, an answer whose final number is right but
+    whose own arithmetic is wrong fails; 1B's figures and card count those apart (an answer wrong in
+    its number too is a plain wrong answer)."""
+    from methods.failures import verdict_record
+    from methods.judges import Task, make_judge
+    from stages.mine_failures import Config, _card, _figures
+
+    judge = make_judge({"kind": "math", "working": True})
+    task = Task("t", "?", reference="41 + 17 = 58\n#### 58")
+    lucky = verdict_record(judge(task, "41 + 57 = 58\n#### 58"), "math")
+    wrong = verdict_record(judge(task, "41 + 57 = 59\n#### 59"), "math")
+    assert lucky["outcome"] == "failed" and lucky["wrong_working"] and "41 + 57 = 58" in lucky["reason"]
+    assert wrong["outcome"] == "failed" and not wrong["wrong_working"] and "differs" in wrong["reason"]
+    right = verdict_record(judge(task, "41 + 17 = 58\n#### 58"), "math")
+    table = [
+        {"id": f"r{i}", "sample": "s", "domain": "math", "tokens": 5, "finish_reason": "stop", **record}
+        for i, record in enumerate([lucky, wrong, right])
+    ]
+    cfg = Config.model_validate(
+        {
+            "samples": [{"name": "s", "source": "gsm8k", "path": "gsm8k.jsonl", "size": 3}],
+            "judges": {"math": {"kind": "math", "working": True}},
+        }
+    )
+    metrics, stats = _figures(cfg, table, {}, 3, 0, 0, 1.0)
+    assert metrics["wrong_working"] == 1 and stats["failed"] == 2 and stats["domains"]["math"]["wrong_working"] == 1
+    assert "| math | math | 3 | 3 | 2 | 0 | 1 | 66.7% |" in _card(stats)
+
+
 def test_format_failures_are_counted_apart_from_wrong_answers():
     """An answer whose code could not be found or parsed failed its format, not its task: 1B's
     figures and card count those apart (the code judge marks them ``format_failure``)."""

@@ -128,14 +128,13 @@ class MathJudge:
         if len(stated) > 1:
             shown = ", ".join(_show(x) for x in stated[:5]) + (", ..." if len(stated) > 5 else "")
             reason = f"{len(stated)} different final numbers ({shown}): a list of guesses"
-            return Verdict(False, 0.0, reason, "failed", time.monotonic() - started)
-        wrong = wrong_working(answer) if self.working else []
-        if wrong:
-            reason = f"its own working is wrong: {wrong[0]}" + (
-                f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
-            )
-            return Verdict(False, 0.0, reason, "failed", time.monotonic() - started)
+            return Verdict(False, 0.0, reason, "failed", time.monotonic() - started, {"guesses": len(stated)})
         ok = got == want
+        wrong = wrong_working(answer) if self.working and ok else []
+        if wrong:
+            more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+            reason = f"final number {_show(got)} equals the reference, but its own working is wrong: {wrong[0]}{more}"
+            return Verdict(False, 0.0, reason, "failed", time.monotonic() - started, {"wrong_working": wrong})
         reason = f"final number {_show(got)} {'equals' if ok else 'differs from'} the reference {_show(want)}"
         return Verdict(ok, float(ok), reason, "passed" if ok else "failed", time.monotonic() - started)
 
