@@ -82,6 +82,12 @@ class InputModel(BaseModel):
     )
     tier: str = Field("target", description="The tier of `input` to read.")
     speed_rounds: int = Field(3, gt=0, description="Rounds of the side-by-side speed measurement.")
+    speed_prompts: int = Field(
+        16,
+        gt=0,
+        description="Evaluation queries the side-by-side speed measurement decodes (only the two targets' ar steps: "
+        "~1 s a prompt on 2 cores; more than the bundle's own speed block, whose interval on 4 was [0.95, 1.01]).",
+    )
 
     @model_validator(mode="after")
     def _one(self) -> InputModel:
@@ -349,7 +355,8 @@ def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
     model = beside.models["target"]
     if pipe.adapters is not None:  # the bundle's default weights, set here, not left by the last answer
         pipe.adapters.use(pipe.default_adapter)
-    prompts = [prompt_ids(pipe.tokenizer, [{"role": "user", "content": p}]) for p in _speed_prompts(pipe, rows, cfg)]
+    queries = _speed_prompts(pipe, rows, cfg, spec.speed_prompts)
+    prompts = [prompt_ids(pipe.tokenizer, [{"role": "user", "content": p}]) for p in queries]
     cells = decode_cells(
         {"bundle": pipe.models["target"], "input": model}, prompts or [[0]], cfg.speed_new_tokens, spec.speed_rounds
     )
@@ -506,11 +513,12 @@ def _probe_rss(command: list[str]) -> float | None:
     return int(probe.stdout.strip().splitlines()[-1]) / 1024  # both in KiB on Linux
 
 
-def _speed_prompts(pipe, rows: list[dict], cfg: Config) -> list[str]:
-    """The first ``speed_prompts`` evaluation queries that leave room for the generated tokens."""
+def _speed_prompts(pipe, rows: list[dict], cfg: Config, n: int | None = None) -> list[str]:
+    """The first ``n`` (default ``speed_prompts``) evaluation queries that leave room for the
+    generated tokens."""
     room = min(m.context_length for m in pipe.models.values()) - cfg.speed_new_tokens
     fits = (r["task"].prompt for r in rows if len(pipe.encode(r["task"].prompt)) < room)
-    return [p for _, p in zip(range(cfg.speed_prompts), fits, strict=False)]
+    return [p for _, p in zip(range(cfg.speed_prompts if n is None else n), fits, strict=False)]
 
 
 def _speed(bundle_dir: Path, cfg: Config, prompts: list[str]) -> dict:

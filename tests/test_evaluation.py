@@ -321,7 +321,7 @@ def test_stage_9_answers_the_same_tasks_with_the_input_model_beside_the_bundle(s
         "speed_prompts": 2,
         "speed_new_tokens": 4,
         "speed_modes": ["ar"],
-        "input_model": {"input": "family", "speed_rounds": 2},
+        "input_model": {"input": "family", "speed_rounds": 2, "speed_prompts": 5},
     }
     cfg = module.Config.model_validate(config)
     inputs = {"bundle": tmp_path / "X", "data": stage0, "family": tmp_path / "P"}
@@ -340,7 +340,7 @@ def test_stage_9_answers_the_same_tasks_with_the_input_model_beside_the_bundle(s
     m = report["input_model"]
     assert m["name"] == "family/target" and m["file"] == "target-F16.gguf" and m["bytes"] > 0
     assert m["peak_rss_mb"] > 50 and m["speed"]["ci"][0] <= m["speed"]["ratio"] <= m["speed"]["ci"][1]
-    assert result.metrics["input/speed_ratio"] == m["speed"]["ratio"]
+    assert result.metrics["input/speed_ratio"] == m["speed"]["ratio"] and m["speed"]["prompts"] == 5  # its own count
     card = (out / "EVALUATION_CARD.md").read_text()
     assert "### Beside the input model" in card and "| input model |" in card and "bundle vs input" in card
     assert m["speed"]["adapter"] is None and "ran with its bare weights" in card  # this bundle has no default LoRA
