@@ -895,3 +895,18 @@ def test_the_sandbox_codec_passes_plain_data_by_value_and_the_rest_as_handles():
         "modules": {"json": "json"},
     }
     assert CANDIDATE.is_file() and TESTER.is_file() and CANDIDATE.parent == TESTER.parent
+
+
+def test_the_judges_parse_python_one_thread_at_a_time():
+    """CPython 3.11's AST construction raised SystemError ("recursion depth mismatch",
+    python/cpython#106905) under parses on concurrent threads (a study's evaluation judges 16
+    answers at once): every parse in the judges goes through extract.parse's lock."""
+    import inspect
+
+    from methods.judges import code, extract
+
+    for module in (code, extract):
+        source = inspect.getsource(module).replace(inspect.getsource(extract.parse), "")
+        assert "ast.parse(" not in source, module.__name__
+    assert isinstance(extract._AST_LOCK, type(__import__("threading").Lock()))
+    assert [type(n).__name__ for n in extract.parse("def f(x):\n    return x\n").body] == ["FunctionDef"]

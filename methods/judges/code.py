@@ -71,7 +71,7 @@ from pathlib import Path
 import methods.judges.sandbox as sandbox
 from methods.judges.base import Task, Verdict
 from methods.judges.confine import Cgroup, UidLease, cgroup_support
-from methods.judges.extract import extract_program, format_failure
+from methods.judges.extract import extract_program, format_failure, parse
 from methods.judges.sandbox import codec
 
 log = logging.getLogger("kibidango.judges.code")
@@ -624,7 +624,7 @@ def _names_used(sources: list[str]) -> set[str]:
     names: set[str] = set()
     for source in sources:
         try:
-            tree = ast.parse(source)
+            tree = parse(source)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
         names.update(node.id for node in ast.walk(tree) if isinstance(node, ast.Name))
@@ -639,13 +639,13 @@ def task_imports(*sources: str) -> dict[str, tuple[str, str | None]]:
     out: dict[str, tuple[str, str | None]] = {}
     for source in sources:
         try:
-            body = ast.parse(source).body
+            body = parse(source).body
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             body = []
             for line in source.splitlines():
                 if re.match(r"(import|from)\s", line):
                     try:
-                        body += ast.parse(line).body
+                        body += parse(line).body
                     except (SyntaxError, ValueError):
                         continue
         for node in body:
@@ -664,7 +664,7 @@ def _defined_names(reference: str) -> tuple[str, ...]:
     """The top-level functions and classes of a task's reference solution: the names the task asks
     the program to define, which it may do even where they are builtins' names."""
     try:
-        tree = ast.parse(reference)
+        tree = parse(reference)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return ()
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)

@@ -21,8 +21,21 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 
-__all__ = ["extract_program", "format_failure"]
+__all__ = ["extract_program", "format_failure", "parse"]
+
+_AST_LOCK = threading.Lock()
+
+
+def parse(source: str) -> ast.Module:
+    """``ast.parse``, one thread at a time. CPython 3.11 keeps the AST constructor's recursion depth
+    in state its threads share, and parses on concurrent threads raised ``SystemError: AST
+    constructor recursion depth mismatch`` (python/cpython#106905): a small study's 1S evaluation,
+    judging 16 answers at once, failed on it after 70 minutes."""
+    with _AST_LOCK:
+        return ast.parse(source)
+
 
 _FENCE = re.compile(r"^\s*```")
 _MAX_LINES = 400  # the longest-parsing-run search is quadratic in the lines it tries
@@ -63,7 +76,7 @@ def format_failure(program: str) -> str | None:
     if not program.strip():
         return "the answer holds no code"
     try:
-        ast.parse(program)
+        parse(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return f"the answer's code does not parse ({type(e).__name__})"
     return None
@@ -92,7 +105,7 @@ def _unfenced(answer: str) -> str:
 
 def _parses(code: str) -> bool:
     try:
-        ast.parse(code)
+        parse(code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     return True
@@ -120,7 +133,7 @@ def _longest_parsing_run(text: str) -> str:
 
 def _defines(code: str, names: tuple[str, ...]) -> bool:
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     kinds = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
@@ -131,7 +144,7 @@ def _sanitize(code: str) -> str:
     """``code`` without its top-level self-checks (see the module), each kept statement as its own
     source lines (comments inside them included)."""
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return code
     kept = [n for n in tree.body if not _self_check(n)]
