@@ -55,11 +55,10 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from kibidango.addons.confidence import AnswerStats
 from kibidango.backends.base import KV_CACHE_TYPES, ContextLengthError, Model, Session, sync_and_feed
 from kibidango.decode.distributions import Sampler, verify
 from kibidango.decode.ngrams import NgramTable
@@ -236,6 +235,13 @@ RUNTIME_SETTINGS = frozenset({"kv_cache"})
 """Runtime defaults a bundle may carry besides :class:`DecodeConfig`'s fields."""
 
 
+class RowSink(Protocol):
+    """What takes each ``ar`` token and the target's logits row that chose it (the row is a view
+    of the forward's logits: read it now, keep none of it)."""
+
+    def add(self, row: np.ndarray, token: int) -> None: ...
+
+
 @dataclass
 class Metrics:
     """Per request, named like vLLM's speculative-decoding metrics. Stage ``draft`` is the
@@ -265,10 +271,10 @@ class Metrics:
     """Calibrated P(the answer passes its judge) (2G)."""
     confidence_error: str | None = None
     """Why ``confidence`` is None although the bundle has a calibrator (it gave no finite value)."""
-    answer_stats: AnswerStats | None = field(default=None, repr=False)
-    """Where the pipeline or its caller asks, each ``ar`` token's figures from the target's logits
-    that chose it: an answer's features without a second forward pass over prompt and answer (not
-    reported)."""
+    answer_stats: RowSink | None = field(default=None, repr=False)
+    """Where the pipeline or its caller asks (:class:`kibidango.addons.confidence.AnswerStats`),
+    what receives each ``ar`` token with the target's logits that chose it: an answer's features
+    without a second forward pass over prompt and answer, no row kept (not reported)."""
 
     def count(self, stage: str, drafted: int, accepted: int) -> None:
         self.num_draft_tokens[stage] = self.num_draft_tokens.get(stage, 0) + drafted
