@@ -198,10 +198,9 @@ _DRAWS = 20
 expected values differ and every mutant fails a test."""
 
 
-def _function(name: str, arg: str, body: str) -> Callable:
+def _function(source: str, name: str) -> Callable:
     namespace: dict = {}
-    code = f"def {name}({arg}):\n{body}\n"
-    exec(compile(code, "<ladder>", "exec"), {"__builtins__": _SAFE_BUILTINS}, namespace)  # own template
+    exec(compile(source, "<ladder>", "exec"), {"__builtins__": _SAFE_BUILTINS}, namespace)  # own template
     return namespace[name]
 
 
@@ -227,14 +226,14 @@ def program(level: int, rng: random.Random) -> Program:
     for _ in range(_DRAWS):
         arg_type, steps, body, draw, mutant_bodies = _body(level, rng)
         name = rng.choice(_FUNCTION_NAMES)
-        reference = f"def {name}({_ARG[arg_type][0]}):\n{body}\n"
-        function = _function(name, _ARG[arg_type][0], body)
-        mutants = [_function(name, _ARG[arg_type][0], m) for m in mutant_bodies]
+        arg, arg_text = _ARG[arg_type]
+        reference = f"def {name}({arg}):\n{body}\n"
+        function = _function(reference, name)
+        mutants = [_function(f"def {name}({arg}):\n{m}\n", name) for m in mutant_bodies]
         for _ in range(_DRAWS):
             inputs = draw(rng)
             expected = [function(value) for value in inputs]
             if len({repr(e) for e in expected}) == len(expected) and all(_fails(m, inputs, expected) for m in mutants):
-                arg, arg_text = _ARG[arg_type]
                 tests = tuple(f"assert {name}({v!r}) == {e!r}" for v, e in zip(inputs, expected, strict=True))
                 prompt = rng.choice(_PROMPTS).format(name=name, arg=arg, arg_text=arg_text, steps=steps)
                 return Program(f"{level}:{reference}", name, prompt, reference, tests)
