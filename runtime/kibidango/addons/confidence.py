@@ -59,7 +59,8 @@ def _per_token(rows: np.ndarray, tokens: np.ndarray, temperature: float) -> tupl
     idx = (np.arange(len(tokens)), tokens)
     logp = _log_softmax(rows)
     entropy = -(np.exp(logp) * logp).sum(axis=-1)
-    return logp[idx], entropy, _log_softmax(np.asarray(rows) / temperature)[idx]
+    calibrated = logp if temperature == 1.0 else _log_softmax(np.asarray(rows) / temperature)  # x / 1.0 is x
+    return logp[idx], entropy, calibrated[idx]
 
 
 def _features(token_logp: np.ndarray, entropy: np.ndarray, calibrated: np.ndarray) -> dict[str, float]:
