@@ -564,12 +564,19 @@ def _teaching_claims(retrain: dict | None, cost: dict | None, study: dict | None
     rows: list[Claim] = []
     tiers = (retrain or {}).get("pair_tiers") or {}
     if cost and cost.get("pairs"):
-        share = tiers.get("self", 0) / max(1, sum(tiers.values()))
+        # every tier that samples the student (`kind: self`; a cost.json from before kinds were
+        # recorded names it `self`), a hinted one (STaR's rationalization) shown apart
+        kinds = {n: v for n, v in (cost.get("tiers") or {}).items() if v.get("kind") == "self"}
+        kinds = kinds or {"self": {}}
+        own = sum(tiers.get(n, 0) for n in kinds)
+        hinted = sum(tiers.get(n, 0) for n, v in kinds.items() if v.get("hint"))
+        share = own / max(1, sum(tiers.values()))
+        split = f" ({own - hinted} unaided, {hinted} shown the answer)" if hinted else ""
         rows.append(
             (
                 "pairs from the self tier",
                 ">= 40%",
-                f"{tiers.get('self', 0)} of {sum(tiers.values())} ({share:.0%})",
+                f"{own} of {sum(tiers.values())} ({share:.0%}){split}",
                 "yes" if share >= 0.4 else "no",
             )
         )

@@ -10,7 +10,11 @@ from an environment variable), and a journal of every paid request.
   human-written tier), or ``kind: self``: the student itself, sampled ``samples`` times at
   ``temperature`` and judged by the task's own judge, its first passing answer taken
   (rejection-sampling fine-tuning / STaR: Yuan et al. 2023, arXiv 2308.01825; Zelikman et al. 2022,
-  arXiv 2203.14465), priced as local compute at the tier's per-1K-token prices.
+  arXiv 2203.14465), priced as local compute at the tier's per-1K-token prices. A ``self`` tier
+  with ``hint: answer`` is STaR's *rationalization*: the student is shown the reference's final
+  number (``hint_text``) and asked again; an answer passes only if the task's judge passes it and
+  its working derives the number (:func:`methods.judges.math.underived`); the pair keeps the
+  question without the hint. It takes only the rows a number answers (the math judge's).
 - :class:`TeacherClient`: one tier's calls under the run's :class:`~kibidango.paid.ledger.Ledger`
   (a request is sent only when its **worst-case** cost fits what is left, so the spend never
   passes the limit); 401/403/404 and a connection that never opens make the tier **dead**
@@ -59,6 +63,15 @@ class TierConfig(EndpointSettings):
     samples: int = Field(
         8, ge=1, le=256, description="`self`: answers sampled per failure before it escalates to the next tier."
     )
+    hint: Literal["answer"] | None = Field(
+        None,
+        description="`self`: `answer` shows the student the reference's final number (`hint_text`) and keeps an "
+        "answer only if its working derives it (STaR's rationalization); the pair is the question without the hint.",
+    )
+    hint_text: str = Field(
+        "Hint: the answer is {answer}. Show the working, then end with #### {answer}.",
+        description="`hint: answer`: the line added after the task ({answer}: the reference's final number).",
+    )
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint (…/v1); None when `serve` is set.")
     model: str | None = Field(
         None,
@@ -98,6 +111,10 @@ class TierConfig(EndpointSettings):
                 raise ValueError(f"tier {self.name!r}: a `self` tier samples the stage's `student` input, no endpoint")
             if self.samples > 1 and self.temperature <= 0:
                 raise ValueError(f"tier {self.name!r}: {self.samples} samples at temperature 0 are one answer")
+            if self.hint is not None and "{answer}" not in self.hint_text:
+                raise ValueError(f"tier {self.name!r}: `hint_text` must show the answer: put {{answer}} in it")
+        elif self.hint is not None:
+            raise ValueError(f"tier {self.name!r}: only a `self` tier takes a hint")
         if self.kind == "openai":
             if sum(x is not None for x in (self.base_url, self.serve, self.serve_input)) != 1:
                 raise ValueError(f"tier {self.name!r}: give exactly one of `base_url`, `serve` or `serve_input`")
@@ -122,7 +139,9 @@ def worst_case_usd(tier: TierConfig, prompt: str) -> float:
     at most its UTF-8 bytes plus a template allowance, completion tokens at most ``max_tokens``)."""
     if tier.kind == "reference":
         return tier.usd_per_answer
-    if tier.kind == "self":  # every sample reads the prompt and writes at most max_tokens
+    if tier.kind == "self":  # every sample reads the prompt (and the hint) and writes at most max_tokens
+        if tier.hint is not None:
+            prompt = f"{prompt}\n\n{tier.hint_text.format(answer='9' * 24)}"
         one = _endpoint(tier, "local").worst_case_usd([{"role": "user", "content": prompt}], tier.max_tokens)
         return tier.samples * one
     messages = [{"role": "system", "content": tier.system}, {"role": "user", "content": prompt}]

@@ -7,9 +7,12 @@ itself (the ``student`` input, stage 1A's — or a later round's retrained — c
 up to ``samples`` times at ``temperature`` and judged by the task's own judge; the first answer
 that passes is the correction (STaR / rejection-sampling fine-tuning), priced as local compute at
 the tier's per-1K-token prices, journaled, budgeted and never re-sampled by a rerun like any paid
-request. A tier with ``serve`` is a local model the stage serves itself: its checkpoint (a GGUF
-file, or a transformers directory converted to GGUF in the work directory) under
-llama-cpp-python's server on 127.0.0.1.
+request. A ``self`` tier with ``hint: answer`` (STaR's rationalization) asks the student again
+with the reference's final number shown, for the rows a number answers; its answer passes only if
+the judge passes it **and** its working derives that number (:func:`methods.judges.math.underived`),
+and the pair holds the question without the hint. A tier with ``serve`` is a local model the stage
+serves itself: its checkpoint (a GGUF file, or a transformers directory converted to GGUF in the
+work directory) under llama-cpp-python's server on 127.0.0.1.
 
 The budget is hard: a request leaves only if its worst-case cost fits what is left; once nothing
 fits, the remaining rows are skipped and counted. Every paid request is journaled before it is
@@ -55,6 +58,8 @@ from core.progress import Progress
 from kibidango.paid.ledger import BudgetExceeded, Ledger, holds
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
+from methods.judges.base import Verdict
+from methods.judges.math import final_number, underived
 from methods.measure.generate import Answerer, once
 from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
 from methods.training.models import base_file
@@ -311,7 +316,7 @@ class _Cascade:
         self.dead: list[str] = []
         self._dead_lock = threading.Lock()
         self._student = student
-        self._samplers: dict[str, once] = {}  # per self tier: the student, loaded when a row reaches it
+        self._samplers: dict[tuple[int, int], once] = {}  # the student, loaded when a row reaches a self tier
 
     def _resolved(self, row_id: str, upto: int) -> bool:
         """True once a tier before ``upto`` passed the row, or the budget skipped it, or its answer
@@ -326,7 +331,11 @@ class _Cascade:
     def run_tier(self, tier: TierConfig, client: TeacherClient | None) -> None:
         index = self.cfg.tiers.index(tier)
         todo = [
-            r for r in self.rows if not self._resolved(r["id"], index) and (r["id"], tier.name) not in self.state.done
+            r
+            for r in self.rows
+            if not self._resolved(r["id"], index)
+            and (r["id"], tier.name) not in self.state.done
+            and (tier.hint is None or self._hintable(r))
         ]
         if not todo:
             return
@@ -358,7 +367,7 @@ class _Cascade:
             reply = self._request(tier, client, row)
             if reply is None:
                 return
-        verdict = self.judges[row["domain"]](task_of(row), reply["text"])
+        verdict = self._judge(tier, row, reply["text"])
         event = {
             "event": "verdict",
             "row": row["id"],
@@ -372,6 +381,22 @@ class _Cascade:
             event["retryable"] = True
         self.journal.write(event)
         self.state.done[key] = event
+
+    def _hintable(self, row: dict) -> bool:
+        """True when a number answers ``row`` (its judge is the math judge, its reference holds one):
+        a hinted tier can show it."""
+        math = getattr(self.judges[row["domain"]], "kind", None) == "math"
+        return math and final_number(row["reference"]) is not None
+
+    def _judge(self, tier: TierConfig, row: dict, answer: str) -> Verdict:
+        """The row's own judge; for a hinted tier, a passing answer must also derive its number."""
+        verdict = self.judges[row["domain"]](task_of(row), answer)
+        if tier.hint is None or not verdict.passed:
+            return verdict
+        why = underived(f"{row['instruction']}\n{row['input']}", answer)
+        if why is None:
+            return verdict
+        return Verdict(False, 0.0, f"shown the answer, its working does not derive it: {why}", "failed", verdict.cost)
 
     def _request(self, tier: TierConfig, client: TeacherClient | None, row: dict) -> dict | None:
         """Send the row to the tier under the budget; the reply event, or None (journaled why).
@@ -429,31 +454,34 @@ class _Cascade:
         ``max_tokens``: exact, not a bound on bytes) is reserved and journaled before the first
         sample, so a killed run's rerun never samples the row again."""
         key = (row["id"], tier.name)
-        if tier.name not in self._samplers:
-            with self._dead_lock:
-                self._samplers.setdefault(
-                    tier.name,
-                    once(lambda: Answerer(self._student, tier.max_tokens, parallel=tier.concurrency)),
-                )
-        student = self._samplers[tier.name]()
+        shape = (tier.max_tokens, tier.concurrency)  # self tiers of one shape share the loaded student
+        with self._dead_lock:
+            sampler = self._samplers.setdefault(
+                shape, once(lambda: Answerer(self._student, tier.max_tokens, parallel=tier.concurrency))
+            )
+        student = sampler()
+        instruction, input_ = row["instruction"], row["input"]
+        if tier.hint == "answer":  # the pair keeps the question as it was (pairs come from the row)
+            shown = tier.hint_text.format(answer=_number(final_number(row["reference"])))
+            input_ = f"{input_}\n\n{shown}" if input_ else shown
         # the worst case exactly: every sample reads the prompt's own tokens and writes max_tokens
-        prompt_len = len(student.prompt_ids(row["instruction"], row["input"]))
+        prompt_len = len(student.prompt_ids(instruction, input_))
         worst = tier.usd(tier.samples * prompt_len, tier.samples * tier.max_tokens)
         try:
             rid = self.ledger.reserve(worst, note=f"teacher {tier.name}")
         except BudgetExceeded:
             return self._skipped(key)
         sent(worst)
-        judge, task = self.judges[row["domain"]], task_of(row)
         prompt_tokens, completion_tokens, text, started = 0, 0, "", time.monotonic()
         drawn = 0
+        salt = "" if tier.hint is None else f"hint={tier.hint}:"  # a hinted tier draws other samples
         for i in range(tier.samples):
-            answer = student.sample(row["instruction"], row["input"], tier.temperature, _sample_seed(row["id"], i))
+            answer = student.sample(instruction, input_, tier.temperature, _sample_seed(salt + row["id"], i))
             drawn += 1
             prompt_tokens += prompt_len
             completion_tokens += answer.tokens
             text = answer.text
-            if answer.text.strip() and judge(task, answer.text).passed:
+            if answer.text.strip() and self._judge(tier, row, answer.text).passed:
                 break
         usd = self.ledger.settle(rid, tier.usd(prompt_tokens, completion_tokens))
         event = {"event": "reply", "row": row["id"], "tier": tier.name, "usd": usd, "attempts": drawn, "retries": {}}
@@ -470,6 +498,11 @@ class _Cascade:
         event = {"event": "skipped", "row": key[0], "tier": key[1], "reason": "budget", "usd": 0.0}
         self.journal.write(event)
         self.state.done[key] = event
+
+
+def _number(x) -> str:
+    """A reference's final number as a hint shows it (``37``, ``2.5``, ``1/3``)."""
+    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
 
 
 def _sample_seed(row_id: str, i: int) -> int:
@@ -595,6 +628,8 @@ def _report(cfg, rows, ledger, pairs, status, spent: float, dead) -> dict:
     for t in cfg.tiers:
         mine = [e for e in ledger if e["tier"] == t.name]
         tiers[t.name] = {
+            "kind": t.kind,
+            "hint": t.hint,
             "requests": len(mine),
             "passed": sum(1 for p in pairs if p["tier"] == t.name),
             "usd": sum(e["usd"] for e in mine),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from eval.shared_data import SHARED
+from methods.judges import make_judge
 from tests.conftest import OPENAI_KEY_ENV, cli_env
 from tests.fault_proxy import FaultProxy
 from tests.test_failure_mining import CHILD, REPO_ROOT, _run_stage
@@ -517,3 +519,72 @@ def test_the_self_tier_takes_the_first_answer_its_judge_passes(tmp_path, monkeyp
     ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     m1 = [e for e in ledger if e["row"] == "m1"]
     assert [e["tier"] for e in m1] == ["self", "gold"] and m1[0]["usd"] == pytest.approx(0.3)
+
+
+def test_a_hinted_self_tier_keeps_only_working_that_derives_the_shown_number(tmp_path, monkeypatch):
+    """STaR's rationalization (``hint: answer``): a math failure the unaided samples missed is asked
+    again with the reference's final number shown; a sample that copies the number (no working, or
+    true arithmetic on numbers the question never had) is rejected, the first whose working derives
+    it is the pair, and the pair holds the question without the hint. Rows no number answers never
+    reach the hinted tier."""
+    import methods.measure.generate as generate
+
+    seen: list[tuple[str, str, int]] = []
+
+    def scripted(self, instruction, input_, temperature, seed):
+        seen.append((instruction, input_, seed))
+        if "Hint:" not in input_:  # the unaided tier: always the wrong sum
+            return generate.Answer("3 + 3 = 6\n#### 6", 8, "stop", None, 0.0)
+        hinted = [a for a in seen if a[0] == instruction and "Hint:" in a[1]]
+        a, b = (int(x) for x in re.findall(r"\d+", instruction)[:2])
+        texts = [f"#### {a + b}", f"4 * 5 = 20\n#### {a + b}", f"{a} + {b} = {a + b}\n#### {a + b}"]
+        return generate.Answer(texts[min(len(hinted), 3) - 1], 8, "stop", None, 0.0)
+
+    monkeypatch.setattr(generate.Answerer, "sample", scripted)
+    inputs = {**_inputs(tmp_path, n_math=2, n_easy=1), "student": _student(tmp_path)}
+    shape = {"kind": "self", "temperature": 0.9, "max_tokens": 12, "concurrency": 1}
+    prices = {"usd_per_1k_prompt": 0.001, "usd_per_1k_completion": 0.002}
+    tiers = [
+        {"name": "self", "samples": 2, **shape, **prices},
+        {"name": "self-hint", "hint": "answer", "samples": 4, **shape, **prices},
+        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
+    ]
+    result, out = _run({"tiers": tiers, "budget_usd": 1.0}, inputs, tmp_path)
+    pairs = {p["id"]: p for p in map(json.loads, (out / "pairs.jsonl").read_text().splitlines())}
+    assert {k: p["tier"] for k, p in pairs.items()} == {"m0": "self-hint", "m1": "self-hint", "e0": "self"}
+    assert pairs["m0"]["output"] == "2 + 5 = 7\n#### 7" and pairs["m1"]["output"] == "3 + 6 = 9\n#### 9"
+    assert all("Hint" not in p["instruction"] + p["input"] for p in pairs.values())
+    hinted = [s for s in seen if "Hint:" in s[1]]
+    assert len(hinted) == 6  # m0 and m1: three samples each, the third derives the number
+    assert {s[1] for s in hinted if "2 apples" in s[0]} == {
+        "Hint: the answer is 7. Show the working, then end with #### 7."
+    }
+    assert len({s[2] for s in seen if "2 apples" in s[0]}) == len([s for s in seen if "2 apples" in s[0]])
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    hint_rows = {e["row"]: e for e in ledger if e["tier"] == "self-hint"}
+    assert set(hint_rows) == {"m0", "m1"} and {e["attempts"] for e in hint_rows.values()} == {3}
+    cost = json.loads((out / "cost.json").read_text())
+    assert cost["tiers"]["self-hint"]["kind"] == "self" and cost["tiers"]["self-hint"]["hint"] == "answer"
+    assert result.metrics["answered_by/self-hint"] == 2 and result.metrics["spend_usd/self-hint"] > 0
+
+    # the verdict the journal keeps for a hinted answer that only copies the number: failed, and why
+    from stages.teach_cascade import Config, _Cascade
+
+    cfg = Config(tiers=tiers, budget_usd=1.0)
+    cascade = _Cascade(cfg, [], {"math": make_judge("math")}, None, None, None)
+    row = json.loads((inputs["critical"] / "critical.jsonl").read_text().splitlines()[0])
+    verdict = cascade._judge(cfg.tiers[1], row, "4 * 5 = 20\n#### 7")
+    assert not verdict.passed and "does not derive" in verdict.reason
+    assert cascade._judge(cfg.tiers[0], row, "4 * 5 = 20\n#### 7").passed  # unaided: the task's judge alone
+
+
+def test_a_hint_is_a_self_tier_setting_that_shows_the_answer():
+    from methods.teachers import TierConfig, worst_case_usd
+
+    with pytest.raises(ValueError, match="only a `self` tier takes a hint"):
+        TierConfig(name="gold", kind="reference", hint="answer")
+    with pytest.raises(ValueError, match="put \\{answer\\} in it"):
+        TierConfig(name="h", kind="self", temperature=0.8, hint="answer", hint_text="Try harder.")
+    plain = TierConfig(name="s", kind="self", temperature=0.8, usd_per_1k_prompt=1.0)
+    hinted = TierConfig(name="h", kind="self", temperature=0.8, usd_per_1k_prompt=1.0, hint="answer")
+    assert worst_case_usd(hinted, "What is 2 + 2?") > worst_case_usd(plain, "What is 2 + 2?")

@@ -82,6 +82,25 @@ def test_math_judge_with_working_fails_a_right_number_reached_by_wrong_arithmeti
         assert [w for s in solutions if (w := wrong_working(s))] == [["$32 - $20 = $300"]]
 
 
+def test_underived_working_is_a_copied_number():
+    """For an answer written with the final number shown (1D's hinted self tier): the number must be
+    the last result of a chain of equations from the question's numbers; a column sum's digit steps
+    are read as the working of a step; every ladder reference derives its number."""
+    from methods.judges.math import underived
+    from methods.ladder import ladder_rows
+
+    q = "Ivy had 66 cookies. Then she gets 69 more. Ivy loses 98 cookies. How many are there now?"
+    assert underived(q, "66 + 69 = 135\n135 - 98 = 37\n#### 37") is None
+    assert underived(q, "66 + 69: 6 + 9 = 15, 6 + 6 + 1 = 13, so 66 + 69 = 135\n135 - 98 = 37\n#### 37") is None
+    assert underived(q, "4 * 5 = 20\n#### 37") == "no step combines the question's numbers"
+    assert underived(q, "#### 37") == "no step combines the question's numbers"
+    assert "not the last step's result 135" in underived(q, "66 + 69 = 135\n#### 37")
+    assert "not the last step's result 164" in underived(q, "66 + 98 = 164, 20 + 17 = 37\n#### 37")
+    for level in range(1, 8):
+        for row in ladder_rows("math", [level], "mining", 20, 0):
+            assert underived(row["task"].prompt, row["task"].reference) is None, row["task"].reference
+
+
 def test_reference_judge_scores_against_the_gold_answer():
     judge = make_judge("reference", threshold=0.5)
     task = Task("g-1", "Name the primary colours.", reference="The primary colours are red, yellow and blue.")

@@ -321,6 +321,16 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
     assert "| 100.0% -> 60.0% | no |" in lines  # not halved
     assert "| pairs from the self tier | >= 40% | 150 of 300 (50%) | yes |" in lines
     assert "| dollars per corrected pair against gold-only | <= 50% | $0.0253 against $0.0500 (51%) | no |" in lines
+    # a hinted self tier (STaR's rationalization) counts as the student's own, shown apart
+    retrain = json.loads((tmp_path / "1R" / "retrain.json").read_text())
+    retrain["pair_tiers"] = {"self": 90, "self-hint": 60, "gold": 150}
+    (tmp_path / "1R" / "retrain.json").write_text(json.dumps(retrain))
+    kinds = {"self": {"kind": "self", "hint": None}, "self-hint": {"kind": "self", "hint": "answer"}}
+    tiers = {**kinds, "gold": {"kind": "reference"}}
+    cost = {"pairs": 300, "spend_usd": 7.6, "top_tier_only_usd": 15.0, "tiers": tiers}
+    (tmp_path / "1D" / "cost.json").write_text(json.dumps(cost))
+    hinted = "\n".join(_claims(artifacts, None, []))
+    assert "| pairs from the self tier | >= 40% | 150 of 300 (50%) (90 unaided, 60 shown the answer) | yes |" in hinted
     assert "not measured (make eval-cascade)" in lines
     assert (
         "| round 2 adds a further gain | a gain, p < 0.05 (or the figure) | "

@@ -11,6 +11,11 @@ arithmetic is wrong — an equation between plain numbers (``41 + 57 = 58``) tha
 (:func:`wrong_working`): a right final number reached through wrong working is luck, and where a
 passing answer becomes training data (stage 1D's self-taught tier samples until one passes) it
 teaches the wrong sum.
+
+:func:`underived` is stricter still, for an answer written with the final number in view (stage
+1D's hinted self tier, STaR's rationalization): its working must *derive* the number — the
+final number is the result of a chain of equations that start from the question's numbers — so a
+copied number beside unrelated, true arithmetic (``4 * 5 = 20 #### 37``) is no worked answer.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from fractions import Fraction
 
 from methods.judges.base import Task, Verdict
 
-__all__ = ["MathJudge", "final_number", "marked_numbers", "wrong_working"]
+__all__ = ["MathJudge", "final_number", "marked_numbers", "underived", "wrong_working"]
 
 _NUMBER = r"-?\$?\s?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?"
 _MARKED = [re.compile(r"####\s*(" + _NUMBER + ")"), re.compile(r"answer is[:\s]*(" + _NUMBER + ")", re.IGNORECASE)]
@@ -107,6 +112,30 @@ def wrong_working(text: str) -> list[str]:
         if _evaluate(m.group(1)) != _value(m.group(2)):
             wrong.append(" ".join(m.group(0).split()))
     return wrong
+
+
+_OPERAND = re.compile(_PLAIN)
+
+
+def underived(question: str, answer: str) -> str | None:
+    """Why ``answer``'s working does not derive its final number from ``question``, or None when it
+    does: the final number must be the result of the last *derived* equation, one whose numbers are
+    all the question's or earlier derived results. Equations on other numbers (a column sum's
+    digits, ``4 + 6 = 10`` inside ``54 + 6 = 60``) are the working of a step, not a step. The
+    arithmetic itself is :func:`wrong_working`'s to check."""
+    known = {v for v in map(_value, _ANY.findall(question)) if v is not None}
+    last = None
+    for m in _EQUATION.finditer(answer):
+        if all(_value(x) in known for x in _OPERAND.findall(m.group(1))):
+            last = _value(m.group(2))
+            known.add(last)
+    if last is None:
+        return "no step combines the question's numbers"
+    final = final_number(answer)
+    if final != last:
+        shown = _show(final) if final is not None else "(none)"
+        return f"the final number {shown} is not the last step's result {_show(last)}"
+    return None
 
 
 @dataclass
