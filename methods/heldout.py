@@ -264,7 +264,7 @@ def answer_and_judge(
         judges = make_judges(judges.judges)
     done = RowLog(work_dir / "rows.jsonl")
     if done.resumed:
-        log.info(f"{label}: resuming, {done.resumed:,} of {len(rows):,} tasks were finished by an earlier attempt")
+        log.info(f"{label}: {done.resumed:,} tasks already answered (by an earlier attempt, or an earlier pass)")
     todo = [(i, row, done.get(row["id"])) for i, row in enumerate(rows, 1)]
     todo = [(i, row, prior) for i, row, prior in todo if prior is None or prior.get("retryable")]
     progress = Progress(label, len(rows), log)

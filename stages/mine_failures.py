@@ -109,11 +109,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
 
     started = time.monotonic()
     try:
-        bands = {}
+        bands, reused = {}, 0
         if any(s.band is not None for s in cfg.samples):  # the probe first, then the band's rows
-            probed, _ = answer_and_judge(cfg, rows, work_dir, "1B probe", answer, cfg.parallel)
+            probed, resumed = answer_and_judge(cfg, rows, work_dir, "1B probe", answer, cfg.parallel)
             rows, bands = _banded(cfg, rows, probed, earlier)
-        table, resumed = answer_and_judge(cfg, rows, work_dir, "1B answers", answer, cfg.parallel)
+            reused = len({r["id"] for r in rows} & {r["id"] for r in probed})  # the band's rows the probe answered
+            table, _ = answer_and_judge(cfg, rows, work_dir, "1B answers", answer, cfg.parallel)
+        else:
+            table, resumed = answer_and_judge(cfg, rows, work_dir, "1B answers", answer, cfg.parallel)
     finally:
         answerer.close()
     # Wall clock: with answers decoded together, the sum of their own times counts each step N times.
@@ -127,6 +130,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         )
     metrics, stats = _figures(cfg, table, excluded, generated, rejudged, resumed, gen_seconds)
     stats["bands"], stats["round"], stats["earlier_rounds_tasks"] = bands, round_no, len(earlier)
+    stats["probe_reused"] = metrics["rows_probe_reused"] = reused
     metrics["round"] = round_no
     # every task this round and the earlier ones answered: the next round mines none of them
     answered = sorted(earlier | {r["id"] for r in table} | {r["id"] for r in _probed(work_dir)})
@@ -143,7 +147,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         + f"{stats['tested']:,} answers judged, {stats['failed']:,} failures "
         f"({stats['failure_rate']:.1%} of {stats['judged']:,} with a verdict), {errors:,} judge errors; "
         + ", ".join(f"{d} {v['failure_rate']:.0%}" for d, v in stats["domains"].items())
-        + f"; {generated:,} generated now, {resumed:,} resumed"
+        + f"; {generated:,} generated now"
+        + (f", {reused:,} of the band's rows the probe's answers, reused" if reused else "")
+        + (f", {resumed:,} resumed from an interrupted attempt" if resumed else "")
     )
     return StageResult(
         metrics,
@@ -375,7 +381,8 @@ def _card(stats: dict) -> str:
         f"Judge errors (no verdict): {stats['judge_errors']:,}. Mean answer length {stats['mean_tokens']:.1f} tokens; "
         f"{stats['answers_per_second']:.2f} answers/s answered and judged in this run, "
         f"{stats.get('parallel', 1)} at once ({stats['generated_now']:,} generated, "
-        f"{stats['resumed']:,} resumed from an interrupted attempt). Judge spend ${stats['judge_usd']:.4f}.",
+        + (f"{stats['probe_reused']:,} of the band's rows answered by its probe, " if stats.get("probe_reused") else "")
+        + f"{stats['resumed']:,} resumed from an interrupted attempt). Judge spend ${stats['judge_usd']:.4f}.",
         "Answers by how they ended: "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(stats["finish_reasons"].items()))
         + " (`length`: cut at max_new_tokens; `context`: the prompt alone fills the student's context, no answer).",

@@ -537,6 +537,8 @@ def test_stage_1b_probes_every_level_then_mines_the_band(stage0, student, tmp_pa
     assert len(rows) == 2 + 3 and {r["level"] for r in rows} == {1}  # the probe's level-1 tasks, then 3 more
     probed = [json.loads(line) for line in (work / "rows.jsonl").read_text().splitlines()]
     assert len(probed) == 7 * 2 + 3  # the band's probe rows were not answered twice
+    assert result.metrics["rows_probe_reused"] == 2 and result.metrics["rows_resumed"] == 0  # nothing interrupted
+    assert result.metrics["rows_generated"] == 7 * 2 + 3
     assert result.metrics["band/lm/lowest"] == 1 and "Band of `lm`" in (out / "MINING_CARD.md").read_text()
 
 
