@@ -48,6 +48,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from fractions import Fraction
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -500,9 +501,12 @@ class _Cascade:
         self.state.done[key] = event
 
 
-def _number(x) -> str:
+def _number(x: Fraction) -> str:
     """A reference's final number as a hint shows it (``37``, ``2.5``, ``1/3``)."""
-    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
+    if x.denominator == 1:
+        return str(x.numerator)
+    decimal = f"{float(x):g}"
+    return decimal if Fraction(decimal) == x else f"{x.numerator}/{x.denominator}"
 
 
 def _sample_seed(row_id: str, i: int) -> int:

@@ -588,3 +588,8 @@ def test_a_hint_is_a_self_tier_setting_that_shows_the_answer():
     plain = TierConfig(name="s", kind="self", temperature=0.8, usd_per_1k_prompt=1.0)
     hinted = TierConfig(name="h", kind="self", temperature=0.8, usd_per_1k_prompt=1.0, hint="answer")
     assert worst_case_usd(hinted, "What is 2 + 2?") > worst_case_usd(plain, "What is 2 + 2?")
+    from fractions import Fraction
+
+    from stages.teach_cascade import _number
+
+    assert [_number(Fraction(x)) for x in ("37", "5/2", "1/3", "-7/4")] == ["37", "2.5", "1/3", "-1.75"]
