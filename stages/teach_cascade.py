@@ -368,7 +368,7 @@ class _Cascade:
             reply = self._request(tier, client, row)
             if reply is None:
                 return
-        verdict = self._judge(tier, row, reply["text"])
+        verdict = reply.get("_verdict") or self._judge(tier, row, reply["text"])  # a self tier judged it already
         event = {
             "event": "verdict",
             "row": row["id"],
@@ -450,8 +450,8 @@ class _Cascade:
 
     def _self_taught(self, tier: TierConfig, row: dict, sent) -> dict | None:
         """The student's own answers to ``row``, sampled until the judge passes one (at most
-        ``tier.samples``): the reply is the first that passed, or the last sampled, at what the
-        tokens cost. The worst case (every sample reading the prompt's own tokens and writing
+        ``tier.samples``): the reply (with its verdict) is the first that passed, or the last sampled,
+        at what the tokens cost. The worst case (every sample reading the prompt's own tokens and writing
         ``max_tokens``: exact, not a bound on bytes) is reserved and journaled before the first
         sample, so a killed run's rerun never samples the row again."""
         key = (row["id"], tier.name)
@@ -474,7 +474,7 @@ class _Cascade:
             return self._skipped(key)
         sent(worst)
         prompt_tokens, completion_tokens, text, started = 0, 0, "", time.monotonic()
-        drawn = 0
+        drawn, verdict = 0, None
         salt = "" if tier.hint is None else f"hint={tier.hint}:"  # a hinted tier draws other samples
         for i in range(tier.samples):
             answer = student.sample(instruction, input_, tier.temperature, _sample_seed(salt + row["id"], i))
@@ -482,14 +482,15 @@ class _Cascade:
             prompt_tokens += prompt_len
             completion_tokens += answer.tokens
             text = answer.text
-            if answer.text.strip() and self._judge(tier, row, answer.text).passed:
+            verdict = self._judge(tier, row, text) if text.strip() else None
+            if verdict is not None and verdict.passed:
                 break
         usd = self.ledger.settle(rid, tier.usd(prompt_tokens, completion_tokens))
         event = {"event": "reply", "row": row["id"], "tier": tier.name, "usd": usd, "attempts": drawn, "retries": {}}
         event.update(seconds=round(time.monotonic() - started, 3), text=text, prompt_tokens=prompt_tokens)
         event.update(completion_tokens=completion_tokens)
         self.journal.write(event)
-        return event
+        return {**event, "_verdict": verdict}  # the last sample's verdict: `_ask` journals it, not judging again
 
     def close(self) -> None:
         for sampler in self._samplers.values():
