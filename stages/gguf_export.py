@@ -13,7 +13,8 @@ or without an importance matrix computed on calibration rows, the embedding at i
 optionally an AWQ recipe applied to the source first: AWQ exported to GGUF) is
 measured against the uncompressed reference (1R's F16 GGUF) — bits per weight, bytes, perplexity
 ratio and mean KL on the validation rows, math-ladder pass on the ladder's mining part, agreement
-with its own transformers model, tokens/s — and the smallest file within the recipe's bounds ships.
+with the reference's transformers model along its greedy paths, tokens/s — and the smallest file
+within the recipe's bounds ships.
 Nothing is chosen on stage 9's evaluation tasks.
 
 The sources are the full-precision tiers (the pruned target, the distilled draft and
@@ -194,7 +195,8 @@ class _Table:
     f16_bytes: int
     rule: str
     agreement: AgreementReport | None
-    """The chosen row's agreement with its transformers model, measured for the table (None: the fallback ships)."""
+    """The chosen row's agreement with the reference's transformers model, measured for the table (None:
+    the fallback ships)."""
 
     def metrics(self) -> dict[str, float]:
         ref = next(r for r in self.rows if r.reference)
@@ -243,7 +245,7 @@ class _Candidates:
 @dataclass
 class _Measured:
     """What the table reads of every row: divergence from the reference, ladder verdicts, tokens/s
-    and (candidates only) agreement with their transformers model."""
+    and agreement with the reference's transformers model."""
 
     div: dict[str, fid.Divergence]
     ladder: dict[str, list[bool]]
@@ -259,7 +261,7 @@ def _quantize_candidates(tier: str, spec: TierExport, inputs: dict[str, Path], w
     from methods.compression.imatrix import compute_imatrix
 
     f = spec.fidelity
-    names = dict.fromkeys([f.reference, spec.input, *(c.input or spec.input for c in f.candidates)])
+    names = dict.fromkeys([f.reference, *(c.input or spec.input for c in f.candidates)])  # the fallback's: on demand
     sources = {n: Path(resolve_base(None, inputs[n], tier, f"GGUF fidelity ({tier}, {n})")) for n in names}
     calibration = load_split(inputs["data"] / "dataset", "train", limit=f.imatrix_rows, by_domain=True)
     for c in f.candidates:
@@ -331,19 +333,18 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
     cells = decode_cells({ref_label: reference, **models}, prompts, f.speed_tokens, f.speed_rounds)
     speed = {label: tokens_per_s(c) for label, c in cells.items()}
     agree_prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
-    agreement = {}
-    # each source's greedy paths once (torch decoding is the slow part), then every GGUF of it along
-    # them; the reference F16's own agreement is what a faithful export of that model reaches
-    for src in dict.fromkeys([f.reference, *(src for _, src, _ in made.files.values())]):
-        hf = TorchModel(made.sources[src], name=src)
-        log.info("2D %s fidelity: %s's greedy paths on %d prompts (agreement)", tier, src, len(agree_prompts))
-        paths = greedy_paths(hf, agree_prompts, cfg.new_tokens)
-        ggufs = {label: models[label] for label, (_, s, _) in made.files.items() if s == src}
-        if src == f.reference:
-            ggufs[ref_label] = reference
-        for label, model in ggufs.items():
-            agreement[label] = token_agreement(hf, model, tokenizer, agree_prompts, cfg.new_tokens, paths)
-        del hf
+    # every row along the reference's greedy paths (torch decoding is the slow part: once), judged by
+    # the reference's transformers model: a row from another source (a pruned or AWQ model) is measured
+    # for what the table asks, fidelity to the uncompressed model, and the reference F16's own
+    # agreement is what a faithful export reaches
+    hf = TorchModel(made.sources[f.reference], name=f.reference)
+    log.info("2D %s fidelity: %s's greedy paths on %d prompts (agreement)", tier, f.reference, len(agree_prompts))
+    paths = greedy_paths(hf, agree_prompts, cfg.new_tokens)
+    agreement = {
+        label: token_agreement(hf, model, tokenizer, agree_prompts, cfg.new_tokens, paths)
+        for label, model in {ref_label: reference, **models}.items()
+    }
+    del hf
     return _Measured(div, ladder, speed, agreement, reference.parameters())
 
 
@@ -407,6 +408,10 @@ def _choose_by_fidelity(
             path.with_suffix(".log").rename(gguf.with_suffix(".log"))
     elif f.fallback is not None:
         src = spec.input
+        if src not in made.f16:
+            made.sources[src] = Path(resolve_base(None, inputs[src], tier, f"GGUF fallback ({tier}, {src})"))
+            f16 = out_dir / "_fidelity" / tier / f"{src}-F16.gguf"
+            made.f16[src] = convert_hf_to_gguf(made.sources[src], f16, "f16")
         gguf = quantize(made.f16[src], dest / f"{tier}-{f.fallback}.gguf", f.fallback)
     else:
         raise KibidangoError(
@@ -450,8 +455,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
         hf = TorchModel(hf_dir, name=tier)
         table = tables.get(tier)
+        agreed_with = f"{source}'s {hf_dir.name}"
         if table is not None and table.chosen is not None:  # the table measured the shipped file
             agreement, gguf_ppl = table.agreement, table.chosen.ppl
+            agreed_with = f"the reference ({spec.fidelity.reference})"
         else:
             model = LlamaCppModel(gguf, name=tier)
             prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
@@ -479,7 +486,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             f"{fallbacks} tensors in llama.cpp's fallback type (rows not a multiple of the quant block; "
             f"see {tier}/{gguf.with_suffix('.log').name})",
             "",
-            f"token agreement with {source}'s {hf_dir.name} (HF): {agreement.agreement:.2%} "
+            f"token agreement with {agreed_with} (HF): {agreement.agreement:.2%} "
             f"[{lo:.1%}, {hi:.1%}: 95% bootstrap over prompts] of "
             f"{agreement.positions} positions ({agreement.identical_prompts}/{agreement.prompts} prompts x "
             f"{cfg.new_tokens} tokens identical); gate {gate:.0%}",

@@ -327,6 +327,40 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
     assert result.metrics["target_val_perplexity_gguf"] == chosen[0]["ppl"]
     report = (out / "gguf_report.md").read_text()
     assert "## target: fidelity table" in report and "**chosen**" in report
+    # every row's agreement is with the reference's transformers model (the target rows' too)
+    assert "token agreement with the reference (reference) (HF)" in report
+
+
+def test_gguf_fidelity_fallback_quantizes_the_tier_input_no_candidate_came_from(family, pruned, data, tmp_path):
+    """Nothing fits the rule: the recipe's fallback ships, quantized from the tier's input even when
+    every candidate came from the reference (its F16 is converted then, not before)."""
+    pytest.importorskip("llama_cpp", reason="needs the runtime's llamacpp extra (llama-cpp-python)")
+    fidelity = {
+        "reference": "reference",
+        "candidates": [{"input": "reference", "quant": "Q2_K"}],
+        "max_ppl_ratio": 1.0001,  # Q2_K of a 260K-parameter model is further than that
+        "max_ladder_drop": 0,
+        "ladder_levels": [1],
+        "ladder_per_level": 1,
+        "ladder_new_tokens": 4,
+        "speed_prompts": 1,
+        "speed_tokens": 2,
+        "speed_rounds": 1,
+        "fallback": "Q8_0",
+    }
+    config = {
+        **GATE,
+        "min_agreement": 0.0,
+        "tiers": {"target": {"input": "target", "quant": "auto", "fidelity": fidelity}},
+    }
+    out = tmp_path / "2D"
+    _run("2D", {"target": pruned, "reference": family, "data": data}, out, **config)
+    rows = json.loads((out / "gguf.json").read_text())["fidelity"]["target"]
+    assert [r["name"] for r in rows] == ["reference F16", "reference Q2_K"] and rows[1]["why_not"]
+    assert [p.name for p in (out / "target").glob("*.gguf")] == ["target-Q8_0.gguf"]
+    report = (out / "gguf_report.md").read_text()
+    assert "no candidate fits: the fallback Q8_0 ships" in report
+    assert "token agreement with target's" in report  # the fallback's own model: no table row measured it
 
 
 def test_gguf_fidelity_config_names_what_is_missing(family, data, tmp_path):

@@ -10,7 +10,8 @@ F16 GGUF), on the same held-out tokens and tasks:
 - ``kl``: mean over those tokens of KL(reference || row) of the next-token distributions, in nats
   (llama.cpp's ``llama-perplexity --kl-divergence`` measures the same quantity);
 - ``ladder``: held-out math-ladder tasks passed (greedy, the math judge), beside the reference's;
-- ``agreement``: greedy-token agreement with the transformers model it was made from (2D's gate);
+- ``agreement``: greedy-token agreement with the reference's transformers model along its greedy
+  paths (2D's gate);
 - ``tokens_per_s``: llama.cpp greedy decoding, every row timed in the same rounds, in turn
   (:mod:`methods.measure.speed`).
 
