@@ -60,7 +60,7 @@ from kibidango.paid.ledger import BudgetExceeded, Ledger, holds
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.judges.base import Verdict
-from methods.judges.math import final_number, underived
+from methods.judges.math import final_number, through_mark, underived
 from methods.measure.generate import Answerer, once
 from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
 from methods.training.models import base_file
@@ -612,7 +612,7 @@ def _outcomes(cfg: Config, rows: list[dict], ledger: list[dict], state: _State) 
                     "domain": r["domain"],
                     "instruction": r["instruction"],
                     "input": r["input"],
-                    "output": hit["answer"].strip(),
+                    "output": _pair_output(r["domain"], hit["answer"]),
                     "tier": hit["tier"],
                     "score": hit["score"],
                     "teacher_usd": spent_by_row[r["id"]],
@@ -626,6 +626,11 @@ def _outcomes(cfg: Config, rows: list[dict], ledger: list[dict], state: _State) 
         else:
             status["unresolved"] += 1
     return pairs, status
+
+
+def _pair_output(domain: str, answer: str) -> str:
+    """A passing answer as its pair teaches it: a math answer ends at its ``#### n`` mark."""
+    return through_mark(answer.strip()) if domain == "math" else answer.strip()
 
 
 def _report(cfg, rows, ledger, pairs, status, spent: float, dead) -> dict:

@@ -537,7 +537,7 @@ def test_a_hinted_self_tier_keeps_only_working_that_derives_the_shown_number(tmp
             return generate.Answer("3 + 3 = 6\n#### 6", 8, "stop", None, 0.0)
         hinted = [a for a in seen if a[0] == instruction and "Hint:" in a[1]]
         a, b = (int(x) for x in re.findall(r"\d+", instruction)[:2])
-        texts = [f"#### {a + b}", f"4 * 5 = 20\n#### {a + b}", f"{a} + {b} = {a + b}\n#### {a + b}"]
+        texts = [f"#### {a + b}", f"4 * 5 = 20\n#### {a + b}", f"{a} + {b} = {a + b}\n#### {a + b} ≠ 4 Spaces"]
         return generate.Answer(texts[min(len(hinted), 3) - 1], 8, "stop", None, 0.0)
 
     monkeypatch.setattr(generate.Answerer, "sample", scripted)
@@ -552,6 +552,7 @@ def test_a_hinted_self_tier_keeps_only_working_that_derives_the_shown_number(tmp
     result, out = _run({"tiers": tiers, "budget_usd": 1.0}, inputs, tmp_path)
     pairs = {p["id"]: p for p in map(json.loads, (out / "pairs.jsonl").read_text().splitlines())}
     assert {k: p["tier"] for k, p in pairs.items()} == {"m0": "self-hint", "m1": "self-hint", "e0": "self"}
+    # the pair ends at the answer's mark: what the student wrote after it is no part of what it learns
     assert pairs["m0"]["output"] == "2 + 5 = 7\n#### 7" and pairs["m1"]["output"] == "3 + 6 = 9\n#### 9"
     assert all("Hint" not in p["instruction"] + p["input"] for p in pairs.values())
     hinted = [s for s in seen if "Hint:" in s[1]]

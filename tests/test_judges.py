@@ -101,6 +101,15 @@ def test_underived_working_is_a_copied_number():
             assert underived(row["task"].prompt, row["task"].reference) is None, row["task"].reference
 
 
+def test_an_answer_ends_at_its_last_mark():
+    from methods.judges.math import through_mark
+
+    assert through_mark("8 + 4 = 12\n#### 12 ≠ 4 Spaces") == "8 + 4 = 12\n#### 12"
+    assert through_mark("#### 1,200.50 dollars\nThanks!") == "#### 1,200.50"
+    assert through_mark("12 - 5 = 7\n#### 7") == "12 - 5 = 7\n#### 7"
+    assert through_mark("the answer is 7, I think") == "the answer is 7, I think"  # no #### mark: as it is
+
+
 def test_reference_judge_scores_against_the_gold_answer():
     judge = make_judge("reference", threshold=0.5)
     task = Task("g-1", "Name the primary colours.", reference="The primary colours are red, yellow and blue.")

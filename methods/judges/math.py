@@ -27,7 +27,7 @@ from fractions import Fraction
 
 from methods.judges.base import Task, Verdict
 
-__all__ = ["MathJudge", "final_number", "marked_numbers", "underived", "wrong_working"]
+__all__ = ["MathJudge", "final_number", "marked_numbers", "through_mark", "underived", "wrong_working"]
 
 _NUMBER = r"-?\$?\s?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?"
 _MARKED = [re.compile(r"####\s*(" + _NUMBER + ")"), re.compile(r"answer is[:\s]*(" + _NUMBER + ")", re.IGNORECASE)]
@@ -62,6 +62,13 @@ def final_number(text: str) -> Fraction | None:
         return marked[-1]
     found = _ANY.findall(text)
     return _value(found[-1]) if found else None
+
+
+def through_mark(text: str) -> str:
+    """``text`` up to the end of its last ``#### n`` mark: what a model wrote after its answer
+    (``#### 164 ≠ 4 Spaces``) is no part of it, and a training pair made of it would teach it."""
+    marks = list(_MARKED[0].finditer(text))
+    return text[: marks[-1].end()].rstrip() if marks else text
 
 
 _PLAIN = r"\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
