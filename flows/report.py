@@ -366,15 +366,19 @@ _ARMS = ("1A", "replay", "pairs25", "pairs50", "1R", "random", "gold")
 
 
 def _study_figures(client, plan, retrained_key: str | None = None) -> dict | None:
-    """The latest ``<preset>-study`` flow run's stage 1S: its run, artifact, comparison and, with a
+    """The latest ``<preset>-study`` flow run's stage 1S (or the preset's own run's, for a study
+    preset's report): its run, artifact, comparison and, with a
     gold-only arm, 1R minus gold-only over the same tasks (paired bootstrap); None without one.
     ``earlier``: the study's 1R cache key where it is not ``retrained_key`` (this report's 1R): a study
     of an earlier loop, whose figures the report labels as such."""
-    try:
-        flow = _latest_flow_run(client, plan.experiment, f"{plan.name}-study")
-    except KibidangoError:
-        return None
-    runs = _stage_runs(client, flow)
+    runs = {}
+    for preset in (f"{plan.name}-study", plan.name):  # a study preset's own report: its own run's 1S
+        try:
+            runs = _stage_runs(client, _latest_flow_run(client, plan.experiment, preset))
+        except KibidangoError:
+            continue
+        if "1S" in runs:
+            break
     where = runs["1S"].data.tags.get(f"{TAG}artifact") if "1S" in runs else None
     if not where or not Path(where).is_dir():
         return None

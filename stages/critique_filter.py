@@ -63,6 +63,12 @@ class Config(StageConfig):
         default_factory=lambda: DedupConfig(threshold=0.7),
         description="Near-duplicate prompts collapsed (stage 0's MinHash LSH) before ranking.",
     )
+    per_level: bool = Field(
+        False,
+        description="Share each domain's top_k among its levels (a task's ladder level; one share for tasks "
+        "without one) in proportion to their unique failures, the most severe of each level first; what a "
+        "level leaves unused goes to the most severe of the rest.",
+    )
     critique: Literal["none", "self", "llm"] = Field("none", description="Who explains each kept failure.")
     critic: LLMJudgeSettings | None = Field(
         None, description="critique=llm: the llm judge's settings (base_url, model, api_key_env, ...)."
@@ -98,6 +104,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     unique = [r for i, r in enumerate(failed) if i not in dropped]
     log.info(f"{len(failed):,} failures, {len(unique):,} after collapsing {len(dropped):,} near-duplicate prompts")
 
+    if cfg.per_level:
+        unique = _level_shares_first(unique, cfg)
     critic = _critic(cfg, inputs)
     notes = RowLog(work_dir / "critiques.jsonl")
     critical: list[dict] = []
@@ -178,6 +186,32 @@ def _critic(cfg: Config, inputs: dict[str, Path]):
     return ask_self
 
 
+def _level_shares_first(unique: list[dict], cfg: Config) -> list[dict]:
+    """``unique`` (most severe first) reordered so that each domain's first ``top_k`` are its levels'
+    shares: level L of a domain with N unique failures, n_L of them, gets k * n_L / N (largest
+    remainder), filled most severe first; the rest follow, most severe first. Confidence ranks
+    severity, so without shares a level where the student is unsure of its wrong answers (the edge
+    of what it can do) lost almost every place: 3 of 55 math level-4 failures were kept, against 57
+    of 70 at level 5, and the retrained model fell below its student there (docs/status.md)."""
+    counts: Counter[tuple] = Counter((r["domain"], r.get("level")) for r in unique)
+    shares: dict[tuple, int] = {}
+    for domain in {d for d, _ in counts}:
+        groups = {g: n for g, n in counts.items() if g[0] == domain}
+        k, total = min(cfg.k(domain), sum(groups.values())), sum(groups.values())
+        exact = {g: k * n / total for g, n in groups.items()}
+        shares |= {g: int(x) for g, x in exact.items()}
+        left = k - sum(shares[g] for g in groups)
+        for g in sorted(groups, key=lambda g: (-(exact[g] - int(exact[g])), str(g[1])))[:left]:
+            shares[g] += 1
+    taken: Counter[tuple] = Counter()
+    first, rest = [], []
+    for r in unique:
+        g = (r["domain"], r.get("level"))
+        (first if taken[g] < shares[g] else rest).append(r)
+        taken[g] += 1
+    return first + rest
+
+
 def _funnel(answers, judged, failed, unique, critical, disputed, cfg, resumed) -> dict:
     steps = {"tested": answers, "judged": judged, "failed": failed, "unique": unique, "critical": critical}
     domains = sorted({r["domain"] for r in answers})
@@ -189,6 +223,10 @@ def _funnel(answers, judged, failed, unique, critical, disputed, cfg, resumed) -
         "domains": {
             d: {name: sum(1 for r in rows if r["domain"] == d) for name, rows in steps.items()} for d in domains
         },
+        "levels": {
+            d: dict(sorted(Counter(str(r.get("level")) for r in critical if r["domain"] == d).items())) for d in domains
+        },
+        "per_level": cfg.per_level,
         "disputed": len(disputed),
         "critiques_resumed": resumed,
     }
@@ -221,7 +259,15 @@ def _card(funnel: dict, critical: list[dict]) -> str:
     lines += [
         f"| **all** | {f['tested']:,} | {f['judged']:,} | {f['failed']:,} | {f['unique']:,} | **{f['critical']:,}** |",
         "",
-        f"Kept: the {_top_k(funnel['top_k'])} most severe unique failures per domain. "
+        f"Kept: the {_top_k(funnel['top_k'])} most severe unique failures per domain"
+        + (", shared among its levels in proportion to their unique failures. " if funnel["per_level"] else ". ")
+        + "Kept per level: "
+        + "; ".join(
+            f"{d} " + ", ".join(f"L{lv} {n}" if lv != "None" else f"no level {n}" for lv, n in levels.items())
+            for d, levels in funnel["levels"].items()
+            if levels
+        )
+        + ". "
         f"Critique: {funnel['critique']}"
         + (
             f"; {funnel['disputed']} reference-judged failures disputed by the critic and dropped."

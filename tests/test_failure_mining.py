@@ -250,6 +250,64 @@ def test_1c_funnel_collapses_duplicates_and_keeps_the_most_severe(tmp_path):
     assert "Kept: the math 1, code 2 most severe" in (out2 / "FAILURE_CARD.md").read_text()
 
 
+def test_1c_per_level_shares_keep_a_level_severity_alone_would_leave_out(tmp_path):
+    """``per_level``: a domain's top_k is shared among its ladder levels in proportion to their
+    unique failures, the most severe of each level first; a level with low confidence (the edge of
+    what the student can do) is no longer crowded out by a level it is sure of and wrong at."""
+    from stages.critique_filter import Config, run
+
+    mined = tmp_path / "mined"
+    mined.mkdir()
+    rows = []
+    words = ["apples", "pears", "plums", "figs", "limes", "kiwis", "dates", "grapes", "melons", "berries"]
+    for i in range(10):  # level 4: five failures the student was unsure of; level 5: five it was sure of
+        level = 4 if i < 5 else 5
+        rows.append(
+            {
+                "id": f"L{level}-{i}",
+                "domain": "math",
+                "level": level,
+                "outcome": "failed",
+                "score": 0.0,
+                "confidence": 0.3 + 0.01 * i if level == 4 else 0.9 + 0.001 * i,
+                "prompt": f"Sam buys {i + 3} bags of {words[i]} with {2 * i + 5} {words[i]} each on day {i}.",
+                "answer": "#### 1",
+                "reference": "#### 7",
+                "reason": "wrong",
+                "judge": "math",
+            }
+        )
+    rows.append(
+        {
+            **rows[0],
+            "id": "gsm",
+            "level": None,
+            "prompt": "Gsm: a bakery sold 40 loaves before noon.",
+            "confidence": 0.95,
+        }
+    )
+    (mined / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def kept(per_level: bool, top_k: int) -> tuple[list[str], dict]:
+        out, work = tmp_path / f"out-{per_level}-{top_k}", tmp_path / f"work-{per_level}-{top_k}"
+        out.mkdir()
+        work.mkdir()
+        cfg = Config(top_k=top_k, critique="none", per_level=per_level, dedup={"threshold": 0.9, "shingle_size": 2})
+        run(cfg, {"mined": mined}, out, work)
+        funnel = json.loads((out / "funnel.json").read_text())
+        return [json.loads(line)["id"] for line in (out / "critical.jsonl").read_text().splitlines()], funnel
+
+    alone, _ = kept(False, 6)
+    assert sum(i.startswith("L4") for i in alone) == 0  # severity alone: level 5 and the no-level task only
+    # of 11 unique failures, 6 places: level 4 6 x 5 / 11 = 2.7 -> 3, level 5 2.7 -> 3, no level 0.5 -> 0
+    shared, funnel = kept(True, 6)
+    assert sorted(shared) == ["L4-2", "L4-3", "L4-4", "L5-7", "L5-8", "L5-9"]  # each level's most severe
+    assert funnel["per_level"] and funnel["levels"]["math"] == {"4": 3, "5": 3}
+    assert "Kept per level: math L4 3, L5 3" in (tmp_path / "out-True-6" / "FAILURE_CARD.md").read_text()
+    everything, _ = kept(True, 50)  # a top_k above the failures keeps them all
+    assert len(everything) == 11
+
+
 def test_1c_llm_critic_is_resumable_and_only_disputes_the_weak_judge(openai_server, monkeypatch, tmp_path):
     """1C with an LLM critic (llama-cpp-python's server on loopback): every kept failure has a
     critique or the critic's error; a critic's "passed" drops a chrF-judged failure, never a
