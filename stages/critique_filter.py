@@ -2,7 +2,8 @@
 
 The funnel: **tested** (1B's answers) -> **judged** (a verdict, not a judge error) -> **failed** ->
 **unique** (near-duplicate prompts collapsed with stage 0's MinHash LSH, the most severe failure of
-each cluster kept) -> **critical** (the ``top_k`` most severe per domain).
+each cluster kept) -> **critical** (the ``top_k`` most severe per domain; with ``per_level``, shared
+among the domain's ladder levels in proportion to their unique failures).
 
 Severity (:func:`methods.failures.severity`): the domain's weight x (1 - judge score) x how
 confident the student was of its wrong answer (its mean token probability, measured by 1B).
