@@ -198,7 +198,8 @@ def _level_shares_first(unique: list[dict], cfg: Config) -> list[dict]:
     shares: dict[tuple, int] = {}
     for domain in {d for d, _ in counts}:
         groups = {g: n for g, n in counts.items() if g[0] == domain}
-        k, total = min(cfg.k(domain), sum(groups.values())), sum(groups.values())
+        total = sum(groups.values())
+        k = min(cfg.k(domain), total)
         exact = {g: k * n / total for g, n in groups.items()}
         shares |= {g: int(x) for g, x in exact.items()}
         left = k - sum(shares[g] for g in groups)

@@ -262,12 +262,12 @@ def _quantize_candidates(tier: str, spec: TierExport, inputs: dict[str, Path], w
 
     f = spec.fidelity
     names = dict.fromkeys([f.reference, *(c.input or spec.input for c in f.candidates)])  # the fallback's: on demand
-    sources = {n: Path(resolve_base(None, inputs[n], tier, f"GGUF fidelity ({tier}, {n})")) for n in names}
+    sources = {n: _source_dir(inputs, n, tier) for n in names}
     calibration = load_split(inputs["data"] / "dataset", "train", limit=f.imatrix_rows, by_domain=True)
     for c in f.candidates:
         if c.awq and c.source(spec.input) not in sources:
             sources[c.source(spec.input)] = _awq_source(c, sources[c.input or spec.input], inputs, f, work)
-    f16 = {n: convert_hf_to_gguf(d, work / f"{n.replace(' ', '_')}-F16.gguf", "f16") for n, d in sources.items()}
+    f16 = {n: _to_f16(d, n, work) for n, d in sources.items()}
     need_imatrix = {c.source(spec.input) for c in f.candidates if c.imatrix}
     imatrix = {n: compute_imatrix(sources[n], f16[n], calibration, f.imatrix_max_len) for n in need_imatrix}
     files: dict[str, tuple[Candidate, str, Path]] = {}
@@ -283,6 +283,16 @@ def _quantize_candidates(tier: str, spec: TierExport, inputs: dict[str, Path], w
         )
         files[c.label(spec.input)] = (c, src, out)
     return _Candidates(sources, f16, files)
+
+
+def _source_dir(inputs: dict[str, Path], name: str, tier: str) -> Path:
+    """Stage input ``name``'s transformers model (a fidelity source)."""
+    return Path(resolve_base(None, inputs[name], tier, f"GGUF fidelity ({tier}, {name})"))
+
+
+def _to_f16(source: Path, name: str, work: Path) -> Path:
+    """``source`` (the fidelity source ``name``) converted to F16 in ``work``."""
+    return convert_hf_to_gguf(source, work / f"{name.replace(' ', '_')}-F16.gguf", "f16")
 
 
 def _awq_source(c: Candidate, source: Path, inputs: dict[str, Path], f: Fidelity, work: Path) -> Path:
@@ -408,10 +418,9 @@ def _choose_by_fidelity(
             path.with_suffix(".log").rename(gguf.with_suffix(".log"))
     elif f.fallback is not None:
         src = spec.input
-        if src not in made.f16:
-            made.sources[src] = Path(resolve_base(None, inputs[src], tier, f"GGUF fallback ({tier}, {src})"))
-            f16 = out_dir / "_fidelity" / tier / f"{src}-F16.gguf"
-            made.f16[src] = convert_hf_to_gguf(made.sources[src], f16, "f16")
+        if src not in made.f16:  # no candidate came from it: converted now
+            made.sources[src] = _source_dir(inputs, src, tier)
+            made.f16[src] = _to_f16(made.sources[src], src, out_dir / "_fidelity" / tier)
         gguf = quantize(made.f16[src], dest / f"{tier}-{f.fallback}.gguf", f.fallback)
     else:
         raise KibidangoError(
