@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from kibidango.decode.batching import Batcher, LlamaCppSlots, _Feed
+from kibidango.decode.batching import Batcher, LlamaCppSlots, TorchSlots, _Feed
 from kibidango.decode.speculative import DecodeConfig, Metrics
 from kibidango.pipeline import Pipeline
 from tests.conftest import PROMPTS, SHARED
@@ -144,6 +144,61 @@ def test_a_slot_cropped_back_and_placeholders_never_touch_a_sequences_tokens(fam
         batcher.close()
 
 
+def test_a_prompt_reuses_what_a_slots_cache_holds_of_it(family):
+    """Prefix caching: prompts sharing a start (a chat template's system prompt) and one prompt
+    sampled again and again, one after another as a self-teaching tier draws them: each request
+    gets exactly the tokens it gets alone, while the shared starts were copied from a slot's cache
+    (after the request that computed them ended too), not computed again."""
+    system = [1, 7, 7, 30, 31, 32, 33, 34, 35, 36]
+    prompts = [system + p[1:] for p in PROMPTS[:4]]
+    greedy = [DecodeConfig(mode="ar", max_new_tokens=8 + 2 * i, temperature=0.0) for i in range(4)]
+    again = [DecodeConfig(mode="sd", k=3, max_new_tokens=10, temperature=1.0, seed=i) for i in range(5)]
+    alone = [_alone(family, p, c) for p, c in zip(prompts, greedy)]
+    sampled = [_alone(family, prompts[1], c) for c in again]
+    pipe = Pipeline(None, dict(family), greedy[0])
+    batcher = Batcher(pipe, slots=3)
+    try:
+        assert _queued(batcher, pipe, prompts[:1], greedy[:1], 1) == alone[:1]
+        target = batcher.tiers["target"]
+        assert target.reused == 0  # nothing held yet
+        assert _together(batcher, pipe, prompts[1:3], greedy[1:3]) == alone[1:3]
+        first = target.reused
+        assert first >= 2 * len(system)  # both found the system prompt (and its first token after) held
+        assert _queued(batcher, pipe, prompts[3:], greedy[3:], 3) == alone[3:]
+        for i, cfg in enumerate(again):  # one after another: the prompt's slot was given back each time
+            assert _queued(batcher, pipe, [prompts[1]], [cfg], 1) == [sampled[i]]
+        assert target.reused >= first + len(system) + len(again) * (len(prompts[1]) - 1)
+        assert batcher.tiers["draft"].reused > 0  # the draft's own slots, without the target's adapters
+    finally:
+        batcher.close()
+
+
+def test_placeholders_overwrite_what_a_free_slot_held(family):
+    """A free slot's held tokens are cut where a running batch's placeholder wrote into its cache;
+    a later prompt equal to what it held reuses only the positions still intact, and its rows are
+    those of a cache that never held anything."""
+    long = [1] + list(range(10, 40))
+
+    def prompt(slot: int, tokens: list[int]) -> _Feed:
+        return _Feed("target", slot, 0, list(tokens), None, first=len(tokens) - 1)
+
+    slots = TorchSlots(family["target"], 3)
+    slots.forward([prompt(1, long)])
+    slots.release(1)
+    assert slots.held[1] == (None, long)
+    slots.forward([prompt(0, [1, 5, 9]), prompt(2, [1, 60, 2])])  # slots [0, 3) in place: a placeholder in 1
+    assert slots.held[1] == (None, long[:3])  # written from position 3 on
+    again, before = prompt(1, long), slots.reused
+    slots.forward([again])
+    assert slots.reused - before == 3 and again.cached == 3
+
+    fresh = TorchSlots(family["target"], 1)
+    alone = prompt(0, long)
+    fresh.forward([alone])
+    assert fresh.reused == 0
+    np.testing.assert_allclose(again.rows, alone.rows, rtol=0, atol=1e-9)
+
+
 def test_answer_features_from_the_decoding_equal_a_scoring_pass(family):
     """Metrics.answer_stats: each ar token's figures, reduced from the logits that chose it as it
     was decoded, give an answer the features a second forward over prompt and answer gives."""
@@ -242,5 +297,31 @@ def test_llama_cpp_scores_several_sequences_in_one_decode_as_separate_sessions_d
             whole = model.new_session().feed(s)
             assert tail[i].rows.shape == (2, whole.shape[1]) and np.allclose(tail[i].rows, whole[-2:], atol=1e-3), i
             assert np.allclose(model.new_session().feed(s, first=len(s) - 1), whole[-1:], atol=1e-3), i
+    finally:
+        slots.close()
+
+
+def test_llama_cpp_prompts_share_the_cells_of_a_start_another_sequence_holds():
+    """A prompt whose start a sequence holds takes its cells (llama_memory_seq_cp) and decodes the
+    rest; its rows are those of a fresh session's, and the holder's later crop leaves them alone."""
+    if not GGUF.is_file():
+        pytest.skip(f"needs stories260K's GGUF at {GGUF}")
+    pytest.importorskip("llama_cpp")
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+
+    model = LlamaCppModel(GGUF, threads=1)
+    slots = LlamaCppSlots(model, 2)
+    start = [1, 403, 407, 261, 378, 66, 67]
+    try:
+        slots.forward([_Feed("target", 0, 0, start + [9, 300], None, first=8)])
+        other = _Feed("target", 1, 0, start + [42, 43], None, first=8)
+        slots.forward([other])
+        assert slots.reused == len(start) and other.cached == len(start)
+        slots.forward([_Feed("target", 0, 2, [5, 6], None)])  # the holder crops back to 2 and goes on
+        on = _Feed("target", 1, len(start) + 2, [44], None)
+        slots.forward([on])
+        alone = model.new_session()
+        assert np.allclose(alone.feed(start + [42, 43], first=8), other.rows, atol=1e-3)
+        assert np.allclose(alone.feed([44]), on.rows, atol=1e-3)
     finally:
         slots.close()

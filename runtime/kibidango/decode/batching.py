@@ -91,6 +91,11 @@ class LlamaCppSlots:
         self.length = [0] * slots
         self.vocab = model.vocab_size
         self.lora: str | None = None
+        # what each sequence's cells were computed from, (adapter, tokens): a new prompt takes the
+        # cells of its longest start that a sequence holds (llama_memory_seq_cp shares them, as
+        # llama.cpp's server does for a common prompt) and decodes only the rest; see TorchSlots
+        self.held: list[tuple[str | None, list[int]]] = [(None, []) for _ in range(slots)]
+        self.reused = 0
 
     def set_lora(self, name: str | None) -> None:
         if name == self.lora:
@@ -106,9 +111,13 @@ class LlamaCppSlots:
 
     def forward(self, feeds: list[_Feed]) -> None:
         for f in feeds:
+            if f.cached == 0 and len(f.tokens) > 1:
+                self._reuse(f)
             if self.length[f.slot] > f.cached:
                 self._lib.llama_memory_seq_rm(self.memory, f.slot, f.cached, -1)
             self.length[f.slot] = f.cached
+            adapter, held = self.held[f.slot]
+            self.held[f.slot] = (self.lora, held[: f.cached] + f.tokens)
         # The feeds' tokens in order, ``capacity`` per decode (a feed may span two: its
         # positions stay in order, so the second decode attends to the first's cells).
         queue = [(f, i) for f in feeds for i in range(len(f.tokens))]
@@ -133,6 +142,20 @@ class LlamaCppSlots:
         for f in feeds:
             f.rows = np.stack(rows[id(f)]).astype(np.float32, copy=False)
             self.length[f.slot] = f.cached + len(f.tokens)
+
+    def _reuse(self, f: _Feed) -> None:
+        """A new sequence's prompt ``f`` takes the cells of its longest start another sequence (or
+        its own slot's last) holds under the active adapter; ``f`` is cut to the rest."""
+        best, source = _longest_held(self.held, self.lora, f)
+        if best == 0:
+            return
+        if source != f.slot:
+            self._lib.llama_memory_seq_rm(self.memory, f.slot, 0, -1)
+            self._lib.llama_memory_seq_cp(self.memory, source, f.slot, 0, best)
+            self.length[f.slot] = best
+        self.held[f.slot] = (self.lora, f.tokens[:best])
+        self.reused += best
+        f.cached, f.tokens, f.first = best, f.tokens[best:], f.first - best
 
     def close(self) -> None:
         if self.ctx:
@@ -220,16 +243,29 @@ class TorchSlots:
     the mask hides it, their next feed overwrites it) and its logits dropped. Otherwise (a new
     request's prefill beside a running batch) the fed slots' caches are gathered for that forward.
 
+    A new sequence's prompt reuses what any slot's cache still holds of it (prefix caching, as
+    vLLM's automatic prefix caching and llama.cpp's server's slot reuse do): every slot remembers
+    the tokens (and adapter) its positions were computed from — after its request ended too, until
+    they are overwritten — and a prefill whose first tokens some slot holds copies those positions'
+    keys and values into its own slot and runs only the rest. A chat template's system prompt is
+    computed once per batcher, and a prompt sampled again (a self-teaching tier's samples, one
+    after another) is read once. The copied entries are the ones the same model and adapter wrote
+    for the same tokens at the same positions: the result is the recomputation's up to rounding.
+
     Needs a model whose attention layers call ``past_key_values.update(key, value, layer_idx)`` and
     take a prepared 4-D mask as it is (transformers' decoder-only models: Llama, Mistral, Qwen2,
     ...); sliding-window attention would see the whole context."""
 
-    def __init__(self, model, slots: int):
+    def __init__(self, model, slots: int, adapters: bool = True):
         self.model = model
         self.slots = slots
         self.length = [0] * slots
         self.cache = _SlotCache(slots, model.context_length)
         self.gathered = 0  # forwards that gathered their rows (the rest ran on a prefix, in place)
+        # what each slot's cache positions were computed from: (adapter, tokens); kept after release
+        self.held: list[tuple[str | None, list[int]]] = [(None, []) for _ in range(slots)]
+        self.adapters = adapters  # False: the model runs without the feeds' adapters (a draft's tier)
+        self.reused = 0  # prompt tokens copied from a slot's cache instead of computed
 
     def set_lora(self, name: str | None) -> None:  # peft switches the shared weights: the adapters' use() did
         pass
@@ -243,11 +279,37 @@ class TorchSlots:
         loaded: :meth:`TorchModel.mixed_lora_forward`); else they run with the active adapter."""
         for f in feeds:  # where the session stands: a crop since its last feed moves the slot back, nothing to copy
             self.length[f.slot] = f.cached
+        for f in feeds:
+            if f.cached == 0 and len(f.tokens) > 1:
+                self._reuse(f)
         groups: dict[int, list[_Feed]] = {}
         for f in sorted(feeds, key=lambda f: f.slot):
             groups.setdefault(len(f.tokens), []).append(f)
         for n, group in groups.items():
             self._forward(group, n, mixed)
+
+    def _key(self, f: _Feed) -> str | None:
+        return f.adapter if self.adapters else None
+
+    def _reuse(self, f: _Feed) -> None:
+        """A new sequence's prompt ``f``: the longest start of it that a slot's cache holds (the same
+        adapter's) is copied into ``f``'s slot, and ``f`` is cut to the rest (at least the tokens
+        whose rows it reads)."""
+        key = self._key(f)
+        best, source = _longest_held(self.held, key, f)
+        if best == 0:
+            return
+        if source != f.slot:
+            import torch
+
+            with torch.inference_mode():  # the cache's tensors were made in it
+                for cache in (self.cache.keys, self.cache.values):
+                    for layer in cache:
+                        layer[f.slot, :, :best] = layer[source, :, :best]
+        self.held[f.slot] = (key, f.tokens[:best])
+        self.reused += best
+        f.cached, f.tokens, f.first = best, f.tokens[best:], f.first - best
+        self.length[f.slot] = best
 
     def _forward(self, feeds: list[_Feed], n: int, mixed: bool = False) -> None:
         import torch
@@ -288,13 +350,44 @@ class TorchSlots:
                 logits_to_keep=n - skip,
             )
         logits = out.logits.float().cpu().numpy()
+        if prefix:  # a placeholder overwrote its slot's positions from where it was written
+            for s in set(range(m)) - {f.slot for f in feeds}:
+                adapter, held = self.held[s]
+                del held[starts[s] :]
         for i, f in enumerate(feeds):
             f.rows = logits[f.slot if prefix else i, f.first - skip :]
             self.length[f.slot] = f.cached + n
+            adapter, held = self.held[f.slot]
+            self.held[f.slot] = (self._key(f), held[: f.cached] + f.tokens)
 
     def close(self) -> None:
         self.cache = _SlotCache(self.slots, self.model.context_length)
         self.length = [0] * self.slots
+        self.held = [(None, []) for _ in range(self.slots)]
+
+
+def _longest_held(held: list[tuple[str | None, list[int]]], adapter: str | None, f: _Feed) -> tuple[int, int]:
+    """``(n, slot)``: the most first tokens of ``f`` a slot holds under ``adapter`` (up to the
+    first row ``f`` reads, and one token short of all of them: a feed computes something), and
+    which slot; ``(0, -1)`` when none does."""
+    best, source = 0, -1
+    limit = min(f.first, len(f.tokens) - 1)
+    for s, (key, tokens) in enumerate(held):
+        if key != adapter or len(tokens) <= best:
+            continue
+        n = _common_prefix(tokens, f.tokens, limit)
+        if n > best:
+            best, source = n, s
+    return best, source
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many first tokens ``a`` and ``b`` share, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if n <= 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 class BatchedSession:
@@ -425,7 +518,7 @@ class Batcher:
             raise ValueError(
                 "a compiled draft (--compile) keeps a static cache per sequence: serve it with --parallel 1"
             )
-        return TorchSlots(model, self.slots)
+        return TorchSlots(model, self.slots, adapters=model is self.raw.get("target"))
 
     @contextlib.contextmanager
     def member(self) -> Iterator[int]:
