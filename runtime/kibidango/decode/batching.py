@@ -96,6 +96,7 @@ class LlamaCppSlots:
         # llama.cpp's server does for a common prompt) and decodes only the rest; see TorchSlots
         self.held: list[tuple[str | None, list[int]]] = [(None, []) for _ in range(slots)]
         self.reused = 0
+        self.prompts = 0  # prompt tokens of new sequences, reused or computed
 
     def set_lora(self, name: str | None) -> None:
         if name == self.lora:
@@ -112,6 +113,7 @@ class LlamaCppSlots:
     def forward(self, feeds: list[_Feed]) -> None:
         for f in feeds:
             if f.cached == 0 and len(f.tokens) > 1:
+                self.prompts += len(f.tokens)
                 self._reuse(f)
             if self.length[f.slot] > f.cached:
                 self._lib.llama_memory_seq_rm(self.memory, f.slot, f.cached, -1)
@@ -266,6 +268,7 @@ class TorchSlots:
         self.held: list[tuple[str | None, list[int]]] = [(None, []) for _ in range(slots)]
         self.adapters = adapters  # False: the model runs without the feeds' adapters (a draft's tier)
         self.reused = 0  # prompt tokens copied from a slot's cache instead of computed
+        self.prompts = 0  # prompt tokens of new sequences, reused or computed
 
     def set_lora(self, name: str | None) -> None:  # peft switches the shared weights: the adapters' use() did
         pass
@@ -281,6 +284,7 @@ class TorchSlots:
             self.length[f.slot] = f.cached
         for f in feeds:
             if f.cached == 0 and len(f.tokens) > 1:
+                self.prompts += len(f.tokens)
                 self._reuse(f)
         groups: dict[int, list[_Feed]] = {}
         for f in sorted(feeds, key=lambda f: f.slot):
@@ -653,7 +657,12 @@ class Batcher:
             self.closed = True
             self.wake.notify()
         self.engine.join(timeout=10)
-        for tier in self.tiers.values():
+        for name, tier in self.tiers.items():
+            if tier.prompts:
+                log.info(
+                    f"{name}: {tier.reused:,} of {tier.prompts:,} prompt tokens ({tier.reused / tier.prompts:.0%}) "
+                    "taken from a slot's cache, not computed"
+                )
             tier.close()
         self.pipe.models = self.raw
         self.pipe.decoder = Decoder(self.raw, self.pipe.decoder.ngram_table)
