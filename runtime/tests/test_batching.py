@@ -324,5 +324,15 @@ def test_llama_cpp_prompts_share_the_cells_of_a_start_another_sequence_holds():
         alone = model.new_session()
         assert np.allclose(alone.feed(start + [42, 43], first=8), other.rows, atol=1e-3)
         assert np.allclose(alone.feed([44]), on.rows, atol=1e-3)
+        # two prompts in one decode share nothing the other has not decoded yet
+        fresh = LlamaCppSlots(model, 2)
+        try:
+            both = [_Feed("target", i, 0, start + [9 + i, 300], None, first=8) for i in range(2)]
+            fresh.forward(both)
+            assert fresh.reused == 0
+            for i, f in enumerate(both):
+                assert np.allclose(model.new_session().feed(start + [9 + i, 300], first=8), f.rows, atol=1e-3)
+        finally:
+            fresh.close()
     finally:
         slots.close()

@@ -111,15 +111,18 @@ class LlamaCppSlots:
         self.lora = name
 
     def forward(self, feeds: list[_Feed]) -> None:
+        # ``held`` names only cells that exist: prompts take theirs from it before any sequence of
+        # this decode is cut back, and a sequence's new tokens join it once decoded
         for f in feeds:
             if f.cached == 0 and len(f.tokens) > 1:
                 self.prompts += len(f.tokens)
                 self._reuse(f)
+        for f in feeds:
             if self.length[f.slot] > f.cached:
                 self._lib.llama_memory_seq_rm(self.memory, f.slot, f.cached, -1)
             self.length[f.slot] = f.cached
             adapter, held = self.held[f.slot]
-            self.held[f.slot] = (self.lora, held[: f.cached] + f.tokens)
+            self.held[f.slot] = (adapter, held[: f.cached])
         # The feeds' tokens in order, ``capacity`` per decode (a feed may span two: its
         # positions stay in order, so the second decode attends to the first's cells).
         queue = [(f, i) for f in feeds for i in range(len(f.tokens))]
@@ -144,6 +147,8 @@ class LlamaCppSlots:
         for f in feeds:
             f.rows = np.stack(rows[id(f)]).astype(np.float32, copy=False)
             self.length[f.slot] = f.cached + len(f.tokens)
+            adapter, held = self.held[f.slot]
+            self.held[f.slot] = (self.lora, held + f.tokens)
 
     def _reuse(self, f: _Feed) -> None:
         """A new sequence's prompt ``f`` takes the cells of its longest start another sequence (or
@@ -341,6 +346,13 @@ class TorchSlots:
         # row i's query j sees the positions up to its own (a placeholder sees everything: discarded)
         mask = torch.arange(width, device=device)[None, None, None, :] <= position[:, None, :, None]
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        # ``held`` names only positions whose keys and values stand: a fed slot's from where it
+        # writes, a placeholder's slot's from where the placeholder goes, are cut before they change
+        for f in feeds:
+            del self.held[f.slot][1][f.cached :]
+        if prefix:
+            for s in set(range(m)) - set(fed):
+                del self.held[s][1][starts[s] :]
         self.cache.use(rows, position, width)
         call = functools.partial(self.model.mixed_lora_forward, adapters) if mixed else hf
         skip = min(f.first for f in feeds)  # positions no feed reads: no output layer for them
@@ -354,15 +366,11 @@ class TorchSlots:
                 logits_to_keep=n - skip,
             )
         logits = out.logits.float().cpu().numpy()
-        if prefix:  # a placeholder overwrote its slot's positions from where it was written
-            for s in set(range(m)) - {f.slot for f in feeds}:
-                adapter, held = self.held[s]
-                del held[starts[s] :]
         for i, f in enumerate(feeds):
             f.rows = logits[f.slot if prefix else i, f.first - skip :]
             self.length[f.slot] = f.cached + n
             adapter, held = self.held[f.slot]
-            self.held[f.slot] = (self._key(f), held[: f.cached] + f.tokens)
+            self.held[f.slot] = (self._key(f), held + f.tokens)
 
     def close(self) -> None:
         self.cache = _SlotCache(self.slots, self.model.context_length)
