@@ -112,6 +112,9 @@ class Fidelity(BaseModel):
     ladder_levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Math-ladder levels (mining part).")
     ladder_per_level: int = Field(12, gt=0, description="Mining-part math tasks per level.")
     ladder_new_tokens: int = Field(96, gt=0, description="Greedy tokens per ladder answer.")
+    ladder_parallel: int = Field(
+        16, gt=0, description="Ladder answers decoded together (the runtime's batching; 1: one at a time)."
+    )
     imatrix_rows: int = Field(
         16, gt=0, description="Calibration rows (stage 0 train) for the importance matrix and the AWQ rows."
     )
@@ -338,7 +341,7 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
     ladder = {}
     for label, model in {ref_label: reference, **models}.items():
         log.info("2D %s fidelity: %d mining-part ladder tasks, %s", tier, len(tasks), label)
-        ladder[label] = fid.ladder_pass(model, tokenizer, tasks, f.ladder_new_tokens)
+        ladder[label] = fid.ladder_pass(model, tokenizer, tasks, f.ladder_new_tokens, f.ladder_parallel)
     prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: f.speed_prompts]]
     cells = decode_cells({ref_label: reference, **models}, prompts, f.speed_tokens, f.speed_rounds)
     speed = {label: tokens_per_s(c) for label, c in cells.items()}

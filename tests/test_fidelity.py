@@ -219,3 +219,24 @@ def test_the_table_shows_agreement_with_its_interval():
     assert (ref.agreement, ref.agreement_interval) == (0.995, (0.99, 1.0))
     text = fid.table([ref, row])
     assert "89.3% [87.1%, 91.2%]" in text and "99.5% [99.0%, 100.0%]" in text
+
+
+def test_ladder_answers_decoded_together_are_the_answers_one_at_a_time():
+    """The table's ladder answers through the runtime's batching (llama.cpp, several sequences per
+    decode) are the ones the model gives one at a time."""
+    gguf = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
+    if not (gguf.is_file() and STORIES.is_dir()):
+        pytest.skip(f"needs stories260K at {STORIES} and {gguf} (absent on this machine)")
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+    from methods.ladder import ladder_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(str(STORIES))
+    model = LlamaCppModel(gguf, threads=1)
+    rows = ladder_rows("math", [1, 2], "mining", 6)
+    alone = fid.ladder_answers(model, tokenizer, rows, 24)
+    together = fid.ladder_answers(model, tokenizer, rows, 24, parallel=4)
+    assert together == alone and len(set(alone)) > 1  # different prompts, different answers
+    assert fid.ladder_pass(model, tokenizer, rows, 24, parallel=4) == [False] * len(rows)  # a story model

@@ -21,6 +21,7 @@ and agreement are all within the recipe's bounds.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -33,6 +34,7 @@ __all__ = [
     "FidelityRow",
     "choose",
     "divergence",
+    "ladder_answers",
     "ladder_pass",
     "log_softmax",
     "table",
@@ -108,23 +110,47 @@ def divergence(
     return out
 
 
-def ladder_pass(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list[bool]:
-    """Greedy answers of ``model`` (a runtime model) to ladder ``rows`` in the model's chat
-    template (as :class:`methods.measure.generate.Answerer` prompts), judged by the math judge."""
-    from kibidango import DecodeConfig, Pipeline
+def ladder_pass(model, tokenizer, rows: list[dict], max_new_tokens: int, parallel: int = 1) -> list[bool]:
+    """Greedy answers of ``model`` (a runtime model) to ladder ``rows`` (:func:`ladder_answers`),
+    judged by the math judge."""
     from methods.judges.math import MathJudge
+
+    judge = MathJudge()
+    answers = ladder_answers(model, tokenizer, rows, max_new_tokens, parallel)
+    return [judge(row["task"], text).passed for row, text in zip(rows, answers, strict=True)]
+
+
+def ladder_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, parallel: int = 1) -> list[str]:
+    """Greedy answers of ``model`` (a runtime model) to ``rows`` in the model's chat template (as
+    :class:`methods.measure.generate.Answerer` prompts); "" where the prompt fills the context.
+    ``parallel``: answers decoded together (the runtime's batching: greedy, the same tokens up to
+    rounding at a near-tie; every row of a table is answered alike)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kibidango import DecodeConfig, Pipeline
+    from kibidango.decode.batching import Batcher
 
     stop = tuple(i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id) if i is not None)
     config = DecodeConfig(mode="ar", temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=stop)
-    pipeline = Pipeline(tokenizer, {"target": model}, config)
-    judge = MathJudge()
-    passed = []
-    for row in rows:
+    backend = "llamacpp" if hasattr(model, "llm") else "torch"
+    pipeline = Pipeline(tokenizer, {"target": model}, config, backend=backend)
+    batcher = Batcher(pipeline, min(parallel, len(rows))) if parallel > 1 and len(rows) > 1 else None
+
+    def answer(row: dict) -> str:
         ids = prompt_ids(tokenizer, [{"role": "user", "content": prompt_text(row["instruction"], row["input"])}])
         room = min(max_new_tokens, model.context_length - len(ids))
-        text = pipeline.generate(ids, max_new_tokens=room).text if room > 0 else ""
-        passed.append(judge(row["task"], text).passed)
-    return passed
+        if room <= 0:
+            return ""
+        with batcher.turn() if batcher is not None else contextlib.nullcontext():
+            return pipeline.generate(ids, max_new_tokens=room).text
+
+    if batcher is None:
+        return [answer(row) for row in rows]
+    try:
+        with ThreadPoolExecutor(batcher.slots, thread_name_prefix="ladder") as pool:
+            return list(pool.map(answer, rows))
+    finally:
+        batcher.close()
 
 
 @dataclass
