@@ -19,7 +19,14 @@ asked as ``convert`` in training and as ``solve`` in evaluation are two tasks of
 sum is in the math rungs (level 1 has a few hundred programs; named, a few thousand).
 
 Tests are three asserts on inputs drawn for the task (for a conditional, on both sides of it);
-the prompt shows the first, as MBPP's prompts show theirs. Expected values come from running the
+the prompt shows the first, as MBPP's prompts show theirs. Behind them, a task whose condition
+compares with a constant has a test at its boundary for each *boundary mutant* the three let
+through (``>`` for ``>=``, the constant one off; ``x % k`` for ``x % (k±1)``: EvalPlus's lesson, that
+a few tests pass wrong programs): on the three alone, 89% of level 3's boundary mutants and about
+half of levels 4-6's passed every test, so a sampled program off by one at its condition was judged
+right — a self-teaching tier picks exactly those out of 16 samples. These extra tests come from a
+generator of their own, seeded by the task's key: the tasks, their prompts and first three tests
+are what they were. Expected values come from running the
 reference, which this module wrote from its own templates (no outside code is executed here).
 Every step of a task must matter to its tests: each *mutant* of the reference — steps left out
 (all of them, levels 1-2; either of level 2's; level 5's primitive; level 6's final one), a
@@ -32,7 +39,9 @@ program that ignores its filter (``less than 26`` over elements of 1..20), and l
 from __future__ import annotations
 
 import ast
+import hashlib
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -215,6 +224,55 @@ def _fails(mutant: Callable, inputs: list, expected: list) -> bool:
     return False
 
 
+_BOUNDARY = re.compile(r"x (>|<|%) (\d+)")
+
+
+def _boundary_mutants(reference: str) -> list[str]:
+    """``reference`` with its comparison's boundary moved: ``x > k`` as ``x >= k`` and ``x > k±1``
+    (``<`` alike), ``x % k`` as ``x % (k±1)`` (a condition's or a remainder step's); none where no
+    step compares with or divides by a constant."""
+    m = _BOUNDARY.search(reference)
+    if m is None:
+        return []
+    op, k = m.group(1), int(m.group(2))
+    if op == "%" and k == 2:  # even / odd: no boundary (x % 1 always holds, x % 3 is another condition)
+        others = [f"x % {k + 1}"]
+    elif op == "%":
+        others = [f"x % {k - 1}", f"x % {k + 1}"]
+    else:
+        others = [f"x {op}= {k}", f"x {op} {k - 1}", f"x {op} {k + 1}"]
+    return [reference[: m.start()] + o + reference[m.end() :] for o in others]
+
+
+def _boundary_tests(name: str, reference: str, key: str, arg_type: str, inputs: list) -> list:
+    """Inputs at ``reference``'s boundary, one for each boundary mutant the ``inputs`` do not
+    fail, drawn by a generator seeded with ``key`` (see the module's text)."""
+    mutants = [_function(m, name) for m in _boundary_mutants(reference)]
+    function = _function(reference, name)
+    expected = [function(v) for v in inputs]
+    left = [m for m in mutants if not _fails(m, inputs, expected)]
+    if not left:
+        return []
+    k = int(_BOUNDARY.search(reference).group(2))
+    rng = random.Random(hashlib.sha256(f"kibidango/ladder/boundary/v1:{key}".encode()).digest())
+    near = [v for v in (k - 1, k, k + 1, 2 * k - 2, 2 * k, 2 * k + 2, 3 * k) if v >= 0]
+    extra: list = []
+    for mutant in left:
+        if any(_fails(mutant, [e], [function(e)]) for e in extra):
+            continue
+        tries = [v for v in near for _ in range(4 if arg_type == "list" else 1)]
+        for v in tries:  # the boundary first; in a list, beside other drawn elements
+            if arg_type == "list":
+                value = _draw("list")(rng)[0]
+                value.insert(rng.randrange(len(value) + 1), v)
+            else:
+                value = v
+            if _fails(mutant, [value], [function(value)]):
+                extra.append(value)
+                break
+    return extra
+
+
 def program(level: int, rng: random.Random) -> Program:
     """One program of ``level`` (1..:data:`LEVELS`), its constants, inputs and words from ``rng``.
     A program whose three test inputs give three different results, and on which every mutant of
@@ -234,9 +292,11 @@ def program(level: int, rng: random.Random) -> Program:
             inputs = draw(rng)
             expected = [function(value) for value in inputs]
             if len({repr(e) for e in expected}) == len(expected) and all(_fails(m, inputs, expected) for m in mutants):
-                tests = tuple(f"assert {name}({v!r}) == {e!r}" for v, e in zip(inputs, expected, strict=True))
+                key = f"{level}:{reference}"
+                inputs = inputs + _boundary_tests(name, reference, key, arg_type, inputs)
+                tests = tuple(f"assert {name}({v!r}) == {function(v)!r}" for v in inputs)
                 prompt = rng.choice(_PROMPTS).format(name=name, arg=arg, arg_text=arg_text, steps=steps)
-                return Program(f"{level}:{reference}", name, prompt, reference, tests)
+                return Program(key, name, prompt, reference, tests)
     raise RuntimeError(
         f"code level {level}: no program with three distinct test results that fail its mutants in {_DRAWS} draws"
     )
