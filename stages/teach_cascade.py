@@ -60,6 +60,7 @@ from kibidango.paid.ledger import BudgetExceeded, Ledger, holds
 from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.judges.base import Verdict
+from methods.judges.code import judged_program
 from methods.judges.math import final_number, through_mark, underived
 from methods.measure.generate import Answerer, once
 from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
@@ -612,7 +613,7 @@ def _outcomes(cfg: Config, rows: list[dict], ledger: list[dict], state: _State) 
                     "domain": r["domain"],
                     "instruction": r["instruction"],
                     "input": r["input"],
-                    "output": _pair_output(r["domain"], hit["answer"]),
+                    "output": _pair_output(r, hit["answer"]),
                     "tier": hit["tier"],
                     "score": hit["score"],
                     "teacher_usd": spent_by_row[r["id"]],
@@ -628,9 +629,15 @@ def _outcomes(cfg: Config, rows: list[dict], ledger: list[dict], state: _State) 
     return pairs, status
 
 
-def _pair_output(domain: str, answer: str) -> str:
-    """A passing answer as its pair teaches it: a math answer ends at its ``#### n`` mark."""
-    return through_mark(answer.strip()) if domain == "math" else answer.strip()
+def _pair_output(row: dict, answer: str) -> str:
+    """A passing answer as its pair teaches it: a math answer ends at its ``#### n`` mark; a code
+    answer is the program the judge ran (its fences, prose and self-checks left out, as the gold
+    programs are written)."""
+    if row["domain"] == "math":
+        return through_mark(answer.strip())
+    if row["domain"] == "code":
+        return judged_program(task_of(row), answer).strip()
+    return answer.strip()
 
 
 def _report(cfg, rows, ledger, pairs, status, spent: float, dead) -> dict:

@@ -594,3 +594,23 @@ def test_a_hint_is_a_self_tier_setting_that_shows_the_answer():
     from stages.teach_cascade import _number
 
     assert [_number(Fraction(x)) for x in ("37", "5/2", "1/3", "-7/4")] == ["37", "2.5", "1/3", "-1.75"]
+
+
+def test_a_code_pair_is_the_program_its_judge_ran():
+    """A passing code answer teaches its program as the gold answers are written: its fences, the
+    prose around them and its own checks of itself left out (a self tier's sample closed with a
+    stray fence taught the fence); a math answer ends at its mark; others as they are."""
+    from stages.teach_cascade import _pair_output
+
+    row = {
+        "id": "c0",
+        "domain": "code",
+        "prompt": "Write a function add3(x) that adds 3 to x.",
+        "reference": "def add3(x):\n    return x + 3\n",
+        "tests": ["assert add3(1) == 4", "assert add3(5) == 8"],
+    }
+    answer = "Here it is:\n```python\ndef add3(x):\n    return x + 3\n\nprint(add3(1))\n```\nThis adds 3."
+    assert _pair_output(row, answer) == "def add3(x):\n    return x + 3"
+    assert _pair_output(row, "def add3(x):\n    return x + 3\n```") == "def add3(x):\n    return x + 3"
+    assert _pair_output({**row, "domain": "math"}, "3 + 4 = 7\n#### 7 apples") == "3 + 4 = 7\n#### 7"
+    assert _pair_output({**row, "domain": "general"}, "  A poem.  ") == "A poem."

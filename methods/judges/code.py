@@ -76,7 +76,15 @@ from methods.judges.sandbox import codec
 
 log = logging.getLogger("kibidango.judges.code")
 
-__all__ = ["CodeJudge", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "isolation", "run_sandboxed"]
+__all__ = [
+    "CodeJudge",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "isolation",
+    "judged_program",
+    "run_sandboxed",
+]
 
 _NOBODY = 65534
 _SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
@@ -522,6 +530,16 @@ def _read_counts(data: bytes) -> dict | None:
     return counts if ok else None
 
 
+def judged_program(task: Task, answer: str) -> str:
+    """The program the code judge runs for ``answer`` to ``task``: the answer's code as
+    :func:`methods.judges.extract.extract_program` finds it, for the names the task calls
+    (HumanEval's entry point, or the reference's functions its tests use)."""
+    tests = [f"check({task.entry_point})"] if task.entry_point else list(task.tests)
+    used = _names_used(tests)
+    entry = (task.entry_point,) if task.entry_point else tuple(n for n in _defined_names(task.reference) if n in used)
+    return extract_program(answer, entry, task.prompt if task.entry_point else "")
+
+
 @dataclass
 class CodeJudge:
     """Runs the answer's program against ``task.tests`` (MBPP: assert statements) or HumanEval's
@@ -547,12 +565,7 @@ class CodeJudge:
         if task.entry_point:  # HumanEval: the check function (the tester's alone), then one call of it
             test_setup = "\n".join(tests)
             tests = [f"check({task.entry_point})"]
-        # the names the task calls: HumanEval's entry point, or the reference's functions the tests use
-        used = _names_used(tests)
-        entry = (
-            (task.entry_point,) if task.entry_point else tuple(n for n in _defined_names(task.reference) if n in used)
-        )
-        program = extract_program(answer, entry, task.prompt if task.entry_point else "")
+        program = judged_program(task, answer)
         if why := format_failure(program):  # nothing to run: the answer's format, not its logic, failed
             details = {"format_failure": why, "attempts": 0}
             return Verdict(False, 0.0, f"error: {why}", "error", time.monotonic() - started, details)
