@@ -521,7 +521,8 @@ def _gain(comparison: dict) -> tuple[float, dict, str]:
 
 
 def _retrain_claims(retrain: dict | None, study: dict | None) -> list[Claim]:
-    """1R against 1A and the controls (1R's own, else the study's), and the held-out critical failures."""
+    """1R against 1A (1R's own test), the controls (the study's where it ran, with 1R's own beside
+    it: the study has the tasks to show the claim), and the held-out critical failures."""
     comparison = (retrain or {}).get("comparison") or {}
     tests = dict(comparison.get("mcnemar") or {})
     rows: list[Claim] = []
@@ -535,20 +536,22 @@ def _retrain_claims(retrain: dict | None, study: dict | None) -> list[Claim]:
                 "yes" if gain >= 0.10 and t["p"] < 0.01 else "no",
             )
         )
-    own = set(tests)
-    for arm, t in ((study or {}).get("comparison", {}).get("mcnemar") or {}).items():
-        tests.setdefault(arm, t)
+    studied = (study or {}).get("comparison", {}).get("mcnemar") or {}
     for arm in ("random", "replay"):
         claim = (f"1R beats the {arm} control", "p < 0.05")
-        if arm not in tests:
+        # the study's test where it ran (the experiment sized for the claim), 1R's own beside it
+        t, own = (studied[arm], tests.get(arm)) if arm in studied else (tests.get(arm), None)
+        if t is None:
             rows.append((*claim, "not measured (make study-loop)", "-"))
             continue
-        t = tests[arm]
         met = t["a_only"] > t["b_only"] and t["p"] < 0.05
-        where = "" if arm in own else _study_label(study)
-        rows.append(
-            (*claim, f"{t['a_only']} / {t['b_only']} discordant, p = {t['p']:.3f}{where}", "yes" if met else "no")
-        )
+        words = f"{t['a_only']} / {t['b_only']} discordant, p = {t['p']:.3f}"
+        if arm in studied:
+            size = f", {t['n']:,} tasks" if t.get("n") else ""
+            words += _study_label(study)[:-1] + size + ")"
+            if own is not None:
+                words += f"; 1R's own {own['n']} tasks: {own['a_only']} / {own['b_only']}, p = {own['p']:.3f}"
+        rows.append((*claim, words, "yes" if met else "no"))
     if retrain and retrain.get("before"):
         before, after = retrain["before"]["rate"], retrain["after"]["rate"]
         rows.append(

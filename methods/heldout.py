@@ -14,14 +14,15 @@ calibration, 9 evaluation).
   tasks are answered and judged at once, on threads (the answer callback must be thread-safe: an
   :class:`methods.measure.generate.Answerer` with ``parallel`` batches their decoding, and bounds
   it: twice as many threads run, so that judging one answer does not leave a slot of the batch
-  idle); rows are still written in ``rows``' order.
+  idle); each row is written as it finishes (a long answer holds back no other's), and the list
+  returned follows ``rows``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Literal
 
@@ -268,20 +269,25 @@ def answer_and_judge(
     todo = [(i, row, done.get(row["id"])) for i, row in enumerate(rows, 1)]
     todo = [(i, row, prior) for i, row, prior in todo if prior is None or prior.get("retryable")]
     progress = Progress(label, len(rows), log)
+    finished = len(rows) - len(todo)  # rows an earlier attempt settled
     # Twice as many threads as answers decoded together: the answer callbacks hold their decoding
     # slot only while they decode (a batcher's turn), so while some judge an answer (a sandboxed
     # program: seconds), others fill their slots and the batch stays full.
     pool = ThreadPoolExecutor(2 * parallel, thread_name_prefix="answer") if parallel > 1 else None
     try:
         if pool is None:
-            for i, row, prior in todo:
+            for _, row, prior in todo:
                 done.add(answer(row, prior, judges[row["domain"]]))
-                progress.update(i)
+                finished += 1
+                progress.update(finished)
         else:
+            # each row journaled as it finishes, not in the rows' order: a long answer holds back
+            # neither the progress line nor what a killed run keeps of the answers after it
             futures = [pool.submit(answer, row, prior, judges[row["domain"]]) for _, row, prior in todo]
-            for (i, _, _), future in zip(todo, futures):
+            for future in as_completed(futures):
                 done.add(future.result())
-                progress.update(i)
+                finished += 1
+                progress.update(finished)
         progress.finish(len(rows))
     finally:
         if pool is not None:  # after an error: the tasks not started are dropped, those running finish

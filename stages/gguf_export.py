@@ -14,7 +14,9 @@ optionally an AWQ recipe applied to the source first: AWQ exported to GGUF) is
 measured against the uncompressed reference (1R's F16 GGUF) — bits per weight, bytes, perplexity
 ratio and mean KL on the validation rows, math-ladder pass on the ladder's mining part, agreement
 with the reference's transformers model along its greedy paths, tokens/s — and the smallest file
-within the recipe's bounds ships.
+within the recipe's bounds ships. Divergence and agreement are one pass over the validation rows
+(:func:`methods.compression.fidelity.fidelity_pass`): an agreement path continues its row's prompt in
+the same llama.cpp session, so no model reads a prompt twice.
 Nothing is chosen on stage 9's evaluation tasks.
 
 The sources are the full-precision tiers (the pruned target, the distilled draft and
@@ -44,6 +46,7 @@ from methods.compression.gguf import (
     QUANT_TYPES,
     TENSOR_TYPES,
     AgreementReport,
+    agreement_report,
     fallback_tensors,
     gguf_parameters,
     gguf_response_loss,
@@ -335,8 +338,30 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
     ref_label = f"{f.reference} F16"
     reference = load(made.f16[f.reference], ref_label)
     models = {label: load(path, label) for label, (_, _, path) in made.files.items()}
-    log.info("2D %s fidelity: perplexity and KL of %d rows on %d validation rows", tier, len(models), len(rows))
-    div = fid.divergence(reference, models, tokenizer, rows, cfg.eval_max_len)
+    agree_prompts = lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]
+    # every row along the reference's greedy paths (torch decoding: once), judged by the reference's
+    # transformers model: a row from another source (a pruned or AWQ model) is measured for what the
+    # table asks, fidelity to the uncompressed model, and the reference F16's own agreement is what a
+    # faithful export reaches
+    hf = TorchModel(made.sources[f.reference], name=f.reference)
+    log.info("2D %s fidelity: %s's greedy paths on %d prompts (agreement)", tier, f.reference, len(agree_prompts))
+    paths = greedy_paths(hf, [p.ids for p in agree_prompts], cfg.new_tokens)
+    del hf
+    log.info(
+        "2D %s fidelity: perplexity and KL of %d rows on %d validation rows, agreement along %d paths",
+        tier,
+        len(models),
+        len(rows),
+        len(paths),
+    )
+    along = {p.row: (len(p.ids), path) for p, (path, _) in zip(agree_prompts, paths, strict=True)}
+    scored = fid.fidelity_pass(reference, models, tokenizer, rows, cfg.eval_max_len, along)
+    agreement = {
+        label: agreement_report(
+            tokenizer, [p.ids for p in agree_prompts], paths, [scored.along[key][p.row] for p in agree_prompts]
+        )
+        for label, key in {ref_label: None, **{m: m for m in models}}.items()
+    }
     tasks = ladder_rows("math", f.ladder_levels, "mining", f.ladder_per_level * len(f.ladder_levels))
     ladder = {}
     for label, model in {ref_label: reference, **models}.items():
@@ -345,20 +370,7 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
     prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: f.speed_prompts]]
     cells = decode_cells({ref_label: reference, **models}, prompts, f.speed_tokens, f.speed_rounds)
     speed = {label: tokens_per_s(c) for label, c in cells.items()}
-    agree_prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]]
-    # every row along the reference's greedy paths (torch decoding is the slow part: once), judged by
-    # the reference's transformers model: a row from another source (a pruned or AWQ model) is measured
-    # for what the table asks, fidelity to the uncompressed model, and the reference F16's own
-    # agreement is what a faithful export reaches
-    hf = TorchModel(made.sources[f.reference], name=f.reference)
-    log.info("2D %s fidelity: %s's greedy paths on %d prompts (agreement)", tier, f.reference, len(agree_prompts))
-    paths = greedy_paths(hf, agree_prompts, cfg.new_tokens)
-    agreement = {
-        label: token_agreement(hf, model, tokenizer, agree_prompts, cfg.new_tokens, paths)
-        for label, model in {ref_label: reference, **models}.items()
-    }
-    del hf
-    return _Measured(div, ladder, speed, agreement, reference.parameters())
+    return _Measured(scored.divergence, ladder, speed, agreement, reference.parameters())
 
 
 def _rows(f: Fidelity, made: _Candidates, m: _Measured) -> list[fid.FidelityRow]:

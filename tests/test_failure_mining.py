@@ -491,6 +491,37 @@ def test_answers_decoded_together_are_the_answers_decoded_alone(student):
     assert together.pipeline.models["target"] is together.model  # closed: the pipeline decodes alone again
 
 
+def test_answers_are_journaled_as_they_finish_and_a_rerun_answers_only_the_rest(tmp_path):
+    """Tasks answered in parallel: one that takes long holds back no other's row, so a run killed
+    while it decodes keeps the rows that finished after it started, and the rerun answers it alone."""
+    from methods.heldout import answer_and_judge
+
+    rows = [{"id": f"t{i}", "domain": "math"} for i in range(4)]
+    journal = tmp_path / "rows.jsonl"
+
+    def slow_then_killed(row, prior, judge):
+        if row["id"] == "t0":  # still decoding when the others finish; then the run dies
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and (not journal.exists() or len(journal.read_text().splitlines()) < 3):
+                time.sleep(0.05)
+            raise RuntimeError("killed while t0 decoded")
+        return {"id": row["id"], "retryable": False, "answer": judge(row)}
+
+    with pytest.raises(RuntimeError, match="killed"):
+        answer_and_judge({"math": lambda row: "ok"}, rows, tmp_path, "test answers", slow_then_killed, parallel=4)
+    assert sorted(json.loads(line)["id"] for line in journal.read_text().splitlines()) == ["t1", "t2", "t3"]
+
+    answered = []
+
+    def again(row, prior, judge):
+        answered.append(row["id"])
+        return {"id": row["id"], "retryable": False, "answer": judge(row)}
+
+    out, resumed = answer_and_judge({"math": lambda row: "ok"}, rows, tmp_path, "test answers", again, parallel=4)
+    assert answered == ["t0"] and resumed == 3
+    assert [r["id"] for r in out] == ["t0", "t1", "t2", "t3"]
+
+
 def test_right_numbers_reached_by_wrong_working_are_counted_apart():
     """With the recipe's math judge reading the working, an answer whose final number is right but
     whose own arithmetic is wrong fails; 1B's figures and card count those apart (an answer wrong in

@@ -240,3 +240,47 @@ def test_ladder_answers_decoded_together_are_the_answers_one_at_a_time():
     together = fid.ladder_answers(model, tokenizer, rows, 24, parallel=4)
     assert together == alone and len(set(alone)) > 1  # different prompts, different answers
     assert fid.ladder_pass(model, tokenizer, rows, 24, parallel=4) == [False] * len(rows)  # a story model
+
+
+def test_one_pass_gives_the_divergence_and_the_agreement_the_separate_measurements_give():
+    """2D's shared pass (each path continues its row's session after a crop to the prompt) gives
+    each model the divergence and the token agreement that scoring each alone gives."""
+    gguf = SHARED / "models" / "stories260K" / "gguf" / "stories260K.gguf"
+    if not (gguf.is_file() and STORIES.is_dir()):
+        pytest.skip(f"needs stories260K at {STORIES} and {gguf} (absent on this machine)")
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+    from kibidango.backends.torch_backend import TorchModel
+    from methods.compression.gguf import agreement_report, greedy_paths, token_agreement
+    from methods.measure import lm
+
+    tokenizer = AutoTokenizer.from_pretrained(str(STORIES))
+    reference, hf = LlamaCppModel(gguf, threads=1), TorchModel(STORIES)
+    models = {"gguf": LlamaCppModel(gguf, threads=1, name="again"), "hf": hf}
+    stories = ["Once upon a time there was a little cat. She liked milk.", "Tom had a red ball. He threw it far."]
+    rows = [{"instruction": "", "input": "", "output": s} for s in stories]
+    rows.append({"instruction": "", "input": "", "output": "Hi"})  # too short for a prompt
+    rows.append({"instruction": "", "input": "", "output": "The sun was hot and the dog was sleepy and slow."})
+    prompts = lm.held_out_prompts(tokenizer, rows)
+    assert [p.row for p in prompts] == [0, 1, 3]
+    paths = greedy_paths(hf, [p.ids for p in prompts], 6)
+    along = {p.row: (len(p.ids), path) for p, (path, _) in zip(prompts, paths)}
+    scored = fid.fidelity_pass(reference, models, tokenizer, rows, 64, along)
+    alone = fid.divergence(reference, models, tokenizer, rows, 64)
+    for name in models:
+        assert scored.divergence[name].tokens == alone[name].tokens > 0
+        assert scored.divergence[name].mean_kl == pytest.approx(alone[name].mean_kl, abs=1e-4)
+    for key, model in [(None, reference), *models.items()]:
+        choices = [scored.along[key][p.row] for p in prompts]
+        shared = agreement_report(tokenizer, [p.ids for p in prompts], paths, choices)
+        separate = token_agreement(hf, model, tokenizer, [p.ids for p in prompts], 6, paths)
+        assert shared.per_prompt == separate.per_prompt, key
+    assert scored.along["hf"] and all(len(c) == 6 for c in scored.along["hf"].values())
+    assert (
+        agreement_report(
+            tokenizer, [p.ids for p in prompts], paths, [scored.along["hf"][p.row] for p in prompts]
+        ).agreement
+        == 1.0
+    )

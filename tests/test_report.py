@@ -361,6 +361,13 @@ def test_the_report_says_per_claim_whether_the_loop_met_it(tmp_path):
         "p = 0.036 | yes |" in lines
     )
     assert "| 1R beats the replay control | p < 0.05 | 40 / 10 discordant, p = 0.000 (the study) | yes |" in lines
+    # the study's random control, on its 1,010 tasks, before 1R's own 300
+    study["comparison"]["mcnemar"]["random"] = {"n": 1010, "a_only": 90, "b_only": 50, "p": 0.001}
+    lines = "\n".join(_claims(artifacts, study, [record]))
+    assert (
+        "| 1R beats the random control | p < 0.05 | 90 / 50 discordant, p = 0.001 (the study, 1,010 tasks); "
+        "1R's own 300 tasks: 30 / 25, p = 0.590 | yes |" in lines
+    )
     assert "| -1.0 points [-5.0, +3.0] (the study) | no |" in lines
     assert "| 0.810 [0.740, 0.880] on 120 fresh queries (the oracle's ordering: 0.860) | yes |" in lines
     assert "| predicted 20.0%, measured 28.0% | no |" in lines

@@ -32,8 +32,10 @@ from methods.training.chat import encode, messages, prompt_ids, prompt_text
 __all__ = [
     "Divergence",
     "FidelityRow",
+    "Pass",
     "choose",
     "divergence",
+    "fidelity_pass",
     "ladder_answers",
     "ladder_pass",
     "log_softmax",
@@ -97,17 +99,66 @@ def divergence(
     """:class:`Divergence` of each of ``models`` (runtime models: ``new_session().feed(ids)``
     returns a logits row per token) against ``reference`` on the response tokens of ``rows``,
     each row's reference logits computed once."""
-    out = {name: Divergence() for name in models}
-    for r in rows:
+    return fidelity_pass(reference, models, tokenizer, rows, max_len).divergence
+
+
+@dataclass
+class Pass:
+    """What one pass over the held-out rows measured: each model's :class:`Divergence`, and each
+    model's (and the reference's, under ``None``) greedy choice at each position of the paths it was
+    given (the argmax of the row that predicts the path's token there)."""
+
+    divergence: dict[str, Divergence]
+    along: dict[str | None, dict[int, np.ndarray]]
+
+
+def fidelity_pass(
+    reference,
+    models: dict[str, object],
+    tokenizer,
+    rows: list[dict],
+    max_len: int,
+    paths: dict[int, tuple[int, list[int]]] | None = None,
+) -> Pass:
+    """:func:`divergence`, and with ``paths`` ({row index: (cut, path)}: a continuation of the row's
+    first ``cut`` tokens, a prompt of :func:`methods.measure.lm.held_out_prompts`) each model's
+    greedy choice where it predicts each of the path's tokens, teacher-forced (token agreement,
+    :func:`methods.compression.gguf.agreement_report`). A path continues the same session after a
+    crop back to ``cut``: its prompt is not computed a second time (each model reads the prompts of
+    both measurements once; they were ~60% of the agreement's llama.cpp tokens)."""
+    paths = paths or {}
+    out = Pass({name: Divergence() for name in models}, {name: {} for name in [None, *models]})
+    for k, r in enumerate(rows):
         ids, start = encode(tokenizer, messages(r), max_len)
         if len(ids) <= max(start, 1):
+            if k in paths:
+                raise ValueError(f"row {k}: a path continues a row with no response tokens")
             continue
         start = max(start, 1)
         targets = ids[start:]
-        p_log = log_softmax(reference.new_session().feed(ids, first=start - 1)[:-1])
-        for name, model in models.items():
-            out[name].add_log_probs(p_log, model.new_session().feed(ids, first=start - 1)[:-1], targets)
+        p_log = None
+        for name, model in [(None, reference), *models.items()]:
+            session = model.new_session()
+            fed = session.feed(ids, first=start - 1)
+            if name is None:
+                p_log = log_softmax(fed[:-1])
+            else:
+                out.divergence[name].add_log_probs(p_log, fed[:-1], targets)
+            if k in paths:
+                out.along[name][k] = _along(session, fed, start, ids, *paths[k]).argmax(-1)
     return out
+
+
+def _along(session, fed: np.ndarray, start: int, ids: list[int], cut: int, path: list[int]) -> np.ndarray:
+    """The rows predicting ``path`` after ``ids[:cut]``: the first is ``fed``'s (the rows of
+    ``ids[start - 1:]``), the rest from ``session`` cropped back to ``cut``."""
+    if not start <= cut <= len(ids):
+        raise ValueError(f"a path's prompt ({cut} tokens) must end within the row's response ({start}..{len(ids) - 1})")
+    first = fed[cut - start : cut - start + 1]
+    if len(path) <= 1:
+        return first
+    session.crop(cut)
+    return np.vstack([first, session.feed(list(path[:-1]))])
 
 
 def ladder_pass(model, tokenizer, rows: list[dict], max_new_tokens: int, parallel: int = 1) -> list[bool]:

@@ -34,6 +34,7 @@ __all__ = [
     "fallback_tensors",
     "tier_gguf",
     "quantize",
+    "agreement_report",
     "greedy_paths",
     "token_agreement",
     "gguf_response_loss",
@@ -231,10 +232,22 @@ def token_agreement(
     :func:`greedy_paths`, when several GGUFs of one model are compared)."""
     if paths is None:
         paths = greedy_paths(hf, prompts, new_tokens)
+    choices = [
+        gguf.new_session().feed(ids + path[:-1], first=len(ids) - 1).argmax(-1)
+        for ids, (path, _) in zip(prompts, paths, strict=True)
+    ]
+    return agreement_report(tokenizer, prompts, paths, choices)
+
+
+def agreement_report(
+    tokenizer, prompts: list[list[int]], paths: list[tuple[list[int], np.ndarray]], choices: list[np.ndarray]
+) -> AgreementReport:
+    """:func:`token_agreement` from a model's greedy choices along each path (``choices[i]``: the
+    argmax of each row that predicts ``paths[i]``'s tokens after ``prompts[i]``, teacher-forced),
+    however computed."""
     per_prompt, identical, divergences = [], 0, []
-    for ids, (path, hf_rows) in zip(prompts, paths, strict=True):
-        g_rows = gguf.new_session().feed(ids + path[:-1], first=len(ids) - 1)
-        g_choice = g_rows.argmax(-1)
+    for ids, (path, hf_rows), g_choice in zip(prompts, paths, choices, strict=True):
+        g_choice = np.asarray(g_choice)
         same = g_choice == np.array(path)
         per_prompt.append((int(same.sum()), len(path)))
         if same.all():

@@ -135,18 +135,20 @@ def row_losses(model, tokenizer, rows: list[dict], max_len: int, batch: int = 16
 @dataclass
 class Prompt:
     ids: list[int]
+    row: int | None = None
+    """The index of the held-out row it was cut from (:func:`held_out_prompts`)."""
 
 
 def held_out_prompts(tokenizer, rows: list[dict], story_prefix_tokens: int = 8, max_len: int = 192) -> list[Prompt]:
     """One prompt per held-out row: the rendered instruction (up to where the reply starts) for
     instruction rows, the reply's opening + its first ``story_prefix_tokens`` tokens for plain text."""
     out = []
-    for r in rows:
+    for i, r in enumerate(rows):
         turns = messages(r)
         ids, start = encode(tokenizer, turns, max_len)
         cut = start if len(turns) > 1 else start + story_prefix_tokens
         if 1 < cut < len(ids):
-            out.append(Prompt(ids[:cut]))
+            out.append(Prompt(ids[:cut], i))
     return out
 
 

@@ -302,6 +302,33 @@ def test_llama_cpp_scores_several_sequences_in_one_decode_as_separate_sessions_d
         slots.close()
 
 
+def test_llama_cpp_a_forward_that_fails_midway_leaves_no_cells_behind():
+    """A forward of more tokens than one decode takes whose second decode fails (a token outside the
+    vocabulary): the first decode's cells go, so each slot fed again from 0 gets a fresh session's rows."""
+    if not GGUF.is_file():
+        pytest.skip(f"needs stories260K's GGUF at {GGUF}")
+    pytest.importorskip("llama_cpp")
+    from kibidango.backends.llamacpp_backend import LlamaCppModel
+
+    model = LlamaCppModel(GGUF, threads=1)
+    n = 4096 // model.context_length + 1  # enough slots that their contexts exceed one decode
+    slots = LlamaCppSlots(model, n)
+    try:
+        assert slots.capacity < n * model.context_length
+        length = slots.capacity // n + 8  # each slot's prompt: all of them together need two decodes
+        seqs = [[1] + [(7 * i + 3 * j) % 400 + 10 for j in range(length - 1)] for i in range(n)]
+        bad = [_Feed("target", i, 0, s, None, first=len(s) - 1) for i, s in enumerate(seqs)]
+        bad[-1].tokens[-1] = model.vocab_size + 5
+        with pytest.raises(RuntimeError, match="llama_decode returned"):
+            slots.forward(bad)
+        again = [_Feed("target", i, 0, s[:40], None, first=39) for i, s in enumerate(seqs)]
+        slots.forward(again)
+        for i, s in enumerate(seqs):
+            assert np.allclose(model.new_session().feed(s[:40], first=39), again[i].rows, atol=1e-3), i
+    finally:
+        slots.close()
+
+
 def test_llama_cpp_prompts_share_the_cells_of_a_start_another_sequence_holds():
     """A prompt whose start a sequence holds takes its cells (llama_memory_seq_cp) and decodes the
     rest; its rows are those of a fresh session's, and the holder's later crop leaves them alone."""

@@ -127,6 +127,21 @@ class LlamaCppSlots:
         # positions stay in order, so the second decode attends to the first's cells).
         queue = [(f, i) for f in feeds for i in range(len(f.tokens))]
         rows: dict[int, list[np.ndarray]] = {id(f): [] for f in feeds}
+        try:
+            self._decode(queue, rows)
+        except BaseException:
+            # a decode that failed after an earlier one of this forward wrote cells: no length
+            # names them (the next feed from ``cached`` would meet them), so they go now
+            for f in feeds:
+                self._lib.llama_memory_seq_rm(self.memory, f.slot, f.cached, -1)
+            raise
+        for f in feeds:
+            f.rows = np.stack(rows[id(f)]).astype(np.float32, copy=False)
+            self.length[f.slot] = f.cached + len(f.tokens)
+            adapter, held = self.held[f.slot]
+            self.held[f.slot] = (self.lora, held + f.tokens)
+
+    def _decode(self, queue: list[tuple[_Feed, int]], rows: dict[int, list[np.ndarray]]) -> None:
         for start in range(0, len(queue), self.capacity):
             chunk = queue[start : start + self.capacity]
             b = self.batch
@@ -144,11 +159,6 @@ class LlamaCppSlots:
                 if i >= f.first:
                     ptr = self._lib.llama_get_logits_ith(self.ctx, j)
                     rows[id(f)].append(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy())
-        for f in feeds:
-            f.rows = np.stack(rows[id(f)]).astype(np.float32, copy=False)
-            self.length[f.slot] = f.cached + len(f.tokens)
-            adapter, held = self.held[f.slot]
-            self.held[f.slot] = (self.lora, held + f.tokens)
 
     def _reuse(self, f: _Feed) -> None:
         """A new sequence's prompt ``f`` takes the cells of its longest start another sequence (or
