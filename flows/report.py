@@ -576,9 +576,11 @@ def _teaching_claims(retrain: dict | None, cost: dict | None, study: dict | None
         kinds = {n: v for n, v in (cost.get("tiers") or {}).items() if v.get("kind") == "self"}
         kinds = kinds or {"self": {}}
         own = sum(tiers.get(n, 0) for n in kinds)
-        hinted = sum(tiers.get(n, 0) for n, v in kinds.items() if v.get("hint"))
+        shown = {"answer": "shown the answer", "feedback": "shown its failing program's result"}
+        hinted = {h: sum(tiers.get(n, 0) for n, v in kinds.items() if v.get("hint") == h) for h in shown}
         share = own / max(1, sum(tiers.values()))
-        split = f" ({own - hinted} unaided, {hinted} shown the answer)" if hinted else ""
+        parts = [f"{n} {shown[h]}" for h, n in hinted.items() if n]
+        split = f" ({own - sum(hinted.values())} unaided, {', '.join(parts)})" if parts else ""
         rows.append(
             (
                 "pairs from the self tier",

@@ -14,7 +14,12 @@ from an environment variable), and a journal of every paid request.
   with ``hint: answer`` is STaR's *rationalization*: the student is shown the reference's final
   number (``hint_text``) and asked again; an answer passes only if the task's judge passes it and
   its working derives the number (:func:`methods.judges.math.underived`); the pair keeps the
-  question without the hint. It takes only the rows a number answers (the math judge's).
+  question without the hint. It takes only the rows a number answers (the math judge's). With
+  ``hint: feedback`` (self-debugging: Chen et al. 2023, arXiv 2304.05128) a code failure is asked
+  again with the student's own failing program and what it did on the test the task shows
+  (``feedback_text``: "returned 35 where 1225 is expected", "raised NameError: ..."); the judge runs
+  every test of the task, those the prompt does not show too, so a program fitted to the shown test
+  does not pass; the pair keeps the question without the hint.
 - :class:`TeacherClient`: one tier's calls under the run's :class:`~kibidango.paid.ledger.Ledger`
   (a request is sent only when its **worst-case** cost fits what is left, so the spend never
   passes the limit); 401/403/404 and a connection that never opens make the tier **dead**
@@ -40,6 +45,7 @@ from kibidango.paid.ledger import Ledger
 from kibidango.paid.settings import EndpointSettings
 
 __all__ = [
+    "FEEDBACK_PROGRAM_CHARS",
     "TeacherClient",
     "TierConfig",
     "TierDead",
@@ -47,6 +53,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("kibidango.teachers")
+
+FEEDBACK_PROGRAM_CHARS = 1500
+"""The most of a failing program a `feedback` hint shows (its start)."""
 
 
 class TierConfig(EndpointSettings):
@@ -63,14 +72,21 @@ class TierConfig(EndpointSettings):
     samples: int = Field(
         8, ge=1, le=256, description="`self`: answers sampled per failure before it escalates to the next tier."
     )
-    hint: Literal["answer"] | None = Field(
+    hint: Literal["answer", "feedback"] | None = Field(
         None,
         description="`self`: `answer` shows the student the reference's final number (`hint_text`) and keeps an "
-        "answer only if its working derives it (STaR's rationalization); the pair is the question without the hint.",
+        "answer only if its working derives it (STaR's rationalization); `feedback` shows a code failure's own "
+        "program and what it did on the task's shown test (`feedback_text`: self-debugging); the pair is the "
+        "question without the hint.",
     )
     hint_text: str = Field(
         "Hint: the answer is {answer}. Show the working, then end with #### {answer}.",
         description="`hint: answer`: the line added after the task ({answer}: the reference's final number).",
+    )
+    feedback_text: str = Field(
+        "Your earlier answer was:\n{program}\nChecked with `{test}`, it {outcome}. Write the corrected function.",
+        description="`hint: feedback`: the text added after the task ({program}: the student's failing program; "
+        "{test}: the test the task shows; {outcome}: what the program did on it).",
     )
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint (…/v1); None when `serve` is set.")
     model: str | None = Field(
@@ -111,8 +127,11 @@ class TierConfig(EndpointSettings):
                 raise ValueError(f"tier {self.name!r}: a `self` tier samples the stage's `student` input, no endpoint")
             if self.samples > 1 and self.temperature <= 0:
                 raise ValueError(f"tier {self.name!r}: {self.samples} samples at temperature 0 are one answer")
-            if self.hint is not None and "{answer}" not in self.hint_text:
+            if self.hint == "answer" and "{answer}" not in self.hint_text:
                 raise ValueError(f"tier {self.name!r}: `hint_text` must show the answer: put {{answer}} in it")
+            missing = [k for k in ("{program}", "{outcome}") if k not in self.feedback_text]
+            if self.hint == "feedback" and missing:
+                raise ValueError(f"tier {self.name!r}: `feedback_text` must show {' and '.join(missing)}")
         elif self.hint is not None:
             raise ValueError(f"tier {self.name!r}: only a `self` tier takes a hint")
         if self.kind == "openai":
@@ -140,8 +159,11 @@ def worst_case_usd(tier: TierConfig, prompt: str) -> float:
     if tier.kind == "reference":
         return tier.usd_per_answer
     if tier.kind == "self":  # every sample reads the prompt (and the hint) and writes at most max_tokens
-        if tier.hint is not None:
+        if tier.hint == "answer":
             prompt = f"{prompt}\n\n{tier.hint_text.format(answer='9' * 24)}"
+        elif tier.hint == "feedback":  # a program and an outcome at most as long as a hint shows them
+            shown = tier.feedback_text.format(program="9" * FEEDBACK_PROGRAM_CHARS, test=prompt, outcome="9" * 300)
+            prompt = f"{prompt}\n\n{shown}"
         one = _endpoint(tier, "local").worst_case_usd([{"role": "user", "content": prompt}], tier.max_tokens)
         return tier.samples * one
     messages = [{"role": "system", "content": tier.system}, {"role": "user", "content": prompt}]

@@ -10,7 +10,10 @@ the tier's per-1K-token prices, journaled, budgeted and never re-sampled by a re
 request. A ``self`` tier with ``hint: answer`` (STaR's rationalization) asks the student again
 with the reference's final number shown, for the rows a number answers; its answer passes only if
 the judge passes it **and** its working derives that number (:func:`methods.judges.math.underived`),
-and the pair holds the question without the hint. A tier with ``serve`` is a local model the stage
+and the pair holds the question without the hint. With ``hint: feedback`` (self-debugging) a code
+failure is asked again with the student's own failing program and what it did on the test the task
+shows (run in the judge's sandbox: "returned 35 where 1225 is expected"); the judge then runs every
+test of the task, the unshown ones too. A tier with ``serve`` is a local model the stage
 serves itself: its checkpoint (a GGUF file, or a transformers directory converted to GGUF in the
 work directory) under llama-cpp-python's server on 127.0.0.1.
 
@@ -36,7 +39,9 @@ tier, priced from the same token counts.
 
 from __future__ import annotations
 
+import ast
 import contextvars
+import dataclasses
 import hashlib
 import json
 import logging
@@ -61,9 +66,10 @@ from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.judges.base import Verdict
 from methods.judges.code import judged_program
+from methods.judges.extract import format_failure
 from methods.judges.math import final_number, through_mark, underived
 from methods.measure.generate import Answerer, once
-from methods.teachers import TeacherClient, TierConfig, TierDead, worst_case_usd
+from methods.teachers import FEEDBACK_PROGRAM_CHARS, TeacherClient, TierConfig, TierDead, worst_case_usd
 from methods.training.models import base_file
 
 RESUMABLE = True
@@ -337,7 +343,7 @@ class _Cascade:
             for r in self.rows
             if not self._resolved(r["id"], index)
             and (r["id"], tier.name) not in self.state.done
-            and (tier.hint is None or self._hintable(r))
+            and (tier.hint is None or self._hintable(tier, r))
         ]
         if not todo:
             return
@@ -384,16 +390,37 @@ class _Cascade:
         self.journal.write(event)
         self.state.done[key] = event
 
-    def _hintable(self, row: dict) -> bool:
-        """True when a number answers ``row`` (its judge is the math judge, its reference holds one):
-        a hinted tier can show it."""
-        math = getattr(self.judges[row["domain"]], "kind", None) == "math"
-        return math and final_number(row["reference"]) is not None
+    def _hintable(self, tier: TierConfig, row: dict) -> bool:
+        """``hint: answer``: a number answers ``row`` (its judge is the math judge, its reference
+        holds one). ``hint: feedback``: ``row`` is a code task the student answered, whose prompt
+        shows one of its tests as ``assert <call> == <value>`` and not all of them (a program fitted
+        to the tests it was shown must still fail one)."""
+        kind = getattr(self.judges[row["domain"]], "kind", None)
+        if tier.hint == "feedback":
+            unshown = any(t not in str(row.get("prompt", "")) for t in row.get("tests") or ())
+            answered = bool(str(row.get("answer") or "").strip())
+            return kind == "code" and answered and unshown and _shown_test(row) is not None
+        return kind == "math" and final_number(row["reference"]) is not None
+
+    def _feedback(self, tier: TierConfig, row: dict) -> str:
+        """The ``feedback`` hint of a code failure: the student's program (as the judge ran it) and
+        what it did on the test the prompt shows, run in the judge's sandbox with the call's value
+        as the assertion's message."""
+        test = _shown_test(row)
+        task = task_of(row)
+        program = judged_program(task, row["answer"])
+        if why := format_failure(program):
+            outcome = f"could not run ({why})"
+        else:
+            reporting = dataclasses.replace(task, tests=(_reporting(test),))
+            outcome = _outcome(self.judges[row["domain"]](reporting, row["answer"]), test)
+        return tier.feedback_text.format(program=program[:FEEDBACK_PROGRAM_CHARS], test=test, outcome=outcome)
 
     def _judge(self, tier: TierConfig, row: dict, answer: str) -> Verdict:
-        """The row's own judge; for a hinted tier, a passing answer must also derive its number."""
+        """The row's own judge (every test of the task, shown or not); for a tier shown the answer,
+        a passing answer must also derive its number."""
         verdict = self.judges[row["domain"]](task_of(row), answer)
-        if tier.hint is None or not verdict.passed:
+        if tier.hint != "answer" or not verdict.passed:
             return verdict
         why = underived(f"{row['instruction']}\n{row['input']}", answer)
         if why is None:
@@ -463,8 +490,11 @@ class _Cascade:
             )
         student = sampler()
         instruction, input_ = row["instruction"], row["input"]
-        if tier.hint == "answer":  # the pair keeps the question as it was (pairs come from the row)
-            shown = tier.hint_text.format(answer=_number(final_number(row["reference"])))
+        if tier.hint is not None:  # the pair keeps the question as it was (pairs come from the row)
+            if tier.hint == "answer":
+                shown = tier.hint_text.format(answer=_number(final_number(row["reference"])))
+            else:
+                shown = self._feedback(tier, row)
             input_ = f"{input_}\n\n{shown}" if input_ else shown
         # the worst case exactly: every sample reads the prompt's own tokens and writes max_tokens
         prompt_len = len(student.prompt_ids(instruction, input_))
@@ -501,6 +531,42 @@ class _Cascade:
         event = {"event": "skipped", "row": key[0], "tier": key[1], "reason": "budget", "usd": 0.0}
         self.journal.write(event)
         self.state.done[key] = event
+
+
+def _shown_test(row: dict) -> str | None:
+    """The first of ``row``'s tests its prompt shows, when it reads ``assert <expression> == <value>``."""
+    for test in row.get("tests") or ():
+        if test in str(row.get("prompt", "")):
+            try:
+                node = ast.parse(test).body
+            except SyntaxError:
+                continue
+            if len(node) == 1 and isinstance(node[0], ast.Assert) and node[0].msg is None:
+                compare = node[0].test
+                if isinstance(compare, ast.Compare) and len(compare.ops) == 1 and isinstance(compare.ops[0], ast.Eq):
+                    return test
+    return None
+
+
+def _reporting(test: str) -> str:
+    """``assert f(x) == v`` as ``assert f(x) == v, repr(f(x))``: a failure's message is the value."""
+    compare = ast.parse(test).body[0].test
+    return f"assert {ast.unparse(compare)}, repr({ast.unparse(compare.left)})"
+
+
+def _outcome(verdict: Verdict, test: str) -> str:
+    """What a program did on ``test`` (run as :func:`_reporting` made it), in words."""
+    if verdict.passed:
+        return "passes it, but other tests of the task fail"
+    if verdict.outcome == "timeout":
+        return "ran past the time limit"
+    if verdict.outcome == "judge_error":
+        return "could not be checked"
+    detail = verdict.reason.split("test 0: ", 1)[1] if "test 0: " in verdict.reason else verdict.reason
+    if detail.startswith("AssertionError: "):
+        expected = ast.unparse(ast.parse(test).body[0].test.comparators[0])
+        return f"returned {detail[len('AssertionError: ') :][:200]} where {expected} is expected"
+    return f"raised {detail.removeprefix('error: ')[:300]}"
 
 
 def _number(x: Fraction) -> str:

@@ -579,6 +579,73 @@ def test_a_hinted_self_tier_keeps_only_working_that_derives_the_shown_number(tmp
     assert cascade._judge(cfg.tiers[0], row, "4 * 5 = 20\n#### 7").passed  # unaided: the task's judge alone
 
 
+def test_a_feedback_self_tier_shows_the_failing_programs_result_on_the_shown_test(tmp_path, monkeypatch):
+    """Self-debugging (``hint: feedback``): a code failure the unaided samples missed is asked again
+    with its own failing program and what the judge's sandbox saw it do on the test the prompt shows
+    (a value, or an exception); a sample fitted to that test alone fails the task's unshown tests,
+    the first that passes them all is the pair, and the pair holds the question without the hint.
+    Math rows never reach the tier, nor code rows whose prompt shows every test."""
+    import methods.measure.generate as generate
+
+    seen: list[tuple[str, str, int]] = []
+    fitted = "def convert(x):\n    if x == 28:\n        return 1225\n    return x"
+
+    def scripted(self, instruction, input_, temperature, seed):
+        seen.append((instruction, input_, seed))
+        if "Your earlier answer" not in input_:  # the unaided tier: always the input back
+            return generate.Answer("def convert(x):\n    return x", 8, "stop", None, 0.0)
+        tries = [a for a in seen if a[1] == input_]  # this row's hinted samples (its own program shown)
+        right = "```python\ndef convert(x):\n    return (x + 7) ** 2\n```"
+        return generate.Answer(fitted if len(tries) == 1 else right, 8, "stop", None, 0.0)
+
+    monkeypatch.setattr(generate.Answerer, "sample", scripted)
+    critical, mined = tmp_path / "critical", tmp_path / "mined"
+    critical.mkdir()
+    mined.mkdir()
+    task = "Define a function convert(x). Given a whole number x, it must add 7 to x, then square the result."
+    shown = "Your code should pass this test:\nassert convert(28) == 1225"
+    tests = ["assert convert(28) == 1225", "assert convert(20) == 729", "assert convert(22) == 841"]
+    code = {"domain": "code", "instruction": task, "input": shown, "prompt": f"{task}\n\n{shown}", "tests": tests}
+    code["reference"] = "def convert(x):\n    return (x + 7) * (x + 7)\n"
+    rows = [
+        {"id": "c0", **code, "answer": "Sure:\n```python\ndef convert(x):\n    return x + 7\n```"},
+        {"id": "c1", **code, "answer": "def convert(x):\n    return y + 7"},
+        {"id": "c2", **code, "answer": "def convert(x):\n    return x", "input": "\n".join(tests)},
+        {"id": "m0", "domain": "math", "prompt": "What is 2 + 5?", "instruction": "What is 2 + 5?", "input": ""},
+    ]
+    rows[-1].update(reference="2 + 5 = 7\n#### 7", answer="#### 6")
+    rows[2]["prompt"] = f"{task}\n\n{rows[2]['input']}"  # every test shown: a fitted program would pass
+    (critical / "critical.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    judges = {"math": {"kind": "math"}, "code": {"kind": "code", "wall_seconds": 10, "weak_sandbox_ok": True}}
+    (mined / "manifest.json").write_text(json.dumps({"config": {"judges": judges}}))
+    inputs = {"critical": critical, "mined": mined, "student": _student(tmp_path)}
+    shape = {"kind": "self", "temperature": 0.9, "max_tokens": 12, "concurrency": 1}
+    prices = {"usd_per_1k_prompt": 0.001, "usd_per_1k_completion": 0.002}
+    tiers = [
+        {"name": "self", "samples": 2, **shape, **prices},
+        {"name": "self-debug", "hint": "feedback", "samples": 3, **shape, **prices},
+        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
+    ]
+    result, out = _run({"tiers": tiers, "budget_usd": 1.0}, inputs, tmp_path)
+    pairs = {p["id"]: p for p in map(json.loads, (out / "pairs.jsonl").read_text().splitlines())}
+    tiers_of = {k: p["tier"] for k, p in pairs.items()}
+    assert tiers_of == {"c0": "self-debug", "c1": "self-debug", "c2": "gold", "m0": "gold"}
+    assert pairs["c0"]["output"] == "def convert(x):\n    return (x + 7) ** 2"
+    assert all("earlier answer" not in p["instruction"] + p["input"] for p in pairs.values())
+    hints = {s[1] for s in seen if "Your earlier answer" in s[1]}
+    assert hints == {
+        f"{shown}\n\nYour earlier answer was:\ndef convert(x):\n    return x + 7\nChecked with "
+        "`assert convert(28) == 1225`, it returned 35 where 1225 is expected. Write the corrected function.",
+        f"{shown}\n\nYour earlier answer was:\ndef convert(x):\n    return y + 7\nChecked with "
+        "`assert convert(28) == 1225`, it raised NameError: name 'y' is not defined. Write the corrected function.",
+    }
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    debug = {e["row"]: e for e in ledger if e["tier"] == "self-debug"}
+    assert set(debug) == {"c0", "c1"} and {e["attempts"] for e in debug.values()} == {2}  # the fitted one failed
+    assert json.loads((out / "cost.json").read_text())["tiers"]["self-debug"]["hint"] == "feedback"
+    assert result.metrics["answered_by/self-debug"] == 2
+
+
 def test_a_hint_is_a_self_tier_setting_that_shows_the_answer():
     from methods.teachers import TierConfig, worst_case_usd
 
@@ -589,6 +656,10 @@ def test_a_hint_is_a_self_tier_setting_that_shows_the_answer():
     plain = TierConfig(name="s", kind="self", temperature=0.8, usd_per_1k_prompt=1.0)
     hinted = TierConfig(name="h", kind="self", temperature=0.8, usd_per_1k_prompt=1.0, hint="answer")
     assert worst_case_usd(hinted, "What is 2 + 2?") > worst_case_usd(plain, "What is 2 + 2?")
+    with pytest.raises(ValueError, match="must show \\{outcome\\}"):
+        TierConfig(name="d", kind="self", temperature=0.8, hint="feedback", feedback_text="{program} again")
+    debug = TierConfig(name="d", kind="self", temperature=0.8, usd_per_1k_prompt=1.0, hint="feedback")
+    assert worst_case_usd(debug, "Write f.") > worst_case_usd(hinted, "Write f.")  # a program's worth more
     from fractions import Fraction
 
     from stages.teach_cascade import _number
