@@ -153,7 +153,7 @@ def _along(session, fed: np.ndarray, start: int, ids: list[int], cut: int, path:
     """The rows predicting ``path`` after ``ids[:cut]``: the first is ``fed``'s (the rows of
     ``ids[start - 1:]``), the rest from ``session`` cropped back to ``cut``."""
     if not start <= cut <= len(ids):
-        raise ValueError(f"a path's prompt ({cut} tokens) must end within the row's response ({start}..{len(ids) - 1})")
+        raise ValueError(f"a path's prompt ({cut} tokens) must end within the row's response ({start}..{len(ids)})")
     first = fed[cut - start : cut - start + 1]
     if len(path) <= 1:
         return first
