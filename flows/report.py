@@ -547,8 +547,7 @@ def _retrain_claims(retrain: dict | None, study: dict | None) -> list[Claim]:
         met = t["a_only"] > t["b_only"] and t["p"] < 0.05
         words = f"{t['a_only']} / {t['b_only']} discordant, p = {t['p']:.3f}"
         if arm in studied:
-            size = f", {t['n']:,} tasks" if t.get("n") else ""
-            words += _study_label(study)[:-1] + size + ")"
+            words += _study_label(study, f", {t['n']:,} tasks" if t.get("n") else "")
             if own is not None:
                 words += f"; 1R's own {own['n']} tasks: {own['a_only']} / {own['b_only']}, p = {own['p']:.3f}"
         rows.append((*claim, words, "yes" if met else "no"))
@@ -609,9 +608,10 @@ def _teaching_claims(retrain: dict | None, cost: dict | None, study: dict | None
     return [*rows, (*claim, measured, "yes" if ci[0] > -0.03 else "no")]
 
 
-def _study_label(study: dict | None) -> str:
-    """What a figure drawn from the study says of it: nothing, or that its 1R was an earlier one."""
-    return " (the study, beside an earlier 1R)" if (study or {}).get("earlier") else " (the study)"
+def _study_label(study: dict | None, detail: str = "") -> str:
+    """What a figure drawn from the study says of it (and ``detail``): nothing more, or that its 1R
+    was an earlier one."""
+    return f" (the study, beside an earlier 1R{detail})" if (study or {}).get("earlier") else f" (the study{detail})"
 
 
 def _round_claims(artifacts: dict) -> list[Claim]:

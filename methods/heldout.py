@@ -266,8 +266,8 @@ def answer_and_judge(
     done = RowLog(work_dir / "rows.jsonl")
     if done.resumed:
         log.info(f"{label}: {done.resumed:,} tasks already answered (by an earlier attempt, or an earlier pass)")
-    todo = [(i, row, done.get(row["id"])) for i, row in enumerate(rows, 1)]
-    todo = [(i, row, prior) for i, row, prior in todo if prior is None or prior.get("retryable")]
+    todo = [(row, done.get(row["id"])) for row in rows]
+    todo = [(row, prior) for row, prior in todo if prior is None or prior.get("retryable")]
     progress = Progress(label, len(rows), log)
     finished = len(rows) - len(todo)  # rows an earlier attempt settled
     # Twice as many threads as answers decoded together: the answer callbacks hold their decoding
@@ -276,14 +276,14 @@ def answer_and_judge(
     pool = ThreadPoolExecutor(2 * parallel, thread_name_prefix="answer") if parallel > 1 else None
     try:
         if pool is None:
-            for _, row, prior in todo:
+            for row, prior in todo:
                 done.add(answer(row, prior, judges[row["domain"]]))
                 finished += 1
                 progress.update(finished)
         else:
             # each row journaled as it finishes, not in the rows' order: a long answer holds back
             # neither the progress line nor what a killed run keeps of the answers after it
-            futures = [pool.submit(answer, row, prior, judges[row["domain"]]) for _, row, prior in todo]
+            futures = [pool.submit(answer, row, prior, judges[row["domain"]]) for row, prior in todo]
             for future in as_completed(futures):
                 done.add(future.result())
                 finished += 1

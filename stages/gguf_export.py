@@ -338,14 +338,16 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
     ref_label = f"{f.reference} F16"
     reference = load(made.f16[f.reference], ref_label)
     models = {label: load(path, label) for label, (_, _, path) in made.files.items()}
-    agree_prompts = lm.held_out_prompts(tokenizer, rows)[: cfg.prompts]
+    held = lm.held_out_prompts(tokenizer, rows)
+    agree_prompts = held[: cfg.prompts]
+    agree_ids = [p.ids for p in agree_prompts]
     # every row along the reference's greedy paths (torch decoding: once), judged by the reference's
     # transformers model: a row from another source (a pruned or AWQ model) is measured for what the
     # table asks, fidelity to the uncompressed model, and the reference F16's own agreement is what a
     # faithful export reaches
     hf = TorchModel(made.sources[f.reference], name=f.reference)
     log.info("2D %s fidelity: %s's greedy paths on %d prompts (agreement)", tier, f.reference, len(agree_prompts))
-    paths = greedy_paths(hf, [p.ids for p in agree_prompts], cfg.new_tokens)
+    paths = greedy_paths(hf, agree_ids, cfg.new_tokens)
     del hf
     log.info(
         "2D %s fidelity: perplexity and KL of %d rows on %d validation rows, agreement along %d paths",
@@ -357,9 +359,7 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
     along = {p.row: (len(p.ids), path) for p, (path, _) in zip(agree_prompts, paths, strict=True)}
     scored = fid.fidelity_pass(reference, models, tokenizer, rows, cfg.eval_max_len, along)
     agreement = {
-        label: agreement_report(
-            tokenizer, [p.ids for p in agree_prompts], paths, [scored.along[key][p.row] for p in agree_prompts]
-        )
+        label: agreement_report(tokenizer, agree_ids, paths, [scored.along[key][p.row] for p in agree_prompts])
         for label, key in {ref_label: None, **{m: m for m in models}}.items()
     }
     tasks = ladder_rows("math", f.ladder_levels, "mining", f.ladder_per_level * len(f.ladder_levels))
@@ -367,7 +367,7 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
     for label, model in {ref_label: reference, **models}.items():
         log.info("2D %s fidelity: %d mining-part ladder tasks, %s", tier, len(tasks), label)
         ladder[label] = fid.ladder_pass(model, tokenizer, tasks, f.ladder_new_tokens, f.ladder_parallel)
-    prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: f.speed_prompts]]
+    prompts = [p.ids for p in held[: f.speed_prompts]]
     cells = decode_cells({ref_label: reference, **models}, prompts, f.speed_tokens, f.speed_rounds)
     speed = {label: tokens_per_s(c) for label, c in cells.items()}
     return _Measured(scored.divergence, ladder, speed, agreement, reference.parameters())

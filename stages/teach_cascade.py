@@ -66,7 +66,6 @@ from methods.failures import held_out, mined_judges, read_jsonl, task_of
 from methods.journal import Journal
 from methods.judges.base import Verdict
 from methods.judges.code import judged_program
-from methods.judges.extract import format_failure
 from methods.judges.math import final_number, through_mark, underived
 from methods.measure.generate import Answerer, once
 from methods.teachers import FEEDBACK_PROGRAM_CHARS, TeacherClient, TierConfig, TierDead, worst_case_usd
@@ -407,13 +406,9 @@ class _Cascade:
         what it did on the test the prompt shows, run in the judge's sandbox with the call's value
         as the assertion's message."""
         test = _shown_test(row)
-        task = task_of(row)
+        task = dataclasses.replace(task_of(row), tests=(_reporting(test),))
         program = judged_program(task, row["answer"])
-        if why := format_failure(program):
-            outcome = f"could not run ({why})"
-        else:
-            reporting = dataclasses.replace(task, tests=(_reporting(test),))
-            outcome = _outcome(self.judges[row["domain"]](reporting, row["answer"]), test)
+        outcome = _outcome(self.judges[row["domain"]](task, row["answer"]), test)
         return tier.feedback_text.format(program=program[:FEEDBACK_PROGRAM_CHARS], test=test, outcome=outcome)
 
     def _judge(self, tier: TierConfig, row: dict, answer: str) -> Verdict:
@@ -558,6 +553,8 @@ def _outcome(verdict: Verdict, test: str) -> str:
     """What a program did on ``test`` (run as :func:`_reporting` made it), in words."""
     if verdict.passed:
         return "passes it, but other tests of the task fail"
+    if why := verdict.details.get("format_failure"):  # nothing ran: the judge said why
+        return f"could not run ({why})"
     if verdict.outcome == "timeout":
         return "ran past the time limit"
     if verdict.outcome == "judge_error":

@@ -461,6 +461,17 @@ def _student(tmp_path: Path) -> Path:
     return student
 
 
+def _hinted_tiers(name: str, hint: str, samples: int) -> list[dict]:
+    """An unaided self tier (2 samples), a hinted one, then the gold answer."""
+    shape = {"kind": "self", "temperature": 0.9, "max_tokens": 12, "concurrency": 1}
+    prices = {"usd_per_1k_prompt": 0.001, "usd_per_1k_completion": 0.002}
+    return [
+        {"name": "self", "samples": 2, **shape, **prices},
+        {"name": name, "hint": hint, "samples": samples, **shape, **prices},
+        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
+    ]
+
+
 def test_the_self_tier_takes_the_first_answer_its_judge_passes(tmp_path, monkeypatch):
     """The student answers its own failures: up to ``samples`` sampled answers, judged by the task's
     judge; the first that passes is the pair (tier ``self``), a row none of them passes escalates.
@@ -542,13 +553,7 @@ def test_a_hinted_self_tier_keeps_only_working_that_derives_the_shown_number(tmp
 
     monkeypatch.setattr(generate.Answerer, "sample", scripted)
     inputs = {**_inputs(tmp_path, n_math=2, n_easy=1), "student": _student(tmp_path)}
-    shape = {"kind": "self", "temperature": 0.9, "max_tokens": 12, "concurrency": 1}
-    prices = {"usd_per_1k_prompt": 0.001, "usd_per_1k_completion": 0.002}
-    tiers = [
-        {"name": "self", "samples": 2, **shape, **prices},
-        {"name": "self-hint", "hint": "answer", "samples": 4, **shape, **prices},
-        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
-    ]
+    tiers = _hinted_tiers("self-hint", "answer", samples=4)
     result, out = _run({"tiers": tiers, "budget_usd": 1.0}, inputs, tmp_path)
     pairs = {p["id"]: p for p in map(json.loads, (out / "pairs.jsonl").read_text().splitlines())}
     assert {k: p["tier"] for k, p in pairs.items()} == {"m0": "self-hint", "m1": "self-hint", "e0": "self"}
@@ -619,13 +624,7 @@ def test_a_feedback_self_tier_shows_the_failing_programs_result_on_the_shown_tes
     judges = {"math": {"kind": "math"}, "code": {"kind": "code", "wall_seconds": 10, "weak_sandbox_ok": True}}
     (mined / "manifest.json").write_text(json.dumps({"config": {"judges": judges}}))
     inputs = {"critical": critical, "mined": mined, "student": _student(tmp_path)}
-    shape = {"kind": "self", "temperature": 0.9, "max_tokens": 12, "concurrency": 1}
-    prices = {"usd_per_1k_prompt": 0.001, "usd_per_1k_completion": 0.002}
-    tiers = [
-        {"name": "self", "samples": 2, **shape, **prices},
-        {"name": "self-debug", "hint": "feedback", "samples": 3, **shape, **prices},
-        {"name": "gold", "kind": "reference", "usd_per_answer": 0.05},
-    ]
+    tiers = _hinted_tiers("self-debug", "feedback", samples=3)
     result, out = _run({"tiers": tiers, "budget_usd": 1.0}, inputs, tmp_path)
     pairs = {p["id"]: p for p in map(json.loads, (out / "pairs.jsonl").read_text().splitlines())}
     tiers_of = {k: p["tier"] for k, p in pairs.items()}
