@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -75,6 +77,11 @@ class Candidate(BaseModel):
     embedding: str | None = Field(
         None, description="llama.cpp tensor type for the token embedding and head (default: the type's own choice)."
     )
+    tensors: dict[str, str] = Field(
+        {},
+        description="llama.cpp tensor type by tensor-name pattern (`llama-quantize --tensor-type`: a regular "
+        "expression searched in each GGUF tensor name, e.g. `ffn_down: Q4_K`); the rest keep the type's own choice.",
+    )
     awq: str | None = Field(
         None,
         description="An llm-compressor AWQ recipe (relative to the repository root) applied to the source first, "
@@ -88,6 +95,13 @@ class Candidate(BaseModel):
             raise ValueError(f"unknown quant {self.quant!r}; known: {', '.join(QUANT_TYPES)}")
         if self.embedding is not None and self.embedding not in TENSOR_TYPES:
             raise ValueError(f"unknown embedding type {self.embedding!r}; known: {', '.join(TENSOR_TYPES)}")
+        for pattern, type_name in self.tensors.items():
+            if type_name not in TENSOR_TYPES:
+                raise ValueError(f"unknown tensor type {type_name!r} for {pattern!r}; known: {', '.join(TENSOR_TYPES)}")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"tensor pattern {pattern!r} is not a regular expression: {e}") from None
         return self
 
     def source(self, tier_input: str) -> str:
@@ -97,6 +111,8 @@ class Candidate(BaseModel):
 
     def label(self, tier_input: str) -> str:
         extra = (" +imatrix" if self.imatrix else "") + (f" emb {self.embedding}" if self.embedding else "")
+        # the patterns for a reader (and a markdown cell): `blk\.(0|1)\.ffn_(gate|up)` as `blk.(0,1).ffn_(gate,up)`
+        extra += "".join(f" {p.replace(chr(92), '').replace('|', ',')} {t}" for p, t in self.tensors.items())
         return f"{self.source(tier_input)} {self.quant}{extra}"
 
 
@@ -108,7 +124,22 @@ class Fidelity(BaseModel):
     reference: str = Field(description="Stage input holding the uncompressed reference model (`<input>/<tier>/`).")
     candidates: list[Candidate] = Field(min_length=1, description="The rows measured against the reference.")
     max_ppl_ratio: float = Field(1.05, gt=1, description="Rule: most perplexity over the reference's.")
-    max_ladder_drop: int = Field(1, ge=0, description="Rule: most ladder tasks passed fewer than the reference.")
+    max_ladder_drop: int | None = Field(
+        1, ge=0, description="Rule: most ladder tasks passed fewer than the reference (None: no such bound)."
+    )
+    ladder_alpha: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Rule: refuse a row that passes fewer ladder tasks than the reference by a one-sided exact "
+        "McNemar test at p below this (None: no test).",
+    )
+    max_bytes: int | None = Field(
+        None, gt=0, description="Rule: the largest file a row may be (e.g. the input model's own; None: any size)."
+    )
+    prefer: Literal["smallest", "fastest"] = Field(
+        "smallest", description="Rule: of the rows within every bound, the smallest file or the most tokens/s."
+    )
     fallback: str | None = Field(
         None, description="Type shipped from the tier's input when no candidate fits (None: the stage fails)."
     )
@@ -286,6 +317,7 @@ def _quantize_candidates(tier: str, spec: TierExport, inputs: dict[str, Path], w
             c.quant,
             imatrix=imatrix[src] if c.imatrix else None,
             embedding_type=c.embedding,
+            tensor_types=c.tensors,
         )
         files[c.label(spec.input)] = (c, src, out)
     return _Candidates(sources, f16, files)
@@ -419,11 +451,18 @@ def _choose_by_fidelity(
     made = _quantize_candidates(tier, spec, inputs, out_dir / "_fidelity" / tier)
     measured = _measure(tier, f, cfg, made, rows)
     table_rows = _rows(f, made, measured)
-    chosen = fid.choose(table_rows, f.max_ppl_ratio, f.max_ladder_drop, gate)
-    rule = (
-        f"the smallest file with perplexity ratio <= {f.max_ppl_ratio}, at most {f.max_ladder_drop} ladder "
-        f"task(s) fewer than the reference and agreement >= {gate:.0%}"
-    )
+    chosen = fid.choose(table_rows, f.max_ppl_ratio, f.max_ladder_drop, gate, f.max_bytes, f.prefer, f.ladder_alpha)
+    bounds = [f"perplexity ratio <= {f.max_ppl_ratio}"]
+    if f.max_ladder_drop is not None:
+        bounds.append(f"at most {f.max_ladder_drop} ladder task(s) fewer than the reference")
+    if f.ladder_alpha is not None:
+        bounds.append(
+            f"no fewer ladder tasks than the reference by a one-sided exact McNemar test at p < {f.ladder_alpha}"
+        )
+    bounds.append(f"agreement >= {gate:.0%}")
+    if f.max_bytes is not None:
+        bounds.append(f"at most {f.max_bytes / 1e6:.1f} MB")
+    rule = f"{'the smallest file' if f.prefer == 'smallest' else 'the most tokens/s'} with " + ", ".join(bounds)
     dest = out_dir / tier
     dest.mkdir(parents=True, exist_ok=True)
     if chosen is not None:

@@ -287,6 +287,7 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
             {"quant": "Q4_0", "imatrix": True},
             {"input": "reference", "quant": "Q8_0"},
             {"quant": "Q2_K"},
+            {"quant": "Q4_0", "tensors": {"attn_v": "Q8_0"}},
         ],
         "max_ppl_ratio": 1.3,
         "max_ladder_drop": 0,
@@ -308,8 +309,11 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
         "target Q4_0 +imatrix",
         "reference Q8_0",
         "target Q2_K",
+        "target Q4_0 attn_v Q8_0",
     ]
     ref = rows[0]
+    assert rows[-1]["bytes"] > rows[2]["bytes"]  # the mix's attn_v at 8 bits
+    assert all(len(r["ladder"]) == 2 for r in rows)  # the verdicts the paired ladder test reads
     assert ref["reference"] and ref["ppl_ratio"] == 1.0 and ref["kl"] == 0.0
     # every row's agreement (the reference F16's with its own model too) with its bootstrap interval
     assert all(lo <= r["agreement"] <= hi for r in rows for lo, hi in [r["agreement_interval"]])
@@ -381,10 +385,14 @@ def test_gguf_fidelity_config_names_what_is_missing(family, data, tmp_path):
     for bad, why in (
         ({"quant": "Q9_9"}, "unknown quant 'Q9_9'"),
         ({"quant": "Q4_0", "embedding": "Q7"}, "unknown embedding type 'Q7'"),
+        ({"quant": "Q4_0", "tensors": {"attn_v": "Q7"}}, "unknown tensor type 'Q7' for 'attn_v'"),
+        ({"quant": "Q4_0", "tensors": {"ffn_(gate": "Q8_0"}}, "tensor pattern 'ffn_\\(gate' is not a regular"),
     ):
         tiers = {"target": {"input": "target", "quant": "auto", "fidelity": {**fidelity, "candidates": [bad]}}}
         with pytest.raises(ValidationError, match=why):  # at make dry-run, not when 2D runs
             s2d.Config.model_validate({"tiers": tiers})
+    mix = s2d.Candidate(quant="Q4_0", imatrix=True, tensors={r"blk\.(0|1)\.ffn_(gate|up)": "Q8_0", "attn_v": "Q8_0"})
+    assert mix.label("target") == "target Q4_0 +imatrix blk.(0,1).ffn_(gate,up) Q8_0 attn_v Q8_0"  # a markdown cell
     with pytest.raises(ValidationError, match="unknown fallback 'Q9'"):
         s2d.Config.model_validate(
             {"tiers": {"target": {"input": "t", "quant": "auto", "fidelity": {**fidelity, "fallback": "Q9"}}}}

@@ -98,8 +98,43 @@ def test_the_rule_takes_the_smallest_row_within_every_bound_and_says_why_not_for
     text = fid.table(rows)
     assert "| Q4_K_M |" in text and "**chosen**" in text and "fits, larger" in text and "reference" in text
     assert fid.choose(rows[:1] + rows[3:5], 1.05, 1, 0.9) is None
+    # a size cap (the input model's file) and the fastest row within it
+    mb = [("F16", 270, 1.0, 50.0), ("Q8_0", 145, 1.001, 90.0), ("Q4_K_M", 100, 1.03, 70.0), ("Q5_0", 96, 1.04, 80.0)]
+    rows = [_row(n, size * 1_000_000, ratio, 20, None if n == "F16" else 0.99, n == "F16") for n, size, ratio, _ in mb]
+    for r, (*_, speed) in zip(rows, mb, strict=True):
+        r.tokens_per_s = speed
+    chosen = fid.choose(rows, 1.05, 1, 0.9, max_bytes=98_000_000, prefer="fastest")
+    assert chosen.name == "Q5_0" and [r.name for r in rows if r.chosen] == ["Q5_0"]
+    assert rows[1].why_not == ["145.0 MB > 98.0 MB"] and rows[2].why_not == ["100.0 MB > 98.0 MB"]
+    rows[2].bytes = 95_000_000
+    assert fid.choose(rows, 1.05, 1, 0.9, max_bytes=98_000_000, prefer="fastest").name == "Q5_0"
+    assert "fits, slower" in fid.table(rows)
+    assert fid.choose(rows, 1.05, 1, 0.9, max_bytes=98_000_000).name == "Q4_K_M"  # the smallest
     with pytest.raises(ValueError, match="no reference row"):
         fid.choose(rows[1:], 1.05, 1, 0.9)
+
+
+def test_the_ladder_bound_is_a_paired_test_against_the_reference_not_a_count():
+    """48 tasks cannot tell a drop of 4 from noise (one file passed 30 and 31 of them on two runs):
+    with ``ladder_alpha`` a row is refused only when it passes fewer than the reference by a one-sided
+    exact McNemar test, computed here by hand; a collapse still fails."""
+    ref = [True] * 34 + [False] * 14
+    rows = [_row("F16", 270, 1.0, 34, None, reference=True), _row("drift", 96, 1.04, 30)]
+    rows.append(_row("collapse", 98, 1.04, 16))
+    rows[0].ladder = ref
+    rows[1].ladder = [False] * 6 + [True] * 28 + [True] * 2 + [False] * 12  # lost 6, won 2
+    rows[2].ladder = [False] * 20 + [True] * 14 + [True] * 2 + [False] * 12  # lost 20, won 2
+    assert fid.ladder_versus(rows[0], rows[1]) == (6, 2, pytest.approx(sum(math.comb(8, k) for k in (6, 7, 8)) / 2**8))
+    lost, won, p = fid.ladder_versus(rows[0], rows[2])
+    assert (lost, won) == (20, 2) and p == pytest.approx(sum(math.comb(22, k) for k in range(20, 23)) / 2**22)
+    chosen = fid.choose(rows, 1.05, None, 0.9, ladder_alpha=0.05)
+    assert chosen.name == "drift"  # p = 0.145: not worse by the test, though 4 fewer than the reference
+    assert rows[2].why_not == [f"ladder worse: -20 +2, one-sided McNemar p = {p:.3f} < 0.05"]
+    assert fid.choose(rows, 1.05, 3, 0.9, ladder_alpha=0.05) is None  # both bounds when both are set
+    assert "| 30/48 (-6 +2) |" in fid.table(rows)
+    rows[1].ladder = rows[1].ladder[:40]
+    with pytest.raises(ValueError, match="drift: 40 ladder verdicts, the reference has 48"):
+        fid.ladder_versus(rows[0], rows[1])
 
 
 def test_llama_cpp_quantizes_with_an_importance_matrix_named_for_the_gguf(tmp_path, monkeypatch):
@@ -107,8 +142,10 @@ def test_llama_cpp_quantizes_with_an_importance_matrix_named_for_the_gguf(tmp_pa
     if not (STORIES / "model.safetensors").is_file():
         pytest.skip(f"needs stories260K at {STORIES} (absent on this machine)")
     import torch
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
+    from core.contract import KibidangoError
     from methods.compression.gguf import quantize
     from methods.compression.imatrix import compute_imatrix, gguf_tensor_widths
     from methods.llama_cpp_tools import convert_hf_to_gguf
@@ -136,8 +173,15 @@ def test_llama_cpp_quantizes_with_an_importance_matrix_named_for_the_gguf(tmp_pa
     assert plain.stat().st_size == weighted.stat().st_size and plain.read_bytes() != weighted.read_bytes()
     embedding = quantize(f16, tmp_path / "e-Q4_0.gguf", "Q4_0", embedding_type="F16")
     assert embedding.stat().st_size > plain.stat().st_size  # the tied embedding kept at 16 bits
-    from core.contract import KibidangoError
-
+    # llama-quantize's --tensor-type: a pattern searched in each name; the rest keep the type's choice
+    mixed = quantize(f16, tmp_path / "m-Q4_0.gguf", "Q4_0", tensor_types={r"ffn_(gate|up)": "Q8_0", "attn_v": "F16"})
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(mixed)).tensors}
+    for block in range(5):
+        assert types[f"blk.{block}.ffn_gate.weight"] == types[f"blk.{block}.ffn_up.weight"] == "Q8_0"
+        assert types[f"blk.{block}.attn_v.weight"] == "F16"
+        assert types[f"blk.{block}.attn_q.weight"] == types[f"blk.{block}.attn_k.weight"] == "Q4_0"
+    with pytest.raises(KibidangoError, match="unknown llama.cpp tensor type 'Q7' for tensors 'attn_v'"):
+        quantize(f16, tmp_path / "x-Q4_0.gguf", "Q4_0", tensor_types={"attn_v": "Q7"})
     with pytest.raises(KibidangoError, match="non-finite"):
         quantize(f16, tmp_path / "n-Q4_0.gguf", "Q4_0", imatrix={"blk.0.attn_q.weight": np.full(64, np.nan)})
 

@@ -225,8 +225,12 @@ class FidelityRow:
     reference: bool = False
     chosen: bool = False
     why_not: list[str] = field(default_factory=list)
+    passed_over: str = ""
+    """Within every bound, not chosen: why (the rule preferred a smaller or a faster row)."""
     agreement_interval: tuple[float, float] | None = None
     """95% bootstrap interval of ``agreement`` over its prompts."""
+    ladder: list[bool] = field(default_factory=list)
+    """The ladder verdicts, task by task in the reference's order (the paired test reads them)."""
 
     @classmethod
     def measured(
@@ -263,6 +267,7 @@ class FidelityRow:
             tokens_per_s,
             div.tokens,
             agreement_interval=agreement_interval,
+            ladder=list(ladder),
         )
 
     @classmethod
@@ -289,12 +294,35 @@ class FidelityRow:
         return asdict(self)
 
 
+def ladder_versus(ref: FidelityRow, row: FidelityRow) -> tuple[int, int, float]:
+    """Tasks the reference passed and ``row`` failed (lost), the reverse (won), and the one-sided exact
+    McNemar p-value that ``row`` passes fewer (binomial test of lost among the discordant; 1.0 when none)."""
+    from scipy.stats import binomtest
+
+    if len(ref.ladder) != len(row.ladder):
+        raise ValueError(f"{row.name}: {len(row.ladder)} ladder verdicts, the reference has {len(ref.ladder)}")
+    lost = sum(a and not b for a, b in zip(ref.ladder, row.ladder, strict=True))
+    won = sum(b and not a for a, b in zip(ref.ladder, row.ladder, strict=True))
+    p = binomtest(lost, lost + won, 0.5, alternative="greater").pvalue if lost + won else 1.0
+    return lost, won, float(p)
+
+
 def choose(
-    rows: list[FidelityRow], max_ppl_ratio: float, max_ladder_drop: int, min_agreement: float
+    rows: list[FidelityRow],
+    max_ppl_ratio: float,
+    max_ladder_drop: int | None,
+    min_agreement: float,
+    max_bytes: int | None = None,
+    prefer: str = "smallest",
+    ladder_alpha: float | None = None,
 ) -> FidelityRow | None:
-    """The smallest row (bytes) with perplexity ratio <= ``max_ppl_ratio``, at most
-    ``max_ladder_drop`` fewer ladder tasks passed than the reference and agreement >= ``min_agreement``;
-    None when no row qualifies. Each row's ``why_not`` lists the bounds it misses."""
+    """The row with perplexity ratio <= ``max_ppl_ratio``, at most ``max_ladder_drop`` fewer ladder
+    tasks passed than the reference (None: no such bound), not fewer by a one-sided exact McNemar test
+    at p < ``ladder_alpha`` (None: no test), agreement >= ``min_agreement`` and at most ``max_bytes``
+    (None: any size) that is the smallest file (``prefer="smallest"``) or decodes the most tokens/s
+    (``"fastest"``); None when no row qualifies. Each row's ``why_not`` lists the bounds it misses."""
+    if prefer not in ("smallest", "fastest"):
+        raise ValueError(f"prefer must be 'smallest' or 'fastest', not {prefer!r}")
     ref = next((r for r in rows if r.reference), None)
     if ref is None:
         raise ValueError("the fidelity table has no reference row")
@@ -304,30 +332,44 @@ def choose(
         r.why_not = []
         if r.ppl_ratio > max_ppl_ratio:
             r.why_not.append(f"perplexity ratio {r.ppl_ratio:.3f} > {max_ppl_ratio}")
-        if ref.ladder_passed - r.ladder_passed > max_ladder_drop:
+        if max_ladder_drop is not None and ref.ladder_passed - r.ladder_passed > max_ladder_drop:
             r.why_not.append(f"ladder {r.ladder_passed} < {ref.ladder_passed} - {max_ladder_drop}")
+        if ladder_alpha is not None:
+            lost, won, p = ladder_versus(ref, r)
+            if p < ladder_alpha:
+                r.why_not.append(f"ladder worse: -{lost} +{won}, one-sided McNemar p = {p:.3f} < {ladder_alpha}")
         if r.agreement is not None and r.agreement < min_agreement:
             r.why_not.append(f"agreement {r.agreement:.1%} < {min_agreement:.0%}")
+        if max_bytes is not None and r.bytes > max_bytes:
+            r.why_not.append(f"{r.bytes / 1e6:.1f} MB > {max_bytes / 1e6:.1f} MB")
     fit = [r for r in rows if not r.reference and not r.why_not]
-    best = min(fit, key=lambda r: (r.bytes, r.ppl_ratio), default=None)
-    if best is not None:
-        best.chosen = True
+    order = (lambda r: (r.bytes, r.ppl_ratio)) if prefer == "smallest" else (lambda r: (-r.tokens_per_s, r.bytes))
+    best = min(fit, key=order, default=None)
+    for r in fit:
+        r.chosen = r is best
+        r.passed_over = "" if r.chosen else f"fits, {'larger' if prefer == 'smallest' else 'slower'}"
     return best
 
 
 def table(rows: list[FidelityRow]) -> str:
-    """The fidelity table as markdown, smallest file last."""
+    """The fidelity table as markdown, smallest file last; a row's ladder cell shows the tasks it lost
+    and won against the reference's."""
     out = [
         "| row | bits/weight | MB | perplexity (ratio) | mean KL (nats) | ladder | agreement | tokens/s | verdict |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    ref = next((r for r in rows if r.reference), None)
     for r in sorted(rows, key=lambda r: (not r.reference, -r.bytes)):
-        verdict = "reference" if r.reference else "**chosen**" if r.chosen else "; ".join(r.why_not) or "fits, larger"
+        ladder = f"{r.ladder_passed}/{r.ladder_tasks}"
+        if ref is not None and not r.reference and r.ladder and len(r.ladder) == len(ref.ladder):
+            lost, won, _ = ladder_versus(ref, r)
+            ladder += f" (-{lost} +{won})"
+        verdict = "reference" if r.reference else "**chosen**" if r.chosen else "; ".join(r.why_not) or r.passed_over
         agreement = "" if r.agreement is None else f"{r.agreement:.1%}"
         if r.agreement_interval is not None:
             agreement += f" [{r.agreement_interval[0]:.1%}, {r.agreement_interval[1]:.1%}]"
         out.append(
             f"| {r.name} | {r.bits_per_weight:.2f} | {r.bytes / 1e6:.1f} | {r.ppl:.3f} ({r.ppl_ratio:.3f}) | "
-            f"{r.kl:.4f} | {r.ladder_passed}/{r.ladder_tasks} | {agreement} | {r.tokens_per_s:.1f} | {verdict} |"
+            f"{r.kl:.4f} | {ladder} | {agreement} | {r.tokens_per_s:.1f} | {verdict} |"
         )
     return "\n".join(out)

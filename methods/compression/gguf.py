@@ -115,12 +115,15 @@ def quantize(
     threads: int = 0,
     imatrix: dict[str, np.ndarray] | None = None,
     embedding_type: str | None = None,
+    tensor_types: dict[str, str] | None = None,
 ) -> Path:
     """``llama_model_quantize(src -> out)`` to ``qtype`` (llama.cpp's names: Q5_K_M, Q4_K_M, ...);
     llama.cpp's report goes to ``<out>.log``. ``imatrix``: importance per input column by GGUF
     tensor name (:func:`methods.compression.imatrix.compute_imatrix`); ``embedding_type``: a
     llama.cpp tensor type (``Q8_0``, ``F16``, ...) for the token embedding and output head instead of
-    the type's own choice (a tied head is the embedding)."""
+    the type's own choice (a tied head is the embedding); ``tensor_types``: llama.cpp tensor type by
+    tensor-name pattern (``llama-quantize --tensor-type PATTERN=TYPE``: a regular expression searched
+    in each name, the first that matches wins; a row a type cannot store still falls back)."""
     import ctypes
 
     try:
@@ -141,7 +144,17 @@ def quantize(
         if ggml_type is None:
             raise KibidangoError(f"unknown llama.cpp tensor type {embedding_type!r} for the embedding")
         params.token_embedding_type = params.output_tensor_type = ggml_type
-    keep = []  # the arrays llama.cpp reads, alive until it returns
+    keep: list = []  # the arrays llama.cpp reads, alive until it returns
+    if tensor_types:
+        overrides = (llama_cpp.llama_model_tensor_override * (len(tensor_types) + 1))()
+        for i, (pattern, type_name) in enumerate(tensor_types.items()):
+            ggml_type = getattr(llama_cpp, f"GGML_TYPE_{type_name}", None)
+            if ggml_type is None or type_name not in TENSOR_TYPES:
+                raise KibidangoError(f"unknown llama.cpp tensor type {type_name!r} for tensors {pattern!r}")
+            keep.append(pattern.encode())
+            overrides[i].pattern, overrides[i].type = keep[-1], ggml_type
+        keep.append(overrides)
+        params.tt_overrides = overrides  # the last entry's pattern is NULL: the end
     if imatrix:
         entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
         for i, (name, values) in enumerate(sorted(imatrix.items())):
