@@ -456,9 +456,7 @@ def _choose_by_fidelity(
     if f.max_ladder_drop is not None:
         bounds.append(f"at most {f.max_ladder_drop} ladder task(s) fewer than the reference")
     if f.ladder_alpha is not None:
-        bounds.append(
-            f"no fewer ladder tasks than the reference by a one-sided exact McNemar test at p < {f.ladder_alpha}"
-        )
+        bounds.append(f"a ladder not worse than the reference's (one-sided exact McNemar, p < {f.ladder_alpha})")
     bounds.append(f"agreement >= {gate:.0%}")
     if f.max_bytes is not None:
         bounds.append(f"at most {f.max_bytes / 1e6:.1f} MB")
