@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from flows.workspace import default_artifact_location, tracking_uri
 
 __all__ = ["Tracker", "flatten_params", "TAG"]
 
+_PARAM_NAME = re.compile(r"[\w\-. /]+")
+"""What MLflow accepts in a parameter's name: alphanumerics, underscores, dashes, periods, spaces, slashes."""
+
 TAG = "kibidango."
 PARENT_TAG = "mlflow.parentRunId"
 _BATCH = 100  # MLflow's limit of params per log_batch call
@@ -32,7 +36,12 @@ def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
     that look like secrets, and values in the format of a known key, are masked (presets refuse
     them before a run starts; this is the second guard)."""
     out: dict[str, str] = {}
-    if isinstance(value, dict):
+    if isinstance(value, dict) and not all(isinstance(k, str) and _PARAM_NAME.fullmatch(k) for k in value):
+        # keys MLflow cannot name a parameter with (2D's tensor patterns: `blk\.(0|1)\.ffn_(gate|up)`):
+        # the mapping is one value, its secret-looking keys masked
+        masked = {k: "***" if is_secret_key(str(k)) and v else v for k, v in value.items()}
+        out[prefix.rstrip(".")] = redact_text(json.dumps(masked, default=str))
+    elif isinstance(value, dict):
         for k, v in value.items():
             key = f"{prefix}{k}"
             out.update({key: "***"} if is_secret_key(k) and v else flatten_params(v, key + "."))

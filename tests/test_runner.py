@@ -94,6 +94,25 @@ def test_secrets_never_reach_mlflow_params():
     assert params == {"cloud.api_key": "***", "cloud.base_url": "https://x", "OPENAI_API_KEY": "***"}
 
 
+def test_a_mapping_keyed_by_patterns_is_one_param_mlflow_accepts(tmp_path):
+    """2D's `tensors` maps llama.cpp name patterns to types: MLflow refuses `blk\\.(0|1)` as a param
+    name (the small demo failed at 2D on it), so such a mapping is logged as one JSON value."""
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    config = {"fidelity": {"tensors": {r"blk\.(0|1)\.ffn_(gate|up)": "Q8_0", "ffn_down": "Q6_K"}, "quant": "Q4_0"}}
+    params = flatten_params(config)
+    assert params == {
+        "fidelity.tensors": json.dumps({r"blk\.(0|1)\.ffn_(gate|up)": "Q8_0", "ffn_down": "Q6_K"}),
+        "fidelity.quant": "Q4_0",
+    }
+    assert flatten_params({"odd": {"a|b": 1, "api_key": "sk-live-123"}}) == {"odd": '{"a|b": 1, "api_key": "***"}'}
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("params"))
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])  # raised before
+    assert client.get_run(run.info.run_id).data.params == params
+
+
 def test_a_second_run_of_the_same_key_waits_instead_of_sharing_its_work_dir(workspace, source):
     """Two flows computing one key at once (a scheduled run and a manual one) would train into the
     same work directory; the second waits for the first's lock, then finds its artifact."""
