@@ -131,17 +131,17 @@ def wilson(passes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def mcnemar(a: dict[str, bool], b: dict[str, bool]) -> dict:
+def mcnemar(a: dict[str, bool], b: dict[str, bool], alternative: str = "two-sided") -> dict:
     """The exact McNemar test of ``a`` vs ``b`` (task id -> passed) on the tasks both have: the
-    discordant counts (``a_only``: a passed and b failed; ``b_only``: the reverse) and the two-sided
-    p-value of the binomial test that they are equally likely (scipy's ``binomtest``; 1.0 when no
-    task is discordant)."""
+    discordant counts (``a_only``: a passed and b failed; ``b_only``: the reverse) and the p-value of
+    the binomial test that they are equally likely (scipy's ``binomtest``; ``alternative="greater"``:
+    one-sided, that ``a`` passes more; 1.0 when no task is discordant)."""
     from scipy.stats import binomtest
 
     both = sorted(set(a) & set(b))
     a_only = sum(1 for t in both if a[t] and not b[t])
     b_only = sum(1 for t in both if b[t] and not a[t])
-    p = binomtest(a_only, a_only + b_only, 0.5).pvalue if a_only + b_only else 1.0
+    p = binomtest(a_only, a_only + b_only, 0.5, alternative=alternative).pvalue if a_only + b_only else 1.0
     return {"n": len(both), "a_only": a_only, "b_only": b_only, "p": float(p)}
 
 

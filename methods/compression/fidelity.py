@@ -297,14 +297,12 @@ class FidelityRow:
 def ladder_versus(ref: FidelityRow, row: FidelityRow) -> tuple[int, int, float]:
     """Tasks the reference passed and ``row`` failed (lost), the reverse (won), and the one-sided exact
     McNemar p-value that ``row`` passes fewer (binomial test of lost among the discordant; 1.0 when none)."""
-    from scipy.stats import binomtest
+    from methods.evaluation import mcnemar
 
     if len(ref.ladder) != len(row.ladder):
         raise ValueError(f"{row.name}: {len(row.ladder)} ladder verdicts, the reference has {len(ref.ladder)}")
-    lost = sum(a and not b for a, b in zip(ref.ladder, row.ladder, strict=True))
-    won = sum(b and not a for a, b in zip(ref.ladder, row.ladder, strict=True))
-    p = binomtest(lost, lost + won, 0.5, alternative="greater").pvalue if lost + won else 1.0
-    return lost, won, float(p)
+    test = mcnemar(dict(enumerate(ref.ladder)), dict(enumerate(row.ladder)), alternative="greater")
+    return test["a_only"], test["b_only"], test["p"]
 
 
 def choose(
