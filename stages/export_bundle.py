@@ -39,7 +39,7 @@ from pydantic import Field, field_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.bundle import TIER_ORDER
 from methods.compression.card import bundle_card, lineage, scheme_label
-from methods.compression.gguf import tier_gguf
+from methods.compression.gguf import gguf_type, tier_gguf
 from methods.training.adapter_manifest import ships
 from methods.training.chat import TEMPLATE, own_template
 
@@ -108,7 +108,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "layers": config["num_hidden_layers"],
             "quantization": {
                 "hf": f"AWQ {scheme_label(config)} (compressed-tensors)",
-                "gguf": gguf.stem.split("-")[-1],
+                "gguf": gguf_type(gguf),
             },
         }
 

@@ -52,6 +52,7 @@ from methods.compression.gguf import (
     fallback_tensors,
     gguf_parameters,
     gguf_response_loss,
+    gguf_type,
     greedy_paths,
     quantize,
     token_agreement,
@@ -103,6 +104,10 @@ class Candidate(BaseModel):
             except re.error as e:
                 raise ValueError(f"tensor pattern {pattern!r} is not a regular expression: {e}") from None
         return self
+
+    def file_type(self) -> str:
+        """The type the shipped file is named for: a mix says so (the table and gguf.json name its parts)."""
+        return f"{self.quant}-mix" if self.tensors or self.embedding else self.quant
 
     def source(self, tier_input: str) -> str:
         """The model this row quantizes: a stage input, or that input after this row's AWQ recipe."""
@@ -253,7 +258,7 @@ class _Table:
         picked = (
             f"chosen: **{self.chosen.name}**"
             if self.chosen
-            else f"no candidate fits: the fallback {self.gguf.stem.split('-')[-1]} ships"
+            else f"no candidate fits: the fallback {gguf_type(self.gguf)} ships"
         )
         return [
             f"## {self.tier}: fidelity table",
@@ -451,21 +456,13 @@ def _choose_by_fidelity(
     made = _quantize_candidates(tier, spec, inputs, out_dir / "_fidelity" / tier)
     measured = _measure(tier, f, cfg, made, rows)
     table_rows = _rows(f, made, measured)
-    chosen = fid.choose(table_rows, f.max_ppl_ratio, f.max_ladder_drop, gate, f.max_bytes, f.prefer, f.ladder_alpha)
-    bounds = [f"perplexity ratio <= {f.max_ppl_ratio}"]
-    if f.max_ladder_drop is not None:
-        bounds.append(f"at most {f.max_ladder_drop} ladder task(s) fewer than the reference")
-    if f.ladder_alpha is not None:
-        bounds.append(f"a ladder not worse than the reference's (one-sided exact McNemar, p < {f.ladder_alpha})")
-    bounds.append(f"agreement >= {gate:.0%}")
-    if f.max_bytes is not None:
-        bounds.append(f"at most {f.max_bytes / 1e6:.1f} MB")
-    rule = f"{'the smallest file' if f.prefer == 'smallest' else 'the most tokens/s'} with " + ", ".join(bounds)
+    rule = fid.Rule(f.max_ppl_ratio, gate, f.max_ladder_drop, f.ladder_alpha, f.max_bytes, f.prefer)
+    chosen = rule.choose(table_rows)
     dest = out_dir / tier
     dest.mkdir(parents=True, exist_ok=True)
     if chosen is not None:
-        _, src, path = made.files[chosen.name]
-        gguf = path.rename(dest / f"{tier}-{chosen.quant}.gguf")
+        cand, src, path = made.files[chosen.name]
+        gguf = path.rename(dest / f"{tier}-{cand.file_type()}.gguf")
         if path.with_suffix(".log").is_file():
             path.with_suffix(".log").rename(gguf.with_suffix(".log"))
     elif f.fallback is not None:
@@ -482,7 +479,7 @@ def _choose_by_fidelity(
     f16_bytes = made.f16[src].stat().st_size
     shutil.rmtree(out_dir / "_fidelity")
     agreement = measured.agreement[chosen.name] if chosen is not None else None
-    return _Table(tier, table_rows, chosen, gguf, src, made.sources[src], f16_bytes, rule, agreement)
+    return _Table(tier, table_rows, chosen, gguf, src, made.sources[src], f16_bytes, str(rule), agreement)
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
@@ -510,7 +507,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             hf_dir, gguf, f16_bytes, source = table.source_dir, table.gguf, table.f16_bytes, table.source
             metrics.update({f"{tier}_{k}": v for k, v in table.metrics().items()})
             report += table.report()
-        quant = shipped[tier] = gguf.stem.split("-")[-1]
+        quant = shipped[tier] = gguf_type(gguf)
         fallbacks = fallback_tensors(gguf.with_suffix(".log"))
 
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))

@@ -60,7 +60,7 @@ from pydantic import BaseModel, Field, model_validator
 from core.contract import KibidangoError, StageConfig, StageResult
 from core.progress import Progress
 from methods.compression.fidelity import table as fid_table
-from methods.compression.gguf import tier_gguf
+from methods.compression.gguf import gguf_type, tier_gguf
 from methods.compression.llmc import decompress
 from methods.failures import loop_mix, read_jsonl
 from methods.llama_cpp_tools import convert_lora_to_gguf
@@ -421,7 +421,7 @@ def gguf_check(
     prompts = [p.ids for p in lm.held_out_prompts(tokenizer, rows)[: check.speed_prompts]]
     speed = {k: tokens_per_s(c) for k, c in decode_cells({"reference F16": ref, **models}, prompts, 48, 2).items()}
     weights = gguf_parameters(gguf)
-    quant = gguf.stem.split("-")[-1]
+    quant = gguf_type(gguf)
     lora_bytes = (adapter_dir / "adapter.gguf").stat().st_size
     ref = "reference F16"
     table = [

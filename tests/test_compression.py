@@ -17,6 +17,7 @@ from core.contract import KibidangoError
 from core.hashing import file_sha256
 from core.store import content_digest
 from eval.shared_data import SHARED
+from methods.compression.gguf import gguf_type
 from tests.conftest import noisy_copy
 
 STORIES = SHARED / "models" / "stories260K" / "hf"
@@ -323,7 +324,9 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
     chosen = [r for r in rows if r["chosen"]]
     assert len(chosen) == 1 and chosen[0] == min(fits, key=lambda r: (r["bytes"], r["ppl_ratio"]))
     shipped = list((out / "target").glob("*.gguf"))
-    assert [p.name for p in shipped] == [f"target-{chosen[0]['quant']}.gguf"] and not (out / "_fidelity").exists()
+    mixed = "-mix" if chosen[0]["name"] == "target Q4_0 attn_v Q8_0" else ""  # not named for its base type alone
+    assert [p.name for p in shipped] == [f"target-{chosen[0]['quant']}{mixed}.gguf"]
+    assert not (out / "_fidelity").exists()
     assert result.metrics["target_chosen_ppl_ratio"] == chosen[0]["ppl_ratio"]
     assert result.metrics["target_gguf_bytes"] == chosen[0]["bytes"]
     # the shipped file's gate figures are the table's own, measured once
@@ -393,6 +396,12 @@ def test_gguf_fidelity_config_names_what_is_missing(family, data, tmp_path):
             s2d.Config.model_validate({"tiers": tiers})
     mix = s2d.Candidate(quant="Q4_0", imatrix=True, tensors={r"blk\.(0|1)\.ffn_(gate|up)": "Q8_0", "attn_v": "Q8_0"})
     assert mix.label("target") == "target Q4_0 +imatrix blk.(0,1).ffn_(gate,up) Q8_0 attn_v Q8_0"  # a markdown cell
+    assert mix.file_type() == "Q4_0-mix" and s2d.Candidate(quant="Q4_0", embedding="Q5_0").file_type() == "Q4_0-mix"
+    assert s2d.Candidate(quant="Q4_0", imatrix=True).file_type() == "Q4_0"  # the shipped file's name
+    # what 2D's card, 2F and the bundle read back from that name
+    assert [gguf_type(Path(f"target-{q}.gguf")) for q in ("Q5_0", "Q4_0-mix")] == ["Q5_0", "Q4_0-mix"]
+    with pytest.raises(KibidangoError, match="named <tier>-<type>.gguf"):
+        gguf_type(Path("target.gguf"))
     with pytest.raises(ValidationError, match="unknown fallback 'Q9'"):
         s2d.Config.model_validate(
             {"tiers": {"target": {"input": "t", "quant": "auto", "fidelity": {**fidelity, "fallback": "Q9"}}}}

@@ -88,7 +88,7 @@ def test_the_rule_takes_the_smallest_row_within_every_bound_and_says_why_not_for
         _row("Q4_0 +imatrix", 80, 1.04, 17),  # ladder
         _row("Q3", 60, 1.02, 20, agreement=0.8),  # agreement
     ]
-    chosen = fid.choose(rows, max_ppl_ratio=1.05, max_ladder_drop=1, min_agreement=0.9)
+    chosen = fid.Rule(max_ppl_ratio=1.05, min_agreement=0.9, max_ladder_drop=1).choose(rows)
     assert chosen.name == "Q4_K_M" and chosen.chosen
     why = {r.name: r.why_not for r in rows}
     assert why["Q4_0"] == ["perplexity ratio 1.080 > 1.05"]
@@ -97,21 +97,28 @@ def test_the_rule_takes_the_smallest_row_within_every_bound_and_says_why_not_for
     assert why["Q8_0"] == []
     text = fid.table(rows)
     assert "| Q4_K_M |" in text and "**chosen**" in text and "fits, larger" in text and "reference" in text
-    assert fid.choose(rows[:1] + rows[3:5], 1.05, 1, 0.9) is None
+    assert fid.Rule(1.05, 0.9, 1).choose(rows[:1] + rows[3:5]) is None
     # a size cap (the input model's file) and the fastest row within it
     mb = [("F16", 270, 1.0, 50.0), ("Q8_0", 145, 1.001, 90.0), ("Q4_K_M", 100, 1.03, 70.0), ("Q5_0", 96, 1.04, 80.0)]
     rows = [_row(n, size * 1_000_000, ratio, 20, None if n == "F16" else 0.99, n == "F16") for n, size, ratio, _ in mb]
     for r, (*_, speed) in zip(rows, mb, strict=True):
         r.tokens_per_s = speed
-    chosen = fid.choose(rows, 1.05, 1, 0.9, max_bytes=98_000_000, prefer="fastest")
+    chosen = fid.Rule(1.05, 0.9, 1, max_bytes=98_000_000, prefer="fastest").choose(rows)
     assert chosen.name == "Q5_0" and [r.name for r in rows if r.chosen] == ["Q5_0"]
     assert rows[1].why_not == ["145.0 MB > 98.0 MB"] and rows[2].why_not == ["100.0 MB > 98.0 MB"]
     rows[2].bytes = 95_000_000
-    assert fid.choose(rows, 1.05, 1, 0.9, max_bytes=98_000_000, prefer="fastest").name == "Q5_0"
+    assert fid.Rule(1.05, 0.9, 1, max_bytes=98_000_000, prefer="fastest").choose(rows).name == "Q5_0"
     assert "fits, slower" in fid.table(rows)
-    assert fid.choose(rows, 1.05, 1, 0.9, max_bytes=98_000_000).name == "Q4_K_M"  # the smallest
+    assert fid.Rule(1.05, 0.9, 1, max_bytes=98_000_000).choose(rows).name == "Q4_K_M"  # the smallest
     with pytest.raises(ValueError, match="no reference row"):
-        fid.choose(rows[1:], 1.05, 1, 0.9)
+        fid.Rule(1.05, 0.9, 1).choose(rows[1:])
+    with pytest.raises(ValueError, match="prefer must be"):
+        fid.Rule(1.05, 0.9, prefer="cheapest")
+    # the card's sentence names every bound the rule checks, from the same fields
+    assert str(fid.Rule(1.05, 0.9, None, ladder_alpha=0.05, max_bytes=98_362_432, prefer="fastest")) == (
+        "the most tokens/s with perplexity ratio <= 1.05, a ladder not worse than the reference's (one-sided "
+        "exact McNemar, p < 0.05), agreement >= 90%, at most 98.4 MB"
+    )
 
 
 def test_the_ladder_bound_is_a_paired_test_against_the_reference_not_a_count():
@@ -127,10 +134,10 @@ def test_the_ladder_bound_is_a_paired_test_against_the_reference_not_a_count():
     assert fid.ladder_versus(rows[0], rows[1]) == (6, 2, pytest.approx(sum(math.comb(8, k) for k in (6, 7, 8)) / 2**8))
     lost, won, p = fid.ladder_versus(rows[0], rows[2])
     assert (lost, won) == (20, 2) and p == pytest.approx(sum(math.comb(22, k) for k in range(20, 23)) / 2**22)
-    chosen = fid.choose(rows, 1.05, None, 0.9, ladder_alpha=0.05)
+    chosen = fid.Rule(1.05, 0.9, ladder_alpha=0.05).choose(rows)
     assert chosen.name == "drift"  # p = 0.145: not worse by the test, though 4 fewer than the reference
     assert rows[2].why_not == [f"ladder worse: -20 +2, one-sided McNemar p = {p:.3f} < 0.05"]
-    assert fid.choose(rows, 1.05, 3, 0.9, ladder_alpha=0.05) is None  # both bounds when both are set
+    assert fid.Rule(1.05, 0.9, 3, ladder_alpha=0.05).choose(rows) is None  # both bounds when both are set
     assert "| 30/48 (-6 +2) |" in fid.table(rows)
     rows[1].ladder = rows[1].ladder[:40]
     with pytest.raises(ValueError, match="drift: 40 ladder verdicts, the reference has 48"):

@@ -15,8 +15,8 @@ F16 GGUF), on the same held-out tokens and tasks:
 - ``tokens_per_s``: llama.cpp greedy decoding, every row timed in the same rounds, in turn
   (:mod:`methods.measure.speed`).
 
-:func:`choose` is the rule a recipe states: the smallest file whose perplexity ratio, ladder drop
-and agreement are all within the recipe's bounds.
+:class:`Rule` is the rule a recipe states: of the rows whose perplexity ratio, ladder and agreement
+are within the recipe's bounds (and size, where it caps one), the smallest file or the fastest.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = [
     "Divergence",
     "FidelityRow",
     "Pass",
-    "choose",
+    "Rule",
     "divergence",
     "fidelity_pass",
     "ladder_answers",
@@ -305,48 +305,72 @@ def ladder_versus(ref: FidelityRow, row: FidelityRow) -> tuple[int, int, float]:
     return test["a_only"], test["b_only"], test["p"]
 
 
-def choose(
-    rows: list[FidelityRow],
-    max_ppl_ratio: float,
-    max_ladder_drop: int | None,
-    min_agreement: float,
-    max_bytes: int | None = None,
-    prefer: str = "smallest",
-    ladder_alpha: float | None = None,
-) -> FidelityRow | None:
-    """The row with perplexity ratio <= ``max_ppl_ratio``, at most ``max_ladder_drop`` fewer ladder
-    tasks passed than the reference (None: no such bound), not fewer by a one-sided exact McNemar test
-    at p < ``ladder_alpha`` (None: no test), agreement >= ``min_agreement`` and at most ``max_bytes``
-    (None: any size) that is the smallest file (``prefer="smallest"``) or decodes the most tokens/s
-    (``"fastest"``); None when no row qualifies. Each row's ``why_not`` lists the bounds it misses."""
-    if prefer not in ("smallest", "fastest"):
-        raise ValueError(f"prefer must be 'smallest' or 'fastest', not {prefer!r}")
-    ref = next((r for r in rows if r.reference), None)
-    if ref is None:
-        raise ValueError("the fidelity table has no reference row")
-    for r in rows:
-        if r.reference:
-            continue
-        r.why_not = []
-        if r.ppl_ratio > max_ppl_ratio:
-            r.why_not.append(f"perplexity ratio {r.ppl_ratio:.3f} > {max_ppl_ratio}")
-        if max_ladder_drop is not None and ref.ladder_passed - r.ladder_passed > max_ladder_drop:
-            r.why_not.append(f"ladder {r.ladder_passed} < {ref.ladder_passed} - {max_ladder_drop}")
-        if ladder_alpha is not None:
+@dataclass(frozen=True)
+class Rule:
+    """The rule a recipe states for choosing from a fidelity table: of the rows with perplexity ratio <=
+    ``max_ppl_ratio``, agreement >= ``min_agreement``, at most ``max_ladder_drop`` fewer ladder tasks
+    passed than the reference (None: no such bound), not fewer by a one-sided exact McNemar test at
+    p < ``ladder_alpha`` (None: no test) and at most ``max_bytes`` (None: any size), the smallest file
+    (``prefer="smallest"``) or the one that decodes the most tokens/s (``"fastest"``). ``str(rule)``
+    is the sentence the stage's card prints, from the same fields :meth:`choose` checks."""
+
+    max_ppl_ratio: float
+    min_agreement: float
+    max_ladder_drop: int | None = None
+    ladder_alpha: float | None = None
+    max_bytes: int | None = None
+    prefer: str = "smallest"
+
+    def __post_init__(self) -> None:
+        if self.prefer not in ("smallest", "fastest"):
+            raise ValueError(f"prefer must be 'smallest' or 'fastest', not {self.prefer!r}")
+
+    def __str__(self) -> str:
+        bounds = [f"perplexity ratio <= {self.max_ppl_ratio}"]
+        if self.max_ladder_drop is not None:
+            bounds.append(f"at most {self.max_ladder_drop} ladder task(s) fewer than the reference")
+        if self.ladder_alpha is not None:
+            bounds.append(f"a ladder not worse than the reference's (one-sided exact McNemar, p < {self.ladder_alpha})")
+        bounds.append(f"agreement >= {self.min_agreement:.0%}")
+        if self.max_bytes is not None:
+            bounds.append(f"at most {self.max_bytes / 1e6:.1f} MB")
+        return f"{'the smallest file' if self.prefer == 'smallest' else 'the most tokens/s'} with " + ", ".join(bounds)
+
+    def why_not(self, ref: FidelityRow, r: FidelityRow) -> list[str]:
+        """The bounds row ``r`` misses (empty: it fits)."""
+        out = []
+        if r.ppl_ratio > self.max_ppl_ratio:
+            out.append(f"perplexity ratio {r.ppl_ratio:.3f} > {self.max_ppl_ratio}")
+        if self.max_ladder_drop is not None and ref.ladder_passed - r.ladder_passed > self.max_ladder_drop:
+            out.append(f"ladder {r.ladder_passed} < {ref.ladder_passed} - {self.max_ladder_drop}")
+        if self.ladder_alpha is not None:
             lost, won, p = ladder_versus(ref, r)
-            if p < ladder_alpha:
-                r.why_not.append(f"ladder worse: -{lost} +{won}, one-sided McNemar p = {p:.3f} < {ladder_alpha}")
-        if r.agreement is not None and r.agreement < min_agreement:
-            r.why_not.append(f"agreement {r.agreement:.1%} < {min_agreement:.0%}")
-        if max_bytes is not None and r.bytes > max_bytes:
-            r.why_not.append(f"{r.bytes / 1e6:.1f} MB > {max_bytes / 1e6:.1f} MB")
-    fit = [r for r in rows if not r.reference and not r.why_not]
-    order = (lambda r: (r.bytes, r.ppl_ratio)) if prefer == "smallest" else (lambda r: (-r.tokens_per_s, r.bytes))
-    best = min(fit, key=order, default=None)
-    for r in fit:
-        r.chosen = r is best
-        r.passed_over = "" if r.chosen else f"fits, {'larger' if prefer == 'smallest' else 'slower'}"
-    return best
+            if p < self.ladder_alpha:
+                out.append(f"ladder worse: -{lost} +{won}, one-sided McNemar p = {p:.3f} < {self.ladder_alpha}")
+        if r.agreement is not None and r.agreement < self.min_agreement:
+            out.append(f"agreement {r.agreement:.1%} < {self.min_agreement:.0%}")
+        if self.max_bytes is not None and r.bytes > self.max_bytes:
+            out.append(f"{r.bytes / 1e6:.1f} MB > {self.max_bytes / 1e6:.1f} MB")
+        return out
+
+    def choose(self, rows: list[FidelityRow]) -> FidelityRow | None:
+        """The row this rule ships (None when no row qualifies); every other row's ``why_not`` lists the
+        bounds it misses, or ``passed_over`` says why a fitting row was not taken."""
+        ref = next((r for r in rows if r.reference), None)
+        if ref is None:
+            raise ValueError("the fidelity table has no reference row")
+        for r in rows:
+            if not r.reference:
+                r.why_not = self.why_not(ref, r)
+        fit = [r for r in rows if not r.reference and not r.why_not]
+        if self.prefer == "smallest":
+            best = min(fit, key=lambda r: (r.bytes, r.ppl_ratio), default=None)
+        else:
+            best = min(fit, key=lambda r: (-r.tokens_per_s, r.bytes), default=None)
+        for r in fit:
+            r.chosen = r is best
+            r.passed_over = "" if r.chosen else f"fits, {'larger' if self.prefer == 'smallest' else 'slower'}"
+        return best
 
 
 def table(rows: list[FidelityRow]) -> str:

@@ -33,6 +33,7 @@ __all__ = [
     "AgreementReport",
     "fallback_tensors",
     "tier_gguf",
+    "gguf_type",
     "quantize",
     "agreement_report",
     "greedy_paths",
@@ -98,6 +99,15 @@ def tier_gguf(artifact: Path, tier: str, what: str) -> Path:
     if len(found) != 1:
         raise KibidangoError(f"{what}: expected one GGUF of tier {tier!r} in {artifact / tier}, found {len(found)}")
     return found[0]
+
+
+def gguf_type(path: Path) -> str:
+    """The type a tier's GGUF is named for, after the tier: ``target-Q5_0.gguf`` -> ``Q5_0``,
+    ``target-Q4_0-mix.gguf`` -> ``Q4_0-mix`` (a mix of types; gguf.json's table names its parts)."""
+    tier, sep, quant = path.stem.partition("-")
+    if not sep or not quant:
+        raise KibidangoError(f"{path}: a tier's GGUF is named <tier>-<type>.gguf")
+    return quant
 
 
 def gguf_parameters(path: Path) -> int:
