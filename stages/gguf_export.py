@@ -145,6 +145,11 @@ class Fidelity(BaseModel):
     prefer: Literal["smallest", "fastest"] = Field(
         "smallest", description="Rule: of the rows within every bound, the smallest file or the most tokens/s."
     )
+    over_size: Literal["fallback", "smallest"] = Field(
+        "fallback",
+        description="Rule, with `max_bytes`: when no row within that size keeps the other bounds, `smallest` ships "
+        "the smallest row that does (the card says by how much it is over); `fallback` ships `fallback`.",
+    )
     fallback: str | None = Field(
         None, description="Type shipped from the tier's input when no candidate fits (None: the stage fails)."
     )
@@ -255,11 +260,15 @@ class _Table:
 
     def report(self) -> list[str]:
         ref = next(r for r in self.rows if r.reference)
-        picked = (
-            f"chosen: **{self.chosen.name}**"
-            if self.chosen
-            else f"no candidate fits: the fallback {gguf_type(self.gguf)} ships"
-        )
+        if self.chosen is None:
+            picked = f"no candidate fits: the fallback {gguf_type(self.gguf)} ships"
+        elif self.chosen.why_not:  # over the size cap (`over_size: smallest`)
+            picked = (
+                f"no row within the size bound keeps the others: chosen **{self.chosen.name}**, the smallest "
+                f"that does ({'; '.join(self.chosen.why_not)})"
+            )
+        else:
+            picked = f"chosen: **{self.chosen.name}**"
         return [
             f"## {self.tier}: fidelity table",
             "",
@@ -456,7 +465,7 @@ def _choose_by_fidelity(
     made = _quantize_candidates(tier, spec, inputs, out_dir / "_fidelity" / tier)
     measured = _measure(tier, f, cfg, made, rows)
     table_rows = _rows(f, made, measured)
-    rule = fid.Rule(f.max_ppl_ratio, gate, f.max_ladder_drop, f.ladder_alpha, f.max_bytes, f.prefer)
+    rule = fid.Rule(f.max_ppl_ratio, gate, f.max_ladder_drop, f.ladder_alpha, f.max_bytes, f.prefer, f.over_size)
     chosen = rule.choose(table_rows)
     dest = out_dir / tier
     dest.mkdir(parents=True, exist_ok=True)

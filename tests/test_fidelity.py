@@ -114,11 +114,44 @@ def test_the_rule_takes_the_smallest_row_within_every_bound_and_says_why_not_for
         fid.Rule(1.05, 0.9, 1).choose(rows[1:])
     with pytest.raises(ValueError, match="prefer must be"):
         fid.Rule(1.05, 0.9, prefer="cheapest")
+    with pytest.raises(ValueError, match="over_size must be"):
+        fid.Rule(1.05, 0.9, over_size="largest")
     # the card's sentence names every bound the rule checks, from the same fields
     assert str(fid.Rule(1.05, 0.9, None, ladder_alpha=0.05, max_bytes=98_362_432, prefer="fastest")) == (
         "the most tokens/s with perplexity ratio <= 1.05, a ladder not worse than the reference's (one-sided "
         "exact McNemar, p < 0.05), agreement >= 90%, at most 98.4 MB"
     )
+
+
+def test_over_the_size_cap_the_rule_takes_the_smallest_row_that_keeps_the_other_bounds():
+    """No row within ``max_bytes`` keeps the quality bounds: ``over_size="smallest"`` ships the smallest row
+    that does (not a fixed fallback type 40 MB larger), and its verdict says how far over it is; a row that
+    misses a quality bound is never taken, and ``"fallback"`` (the default) takes none."""
+    rows = [
+        _row("F16", 270_000_000, 1.0, 20, None, reference=True),
+        _row("Q8_0", 145_000_000, 1.002, 20),
+        _row("Q5_0", 105_000_000, 1.035, 20),
+        _row("Q4_K_M", 106_000_000, 1.03, 20),
+        _row("mix", 96_000_000, 1.04, 15),  # within the cap, misses the ladder
+        _row("Q4_0", 92_000_000, 1.09, 20),  # within the cap, misses perplexity
+    ]
+    for r, speed in zip(rows, (50.0, 77.0, 70.0, 80.0, 100.0, 95.0), strict=True):
+        r.tokens_per_s = speed
+    capped = dict(max_ppl_ratio=1.05, min_agreement=0.9, max_ladder_drop=2, max_bytes=98_000_000, prefer="fastest")
+    assert fid.Rule(**capped).choose(rows) is None  # the default: the recipe's fallback ships
+    assert not any(r.chosen for r in rows)
+    rule = fid.Rule(**capped, over_size="smallest")
+    chosen = rule.choose(rows)
+    assert chosen.name == "Q5_0" and [r.name for r in rows if r.chosen] == ["Q5_0"]
+    assert chosen.why_not == ["105.0 MB > 98.0 MB"]  # chosen over the cap: its note stays
+    assert rows[4].why_not == ["ladder 15 < 20 - 2"] and rows[5].why_not == ["perplexity ratio 1.090 > 1.05"]
+    text = fid.table(rows)
+    assert "| **chosen** (105.0 MB > 98.0 MB) |" in text and "| 145.0 MB > 98.0 MB |" in text
+    assert str(rule).endswith(
+        "at most 98.0 MB; if no row within that size keeps the other bounds, the smallest row that does"
+    )
+    rows[4].ladder_passed = 19  # a row within the cap keeps every bound: it ships, the larger ones do not
+    assert rule.choose(rows).name == "mix" and rows[2].why_not == ["105.0 MB > 98.0 MB"] and not rows[2].chosen
 
 
 def test_the_ladder_bound_is_a_paired_test_against_the_reference_not_a_count():

@@ -311,8 +311,10 @@ class Rule:
     ``max_ppl_ratio``, agreement >= ``min_agreement``, at most ``max_ladder_drop`` fewer ladder tasks
     passed than the reference (None: no such bound), not fewer by a one-sided exact McNemar test at
     p < ``ladder_alpha`` (None: no test) and at most ``max_bytes`` (None: any size), the smallest file
-    (``prefer="smallest"``) or the one that decodes the most tokens/s (``"fastest"``). ``str(rule)``
-    is the sentence the stage's card prints, from the same fields :meth:`choose` checks."""
+    (``prefer="smallest"``) or the one that decodes the most tokens/s (``"fastest"``). When no row within
+    ``max_bytes`` keeps the other bounds, ``over_size="smallest"`` takes the smallest row that does (its
+    verdict says by how much it is over); ``"fallback"`` takes none. ``str(rule)`` is the sentence the
+    stage's card prints, from the same fields :meth:`choose` checks."""
 
     max_ppl_ratio: float
     min_agreement: float
@@ -320,10 +322,13 @@ class Rule:
     ladder_alpha: float | None = None
     max_bytes: int | None = None
     prefer: str = "smallest"
+    over_size: str = "fallback"
 
     def __post_init__(self) -> None:
         if self.prefer not in ("smallest", "fastest"):
             raise ValueError(f"prefer must be 'smallest' or 'fastest', not {self.prefer!r}")
+        if self.over_size not in ("smallest", "fallback"):
+            raise ValueError(f"over_size must be 'smallest' or 'fallback', not {self.over_size!r}")
 
     def __str__(self) -> str:
         bounds = [f"perplexity ratio <= {self.max_ppl_ratio}"]
@@ -334,10 +339,13 @@ class Rule:
         bounds.append(f"agreement >= {self.min_agreement:.0%}")
         if self.max_bytes is not None:
             bounds.append(f"at most {self.max_bytes / 1e6:.1f} MB")
-        return f"{'the smallest file' if self.prefer == 'smallest' else 'the most tokens/s'} with " + ", ".join(bounds)
+        said = f"{'the smallest file' if self.prefer == 'smallest' else 'the most tokens/s'} with " + ", ".join(bounds)
+        if self.max_bytes is not None and self.over_size == "smallest":
+            said += "; if no row within that size keeps the other bounds, the smallest row that does"
+        return said
 
-    def why_not(self, ref: FidelityRow, r: FidelityRow) -> list[str]:
-        """The bounds row ``r`` misses (empty: it fits)."""
+    def why_not(self, ref: FidelityRow, r: FidelityRow, size: bool = True) -> list[str]:
+        """The bounds row ``r`` misses (empty: it fits); ``size=False`` leaves out ``max_bytes``."""
         out = []
         if r.ppl_ratio > self.max_ppl_ratio:
             out.append(f"perplexity ratio {r.ppl_ratio:.3f} > {self.max_ppl_ratio}")
@@ -349,27 +357,32 @@ class Rule:
                 out.append(f"ladder worse: -{lost} +{won}, one-sided McNemar p = {p:.3f} < {self.ladder_alpha}")
         if r.agreement is not None and r.agreement < self.min_agreement:
             out.append(f"agreement {r.agreement:.1%} < {self.min_agreement:.0%}")
-        if self.max_bytes is not None and r.bytes > self.max_bytes:
+        if size and self.max_bytes is not None and r.bytes > self.max_bytes:
             out.append(f"{r.bytes / 1e6:.1f} MB > {self.max_bytes / 1e6:.1f} MB")
         return out
 
     def choose(self, rows: list[FidelityRow]) -> FidelityRow | None:
         """The row this rule ships (None when no row qualifies); every other row's ``why_not`` lists the
-        bounds it misses, or ``passed_over`` says why a fitting row was not taken."""
+        bounds it misses, or ``passed_over`` says why a fitting row was not taken. A row chosen over the
+        size cap (``over_size="smallest"``) keeps its size note in ``why_not``."""
         ref = next((r for r in rows if r.reference), None)
         if ref is None:
             raise ValueError("the fidelity table has no reference row")
-        for r in rows:
-            if not r.reference:
-                r.why_not = self.why_not(ref, r)
-        fit = [r for r in rows if not r.reference and not r.why_not]
+        candidates = [r for r in rows if not r.reference]
+        for r in candidates:
+            r.why_not, r.chosen, r.passed_over = self.why_not(ref, r), False, ""
+        fit = [r for r in candidates if not r.why_not]
         if self.prefer == "smallest":
             best = min(fit, key=lambda r: (r.bytes, r.ppl_ratio), default=None)
         else:
             best = min(fit, key=lambda r: (-r.tokens_per_s, r.bytes), default=None)
+        larger = self.prefer == "smallest"
+        if best is None and self.max_bytes is not None and self.over_size == "smallest":
+            fit = [r for r in candidates if not self.why_not(ref, r, size=False)]
+            best, larger = min(fit, key=lambda r: (r.bytes, r.ppl_ratio), default=None), True
         for r in fit:
             r.chosen = r is best
-            r.passed_over = "" if r.chosen else f"fits, {'larger' if self.prefer == 'smallest' else 'slower'}"
+            r.passed_over = "" if r.chosen else f"fits, {'larger' if larger else 'slower'}"
         return best
 
 
@@ -386,7 +399,9 @@ def table(rows: list[FidelityRow]) -> str:
         if ref is not None and not r.reference and r.ladder and len(r.ladder) == len(ref.ladder):
             lost, won, _ = ladder_versus(ref, r)
             ladder += f" (-{lost} +{won})"
-        verdict = "reference" if r.reference else "**chosen**" if r.chosen else "; ".join(r.why_not) or r.passed_over
+        verdict = "reference" if r.reference else "; ".join(r.why_not) or r.passed_over
+        if r.chosen:  # a row chosen over the size cap keeps its size note
+            verdict = "**chosen**" + (f" ({verdict})" if r.why_not else "")
         agreement = "" if r.agreement is None else f"{r.agreement:.1%}"
         if r.agreement_interval is not None:
             agreement += f" [{r.agreement_interval[0]:.1%}, {r.agreement_interval[1]:.1%}]"
