@@ -600,6 +600,11 @@ def report_headline(artifact: Path) -> list[tuple[str, str]]:
             f"{chosen['name']}: {chosen['bytes'] / 1e6:.1f} MB, {chosen['bits_per_weight']:.2f} bits/weight, "
             f"perplexity {chosen['ppl_ratio']:.3f}x the reference's, mean KL {chosen['kl']:.4f}, mining ladder "
             f"{chosen['ladder_passed']}/{chosen['ladder_tasks']} (reference {ref['ladder_passed']})"
+            + (
+                f"; over the size bound ({'; '.join(chosen['why_not'])}): no row within it kept the others"
+                if chosen["why_not"]
+                else ""
+            )
             if chosen
             else "no candidate fits the rule: the recipe's fallback ships"
         )
