@@ -705,7 +705,9 @@ def _loop_section(runs: dict, artifacts: dict, study: dict | None = None, record
     if comparison:
         models = list(comparison["models"])
         groups = sorted({g for m in comparison["models"].values() for g in m["groups"]})
-        shipped = "shipped bundle (9, policy auto)" if any(g in quality for g in groups) else None
+        # the policy the bundle answers by: the router's adapter, or the base where no adapter ships
+        policy = "auto" if "auto" in (evaluation or {}).get("policies", ["auto"]) else "none"
+        shipped = f"shipped bundle (9, policy {policy})" if any(g in quality for g in groups) else None
         out += [
             "",
             "### Pass rate per ladder level: 1A, the controls, 1R and the shipped bundle",
@@ -725,7 +727,7 @@ def _loop_section(runs: dict, artifacts: dict, study: dict | None = None, record
             if shipped:
                 key = g if g != "all" else None
                 q = quality.get(key) if key else None
-                extra = f" | {_ci(q['policies']['auto'])} | {q['n']} |" if q and "auto" in q["policies"] else " | - | |"
+                extra = f" | {_ci(q['policies'][policy])} | {q['n']} |" if q and policy in q["policies"] else " | - | |"
             out.append(f"| {g} | {rows[0]['n']} | {cells}{extra if shipped else ' |'}")
         out += [
             "",

@@ -154,7 +154,12 @@ class Fidelity(BaseModel):
         None, description="Type shipped from the tier's input when no candidate fits (None: the stage fails)."
     )
     ladder_levels: list[int] = Field([1, 2, 3, 4], min_length=1, description="Math-ladder levels (mining part).")
-    ladder_per_level: int = Field(12, gt=0, description="Mining-part math tasks per level.")
+    ladder_per_level: int = Field(12, gt=0, description="Mining-part tasks per level.")
+    ladder_code_levels: list[int] = Field(
+        [],
+        description="Code-ladder levels (mining part, `ladder_per_level` tasks each, judged in the code judge's "
+        "sandbox) answered beside the math ones; the ladder bounds read both (empty: math only).",
+    )
     ladder_new_tokens: int = Field(96, gt=0, description="Greedy tokens per ladder answer.")
     ladder_parallel: int = Field(
         16, gt=0, description="Ladder answers decoded together (the runtime's batching; 1: one at a time)."
@@ -244,6 +249,8 @@ class _Table:
     agreement: AgreementReport | None
     """The chosen row's agreement with the reference's transformers model, measured for the table (None:
     the fallback ships)."""
+    ladder: str = ""
+    """The table's ladder tasks in words (:func:`_ladder_said`)."""
 
     def metrics(self) -> dict[str, float]:
         ref = next(r for r in self.rows if r.reference)
@@ -273,7 +280,7 @@ class _Table:
             f"## {self.tier}: fidelity table",
             "",
             f"Reference: {ref.name} (uncompressed). Perplexity and KL on {self.rows[0].tokens} held-out response "
-            f"tokens (stage 0 validation); ladder: math, mining part, {ref.ladder_tasks} tasks, greedy; tokens/s: "
+            f"tokens (stage 0 validation); ladder: {ref.ladder_tasks} tasks ({self.ladder}), greedy; tokens/s: "
             "llama.cpp greedy, every row in the same rounds. Rule: " + self.rule + f". {picked}.",
             "",
             fid.table(self.rows),
@@ -369,13 +376,32 @@ def _awq_source(c: Candidate, source: Path, inputs: dict[str, Path], f: Fidelity
     return llmc.decompress(where / "compressed", where / "dense")
 
 
+def _ladder_tasks(f: Fidelity) -> list[dict]:
+    """The table's mining-part ladder tasks: math at ``ladder_levels``, then code at ``ladder_code_levels``."""
+    from methods.ladder import ladder_rows
+
+    return [
+        {**row, "domain": domain}
+        for domain, levels in (("math", f.ladder_levels), ("code", f.ladder_code_levels))
+        if levels
+        for row in ladder_rows(domain, levels, "mining", f.ladder_per_level * len(levels))
+    ]
+
+
+def _ladder_said(f: Fidelity) -> str:
+    """The table's ladder in words, for its card."""
+    parts = [f"math levels {', '.join(map(str, f.ladder_levels))}"]
+    if f.ladder_code_levels:
+        parts.append(f"code levels {', '.join(map(str, f.ladder_code_levels))}")
+    return f"{' and '.join(parts)}, {f.ladder_per_level} mining-part tasks a level"
+
+
 def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[dict]) -> _Measured:
     """Every candidate and the reference on the same tokens, tasks and prompts."""
     from transformers import AutoTokenizer
 
     from kibidango.backends.llamacpp_backend import LlamaCppModel
     from kibidango.backends.torch_backend import TorchModel
-    from methods.ladder import ladder_rows
 
     tokenizer = AutoTokenizer.from_pretrained(str(made.sources[f.reference]))
     trained = json.loads((made.sources[f.reference] / "config.json").read_text()).get("max_position_embeddings", 1024)
@@ -408,7 +434,7 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
         label: agreement_report(tokenizer, agree_ids, paths, [scored.along[key][p.row] for p in agree_prompts])
         for label, key in {ref_label: None, **{m: m for m in models}}.items()
     }
-    tasks = ladder_rows("math", f.ladder_levels, "mining", f.ladder_per_level * len(f.ladder_levels))
+    tasks = _ladder_tasks(f)
     ladder = {}
     for label, model in {ref_label: reference, **models}.items():
         log.info("2D %s fidelity: %d mining-part ladder tasks, %s", tier, len(tasks), label)
@@ -488,7 +514,9 @@ def _choose_by_fidelity(
     f16_bytes = made.f16[src].stat().st_size
     shutil.rmtree(out_dir / "_fidelity")
     agreement = measured.agreement[chosen.name] if chosen is not None else None
-    return _Table(tier, table_rows, chosen, gguf, src, made.sources[src], f16_bytes, str(rule), agreement)
+    return _Table(
+        tier, table_rows, chosen, gguf, src, made.sources[src], f16_bytes, str(rule), agreement, _ladder_said(f)
+    )
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:

@@ -293,6 +293,7 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
         "max_ppl_ratio": 1.3,
         "max_ladder_drop": 0,
         "ladder_levels": [1],
+        "ladder_code_levels": [1],  # code tasks beside the math ones, in the code judge's sandbox
         "ladder_per_level": 2,
         "ladder_new_tokens": 8,
         "imatrix_rows": 4,
@@ -314,11 +315,11 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
     ]
     ref = rows[0]
     assert rows[-1]["bytes"] > rows[2]["bytes"]  # the mix's attn_v at 8 bits
-    assert all(len(r["ladder"]) == 2 for r in rows)  # the verdicts the paired ladder test reads
+    assert all(len(r["ladder"]) == 4 for r in rows)  # the verdicts the paired ladder test reads: 2 math, 2 code
     assert ref["reference"] and ref["ppl_ratio"] == 1.0 and ref["kl"] == 0.0
     # every row's agreement (the reference F16's with its own model too) with its bootstrap interval
     assert all(lo <= r["agreement"] <= hi for r in rows for lo, hi in [r["agreement_interval"]])
-    assert all(r["tokens"] == ref["tokens"] > 0 and r["ladder_tasks"] == 2 for r in rows)
+    assert all(r["tokens"] == ref["tokens"] > 0 and r["ladder_tasks"] == 4 for r in rows)
     assert all(r["kl"] > 0 and r["bytes"] < ref["bytes"] for r in rows[1:])
     fits = [r for r in rows[1:] if not r["why_not"]]
     chosen = [r for r in rows if r["chosen"]]
@@ -334,6 +335,7 @@ def test_gguf_fidelity_table_chooses_the_smallest_type_within_the_rule(family, p
     assert result.metrics["target_val_perplexity_gguf"] == chosen[0]["ppl"]
     report = (out / "gguf_report.md").read_text()
     assert "## target: fidelity table" in report and "**chosen**" in report
+    assert "ladder: 4 tasks (math levels 1 and code levels 1, 2 mining-part tasks a level)" in report
     # every row's agreement is with the reference's transformers model (the target rows' too)
     assert "token agreement with the reference (reference) (HF)" in report
 

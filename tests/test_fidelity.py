@@ -368,3 +368,17 @@ def test_one_pass_gives_the_divergence_and_the_agreement_the_separate_measuremen
         ).agreement
         == 1.0
     )
+
+
+def test_the_ladder_judges_each_task_by_its_domain(monkeypatch):
+    """2D's ladder may hold code tasks beside the math ones (the loop's largest gain is in code): each
+    answer is judged by its own domain's judge, a program in the code judge's sandbox."""
+    from methods.ladder import ladder_rows
+
+    rows = [{**r, "domain": d} for d in ("math", "code") for r in ladder_rows(d, [2], "mining", 2)]
+    assert all(r["task"].reference for r in rows)
+    answers = [rows[0]["task"].reference, "#### -1", rows[2]["task"].reference, "def nothing():\n    return None\n"]
+    monkeypatch.setattr(fid, "ladder_answers", lambda model, tokenizer, rs, n, parallel=1: answers[: len(rs)])
+    assert fid.ladder_pass(None, None, rows, 96) == [True, False, True, False]
+    plain = [{k: v for k, v in r.items() if k != "domain"} for r in rows[:2]]  # no domain: math
+    assert fid.ladder_pass(None, None, plain, 96) == [True, False]

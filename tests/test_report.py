@@ -400,3 +400,41 @@ def test_each_stage_supplies_its_own_summary_rows(tmp_path):
         ("quality gates", "**not releasable**: 1/2 pass; failed: ladder_math"),
         ("the shipped bundle: default profile for llamacpp", "2.50 MB; left out: draft"),
     ]
+
+
+def test_the_loop_table_shows_the_bundle_under_the_policy_it_answers_by(tmp_path):
+    """A preset that ships no domain adapter answers stage 9 under `none` only: the per-level table's
+    bundle column reads that policy (it read `auto` alone and showed '-' on every row)."""
+    from types import SimpleNamespace
+
+    from flows.report import _loop_section
+
+    cell = {"rate": 0.5, "ci": [0.4, 0.6], "n": 20}
+    level = {**cell, "groups": {"ladder_code/L1": cell}}
+    test = {"n": 20, "a_only": 5, "b_only": 1, "p": 0.2, "power_10pt": 0.3}
+    for sid, name, body in (
+        ("1R", "retrain.json", {"comparison": {"models": {"1A": level, "1R": level}, "mcnemar": {"1A": test}}}),
+        (
+            "9",
+            "evaluation.json",
+            {
+                "policies": ["none", "input"],
+                "quality": {
+                    "ladder_code/L1": {
+                        "n": 20,
+                        "policies": {
+                            "none": {"rate": 0.75, "ci": [0.5, 0.9]},
+                            "input": {"rate": 0.25, "ci": [0.1, 0.5]},
+                        },
+                    }
+                },
+            },
+        ),
+    ):
+        (tmp_path / sid).mkdir()
+        (tmp_path / sid / name).write_text(json.dumps(body))
+    artifacts = {sid: str(tmp_path / sid) for sid in ("1R", "9")}
+    run = SimpleNamespace(data=SimpleNamespace(tags={}), info=SimpleNamespace(run_id="r"))
+    lines = "\n".join(_loop_section({"1R": run, "9": run}, artifacts))
+    assert "| shipped bundle (9, policy none) | n |" in lines
+    assert "| ladder_code/L1 | 20 | 50% [40%, 60%] | 50% [40%, 60%] | 75% [50%, 90%] | 20 |" in lines

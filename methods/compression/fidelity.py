@@ -163,12 +163,18 @@ def _along(session, fed: np.ndarray, start: int, ids: list[int], cut: int, path:
 
 def ladder_pass(model, tokenizer, rows: list[dict], max_new_tokens: int, parallel: int = 1) -> list[bool]:
     """Greedy answers of ``model`` (a runtime model) to ladder ``rows`` (:func:`ladder_answers`),
-    judged by the math judge."""
-    from methods.judges.math import MathJudge
+    each judged by its domain's judge (a row's ``domain``: ``math``, the default, or ``code``, run
+    in the code judge's sandbox)."""
+    from methods.judges import make_judge
 
-    judge = MathJudge()
+    judges: dict[str, object] = {}
     answers = ladder_answers(model, tokenizer, rows, max_new_tokens, parallel)
-    return [judge(row["task"], text).passed for row, text in zip(rows, answers, strict=True)]
+    verdicts = []
+    for row, text in zip(rows, answers, strict=True):
+        domain = row.get("domain", "math")
+        judge = judges.setdefault(domain, make_judge(domain))
+        verdicts.append(judge(row["task"], text).passed)
+    return verdicts
 
 
 def ladder_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, parallel: int = 1) -> list[str]:
