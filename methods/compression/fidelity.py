@@ -172,8 +172,9 @@ def ladder_pass(model, tokenizer, rows: list[dict], max_new_tokens: int, paralle
     verdicts = []
     for row, text in zip(rows, answers, strict=True):
         domain = row.get("domain", "math")
-        judge = judges.setdefault(domain, make_judge(domain))
-        verdicts.append(judge(row["task"], text).passed)
+        if domain not in judges:  # one judge a domain (the code judge checks its sandbox once)
+            judges[domain] = make_judge(domain)
+        verdicts.append(judges[domain](row["task"], text).passed)
     return verdicts
 
 
