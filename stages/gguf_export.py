@@ -12,7 +12,9 @@ block; :mod:`methods.compression.fidelity`): each candidate (a source model, a l
 or without an importance matrix computed on calibration rows, the embedding at its own type, and
 optionally an AWQ recipe applied to the source first: AWQ exported to GGUF) is
 measured against the uncompressed reference (1R's F16 GGUF) — bits per weight, bytes, perplexity
-ratio and mean KL on the validation rows, math-ladder pass on the ladder's mining part, agreement
+ratio and mean KL on the validation rows, ladder pass (math, and code where the recipe asks) on the
+ladder's mining part, less the tasks 1B answered (the optional ``mined`` input: 1R trained on the
+corrected ones, so a row would be measured on what 1R memorised), agreement
 with the reference's transformers model along its greedy paths, tokens/s — and the smallest file
 within the recipe's bounds ships. Divergence and agreement are one pass over the validation rows
 (:func:`methods.compression.fidelity.fidelity_pass`): an agreement path continues its row's prompt in
@@ -376,27 +378,43 @@ def _awq_source(c: Candidate, source: Path, inputs: dict[str, Path], f: Fidelity
     return llmc.decompress(where / "compressed", where / "dense")
 
 
-def _ladder_tasks(f: Fidelity) -> list[dict]:
-    """The table's mining-part ladder tasks: math at ``ladder_levels``, then code at ``ladder_code_levels``."""
+def _answered(inputs: dict[str, Path]) -> frozenset[str] | None:
+    """The ids of the ladder tasks 1B answered (the ``mined`` input; None without it)."""
+    if "mined" not in inputs:
+        return None
+    where = inputs["mined"] / "answered_tasks.json"
+    if not where.is_file():
+        raise KibidangoError(f"the mined input has no answered_tasks.json ({where}): wire `mined` to stage 1B")
+    return frozenset(json.loads(where.read_text())["ids"])
+
+
+def _ladder_tasks(f: Fidelity, exclude: frozenset[str] | None = None) -> list[dict]:
+    """The table's mining-part ladder tasks: math at ``ladder_levels``, then code at ``ladder_code_levels``,
+    ``ladder_per_level`` a level, none in ``exclude``."""
     from methods.ladder import ladder_rows
 
     return [
         {**row, "domain": domain}
         for domain, levels in (("math", f.ladder_levels), ("code", f.ladder_code_levels))
         if levels
-        for row in ladder_rows(domain, levels, "mining", f.ladder_per_level * len(levels))
+        for row in ladder_rows(
+            domain, levels, "mining", f.ladder_per_level * len(levels), exclude=exclude or frozenset()
+        )
     ]
 
 
-def _ladder_said(f: Fidelity) -> str:
+def _ladder_said(f: Fidelity, exclude: frozenset[str] | None) -> str:
     """The table's ladder in words, for its card."""
     parts = [f"math levels {', '.join(map(str, f.ladder_levels))}"]
     if f.ladder_code_levels:
         parts.append(f"code levels {', '.join(map(str, f.ladder_code_levels))}")
-    return f"{' and '.join(parts)}, {f.ladder_per_level} mining-part tasks a level"
+    said = f"{' and '.join(parts)}, {f.ladder_per_level} mining-part tasks a level"
+    return said + (", none that 1B answered" if exclude is not None else "")
 
 
-def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[dict]) -> _Measured:
+def _measure(
+    tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[dict], exclude: frozenset[str] | None
+) -> _Measured:
     """Every candidate and the reference on the same tokens, tasks and prompts."""
     from transformers import AutoTokenizer
 
@@ -434,7 +452,7 @@ def _measure(tier: str, f: Fidelity, cfg: Config, made: _Candidates, rows: list[
         label: agreement_report(tokenizer, agree_ids, paths, [scored.along[key][p.row] for p in agree_prompts])
         for label, key in {ref_label: None, **{m: m for m in models}}.items()
     }
-    tasks = _ladder_tasks(f)
+    tasks = _ladder_tasks(f, exclude)
     ladder = {}
     for label, model in {ref_label: reference, **models}.items():
         log.info("2D %s fidelity: %d mining-part ladder tasks, %s", tier, len(tasks), label)
@@ -489,7 +507,8 @@ def _choose_by_fidelity(
     leave the chosen GGUF (and its quantization log) in ``<out_dir>/<tier>/``."""
     f = spec.fidelity
     made = _quantize_candidates(tier, spec, inputs, out_dir / "_fidelity" / tier)
-    measured = _measure(tier, f, cfg, made, rows)
+    exclude = _answered(inputs)
+    measured = _measure(tier, f, cfg, made, rows, exclude)
     table_rows = _rows(f, made, measured)
     rule = fid.Rule(f.max_ppl_ratio, gate, f.max_ladder_drop, f.ladder_alpha, f.max_bytes, f.prefer, f.over_size)
     chosen = rule.choose(table_rows)
@@ -515,7 +534,16 @@ def _choose_by_fidelity(
     shutil.rmtree(out_dir / "_fidelity")
     agreement = measured.agreement[chosen.name] if chosen is not None else None
     return _Table(
-        tier, table_rows, chosen, gguf, src, made.sources[src], f16_bytes, str(rule), agreement, _ladder_said(f)
+        tier,
+        table_rows,
+        chosen,
+        gguf,
+        src,
+        made.sources[src],
+        f16_bytes,
+        str(rule),
+        agreement,
+        _ladder_said(f, exclude),
     )
 
 

@@ -404,6 +404,21 @@ def test_gguf_fidelity_config_names_what_is_missing(family, data, tmp_path):
     assert [gguf_type(Path(f"target-{q}.gguf")) for q in ("Q5_0", "Q4_0-mix")] == ["Q5_0", "Q4_0-mix"]
     with pytest.raises(KibidangoError, match="named <tier>-<type>.gguf"):
         gguf_type(Path("target.gguf"))
+    # the ladder leaves out the tasks 1B answered (1R trained on the corrected ones) and still holds as many
+    f = s2d.Fidelity(
+        reference="r", candidates=[{"quant": "Q8_0"}], ladder_levels=[2], ladder_code_levels=[4], ladder_per_level=3
+    )
+    every = s2d._ladder_tasks(f)
+    assert [r["domain"] for r in every] == ["math"] * 3 + ["code"] * 3
+    mined = tmp_path / "1B"
+    mined.mkdir()
+    (mined / "answered_tasks.json").write_text(json.dumps({"round": 1, "ids": [every[0]["id"], every[3]["id"]]}))
+    answered = s2d._answered({"mined": mined})
+    left = s2d._ladder_tasks(f, answered)
+    assert len(left) == 6 and not {every[0]["id"], every[3]["id"]} & {r["id"] for r in left}
+    assert s2d._answered({}) is None and s2d._ladder_said(f, answered).endswith("none that 1B answered")
+    with pytest.raises(KibidangoError, match="no answered_tasks.json"):
+        s2d._answered({"mined": tmp_path})
     with pytest.raises(ValidationError, match="unknown fallback 'Q9'"):
         s2d.Config.model_validate(
             {"tiers": {"target": {"input": "t", "quant": "auto", "fidelity": {**fidelity, "fallback": "Q9"}}}}
