@@ -56,6 +56,29 @@ def test_missing_axolotl_names_the_remedy(monkeypatch, tmp_path):
         axolotl.train({"max_steps": 1}, tmp_path / "run", "x")
 
 
+def test_a_checkpoint_cut_off_while_being_saved_is_removed_and_the_whole_one_before_it_kept(tmp_path, caplog):
+    out = tmp_path / "out"
+
+    def checkpoint(step: int, state: str | None) -> Path:
+        path = out / f"checkpoint-{step}"
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(b"weights")
+        if state is not None:
+            (path / "trainer_state.json").write_text(state)
+        return path
+
+    whole_25, whole_100 = checkpoint(25, '{"global_step": 25}'), checkpoint(100, '{"global_step": 100}')
+    cut_105 = checkpoint(105, None)  # killed before the Trainer wrote its state (written last)
+    torn_110 = checkpoint(110, '{"global_st')  # killed in the middle of writing it
+    (out / "checkpoint-notes").mkdir()  # not a step: neither kept nor removed
+    with caplog.at_level("WARNING", logger="kibidango.axolotl"):
+        kept = axolotl.complete_checkpoints(out, "P/target")
+    assert kept == [whole_25, whole_100]  # by step: 100 after 25, whatever the names sort to
+    assert not cut_105.exists() and not torn_110.exists() and (out / "checkpoint-notes").is_dir()
+    assert "checkpoint-105 was cut off" in caplog.text and "checkpoint-110 was cut off" in caplog.text
+    assert axolotl.complete_checkpoints(tmp_path / "absent", "P/target") == []
+
+
 def test_trainer_log_lines_are_parsed_and_named_for_mlflow():
     line = "{'loss': '5.713', 'grad_norm': '1.284', 'memory/max_active (GiB)': '0', 'epoch': '0.01'}"
     assert axolotl._parse_logs(line) == {

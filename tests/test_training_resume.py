@@ -88,13 +88,13 @@ def test_kill_9_during_training_then_rerun_resumes_from_the_checkpoint(tmp_path)
     deadline = time.monotonic() + 400
     checkpoint = None
     while time.monotonic() < deadline and proc.poll() is None:
-        found = sorted((home / "store" / "P").glob(".work-*/target/out/checkpoint-*"))
+        # a whole checkpoint: the Trainer writes trainer_state.json after everything else
+        found = sorted((home / "store" / "P").glob(".work-*/target/out/checkpoint-*/trainer_state.json"))
         if found:
-            checkpoint = found[-1]
+            checkpoint = found[-1].parent
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert checkpoint is not None, "no checkpoint appeared before the flow ended"
-    time.sleep(1.0)  # let the checkpoint's files land
     os.kill(proc.pid, signal.SIGKILL)  # the flow only: axolotl must die with it (PR_SET_PDEATHSIG)
     proc.wait()
     for _ in range(60):  # its data-loader workers notice their parent's death within seconds
@@ -111,9 +111,16 @@ def test_kill_9_during_training_then_rerun_resumes_from_the_checkpoint(tmp_path)
         pass
     assert not list(ArtifactStore(home / "store").artifacts("P")), "a half-trained model was published"
 
+    # the kill may also land while the Trainer is saving: a later checkpoint with weights but no
+    # trainer state yet (written last) must be dropped, not resumed from
+    cut_off = checkpoint.parent / "checkpoint-1000"
+    cut_off.mkdir()
+    (cut_off / "model.safetensors").write_bytes(b"half-written")
     rerun = _cli(home, "run", "--preset", str(preset), timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "checkpoint-1000 was cut off while being saved" in rerun.stderr
     assert "P/target: resuming from checkpoint-" in rerun.stderr
+    assert "resuming from checkpoint-1000" not in rerun.stderr
     (artifact,) = ArtifactStore(home / "store").artifacts("P")
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert {"target/model.safetensors", "target/tokenizer.model", "axolotl/target.yaml", "family.json"} <= {

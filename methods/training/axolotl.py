@@ -291,6 +291,28 @@ def _kill(proc: subprocess.Popen) -> None:
             pass
 
 
+def complete_checkpoints(out: Path, label: str) -> list[Path]:
+    """The checkpoints in ``out`` a rerun can resume from, oldest first (by step, not by name:
+    ``checkpoint-100`` comes after ``checkpoint-25``). transformers' Trainer writes
+    ``trainer_state.json`` last, after the weights, optimizer, scheduler and RNG states; a
+    checkpoint without a readable one was being written when the run was killed. It is removed:
+    axolotl's ``auto_resume_from_checkpoints`` takes the highest step it finds and would die on
+    it ("Can't find a valid checkpoint"), where the one before it is whole."""
+    found = []
+    for path in out.glob("checkpoint-*"):
+        step = path.name.removeprefix("checkpoint-")
+        if not path.is_dir() or not step.isdigit():
+            continue
+        try:
+            json.loads((path / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            log.warning(f"{label}: {path.name} was cut off while being saved (no whole trainer_state.json); removing it")
+            shutil.rmtree(path)
+            continue
+        found.append((int(step), path))
+    return [path for _, path in sorted(found)]
+
+
 def train(
     cfg: dict[str, Any], run_dir: Path, label: str, *, preprocess_only: bool = False, gpus: int = 1
 ) -> dict[str, float]:
@@ -311,7 +333,7 @@ def train(
             return record["metrics"]
     cfg_path = run_dir / "axolotl.yaml"
     cfg_path.write_text(text)
-    checkpoints = sorted((run_dir / "out").glob("checkpoint-*"))
+    checkpoints = complete_checkpoints(run_dir / "out", label)
     if checkpoints and not preprocess_only:
         log.info(f"{label}: resuming from {checkpoints[-1].name}")
     with _ONE_AT_A_TIME:
