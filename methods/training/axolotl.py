@@ -306,7 +306,7 @@ def complete_checkpoints(out: Path, label: str) -> list[Path]:
         try:
             json.loads((path / "trainer_state.json").read_text())
         except (OSError, ValueError):
-            log.warning(f"{label}: {path.name} was cut off while being saved (no whole trainer_state.json); removing it")
+            log.warning(f"{label}: {path.name} was cut off while being saved (no whole trainer_state.json): removed")
             shutil.rmtree(path)
             continue
         found.append((int(step), path))
