@@ -11,8 +11,8 @@ is.
   line torn by a kill is ignored; a later line for the same id wins);
 - :func:`severity`: domain weight x how wrong (1 - judge score) x how sure the student was;
 - :data:`FAILURES` and :func:`failure_rate`: what counts as a failure, and the rate over verdicts;
-- :func:`read_jsonl` and :func:`mined_judges`: what the downstream stages (1C, 1D, 1R, 3-5) read
-  of their inputs;
+- :func:`read_jsonl`, :func:`mined_judges` and :func:`answered_tasks`: what the downstream stages
+  (1C, 1D, 1R, 2D, 3-5 and the next round's 1B) read of their inputs;
 - :func:`task_record`, :func:`verdict_record`: the JSON records of a task and a verdict (1B, 2G,
   9 and ``make eval-cascade``; the tasks themselves: :mod:`methods.heldout`).
 """
@@ -33,6 +33,7 @@ from methods.judges import Task
 __all__ = [
     "FAILURES",
     "RowLog",
+    "answered_tasks",
     "failure_rate",
     "held_out",
     "mined_judges",
@@ -67,6 +68,17 @@ def read_jsonl(path: Path, what: str) -> list[dict]:
         raise KibidangoError(f"{what} has no {path.name}: {path}")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+def answered_tasks(mined_dir: Path, what: str) -> tuple[int, frozenset[str]]:
+    """``(round, ids)``: the round a stage 1B output mined and every ladder task it and the rounds
+    before it answered (its ``answered_tasks.json``), which no later stage may count as held out
+    nor mine again. ``what`` names the input for the error (``"the previous round's 1B output"``)."""
+    where = mined_dir / "answered_tasks.json"
+    if not where.is_file():
+        raise KibidangoError(f"{what} has no answered_tasks.json ({where}): is it stage 1B's output?")
+    done = json.loads(where.read_text())
+    return int(done["round"]), frozenset(done["ids"])
 
 
 def mined_judges(mined_dir: Path) -> dict:

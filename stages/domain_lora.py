@@ -28,7 +28,7 @@ from pydantic import Field, model_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from methods.evaluation import mcnemar
-from methods.failures import read_jsonl, task_record, training_texts, verdict_record
+from methods.failures import answered_tasks, read_jsonl, task_record, training_texts, verdict_record
 from methods.heldout import HeldOutTasks, answer_and_judge, select_tasks
 from methods.llama_cpp_tools import convert_lora_to_gguf
 from methods.measure import lm
@@ -168,13 +168,10 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
 def _check(cfg: Config, base: str, out_dir: Path, data: Path, mined: Path | None, work_dir: Path) -> dict:
     """The domain's held-out tasks answered with and without the adapter: passes, the exact McNemar
     test, and whether it ships."""
-    import json
-
     from methods.measure.generate import ScoredAnswerer, once
 
     seen = training_texts(load_split(data, "train"))
-    answered = mined / "answered_tasks.json" if mined is not None else None
-    exclude = frozenset(json.loads(answered.read_text())["ids"]) if answered and answered.is_file() else frozenset()
+    exclude = answered_tasks(mined, "the mined input (stage 1B)")[1] if mined is not None else frozenset()
     rows, _ = select_tasks(cfg.check, data, seen, exclude)
     rows = [r for r in rows if r["domain"] == cfg.domain]
     if not rows:

@@ -59,6 +59,7 @@ from methods.compression.gguf import (
     quantize,
     token_agreement,
 )
+from methods.failures import answered_tasks
 from methods.llama_cpp_tools import convert_hf_to_gguf
 from methods.measure import lm
 from methods.measure.speed import decode_cells, tokens_per_s
@@ -382,10 +383,7 @@ def _answered(inputs: dict[str, Path]) -> frozenset[str] | None:
     """The ids of the ladder tasks 1B answered (the ``mined`` input; None without it)."""
     if "mined" not in inputs:
         return None
-    where = inputs["mined"] / "answered_tasks.json"
-    if not where.is_file():
-        raise KibidangoError(f"the mined input has no answered_tasks.json ({where}): wire `mined` to stage 1B")
-    return frozenset(json.loads(where.read_text())["ids"])
+    return answered_tasks(inputs["mined"], "the mined input (wire `mined` to stage 1B)")[1]
 
 
 def _ladder_tasks(f: Fidelity, exclude: frozenset[str] | None = None) -> list[dict]:

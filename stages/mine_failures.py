@@ -32,7 +32,7 @@ from core.contract import KibidangoError, StageResult
 from core.hashing import file_sha256
 from core.progress import report_metrics
 from methods.evaluation import wilson
-from methods.failures import RowLog, failure_rate, task_record, training_texts, verdict_record
+from methods.failures import RowLog, answered_tasks, failure_rate, task_record, training_texts, verdict_record
 from methods.heldout import HeldOutTasks, answer_and_judge, band_rows, choose_band, levels_above, select_tasks
 from methods.judges import sandbox_note
 from methods.ladder import LEVELS
@@ -164,11 +164,8 @@ def _earlier_rounds(previous: Path | None) -> tuple[int, frozenset[str]]:
     last round's stage 1B), which this round never mines."""
     if previous is None:
         return 1, frozenset()
-    where = previous / "answered_tasks.json"
-    if not where.is_file():
-        raise KibidangoError(f"the previous round's 1B output has no answered_tasks.json ({previous})")
-    done = json.loads(where.read_text())
-    return int(done["round"]) + 1, frozenset(done["ids"])
+    round_no, ids = answered_tasks(previous, "the previous round's 1B output")
+    return round_no + 1, ids
 
 
 def _probed(work_dir: Path) -> list[dict]:
