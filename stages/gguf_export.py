@@ -310,6 +310,8 @@ class _Measured:
 
     div: dict[str, fid.Divergence]
     ladder: dict[str, list[bool]]
+    ladder_domains: list[str]
+    """Each ladder task's domain, in the verdicts' order."""
     speed: dict[str, float]
     agreement: dict[str, AgreementReport]
     parameters: int
@@ -458,7 +460,7 @@ def _measure(
     prompts = [p.ids for p in held[: f.speed_prompts]]
     cells = decode_cells({ref_label: reference, **models}, prompts, f.speed_tokens, f.speed_rounds)
     speed = {label: tokens_per_s(c) for label, c in cells.items()}
-    return _Measured(scored.divergence, ladder, speed, agreement, reference.parameters())
+    return _Measured(scored.divergence, ladder, [t["domain"] for t in tasks], speed, agreement, reference.parameters())
 
 
 def _rows(f: Fidelity, made: _Candidates, m: _Measured) -> list[fid.FidelityRow]:
@@ -476,6 +478,7 @@ def _rows(f: Fidelity, made: _Candidates, m: _Measured) -> list[fid.FidelityRow]
             m.speed[ref_label],
             m.agreement[ref_label].agreement,
             m.agreement[ref_label].interval(),
+            ladder_domains=m.ladder_domains,
         )
     ]
     for label, (c, src, path) in made.files.items():
@@ -493,6 +496,7 @@ def _rows(f: Fidelity, made: _Candidates, m: _Measured) -> list[fid.FidelityRow]
                 imatrix=c.imatrix,
                 embedding=c.embedding,
                 agreement_interval=m.agreement[label].interval(),
+                ladder_domains=m.ladder_domains,
             )
         )
     return rows

@@ -118,8 +118,8 @@ def test_the_rule_takes_the_smallest_row_within_every_bound_and_says_why_not_for
         fid.Rule(1.05, 0.9, over_size="largest")
     # the card's sentence names every bound the rule checks, from the same fields
     assert str(fid.Rule(1.05, 0.9, None, ladder_alpha=0.05, max_bytes=98_362_432, prefer="fastest")) == (
-        "the most tokens/s with perplexity ratio <= 1.05, a ladder not worse than the reference's (one-sided "
-        "exact McNemar, p < 0.05), agreement >= 90%, at most 98.4 MB"
+        "the most tokens/s with perplexity ratio <= 1.05, a ladder not worse than the reference's, in all and "
+        "in each domain (one-sided exact McNemar, p < 0.05), agreement >= 90%, at most 98.4 MB"
     )
 
 
@@ -175,6 +175,35 @@ def test_the_ladder_bound_is_a_paired_test_against_the_reference_not_a_count():
     rows[1].ladder = rows[1].ladder[:40]
     with pytest.raises(ValueError, match="drift: 40 ladder verdicts, the reference has 48"):
         fid.ladder_versus(rows[0], rows[1])
+
+
+def test_a_loss_in_one_domain_is_not_hidden_by_a_gain_in_another():
+    """The 186cd37 small demo's chosen 4-bit mix passed 48 of 84 mining tasks against the reference's 49
+    (-6 +5): math -5 +1, code -1 +4. Each domain is tested apart as well as in all: a math collapse under
+    a code gain is refused, and the table's ladder cell shows each domain."""
+    domains = ["math"] * 24 + ["code"] * 24
+    ref = [True] * 12 + [False] * 12 + [True] * 12 + [False] * 12
+    lost_math = [False] * 9 + [True] * 3 + [False] * 12  # math: lost 9 of the reference's 12, won none
+    won_code = [True] * 12 + [True] * 8 + [False] * 4  # code: kept 12, won 8
+    rows = [_row("F16", 270, 1.0, 24, None, reference=True), _row("mix", 96, 1.04, 23)]
+    rows[0].ladder, rows[1].ladder = ref, lost_math + won_code
+    for r in rows:
+        r.ladder_domains = domains
+    assert fid.ladder_versus(rows[0], rows[1])[:2] == (9, 8)  # in all: no loss to see
+    p_math = 1 / 2**9
+    assert fid.ladder_by_domain(rows[0], rows[1]) == [
+        ("math", 3, 24, 9, 0, pytest.approx(p_math)),
+        ("code", 20, 24, 0, 8, 1.0),
+    ]
+    assert fid.Rule(1.05, 0.9, ladder_alpha=0.05).choose(rows) is None
+    assert rows[1].why_not == [f"math ladder worse: -9 +0, one-sided McNemar p = {p_math:.3f} < 0.05"]
+    text = fid.table(rows)
+    assert "| 24/48: math 12/24, code 12/24 |" in text  # the reference's row
+    assert "| 23/48 (-9 +8): math 3/24 (-9 +0), code 20/24 (-0 +8) |" in text
+    rows[0].ladder_domains = rows[1].ladder_domains = []  # one domain (or a table from before): no split
+    assert fid.ladder_by_domain(rows[0], rows[1]) == [] and fid.Rule(1.05, 0.9, ladder_alpha=0.05).choose(rows)
+    with pytest.raises(ValueError, match="mix: 2 ladder verdicts but 1 domains"):
+        fid.FidelityRow.measured("mix", "r", "Q4_0", 1, 1, None, [True, False], 1.0, ladder_domains=["math"])
 
 
 def test_llama_cpp_quantizes_with_an_importance_matrix_named_for_the_gguf(tmp_path, monkeypatch):

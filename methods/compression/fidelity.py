@@ -9,7 +9,8 @@ F16 GGUF), on the same held-out tokens and tasks:
   rows (1.0: nothing lost);
 - ``kl``: mean over those tokens of KL(reference || row) of the next-token distributions, in nats
   (llama.cpp's ``llama-perplexity --kl-divergence`` measures the same quantity);
-- ``ladder``: held-out math-ladder tasks passed (greedy, the math judge), beside the reference's;
+- ``ladder``: held-out ladder tasks passed (greedy, each by its domain's judge), beside the reference's,
+  in all and per domain (:func:`ladder_by_domain`: a math loss is not hidden by a code gain);
 - ``agreement``: greedy-token agreement with the reference's transformers model along its greedy
   paths (2D's gate);
 - ``tokens_per_s``: llama.cpp greedy decoding, every row timed in the same rounds, in turn
@@ -238,6 +239,8 @@ class FidelityRow:
     """95% bootstrap interval of ``agreement`` over its prompts."""
     ladder: list[bool] = field(default_factory=list)
     """The ladder verdicts, task by task in the reference's order (the paired test reads them)."""
+    ladder_domains: list[str] = field(default_factory=list)
+    """Each ladder task's domain, in the same order (empty: one domain)."""
 
     @classmethod
     def measured(
@@ -254,9 +257,12 @@ class FidelityRow:
         imatrix: bool = False,
         embedding: str | None = None,
         agreement_interval: tuple[float, float] | None = None,
+        ladder_domains: list[str] | None = None,
     ) -> FidelityRow:
         """A candidate's row: ``size`` bytes over ``weights`` parameters, ``div`` against the
-        reference, its ladder verdicts."""
+        reference, its ladder verdicts (and each task's domain)."""
+        if ladder_domains and len(ladder_domains) != len(ladder):
+            raise ValueError(f"{name}: {len(ladder)} ladder verdicts but {len(ladder_domains)} domains")
         return cls(
             name,
             source,
@@ -275,6 +281,7 @@ class FidelityRow:
             div.tokens,
             agreement_interval=agreement_interval,
             ladder=list(ladder),
+            ladder_domains=list(ladder_domains or []),
         )
 
     @classmethod
@@ -289,10 +296,13 @@ class FidelityRow:
         tokens_per_s: float,
         agreement: float | None = None,
         agreement_interval: tuple[float, float] | None = None,
+        ladder_domains: list[str] | None = None,
     ) -> FidelityRow:
         """The reference's own row (F16), its perplexity read off any candidate's ``div``; its agreement
         with its own transformers model, where measured, is what a faithful export reaches."""
-        row = cls.measured(name, source, "F16", size, weights, div, ladder, tokens_per_s, agreement)
+        row = cls.measured(
+            name, source, "F16", size, weights, div, ladder, tokens_per_s, agreement, ladder_domains=ladder_domains
+        )
         return replace(
             row, ppl=div.ppl_reference, ppl_ratio=1.0, kl=0.0, reference=True, agreement_interval=agreement_interval
         )
@@ -310,6 +320,25 @@ def ladder_versus(ref: FidelityRow, row: FidelityRow) -> tuple[int, int, float]:
         raise ValueError(f"{row.name}: {len(row.ladder)} ladder verdicts, the reference has {len(ref.ladder)}")
     test = mcnemar(dict(enumerate(ref.ladder)), dict(enumerate(row.ladder)), alternative="greater")
     return test["a_only"], test["b_only"], test["p"]
+
+
+def ladder_by_domain(ref: FidelityRow, row: FidelityRow) -> list[tuple[str, int, int, int, int, float]]:
+    """Per domain of a ladder with more than one (none otherwise): ``(domain, passed, tasks, lost, won,
+    p)`` of ``row`` against the reference, as :func:`ladder_versus` on that domain's tasks alone: a loss
+    in one domain is not hidden by a gain in another."""
+    from methods.evaluation import mcnemar
+
+    domains = ref.ladder_domains
+    if len(set(domains)) < 2:
+        return []
+    if len(ref.ladder) != len(row.ladder) or len(domains) != len(ref.ladder):
+        raise ValueError(f"{row.name}: {len(row.ladder)} ladder verdicts, the reference has {len(ref.ladder)}")
+    out = []
+    for domain in dict.fromkeys(domains):
+        at = [i for i, d in enumerate(domains) if d == domain]
+        test = mcnemar({i: ref.ladder[i] for i in at}, {i: row.ladder[i] for i in at}, alternative="greater")
+        out.append((domain, sum(row.ladder[i] for i in at), len(at), test["a_only"], test["b_only"], test["p"]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -342,7 +371,10 @@ class Rule:
         if self.max_ladder_drop is not None:
             bounds.append(f"at most {self.max_ladder_drop} ladder task(s) fewer than the reference")
         if self.ladder_alpha is not None:
-            bounds.append(f"a ladder not worse than the reference's (one-sided exact McNemar, p < {self.ladder_alpha})")
+            bounds.append(
+                "a ladder not worse than the reference's, in all and in each domain "
+                f"(one-sided exact McNemar, p < {self.ladder_alpha})"
+            )
         bounds.append(f"agreement >= {self.min_agreement:.0%}")
         if self.max_bytes is not None:
             bounds.append(f"at most {self.max_bytes / 1e6:.1f} MB")
@@ -362,6 +394,11 @@ class Rule:
             lost, won, p = ladder_versus(ref, r)
             if p < self.ladder_alpha:
                 out.append(f"ladder worse: -{lost} +{won}, one-sided McNemar p = {p:.3f} < {self.ladder_alpha}")
+            for domain, _, _, lost, won, p in ladder_by_domain(ref, r):
+                if p < self.ladder_alpha:
+                    out.append(
+                        f"{domain} ladder worse: -{lost} +{won}, one-sided McNemar p = {p:.3f} < {self.ladder_alpha}"
+                    )
         if r.agreement is not None and r.agreement < self.min_agreement:
             out.append(f"agreement {r.agreement:.1%} < {self.min_agreement:.0%}")
         if size and self.max_bytes is not None and r.bytes > self.max_bytes:
@@ -406,6 +443,12 @@ def table(rows: list[FidelityRow]) -> str:
         if ref is not None and not r.reference and r.ladder and len(r.ladder) == len(ref.ladder):
             lost, won, _ = ladder_versus(ref, r)
             ladder += f" (-{lost} +{won})"
+        if ref is not None and r.ladder and len(r.ladder) == len(ref.ladder):
+            parts = [
+                f"{d} {n}/{k}" + ("" if r.reference else f" (-{lost} +{won})")
+                for d, n, k, lost, won, _ in ladder_by_domain(ref, r)
+            ]
+            ladder += f": {', '.join(parts)}" if parts else ""
         verdict = "reference" if r.reference else "; ".join(r.why_not) or r.passed_over
         if r.chosen:  # a row chosen over the size cap keeps its size note
             verdict = "**chosen**" + (f" ({verdict})" if r.why_not else "")
