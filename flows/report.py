@@ -692,6 +692,187 @@ def _paired_difference(pairs: list[tuple[bool, bool]], rounds: int = 2000, seed:
     return float(d.mean()), [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
 
 
+def _bundle_policy(evaluation: dict | None) -> str:
+    """The policy stage 9 answered by as the bundle does: the router's adapter (``auto``), or the base
+    weights where no adapter ships (``none``)."""
+    return "auto" if "auto" in (evaluation or {}).get("policies", ["auto"]) else "none"
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+_LADDERS = {"ladder_math": "math", "ladder_code": "code"}
+
+
+def _paired_claim(pairs: list[tuple[bool, bool]], a: str, b: str) -> tuple[float, list[float], str]:
+    """``a`` minus ``b`` on the same tasks: the difference, its paired bootstrap interval, and both in
+    words with the discordant counts and the exact McNemar p."""
+    from methods.evaluation import mcnemar
+
+    diff, ci = _paired_difference(pairs)
+    test = mcnemar({i: x for i, (x, _) in enumerate(pairs)}, {i: y for i, (_, y) in enumerate(pairs)})
+    rate = lambda k: sum(p[k] for p in pairs) / len(pairs)  # noqa: E731
+    words = (
+        f"{diff * 100:+.1f} points [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}] ({_pct(rate(0))} vs {_pct(rate(1))}, "
+        f"{len(pairs)} tasks; {a} only {test['a_only']} / {b} only {test['b_only']}, p = {test['p']:.3g})"
+    )
+    return diff, ci, words
+
+
+def _mining_by_domain(chosen: dict, table: list[dict]) -> dict[str, str]:
+    """2D's chosen row on its mining-part ladder, per domain, against the reference's: 'math 23/48
+    (reference 27)'."""
+    from methods.compression.fidelity import ladder_split
+
+    ref = next(r for r in table if r["reference"])
+    domains = ref.get("ladder_domains") or []
+    if len(domains) != len(ref["ladder"]) or len(chosen["ladder"]) != len(ref["ladder"]):
+        return {}  # a table from before the domains were kept
+    theirs = {d: n for d, n, *_ in ladder_split(domains, ref["ladder"], ref["ladder"])}
+    return {
+        d: f"{d} {n}/{k} against the reference's {theirs[d]} (-{lost} +{won})"
+        for d, n, k, lost, won, _ in ladder_split(domains, ref["ladder"], chosen["ladder"])
+    }
+
+
+def _bundle_claims(artifacts: dict) -> list[Claim]:
+    """The bundle against the model it started from and against the uncompressed 1R, goal by goal as
+    the issue that asked for it states them: the target's size, the default bundle's, bits per weight,
+    perplexity, the ladder kept (per domain, paired against 1R on the evaluation part), the ladder
+    gained over the input (paired), tokens/s and peak RSS beside the input. A missed goal names the
+    row of 2D's fidelity table that shows why."""
+    ev = _json(Path(artifacts["9"]) / "evaluation.json") if "9" in artifacts else None
+    shipped = artifacts.get("9A") or artifacts.get("X")  # the stamped bundle, or X's before 9A ran
+    bundle = _json(Path(shipped) / "bundle" / "bundle.json") if shipped else None
+    gguf = (_json(Path(artifacts["2D"]) / "gguf.json") if "2D" in artifacts else None) or {}
+    table = (gguf.get("fidelity") or {}).get("target") or []
+    chosen = next((r for r in table if r["chosen"]), None)
+    beside = (ev or {}).get("input_model")
+    rows: list[Claim] = []
+    sizes = {f["path"]: f["size"] for f in (bundle or {}).get("files", [])}
+    target = ((bundle or {}).get("tiers", {}).get("target") or {}).get("gguf")
+    if target in sizes:
+        t_mb = sizes[target] / 1e6
+        if beside:
+            i_mb = beside["bytes"] / 1e6
+            goal = f"<= the input's file ({i_mb:.1f} MB)"
+            rows.append(
+                ("the default bundle's target", goal, f"{t_mb:.1f} MB ({Path(target).name})", _yes(t_mb <= i_mb))
+            )
+        total = sum(sizes.values()) / 1e6
+        profile = ((bundle or {}).get("profile") or {}).get("name", "full")
+        rows.append(
+            (
+                f"the whole bundle ({profile} profile)",
+                "<= 1.3x its target",
+                f"{total:.1f} MB, {total / t_mb:.2f}x",
+                _yes(total <= 1.3 * t_mb and profile == "default"),
+            )
+        )
+    if chosen:
+        lowest = min(table, key=lambda r: r["bits_per_weight"])
+        why = (
+            ""
+            if chosen["bits_per_weight"] <= 4.5
+            else (
+                f"; the table's fewest bits, {lowest['name']} at {lowest['bits_per_weight']:.2f}: "
+                + ("; ".join(lowest["why_not"]) or "kept every bound")
+            )
+        )
+        rows.append(
+            (
+                "bits per weight of the target",
+                "<= 4.5",
+                f"{chosen['bits_per_weight']:.2f} ({chosen['name']}){why}",
+                _yes(chosen["bits_per_weight"] <= 4.5),
+            )
+        )
+        rows.append(
+            (
+                "perplexity against the uncompressed 1R (2D, held-out tokens)",
+                "<= 1.05x",
+                f"{chosen['ppl_ratio']:.3f}x",
+                _yes(chosen["ppl_ratio"] <= 1.05),
+            )
+        )
+    answers = {r["id"]: r for r in _jsonl(Path(artifacts["9"]) / "answers.jsonl")} if "9" in artifacts else {}
+    policy = _bundle_policy(ev)
+    retrained = _jsonl(Path(artifacts["1R"]) / "evaluation.jsonl") if "1R" in artifacts else []
+    mining = _mining_by_domain(chosen, table) if chosen else {}
+    for sample, domain in _LADDERS.items():
+        pairs = [
+            (answers[r["id"]]["answers"][policy]["passed"], r["passed"]["1R"])
+            for r in retrained
+            if r["sample"] == sample and r["id"] in answers and policy in answers[r["id"]]["answers"]
+        ]
+        claim = (f"{domain} ladder kept: the bundle against the uncompressed 1R", "within 2 points (interval above -2)")
+        if not pairs:
+            continue
+        diff, ci, words = _paired_claim(pairs, "bundle", "1R")
+        met = "yes" if ci[0] > -0.02 else "no" if diff < -0.02 else "not shown"
+        if met != "yes" and domain in mining:
+            words += f"; 2D's mining part: {mining[domain]}"
+        rows.append((*claim, words, met))
+    if beside:
+        pairs = [
+            (r["answers"][policy]["passed"], r["answers"]["input"]["passed"])
+            for r in answers.values()
+            if r["sample"] in _LADDERS and policy in r["answers"] and "input" in r["answers"]
+        ]
+        if pairs:
+            diff, ci, words = _paired_claim(pairs, "bundle", "input")
+            rows.append(("more ladder tasks passed than the input", "a gain, interval above 0", words, _yes(ci[0] > 0)))
+        sp = beside["speed"]
+        rows.append(
+            (
+                "llama.cpp tokens/s against the input's, side by side",
+                ">= 1.0x",
+                f"{sp['ratio']:.2f}x [{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}] ({sp['prompts']} prompts x "
+                f"{sp['new_tokens']} tokens x {sp['rounds']} rounds)",
+                _yes(sp["ratio"] >= 1.0),
+            )
+        )
+        if beside.get("peak_rss_mb") is not None:
+            mine, theirs = ev["peak_rss_mb"], beside["peak_rss_mb"]
+            rows.append(
+                (
+                    "peak RSS loading and generating, against the input's",
+                    "no higher (within 1%: pages)",
+                    f"{mine:.1f} MB against {theirs:.1f} MB ({mine / theirs - 1:+.1%})",
+                    _yes(mine <= 1.01 * theirs),
+                )
+            )
+    return rows
+
+
+def _yes(met: bool) -> str:
+    return "yes" if met else "no"
+
+
+def _bundle_section(artifacts: dict) -> list[str]:
+    """Does the bundle beat the model it started from? Its claims table (:func:`_bundle_claims`)."""
+    rows = _bundle_claims(artifacts)
+    if not rows:
+        return []
+    return [
+        "",
+        "## Does the bundle beat its input?",
+        "",
+        "### The bundle's claims, met or not",
+        "",
+        "Each goal as the issue that asked for the bundle states it. The ladder rows pair the shipped bundle "
+        "(stage 9, on llama.cpp) with the uncompressed 1R (1R's own evaluation, on transformers) and with the "
+        "input model, task by task on the ladder's evaluation part: the difference, its paired bootstrap 95% "
+        "interval, the discordant tasks and the exact McNemar p. `not shown`: the point estimate is within the "
+        "goal, the interval is not.",
+        "",
+        "| claim | goal | measured | met |",
+        "|---|---|---|---|",
+        *(f"| {c} | {g} | {m} | {v} |" for c, g, m, v in rows),
+    ]
+
+
 def _loop_section(runs: dict, artifacts: dict, study: dict | None = None, records: list[dict] = ()) -> list[str]:
     """Does the quality loop work? Per ladder level: 1A, 1R's controls and 1R on the same held-out
     evaluation tasks (1R's card), and the shipped bundle (stage 9); each round; then each stage's
@@ -706,7 +887,7 @@ def _loop_section(runs: dict, artifacts: dict, study: dict | None = None, record
         models = list(comparison["models"])
         groups = sorted({g for m in comparison["models"].values() for g in m["groups"]})
         # the policy the bundle answers by: the router's adapter, or the base where no adapter ships
-        policy = "auto" if "auto" in (evaluation or {}).get("policies", ["auto"]) else "none"
+        policy = _bundle_policy(evaluation)
         shipped = f"shipped bundle (9, policy {policy})" if any(g in quality for g in groups) else None
         out += [
             "",
@@ -912,6 +1093,7 @@ def write_report(preset: str, out_dir: Path | None = None) -> Path:
     later_runs, later = ({}, {}) if own_rounds else _later_rounds(client, plan, retrained_key)
     lines += _loop_section({**runs, **later_runs}, {**artifacts, **later}, study, records)
     lines += _study_section(study)
+    lines += _bundle_section(artifacts)
     lines += _stage_sections(client, runs, artifacts, out_dir)
     # the flow run's bundles: stage X's, and the copies that 1F tuned and 9A stamped (stage 9 evaluates 1F's)
     bundles = [str(Path(a) / "bundle") for s, a in artifacts.items() if s in ("X", "1F", "9A") and a]

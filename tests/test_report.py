@@ -438,3 +438,81 @@ def test_the_loop_table_shows_the_bundle_under_the_policy_it_answers_by(tmp_path
     lines = "\n".join(_loop_section({"1R": run, "9": run}, artifacts))
     assert "| shipped bundle (9, policy none) | n |" in lines
     assert "| ladder_code/L1 | 20 | 50% [40%, 60%] | 50% [40%, 60%] | 75% [50%, 90%] | 20 |" in lines
+
+
+def test_the_report_says_per_goal_whether_the_bundle_beats_its_input(tmp_path):
+    """ "Does the bundle beat its input?": each of the bundle's goals, measured from the artifacts of 9A
+    (sizes), 2D (bits, perplexity), 9 (speed, RSS, answers) and 1R (its per-task verdicts): the ladder
+    rows pair the bundle with the uncompressed 1R and with the input task by task, and a missed goal
+    names what in 2D's table shows why."""
+    from flows.report import _bundle_claims, _bundle_section
+
+    for sid in ("1R", "2D", "9", "9A/bundle"):
+        (tmp_path / sid).mkdir(parents=True)
+    target = "tiers/target/gguf/target-Q4_0-mix.gguf"
+    files = [{"path": target, "size": 96_000_000}, {"path": "router/router.json", "size": 4_000_000}]
+    profile = {"name": "default", "backends": ["llamacpp"], "left_out": []}
+    bundle = {"files": files, "profile": profile, "tiers": {"target": {"gguf": target}}}
+    (tmp_path / "9A" / "bundle" / "bundle.json").write_text(json.dumps(bundle))
+    domains = ["math"] * 4 + ["code"] * 4
+
+    def row(name, bits, ratio, ladder, reference=False, chosen=False, why_not=()):
+        return {
+            "name": name,
+            "bits_per_weight": bits,
+            "ppl_ratio": ratio,
+            "ladder": ladder,
+            "ladder_domains": domains,
+            "ladder_passed": sum(ladder),
+            "ladder_tasks": len(ladder),
+            "reference": reference,
+            "chosen": chosen,
+            "why_not": list(why_not),
+        }
+
+    table = [
+        row("reference F16", 16.0, 1.0, [True] * 8, reference=True),
+        row("mix", 5.7, 1.04, [False, True, True, True] + [True] * 4, chosen=True),
+        row("Q4_0", 5.4, 1.2, [False] * 8, why_not=["perplexity ratio 1.200 > 1.05"]),
+    ]
+    (tmp_path / "2D" / "gguf.json").write_text(json.dumps({"fidelity": {"target": table}}))
+    speed = {"ratio": 1.02, "ci": [0.99, 1.05], "prompts": 16, "new_tokens": 32, "rounds": 3}
+    input_model = {"bytes": 98_400_000, "peak_rss_mb": 380.0, "speed": speed}
+    evaluation = {"policies": ["none", "input"], "input_model": input_model, "peak_rss_mb": 379.0}
+    (tmp_path / "9" / "evaluation.json").write_text(json.dumps(evaluation))
+    # 20 math tasks: 1R passes 10, the bundle 6 of those and 1 other; the input 2; 20 code tasks: all pass
+    verdicts = [("math", i, i < 10, i < 6 or i == 19, i < 2) for i in range(20)]
+    verdicts += [("code", i, True, True, False) for i in range(20)]
+    answers, evaluated = [], []
+    for domain, i, retrained, shipped, came in verdicts:
+        tid, sample = f"ladder-{domain}-{i}", f"ladder_{domain}"
+        evaluated.append({"id": tid, "sample": sample, "passed": {"1A": False, "1R": retrained}})
+        answers.append(
+            {"id": tid, "sample": sample, "answers": {"none": {"passed": shipped}, "input": {"passed": came}}}
+        )
+    (tmp_path / "1R" / "evaluation.jsonl").write_text("\n".join(json.dumps(r) for r in evaluated))
+    (tmp_path / "9" / "answers.jsonl").write_text("\n".join(json.dumps(r) for r in answers))
+    artifacts = {sid: str(tmp_path / sid) for sid in ("1R", "2D", "9", "9A")}
+    rows = {claim: (measured, met) for claim, _, measured, met in _bundle_claims(artifacts)}
+    assert rows["the default bundle's target"] == ("96.0 MB (target-Q4_0-mix.gguf)", "yes")
+    assert rows["the whole bundle (default profile)"] == ("100.0 MB, 1.04x", "yes")
+    measured, met = rows["bits per weight of the target"]
+    assert met == "no" and measured.endswith("the table's fewest bits, Q4_0 at 5.40: perplexity ratio 1.200 > 1.05")
+    assert rows["perplexity against the uncompressed 1R (2D, held-out tokens)"] == ("1.040x", "yes")
+    measured, met = rows["math ladder kept: the bundle against the uncompressed 1R"]
+    assert met == "no" and measured.startswith("-15.0 points [")  # 7/20 against 10/20
+    assert "(35.0% vs 50.0%, 20 tasks; bundle only 1 / 1R only 4, p = 0.375)" in measured
+    assert measured.endswith("2D's mining part: math 3/4 against the reference's 4 (-1 +0)")
+    assert rows["code ladder kept: the bundle against the uncompressed 1R"] == (
+        "+0.0 points [+0.0, +0.0] (100.0% vs 100.0%, 20 tasks; bundle only 0 / 1R only 0, p = 1)",
+        "yes",
+    )
+    measured, met = rows["more ladder tasks passed than the input"]
+    assert met == "yes" and "(67.5% vs 5.0%, 40 tasks; bundle only 25 / input only 0" in measured
+    assert rows["llama.cpp tokens/s against the input's, side by side"] == (
+        "1.02x [0.99, 1.05] (16 prompts x 32 tokens x 3 rounds)",
+        "yes",
+    )
+    assert rows["peak RSS loading and generating, against the input's"] == ("379.0 MB against 380.0 MB (-0.3%)", "yes")
+    assert "## Does the bundle beat its input?" in _bundle_section(artifacts)
+    assert _bundle_section({}) == []  # a run without these stages has no such section
