@@ -723,16 +723,19 @@ def _paired_claim(pairs: list[tuple[bool, bool]], a: str, b: str) -> tuple[float
 def _mining_by_domain(chosen: dict, table: list[dict]) -> dict[str, str]:
     """2D's chosen row on its mining-part ladder, per domain, against the reference's: 'math 23/48
     (reference 27)'."""
-    from methods.compression.fidelity import ladder_split
+    from types import SimpleNamespace
+
+    from methods.compression.fidelity import ladder_by_domain
 
     ref = next(r for r in table if r["reference"])
-    domains = ref.get("ladder_domains") or []
-    if len(domains) != len(ref["ladder"]) or len(chosen["ladder"]) != len(ref["ladder"]):
+    if len(ref.get("ladder_domains") or []) != len(ref["ladder"]) or len(chosen["ladder"]) != len(ref["ladder"]):
         return {}  # a table from before the domains were kept
-    theirs = {d: n for d, n, *_ in ladder_split(domains, ref["ladder"], ref["ladder"])}
+    # the table as gguf.json keeps it: the fields the paired test reads
+    ref, chosen = (SimpleNamespace(**r) for r in (ref, chosen))
+    theirs = {d: n for d, n, *_ in ladder_by_domain(ref, ref)}
     return {
         d: f"{d} {n}/{k} against the reference's {theirs[d]} (-{lost} +{won})"
-        for d, n, k, lost, won, _ in ladder_split(domains, ref["ladder"], chosen["ladder"])
+        for d, n, k, lost, won, _ in ladder_by_domain(ref, chosen)
     }
 
 

@@ -326,24 +326,18 @@ def ladder_by_domain(ref: FidelityRow, row: FidelityRow) -> list[tuple[str, int,
     """Per domain of a ladder with more than one (none otherwise): ``(domain, passed, tasks, lost, won,
     p)`` of ``row`` against the reference, as :func:`ladder_versus` on that domain's tasks alone: a loss
     in one domain is not hidden by a gain in another."""
-    if len(ref.ladder) != len(row.ladder):
-        raise ValueError(f"{row.name}: {len(row.ladder)} ladder verdicts, the reference has {len(ref.ladder)}")
-    return ladder_split(ref.ladder_domains, ref.ladder, row.ladder)
-
-
-def ladder_split(
-    domains: Sequence[str], reference: Sequence[bool], row: Sequence[bool]
-) -> list[tuple[str, int, int, int, int, float]]:
-    """:func:`ladder_by_domain` on verdict lists (a table read back from ``gguf.json``)."""
     from methods.evaluation import mcnemar
 
+    domains = ref.ladder_domains
     if len(set(domains)) < 2:
         return []
+    if len(ref.ladder) != len(row.ladder) or len(domains) != len(ref.ladder):
+        raise ValueError(f"{row.name}: {len(row.ladder)} ladder verdicts, the reference has {len(ref.ladder)}")
     out = []
     for domain in dict.fromkeys(domains):
         at = [i for i, d in enumerate(domains) if d == domain]
-        test = mcnemar({i: reference[i] for i in at}, {i: row[i] for i in at}, alternative="greater")
-        out.append((domain, sum(row[i] for i in at), len(at), test["a_only"], test["b_only"], test["p"]))
+        test = mcnemar({i: ref.ladder[i] for i in at}, {i: row.ladder[i] for i in at}, alternative="greater")
+        out.append((domain, sum(row.ladder[i] for i in at), len(at), test["a_only"], test["b_only"], test["p"]))
     return out
 
 
