@@ -721,8 +721,8 @@ def _paired_claim(pairs: list[tuple[bool, bool]], a: str, b: str) -> tuple[float
 
 
 def _mining_by_domain(chosen: dict, table: list[dict]) -> dict[str, str]:
-    """2D's chosen row on its mining-part ladder, per domain, against the reference's: 'math 23/48
-    (reference 27)'."""
+    """2D's chosen row on its mining-part ladder, per domain, against the reference's: 'math 27/48
+    against the reference's 30 (-5 +2)'."""
     from types import SimpleNamespace
 
     from methods.compression.fidelity import ladder_by_domain
@@ -836,7 +836,7 @@ def _bundle_claims(artifacts: dict) -> list[Claim]:
                 _yes(sp["ratio"] >= 1.0),
             )
         )
-        if beside.get("peak_rss_mb") is not None:
+        if beside.get("peak_rss_mb") is not None and ev.get("peak_rss_mb") is not None:
             mine, theirs = ev["peak_rss_mb"], beside["peak_rss_mb"]
             rows.append(
                 (
