@@ -258,6 +258,48 @@ def test_answer_features_a_few_rows_at_a_time_equal_the_whole_answers():
     }
 
 
+@pytest.mark.parametrize("backend", ["torch", "llamacpp"])
+def test_the_scoring_pass_reads_the_answer_a_few_rows_at_a_time(family, backend):
+    """score_answer (a `lookup` or `sd` answer's confidence: no logits kept as it was decoded) feeds the
+    prompt, then the answer ``_ROWS`` tokens at a time, and never asks the backend for more rows at
+    once; its features are those of one pass over prompt and answer (the form it had, which held a
+    row of the vocabulary per answer token twice: +28 MB of SmolLM2's peak RSS)."""
+    from kibidango.addons import confidence
+
+    if backend == "torch":
+        target, answer = family["target"], [7, 3, 60, 12, 5, 5, 9, 40, 33, 2, 17, 1, 44, 8, 8, 30, 21, 6, 11]
+    else:
+        if not GGUF.is_file():
+            pytest.skip(f"needs stories260K's GGUF at {GGUF}")
+        pytest.importorskip("llama_cpp")
+        from kibidango.backends.llamacpp_backend import LlamaCppModel
+
+        target, answer = LlamaCppModel(GGUF, threads=1), [403, 407, 261, 378, 9, 300, 66, 67, 68, 69, 70, 71, 5, 6, 7]
+    prompt = list(PROMPTS[1])
+    assert len(answer) - 1 > confidence._ROWS and (len(answer) - 1) % confidence._ROWS
+    whole = confidence.answer_features(
+        target.new_session().feed(prompt + answer, first=len(prompt) - 1)[:-1], answer, 1.3
+    )
+    asked, opened = [], target.new_session
+
+    def session():
+        s = opened()
+        feed = s.feed
+        s.feed = lambda tokens, first=0: asked.append(len(tokens) - first) or feed(tokens, first)
+        return s
+
+    target.new_session = session
+    try:
+        got = confidence.score_answer(target, prompt, answer, 1.3)
+    finally:
+        del target.new_session
+    full, rest = divmod(len(answer) - 1, confidence._ROWS)
+    assert asked == [1, *[confidence._ROWS] * full, rest]  # the prompt's last row, then the answer's
+    assert got.keys() == whole.keys()
+    for key in whole:
+        assert got[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-4), key
+
+
 def test_a_model_outside_a_member_is_refused(family):
     pipe = Pipeline(None, dict(family), DecodeConfig(mode="ar", max_new_tokens=2))
     batcher = Batcher(pipe, slots=2)
