@@ -267,6 +267,10 @@ def _json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def summary_table(flow, runs: dict, minutes: dict, artifacts: dict, records: list[dict]) -> list[str]:
     """The headline figures, each with where it came from: the flow run (stages computed and
     cached, wall time), each stage's own rows (its ``report_headline``: the release verdict, pass
@@ -391,9 +395,8 @@ def _study_figures(client, plan, retrained_key: str | None = None) -> dict | Non
     studied = json.loads(input_keys).get("retrained") if input_keys else None
     if retrained_key and studied and studied != retrained_key:
         study["earlier"] = studied
-    verdicts = Path(where) / "evaluation.jsonl"
-    if "gold" in comparison["models"] and verdicts.is_file():
-        rows = [json.loads(line) for line in verdicts.read_text().splitlines() if line.strip()]
+    rows = _jsonl(Path(where) / "evaluation.jsonl")
+    if "gold" in comparison["models"] and rows:
         pairs = [
             (r["passed"]["1R"], r["passed"]["gold"])
             for r in rows
@@ -698,10 +701,6 @@ def _bundle_policy(evaluation: dict | None) -> str:
     return "auto" if "auto" in (evaluation or {}).get("policies", ["auto"]) else "none"
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 _LADDERS = {"ladder_math": "math", "ladder_code": "code"}
 
 
@@ -809,9 +808,9 @@ def _bundle_claims(artifacts: dict) -> list[Claim]:
             for r in retrained
             if r["sample"] == sample and r["id"] in answers and policy in answers[r["id"]]["answers"]
         ]
-        claim = (f"{domain} ladder kept: the bundle against the uncompressed 1R", "within 2 points (interval above -2)")
         if not pairs:
             continue
+        claim = (f"{domain} ladder kept: the bundle against the uncompressed 1R", "within 2 points (interval above -2)")
         diff, ci, words = _paired_claim(pairs, "bundle", "1R")
         met = "yes" if ci[0] > -0.02 else "no" if diff < -0.02 else "not shown"
         if met != "yes" and domain in mining:
