@@ -188,6 +188,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     if beside is not None:
         m = report["input_model"]
         metrics |= {"input/bytes": float(m["bytes"]), "input/speed_ratio": m["speed"]["ratio"]}
+        metrics["input/speed_ratio_as_run"] = m["speed"]["as_run"]["ratio"]
         if m["peak_rss_mb"] is not None:
             metrics["input/peak_rss_mb"] = m["peak_rss_mb"]
     for row in report["speed"].get("rows", []):
@@ -347,9 +348,10 @@ def _load(path: Path, backend: str):
 
 
 def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
-    """The input model's bytes, peak RSS and the bundle target's greedy speed over the input's."""
+    """The input model's bytes, peak RSS and the bundle's greedy speed over the input's: its target's
+    one-token steps (the weights), and whole requests in its tuned mode (``as_run``: what a user sees)."""
     from kibidango.tools.bench import bootstrap_ratio
-    from methods.measure.speed import decode_cells, tokens_per_s
+    from methods.measure.speed import decode_cells, generate_cells, tokens_per_s
 
     spec = cfg.input_model
     model = beside.models["target"]
@@ -361,8 +363,16 @@ def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
         {"bundle": pipe.models["target"], "input": model}, prompts or [[0]], cfg.speed_new_tokens, spec.speed_rounds
     )
     ratio, lo, hi = bootstrap_ratio(cells["bundle"], cells["input"])
+    # As a user runs each: the bundle in its tuned mode (1F, chosen on stage 0's validation rows, not
+    # these), the input in ar; whole greedy requests, prompt processing included.
+    tuned = pipe.config(temperature=0.0, max_new_tokens=cfg.speed_new_tokens)
+    runs = {"bundle": (pipe, tuned), "input": (beside, beside.config(max_new_tokens=cfg.speed_new_tokens))}
+    whole = generate_cells(runs, prompts or [[0]], spec.speed_rounds)
+    as_run = bootstrap_ratio(whole["bundle"], whole["input"])
     prompt = rows[0]["task"].prompt[:2000]
+    sampling = [str(pipe.defaults.temperature), str(pipe.defaults.top_p)]  # the bundle probe's own: like for like
     probe = [sys.executable, "-c", _INPUT_RSS_PROBE, cfg.backend, str(where), str(pipe.bundle.root), prompt, "32"]
+    probe += sampling
     files = [where] if where.is_file() else sorted(where.glob("*.safetensors"))
     return {
         "name": spec.path or f"{spec.input}/{spec.tier}",
@@ -378,8 +388,27 @@ def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
             "prompts": len(prompts),
             "new_tokens": cfg.speed_new_tokens,
             "rounds": spec.speed_rounds,
+            "as_run": {
+                "mode": tuned.mode,
+                "ratio": as_run[0],
+                "ci": list(as_run[1:]),
+                "bundle_tokens_per_s": tokens_per_s(whole["bundle"]),
+                "input_tokens_per_s": tokens_per_s(whole["input"]),
+            },
         },
     }
+
+
+def _as_run_row(sp: dict) -> list[str]:
+    """The card's row of whole requests, each model as it runs (none in an older evaluation)."""
+    run = sp.get("as_run")
+    if not run:
+        return []
+    return [
+        f"| tokens/s of whole greedy requests, as each runs (input: ar; bundle: {run['mode']}) | "
+        f"{run['input_tokens_per_s']:.1f} | {run['bundle_tokens_per_s']:.1f} = **{run['ratio']:.2f}x** "
+        f"[{run['ci'][0]:.2f}, {run['ci'][1]:.2f}] |"
+    ]
 
 
 def _reference_nll(pipe, prompt_ids: list[int], reference: str) -> dict | None:
@@ -486,13 +515,14 @@ import sys
 from kibidango import DecodeConfig, Pipeline
 from kibidango.bundle import load_bundle
 from kibidango.bundle.tokenizer import load_tokenizer
-backend, path, bundle, prompt, new = sys.argv[1:6]
+backend, path, bundle, prompt, new, temperature, top_p = sys.argv[1:8]
 if backend == "llamacpp":
     from kibidango.backends.llamacpp_backend import LlamaCppModel as Model
 else:
     from kibidango.backends.torch_backend import TorchModel as Model
 tokenizer = load_tokenizer(load_bundle(bundle, verify=False).tokenizer_dir)
-pipe = Pipeline(tokenizer, {"target": Model(path, name="target")}, DecodeConfig(mode="ar"), backend=backend)
+config = DecodeConfig(mode="ar", temperature=float(temperature), top_p=float(top_p))
+pipe = Pipeline(tokenizer, {"target": Model(path, name="target")}, config, backend=backend)
 pipe.generate(prompt, max_new_tokens=int(new))
 """
     + _HIGH_WATER
@@ -628,10 +658,13 @@ def _card(r: dict) -> str:
             + " |",
             f"| greedy ar tokens/s (same run, in turn) | {sp['input_tokens_per_s']:.1f} | "
             f"{sp['bundle_tokens_per_s']:.1f} = **{sp['ratio']:.2f}x** [{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}] |",
+            *_as_run_row(sp),
             "",
             f"Speed: the bundle target's and the input's one-token steps, {sp['prompts']} evaluation prompts x "
             f"{sp['new_tokens']} tokens x {sp['rounds']} rounds, the two in turn; 95% bootstrap interval over "
             f"(prompt, round) cells. The bundle's tuned decoding mode adds its own ratio over ar (1F).{ran_with}",
+            "Peak RSS: a fresh process each, one evaluation prompt, 32 tokens, both at the bundle's sampling "
+            "settings; the bundle in its tuned mode with its router and calibrator, the input model in ar.",
         ]
     speed = r["speed"]
     if speed:
@@ -702,7 +735,14 @@ def report_headline(artifact: Path) -> list[tuple[str, str]]:
             (
                 f"beside the input model, {beside['name']} (policy `input` above)",
                 f"{beside['bytes'] / 1e6:.1f} MB{rss}; the bundle target's greedy tokens/s {sp['ratio']:.2f}x "
-                f"[{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}] the input's{paired}",
+                f"[{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}] the input's"
+                + (
+                    f", the bundle as it runs ({run['mode']}) {run['ratio']:.2f}x "
+                    f"[{run['ci'][0]:.2f}, {run['ci'][1]:.2f}]"
+                    if (run := sp.get("as_run"))
+                    else ""
+                )
+                + paired,
             )
         )
     speed = [r for r in (ev.get("speed") or {}).get("rows", []) if r["mode"] != "ar"]

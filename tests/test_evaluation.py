@@ -341,8 +341,12 @@ def test_stage_9_answers_the_same_tasks_with_the_input_model_beside_the_bundle(s
     assert m["name"] == "family/target" and m["file"] == "target-F16.gguf" and m["bytes"] > 0
     assert m["peak_rss_mb"] > 50 and m["speed"]["ci"][0] <= m["speed"]["ratio"] <= m["speed"]["ci"][1]
     assert result.metrics["input/speed_ratio"] == m["speed"]["ratio"] and m["speed"]["prompts"] == 5  # its own count
+    run = m["speed"]["as_run"]  # whole requests, the bundle in its own mode
+    assert run["mode"] == "ar" and run["ci"][0] <= run["ratio"] <= run["ci"][1] and run["input_tokens_per_s"] > 0
+    assert result.metrics["input/speed_ratio_as_run"] == run["ratio"]
     card = (out / "EVALUATION_CARD.md").read_text()
     assert "### Beside the input model" in card and "| input model |" in card and "bundle vs input" in card
+    assert "tokens/s of whole greedy requests, as each runs (input: ar; bundle: ar)" in card
     assert m["speed"]["adapter"] is None and "ran with its bare weights" in card  # this bundle has no default LoRA
     # Resumable: the input's answers are journaled like the bundle's; the F16 is converted once.
     shutil.rmtree(out)

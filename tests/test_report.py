@@ -476,7 +476,8 @@ def test_the_report_says_per_goal_whether_the_bundle_beats_its_input(tmp_path):
         row("Q4_0", 5.4, 1.2, [False] * 8, why_not=["perplexity ratio 1.200 > 1.05"]),
     ]
     (tmp_path / "2D" / "gguf.json").write_text(json.dumps({"fidelity": {"target": table}}))
-    speed = {"ratio": 1.02, "ci": [0.99, 1.05], "prompts": 16, "new_tokens": 32, "rounds": 3}
+    as_run = {"mode": "lookup", "ratio": 0.97, "ci": [0.9, 1.04]}
+    speed = {"ratio": 1.02, "ci": [0.99, 1.05], "prompts": 16, "new_tokens": 32, "rounds": 3, "as_run": as_run}
     input_model = {"bytes": 98_400_000, "peak_rss_mb": 380.0, "speed": speed}
     evaluation = {"policies": ["none", "input"], "input_model": input_model, "peak_rss_mb": 379.0}
     (tmp_path / "9" / "evaluation.json").write_text(json.dumps(evaluation))
@@ -509,10 +510,12 @@ def test_the_report_says_per_goal_whether_the_bundle_beats_its_input(tmp_path):
     )
     measured, met = rows["more ladder tasks passed than the input"]
     assert met == "yes" and "(67.5% vs 5.0%, 40 tasks; bundle only 25 / input only 0" in measured
-    assert rows["llama.cpp tokens/s against the input's, side by side"] == (
+    assert rows["llama.cpp tokens/s against the input's, side by side: the target's weights (greedy ar steps)"] == (
         "1.02x [0.99, 1.05] (16 prompts x 32 tokens x 3 rounds)",
         "yes",
     )
+    as_run = "the same, as each runs: the bundle in its tuned mode (lookup), the input in ar; whole greedy requests"
+    assert rows[as_run] == ("0.97x [0.90, 1.04] (the same prompts and rounds)", "no")
     assert rows["peak RSS loading and generating, against the input's"] == ("379.0 MB against 380.0 MB (-0.3%)", "yes")
     assert "## Does the bundle beat its input?" in _bundle_section(artifacts)
     assert _bundle_section({}) == []  # a run without these stages has no such section

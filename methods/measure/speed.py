@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-__all__ = ["decode_cells", "tokens_per_s"]
+__all__ = ["decode_cells", "generate_cells", "tokens_per_s"]
 
 
 def decode_cells(
@@ -29,6 +29,24 @@ def decode_cells(
                 for _ in range(new_tokens):
                     row = session.feed([int(np.argmax(row))])[0]
                 cells[name].append((new_tokens, time.perf_counter() - started))
+    return cells
+
+
+def generate_cells(
+    runs: dict[str, tuple[object, object]], prompts: list[list[int]], rounds: int
+) -> dict[str, list[tuple[int, float]]]:
+    """``{name: [(tokens, seconds), ...]}`` as :func:`decode_cells`, of whole requests: each run a
+    (runtime pipeline, decoding config), timed from the prompt to the last token (prompt processing,
+    drafting and verification included; the answer ends where its config stops it), runs in turn."""
+    names = list(runs)
+    cells: dict[str, list[tuple[int, float]]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            pipe, cfg = runs[name]
+            for ids in prompts:
+                started = time.perf_counter()
+                tokens = sum(len(new) for new in pipe.decoder.generate(list(ids), cfg))
+                cells[name].append((tokens, time.perf_counter() - started))
     return cells
 
 

@@ -182,7 +182,7 @@ class Pipeline:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = metrics if metrics is not None else Metrics(cfg.mode)
         given = metrics.answer_stats
-        metrics.answer_stats = self._answer_stats(cfg, score, given)
+        metrics.answer_stats = self._answer_stats(score, given)
         query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
         self._route(query, adapter, metrics)
@@ -203,11 +203,11 @@ class Pipeline:
         **kw: Any,
     ) -> GenerationResult:
         """``answer_stats``: an :class:`kibidango.addons.confidence.AnswerStats` that receives each
-        token's figures from the target's logits that chose it (``ar`` mode: :attr:`Metrics.answer_stats`)."""
+        token's figures from the target's logits that chose it (:attr:`Metrics.answer_stats`)."""
         cfg = self.config(**kw)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         metrics = Metrics(cfg.mode)
-        metrics.answer_stats = self._answer_stats(cfg, score, answer_stats)
+        metrics.answer_stats = self._answer_stats(score, answer_stats)
         query = query if query is not None else (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
         out: list[int] = []
         self._route(query, adapter, metrics)
@@ -246,13 +246,12 @@ class Pipeline:
             raise BundleError(f"adapter {chosen!r}: the bundle ships no domain adapters")
         metrics.adapter = chosen
 
-    def _answer_stats(self, cfg: DecodeConfig, score: bool | None, given: AnswerStats | None) -> AnswerStats | None:
-        """What receives each token's figures from the target's logits that chose it (``ar`` mode
-        only): the caller's, else the pipeline's own where it will score the answer at the
-        calibrator's temperature, so that the calibrator's features need no second forward pass over
-        prompt and answer (which doubled a request's prefill) and no logits are kept."""
-        if cfg.mode != "ar":
-            return None
+    def _answer_stats(self, score: bool | None, given: AnswerStats | None) -> AnswerStats | None:
+        """What receives each token's figures from the target's logits that chose it (every mode:
+        the target scores each token it commits): the caller's, else the pipeline's own where it
+        will score the answer at the calibrator's temperature, so that the calibrator's features
+        need no second forward pass over prompt and answer (which doubled a request's prefill and,
+        after a `lookup` answer, held its rows) and no logits are kept."""
         if given is not None:
             return given
         if self.calibrator is None or score is False:

@@ -192,11 +192,14 @@ def test_the_calibrated_confidence_follows_the_calibrator(bundle):
     result = pipe.generate("Once upon a time", max_new_tokens=8)
     # scored from the logits that chose each token as it was decoded: no second pass over prompt and answer
     assert len(sessions) == 1 and result.metrics.answer_stats is None
+    looked = pipe.generate("Once upon a time", max_new_tokens=8, mode="lookup", k=3)
+    assert len(sessions) == 2  # lookup too: the rows of its verification passes, no scoring pass
     del target.new_session
     ids = pipe.encode("Once upon a time")
-    answer = [t for t in result.token_ids if t != 2]
-    feats = score_answer(target, ids, answer, 1.3)  # one forward pass over prompt and answer
-    assert result.metrics.confidence == pytest.approx(pipe.calibrator.confidence(feats), rel=1e-4)
+    for got in (result, looked):
+        answer = [t for t in got.token_ids if t != 2]
+        feats = score_answer(target, ids, answer, 1.3)  # one forward pass over prompt and answer
+        assert got.metrics.confidence == pytest.approx(pipe.calibrator.confidence(feats), rel=1e-4)
     stats = AnswerStats(1.3)
     kept = pipe.generate("Once upon a time", max_new_tokens=8, answer_stats=stats)
     assert kept.metrics.answer_stats is stats and len(stats) == len(kept.token_ids)  # the caller's are kept

@@ -200,25 +200,40 @@ def test_placeholders_overwrite_what_a_free_slot_held(family):
     np.testing.assert_allclose(again.rows, alone.rows, rtol=0, atol=1e-9)
 
 
-def test_answer_features_from_the_decoding_equal_a_scoring_pass(family):
-    """Metrics.answer_stats: each ar token's figures, reduced from the logits that chose it as it
-    was decoded, give an answer the features a second forward over prompt and answer gives."""
+@pytest.mark.parametrize(
+    "mode, extra, temperature",
+    [
+        ("ar", {}, 0.0),
+        ("lookup", {"k": 3, "adaptive": True, "k_max": 8}, 0.0),
+        ("sd", {"k": 3}, 0.0),
+        ("sd", {"k": 3, "seed": 5}, 0.9),  # sampled: rejections drawn from the residual, bonus tokens
+        ("pyramid", {"variant": "fuzzy", "l_D": 2, "l_Q": 4, "tau_Q": 0.3, "tau_T": 0.3}, 0.0),
+    ],
+)
+def test_answer_features_from_the_decoding_equal_a_scoring_pass(family, mode, extra, temperature):
+    """Metrics.answer_stats: each committed token's figures, reduced from the target's logits that
+    chose it as it was decoded (a verification pass's rows in lookup, sd and pyramid), give an
+    answer the features a second forward over prompt and answer gives."""
     from kibidango.addons.confidence import AnswerStats, score_answer
 
-    cfg = DecodeConfig(mode="ar", max_new_tokens=16, temperature=0.0)
+    cfg = DecodeConfig(mode=mode, max_new_tokens=24, temperature=temperature, **extra)
     pipe = Pipeline(None, dict(family), cfg)
-    metrics = Metrics("ar")
-    metrics.answer_stats = AnswerStats(1.3)
-    answer = [t for new in pipe.decoder.generate(list(PROMPTS[0]), cfg, metrics) for t in new]
-    stats = metrics.answer_stats
-    assert len(stats) >= len(answer) > 0
-    scored = score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.3)
-    reused = score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.3, stats)
-    assert reused.keys() == scored.keys()
-    for key in scored:
-        assert reused[key] == pytest.approx(scored[key], rel=1e-5, abs=1e-6), key
+    verified = 0
+    for prompt in (PROMPTS[0], PROMPTS[3], [1, 7, 8, 9, 7, 8, 9, 7, 8]):  # repeats: lookup finds drafts
+        metrics = Metrics(mode)
+        metrics.answer_stats = AnswerStats(1.3)
+        answer = [t for new in pipe.decoder.generate(list(prompt), cfg, metrics) for t in new]
+        verified += sum(metrics.num_draft_tokens.values())
+        stats = metrics.answer_stats
+        assert len(stats) >= len(answer) > 0
+        scored = score_answer(pipe.models["target"], list(prompt), answer, 1.3)
+        reused = score_answer(pipe.models["target"], list(prompt), answer, 1.3, stats)
+        assert reused.keys() == scored.keys()
+        for key in scored:
+            assert reused[key] == pytest.approx(scored[key], rel=1e-5, abs=1e-6), (prompt, key)
+    assert verified > 0 or mode == "ar"  # the rows came from verification passes, not ar steps only
     with pytest.raises(ValueError, match="temperature 1.3, not 1.0"):
-        score_answer(pipe.models["target"], list(PROMPTS[0]), answer, 1.0, stats)
+        score_answer(pipe.models["target"], list(prompt), answer, 1.0, stats)
 
 
 def test_answer_stats_token_by_token_equal_the_whole_answers():

@@ -73,3 +73,8 @@ def test_a_certain_proposal_verified_by_the_rule_keeps_the_target_distribution()
         n, token = verify([3], [q], [p], sampler, rng)
         counts[3 if n == 1 else token] += 1
     assert chisquare(counts, 40000 * p).pvalue > 0.001
+    # None is that one-hot, never built: the same verdicts draw for draw, fuzzy acceptance included
+    for tau in (0.0, 0.6):
+        a, b = np.random.default_rng(7), np.random.default_rng(7)
+        for _ in range(2000):
+            assert verify([3], [q], [p], sampler, a, tau=tau) == verify([3], [None], [p], sampler, b, tau=tau)

@@ -90,7 +90,7 @@ def answer_features(logits: np.ndarray, answer_ids: list[int], temperature: floa
 
 class AnswerStats:
     """What :func:`answer_features` reads of each token, reduced from its logits row as the answer
-    is decoded (``Metrics.answer_stats``, filled in ``ar`` mode): three floats a token, where
+    is decoded (``Metrics.answer_stats``, filled in every mode): three floats a token, where
     keeping the rows until the answer was scored held the vocabulary's logits for every token (196 KB
     a token for SmolLM2's 49K, +20 MB of peak RSS on a 32-token answer) and scoring with a second
     forward pass doubles the prefill. ``temperature``: the calibrated feature's (the calibrator's)."""

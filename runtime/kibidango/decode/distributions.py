@@ -5,6 +5,7 @@ enough, and exactness tests compare probabilities."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,16 +30,19 @@ class Sampler:
         return self.temperature <= 0.0
 
     def probs(self, logits: np.ndarray) -> np.ndarray:
-        logits = np.asarray(logits, dtype=np.float64)
-        z = logits / (1.0 if self.greedy else self.temperature)
-        p = np.exp(z - z.max())
+        """The distribution of one row of logits, computed in place in one float64 copy of it (a
+        49K vocabulary's row is 393 KB; each temporary of it counted in a request's peak memory)."""
+        p = np.array(logits, dtype=np.float64)
+        if not self.greedy:
+            p /= self.temperature
+        p -= p.max()
+        np.exp(p, out=p)
         p /= p.sum()
         if self.top_p < 1.0 and not self.greedy:
             order = np.argsort(-p, kind="stable")
-            keep = np.cumsum(p[order]) - p[order] < self.top_p  # smallest set reaching top_p
-            mask = np.zeros_like(p, dtype=bool)
-            mask[order[keep]] = True
-            p = np.where(mask, p, 0.0)
+            before = np.cumsum(p[order])
+            before -= p[order]  # the mass ahead of each token
+            p[order[before >= self.top_p]] = 0.0  # keep the smallest set reaching top_p
             p /= p.sum()
         return p
 
@@ -64,8 +68,8 @@ def divergence(p: np.ndarray, q: np.ndarray, kind: str = "tv") -> float:
 
 def verify(
     proposed: list[int],
-    q_dists: list[np.ndarray],
-    p_dists: list[np.ndarray],
+    q_dists: Iterable[np.ndarray | None],
+    p_dists: Iterable[np.ndarray],
     sampler: Sampler,
     rng: np.random.Generator,
     tau: float = 0.0,
@@ -81,17 +85,25 @@ def verify(
     a draw from norm(max(0, p_i - q_i)). If every token passes, the bonus token is drawn from
     ``bonus`` (None: no bonus).
 
+    ``q_dists`` and ``p_dists`` are read in step with ``proposed`` and no further (generators that
+    make each distribution as it is reached hold one at a time); a ``q_dists`` entry None is a
+    certain proposal (the one-hot distribution at its token, never built).
+
     Returns (number accepted, the replacement or bonus token or None)."""
     for i, (x, q, p) in enumerate(zip(proposed, q_dists, p_dists)):
-        if tau > 0 and divergence(p, q, div) <= tau:
+        if tau > 0 and divergence(p, np.eye(1, len(p), x)[0] if q is None else q, div) <= tau:
             continue
         if sampler.greedy:
             if x == int(np.argmax(p)):
                 continue
             return i, int(np.argmax(p))
-        if rng.random() < min(1.0, p[x] / max(q[x], _EPS)):
+        if rng.random() < min(1.0, p[x] / (1.0 if q is None else max(q[x], _EPS))):
             continue
-        residual = np.maximum(p - q, 0.0)
+        if q is None:  # max(p - one-hot(x), 0): p without x
+            residual = p.copy()
+            residual[x] = 0.0
+        else:
+            residual = np.maximum(p - q, 0.0)
         total = residual.sum()
         # p == q up to rounding cannot reject in exact arithmetic; fall back to p itself.
         residual = residual / total if total > _EPS else p

@@ -236,8 +236,8 @@ RUNTIME_SETTINGS = frozenset({"kv_cache"})
 
 
 class RowSink(Protocol):
-    """What takes each ``ar`` token and the target's logits row that chose it (the row is a view
-    of the forward's logits: read it now, keep none of it)."""
+    """What takes each committed token and the target's logits row that chose it, in every mode
+    (the row is a view of the forward's logits: read it now, keep none of it)."""
 
     def add(self, row: np.ndarray, token: int) -> None: ...
 
@@ -273,8 +273,10 @@ class Metrics:
     """Why ``confidence`` is None although the bundle has a calibrator (it gave no finite value)."""
     answer_stats: RowSink | None = field(default=None, repr=False)
     """Where the pipeline or its caller asks (:class:`kibidango.addons.confidence.AnswerStats`),
-    what receives each ``ar`` token with the target's logits that chose it: an answer's features
-    without a second forward pass over prompt and answer, no row kept (not reported)."""
+    what receives each committed token with the target's logits that chose it (every mode: the
+    target verifies every token it commits): an answer's features without a second forward pass
+    over prompt and answer, no row kept (not reported). A round may commit past a stop token: the
+    sink then holds rows beyond the answer, which its reader cuts to the answer's length."""
 
     def count(self, stage: str, drafted: int, accepted: int) -> None:
         self.num_draft_tokens[stage] = self.num_draft_tokens.get(stage, 0) + drafted
@@ -509,13 +511,26 @@ class Decoder:
         """The target scores ``drafts`` (drawn from ``q``; None: certain proposals, each its one
         token) in one pass: the accepted ones, then its correction or bonus token."""
         rows = sync_and_feed(sessions["target"], committed, drafts)
-        p = [sampler.probs(r) for r in rows]
-        if q is None:
-            q = np.zeros((len(drafts), len(p[0])))
-            q[np.arange(len(drafts)), drafts] = 1.0
-        n, token = verify(drafts, q, p[: len(drafts)], sampler, rng, bonus=p[len(drafts)])
+        if q is None:  # certain proposals: verify's one-hot (a whole matrix was 393 KB a token for 49K)
+            q = [None] * len(drafts)
+        n, token = self._target_commits(rows, drafts, q, sampler, rng, metrics)
         metrics.count(stage, len(drafts), n)
         return drafts[:n] + [token]
+
+    @staticmethod
+    def _target_commits(rows, proposed, q, sampler, rng, metrics, **rule) -> tuple[int, int]:
+        """:func:`verify` of ``proposed`` against the target's ``rows`` (one a proposal and the
+        bonus row), each row's distribution made as the rule reaches it (float64 of the vocabulary's
+        size, one at a time), the bonus's only when every proposal passed; the committed tokens and
+        the rows that chose them go to ``metrics.answer_stats`` (as in ``ar``: the calibrated
+        confidence needs no second pass over prompt and answer)."""
+        n, token = verify(proposed, q, (sampler.probs(r) for r in rows[: len(proposed)]), sampler, rng, **rule)
+        if n == len(proposed):
+            token = sampler.draw(sampler.probs(rows[n]), rng)
+        if metrics.answer_stats is not None:
+            for row, committed in zip(rows, [*proposed[:n], token]):
+                metrics.answer_stats.add(row, committed)
+        return n, token
 
     def _lookup_round(self, sessions, committed, remaining, cfg, sampler, rng, metrics, length) -> list[int]:
         k = min(length.now, remaining - 1)  # room for the bonus token
@@ -537,16 +552,14 @@ class Decoder:
         while len(buffer) < l_q:
             n_draft = min(length.now, l_q - len(buffer))
             found, _ = self._free_proposals(committed + buffer, cfg, cfg.lookup, n_draft, l_q - len(buffer))
-            if found:  # free, certain proposals for the qualifier to verify
-                drafts, d = found, None
+            if found:  # free, certain proposals for the qualifier to verify (verify's one-hot)
+                drafts, d = found, [None] * len(found)
             else:
                 drafts, d = self._propose(sessions["draft"], committed + buffer, n_draft, sampler, rng, cfg.p_min)
             if not drafts:
                 break  # the draft is unsure of its next token: the target judges what is buffered
             rows = sync_and_feed(sessions["qualifier"], committed + buffer, drafts)
             q = [sampler.probs(r) for r in rows[: len(drafts)]]
-            if d is None:
-                d = [np.eye(1, len(q[0]), t)[0] for t in drafts]
             n, token = verify(drafts, d, q, sampler, rng, tau=tau_q, div=cfg.divergence)
             metrics.count("draft", len(drafts), n)
             length.update(len(drafts), n)
@@ -562,9 +575,6 @@ class Decoder:
         if not buffer:
             return self._ar_round(sessions, committed, remaining, cfg, sampler, rng, metrics)
         rows = sync_and_feed(sessions["target"], committed, buffer)
-        p = [sampler.probs(r) for r in rows]
-        n, token = verify(
-            buffer, buffer_q, p[: len(buffer)], sampler, rng, tau=tau_t, div=cfg.divergence, bonus=p[len(buffer)]
-        )
+        n, token = self._target_commits(rows, buffer, buffer_q, sampler, rng, metrics, tau=tau_t, div=cfg.divergence)
         metrics.count("qualifier", len(buffer), n)
         return buffer[:n] + [token]
