@@ -731,9 +731,8 @@ def _mining_by_domain(chosen: dict, table: list[dict]) -> dict[str, str]:
         return {}  # a table from before the domains were kept
     # the table as gguf.json keeps it: the fields the paired test reads
     ref, chosen = (SimpleNamespace(**r) for r in (ref, chosen))
-    theirs = {d: n for d, n, *_ in ladder_by_domain(ref, ref)}
-    return {
-        d: f"{d} {n}/{k} against the reference's {theirs[d]} (-{lost} +{won})"
+    return {  # the reference passed what the row did, less what the row won, plus what it lost
+        d: f"{d} {n}/{k} against the reference's {n - won + lost} (-{lost} +{won})"
         for d, n, k, lost, won, _ in ladder_by_domain(ref, chosen)
     }
 

@@ -401,9 +401,12 @@ class Rule:
                     )
         if r.agreement is not None and r.agreement < self.min_agreement:
             out.append(f"agreement {r.agreement:.1%} < {self.min_agreement:.0%}")
-        if size and self.max_bytes is not None and r.bytes > self.max_bytes:
-            out.append(f"{r.bytes / 1e6:.1f} MB > {self.max_bytes / 1e6:.1f} MB")
-        return out
+        return out + self._over_size(r) if size else out
+
+    def _over_size(self, r: FidelityRow) -> list[str]:
+        if self.max_bytes is not None and r.bytes > self.max_bytes:
+            return [f"{r.bytes / 1e6:.1f} MB > {self.max_bytes / 1e6:.1f} MB"]
+        return []
 
     def choose(self, rows: list[FidelityRow]) -> FidelityRow | None:
         """The row this rule ships (None when no row qualifies); every other row's ``why_not`` lists the
@@ -413,8 +416,9 @@ class Rule:
         if ref is None:
             raise ValueError("the fidelity table has no reference row")
         candidates = [r for r in rows if not r.reference]
+        quality = {id(r): self.why_not(ref, r, size=False) for r in candidates}  # every bound but the size
         for r in candidates:
-            r.why_not, r.chosen, r.passed_over = self.why_not(ref, r), False, ""
+            r.why_not, r.chosen, r.passed_over = quality[id(r)] + self._over_size(r), False, ""
         fit = [r for r in candidates if not r.why_not]
         if self.prefer == "smallest":
             best = min(fit, key=lambda r: (r.bytes, r.ppl_ratio), default=None)
@@ -422,7 +426,7 @@ class Rule:
             best = min(fit, key=lambda r: (-r.tokens_per_s, r.bytes), default=None)
         larger = self.prefer == "smallest"
         if best is None and self.max_bytes is not None and self.over_size == "smallest":
-            fit = [r for r in candidates if not self.why_not(ref, r, size=False)]
+            fit = [r for r in candidates if not quality[id(r)]]
             best, larger = min(fit, key=lambda r: (r.bytes, r.ppl_ratio), default=None), True
         for r in fit:
             r.chosen = r is best
@@ -440,10 +444,10 @@ def table(rows: list[FidelityRow]) -> str:
     ref = next((r for r in rows if r.reference), None)
     for r in sorted(rows, key=lambda r: (not r.reference, -r.bytes)):
         ladder = f"{r.ladder_passed}/{r.ladder_tasks}"
-        if ref is not None and not r.reference and r.ladder and len(r.ladder) == len(ref.ladder):
-            lost, won, _ = ladder_versus(ref, r)
-            ladder += f" (-{lost} +{won})"
         if ref is not None and r.ladder and len(r.ladder) == len(ref.ladder):
+            if not r.reference:
+                lost, won, _ = ladder_versus(ref, r)
+                ladder += f" (-{lost} +{won})"
             parts = [
                 f"{d} {n}/{k}" + ("" if r.reference else f" (-{lost} +{won})")
                 for d, n, k, lost, won, _ in ladder_by_domain(ref, r)
