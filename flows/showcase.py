@@ -68,10 +68,12 @@ def show_bundle(artifacts: dict[str, Artifact]) -> None:
         f"\n== a story from {'the packed bundle ' if packed else ''}{source} "
         f'(kibidango generate --bundle {source} --backend {backend} --seed {SEED} "{PROMPT}") ==\n'
     )
-    print(PROMPT + result.text)
+    # the prompt and the story decoded as one text: decoded alone, a sentencepiece continuation loses the
+    # space before its first word ("Once upon a timethere")
+    print(pipe.tokenizer.decode(pipe.encode(PROMPT) + result.token_ids, skip_special_tokens=True))
     rates = ", ".join(f"{tier} {rate:.0%}" for tier, rate in m["draft_acceptance_rate"].items() if rate is not None)
     sampling = f"temperature {d.temperature:g}, top-p {d.top_p:g}" if d.temperature > 0 else "greedy"
-    lossless = d.mode == "sd" or (d.mode == "pyramid" and d.variant == "exact") or d.mode == "ar"
+    lossless = d.mode in ("ar", "sd", "lookup") or (d.mode == "pyramid" and d.variant == "exact")
     print(
         f"\n(the bundle's defaults: mode {d.mode} ({'lossless' if lossless else 'lossy: ' + d.variant}), {sampling}; "
         f"{len(result.token_ids)} tokens, acceptance {rates or '-'}, "
