@@ -332,7 +332,7 @@ def test_a_cut_journal_line_is_never_read_as_not_sent(openai_server, workspace, 
         out = done.stdout + done.stderr
         assert (
             done.returncode != 0 and f"line {last_reply + 1} was cut by a kill" in out and "--resend-unconfirmed" in out
-        )
+        ), (lines[last_reply][: len(lines[last_reply]) // 2], out[-3000:])
         assert len(proxy.prompts()) == before
         work = journal.parent
         shutil.copytree(work, tmp_path / "killed-work")  # the killed attempt, for step 4
