@@ -827,7 +827,7 @@ def _bundle_claims(artifacts: dict) -> list[Claim]:
         sp = beside["speed"]
         rows.append(
             (
-                "llama.cpp tokens/s against the input's, side by side: the target's weights (greedy ar steps)",
+                "tokens/s against the input's on stage 9's backend, side by side: the target's weights (ar steps)",
                 ">= 1.0x",
                 f"{sp['ratio']:.2f}x [{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}] ({sp['prompts']} prompts x "
                 f"{sp['new_tokens']} tokens x {sp['rounds']} rounds)",

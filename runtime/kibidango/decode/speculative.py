@@ -519,7 +519,7 @@ class Decoder:
 
     @staticmethod
     def _target_commits(rows, proposed, q, sampler, rng, metrics, **rule) -> tuple[int, int]:
-        """:func:`verify` of ``proposed`` against the target's ``rows`` (one a proposal and the
+        """:func:`verify` of ``proposed`` against the target's ``rows`` (one per proposal, then the
         bonus row), each row's distribution made as the rule reaches it (float64 of the vocabulary's
         size, one at a time), the bonus's only when every proposal passed; the committed tokens and
         the rows that chose them go to ``metrics.answer_stats`` (as in ``ar``: the calibrated
