@@ -346,7 +346,7 @@ def test_stage_9_answers_the_same_tasks_with_the_input_model_beside_the_bundle(s
     assert result.metrics["input/speed_ratio_as_run"] == run["ratio"]
     card = (out / "EVALUATION_CARD.md").read_text()
     assert "### Beside the input model" in card and "| input model |" in card and "bundle vs input" in card
-    assert "tokens/s of whole greedy requests, as each runs (input: ar; bundle: ar)" in card
+    assert "tokens/s of whole greedy requests (prompt + a fixed count), as each runs (input: ar; bundle: ar)" in card
     assert m["speed"]["adapter"] is None and "ran with its bare weights" in card  # this bundle has no default LoRA
     # Resumable: the input's answers are journaled like the bundle's; the F16 is converted once.
     shutil.rmtree(out)
