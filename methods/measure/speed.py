@@ -17,19 +17,16 @@ def decode_cells(
 ) -> dict[str, list[tuple[int, float]]]:
     """``{name: [(tokens, seconds), ...]}``: one cell per round and prompt (the same order for every
     model), greedy one-token steps of a runtime model after the prompt, prompt processing excluded."""
-    names = list(models)
-    cells: dict[str, list[tuple[int, float]]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            model = models[name]
-            for ids in prompts:
-                session = model.new_session()
-                row = session.feed(ids, first=len(ids) - 1)[-1]
-                started = time.perf_counter()
-                for _ in range(new_tokens):
-                    row = session.feed([int(np.argmax(row))])[0]
-                cells[name].append((new_tokens, time.perf_counter() - started))
-    return cells
+
+    def steps(model, ids: list[int]) -> tuple[int, float]:
+        session = model.new_session()
+        row = session.feed(ids, first=len(ids) - 1)[-1]
+        started = time.perf_counter()
+        for _ in range(new_tokens):
+            row = session.feed([int(np.argmax(row))])[0]
+        return new_tokens, time.perf_counter() - started
+
+    return _in_turn(models, prompts, rounds, steps)
 
 
 def generate_cells(
@@ -38,15 +35,24 @@ def generate_cells(
     """``{name: [(tokens, seconds), ...]}`` as :func:`decode_cells`, of whole requests: each run a
     (runtime pipeline, decoding config), timed from the prompt to the last token (prompt processing,
     drafting and verification included; the answer ends where its config stops it), runs in turn."""
-    names = list(runs)
-    cells: dict[str, list[tuple[int, float]]] = {n: [] for n in names}
+
+    def request(run: tuple[object, object], ids: list[int]) -> tuple[int, float]:
+        pipe, cfg = run
+        started = time.perf_counter()
+        tokens = sum(len(new) for new in pipe.decoder.generate(list(ids), cfg))
+        return tokens, time.perf_counter() - started
+
+    return _in_turn(runs, prompts, rounds, request)
+
+
+def _in_turn(things: dict[str, object], prompts: list[list[int]], rounds: int, cell) -> dict[str, list]:
+    """``cell(thing, prompt)`` for every thing and prompt, every round, the things in turn (the order
+    rotating by round, so a machine's drift falls on all of them)."""
+    names = list(things)
+    cells: dict[str, list] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            pipe, cfg = runs[name]
-            for ids in prompts:
-                started = time.perf_counter()
-                tokens = sum(len(new) for new in pipe.decoder.generate(list(ids), cfg))
-                cells[name].append((tokens, time.perf_counter() - started))
+            cells[name] += [cell(things[name], ids) for ids in prompts]
     return cells
 
 
