@@ -74,7 +74,6 @@ def verify(
     rng: np.random.Generator,
     tau: float = 0.0,
     div: str = "tv",
-    bonus: np.ndarray | None = None,
 ) -> tuple[int, int | None]:
     """Verify ``proposed`` tokens (drawn from ``q_dists``) against the verifier's ``p_dists``.
 
@@ -82,14 +81,14 @@ def verify(
     unless the two distributions are equal) or when the lossless rule accepts it: in greedy mode
     the token equals argmax p_i, in sampling mode a uniform draw is below min(1, p_i(x)/q_i(x))
     (Leviathan et al.). At the first rejection the verifier's token replaces it: argmax p_i, or
-    a draw from norm(max(0, p_i - q_i)). If every token passes, the bonus token is drawn from
-    ``bonus`` (None: no bonus).
+    a draw from norm(max(0, p_i - q_i)). If every token passes, the caller draws the bonus token
+    (from the verifier's next row: its distribution is made only then).
 
     ``q_dists`` and ``p_dists`` are read in step with ``proposed`` and no further (generators that
     make each distribution as it is reached hold one at a time); a ``q_dists`` entry None is a
     certain proposal (the one-hot distribution at its token, never built).
 
-    Returns (number accepted, the replacement or bonus token or None)."""
+    Returns (number accepted, the replacement token, or None when every token passed)."""
     for i, (x, q, p) in enumerate(zip(proposed, q_dists, p_dists)):
         if tau > 0 and divergence(p, np.eye(1, len(p), x)[0] if q is None else q, div) <= tau:
             continue
@@ -108,6 +107,4 @@ def verify(
         # p == q up to rounding cannot reject in exact arithmetic; fall back to p itself.
         residual = residual / total if total > _EPS else p
         return i, int(rng.choice(len(p), p=residual))
-    if bonus is None:
-        return len(proposed), None
-    return len(proposed), sampler.draw(bonus, rng)
+    return len(proposed), None
