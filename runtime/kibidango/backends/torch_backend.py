@@ -78,22 +78,21 @@ class TorchSession:
             del self.tokens[n:]
 
 
-def _plain_forwards(hf, device) -> int:
+def _plain_forwards(hf, device) -> None:
     """A compressed-tensors checkpoint (the AWQ target) as a plain model, where that changes no
     output: its weights decompressed once (the first forward pass does it), then the offloading
     wrapper on every module's forward and the on-the-fly quantization wrapper on every decompressed
     weight-only layer removed. They cost a 6-layer model 1/3 of its tokens/s on a CPU (per call:
     moving each argument to the device it is already on; fake-quantizing activations a weight-only
-    scheme has none of). Returns the forwards unwrapped (0: not such a checkpoint)."""
+    scheme has none of). Any other checkpoint is left as it is."""
     if not any(hasattr(m, "_original_forward_func") or hasattr(m, "quantization_scheme") for m in hf.modules()):
-        return 0
+        return
     from compressed_tensors.offload.dispatch import remove_dispatch
     from compressed_tensors.quantization import QuantizationStatus
 
     with torch.inference_mode():
         hf(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
     remove_dispatch(hf, onload_tensors=True)
-    unwrapped = 0
     for module in hf.modules():
         scheme, status = getattr(module, "quantization_scheme", None), getattr(module, "quantization_status", None)
         stored = status is not None and status >= QuantizationStatus.COMPRESSED
@@ -101,8 +100,6 @@ def _plain_forwards(hf, device) -> int:
             continue  # activations quantized on the fly, or weights not yet stored quantized: the wrapper works
         if "forward" in module.__dict__:  # an instance's override of its class's forward
             del module.forward
-            unwrapped += 1
-    return unwrapped
 
 
 class TorchModel:
