@@ -445,7 +445,7 @@ def test_the_report_says_per_goal_whether_the_bundle_beats_its_input(tmp_path):
     (sizes), 2D (bits, perplexity), 9 (speed, RSS, answers) and 1R (its per-task verdicts): the ladder
     rows pair the bundle with the uncompressed 1R and with the input task by task, and a missed goal
     names what in 2D's table shows why."""
-    from flows.report import _bundle_claims, _bundle_section
+    from flows.report import _bundle_claims, _bundle_section, _shown
 
     for sid in ("1R", "2D", "9", "9A/bundle"):
         (tmp_path / sid).mkdir(parents=True)
@@ -513,10 +513,11 @@ def test_the_report_says_per_goal_whether_the_bundle_beats_its_input(tmp_path):
     weights = "tokens/s against the input's on stage 9's backend, side by side: the target's weights (ar steps)"
     assert rows[weights] == (
         "1.02x [0.99, 1.05] (16 prompts x 32 tokens x 3 rounds)",
-        "yes",
+        "not shown",  # the estimate meets the goal, its interval does not
     )
     as_run = "the same, as each runs: the bundle in its tuned mode (lookup), the input in ar; whole greedy requests"
     assert rows[as_run] == ("0.97x [0.90, 1.04] (the same prompts and rounds)", "no")
+    assert _shown(1.10, 1.01, 1.0) == "yes" and _shown(1.0, 1.0, 1.0) == "yes"
     assert rows["peak RSS loading and generating, against the input's"] == ("379.0 MB against 380.0 MB (-0.3%)", "yes")
     assert "## Does the bundle beat its input?" in _bundle_section(artifacts)
     assert _bundle_section({}) == []  # a run without these stages has no such section
