@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -36,7 +37,9 @@ __all__ = [
     "answered_tasks",
     "failure_rate",
     "held_out",
+    "loop_mix",
     "mined_judges",
+    "own_passes",
     "read_jsonl",
     "row_key",
     "sample",
@@ -155,13 +158,47 @@ class RowLog:
         return iter(self.rows.values())
 
 
-def loop_mix(pairs: list[dict], replay_from: list[dict], replay_share: float, pair_repeats: int, seed: int):
+def loop_mix(
+    pairs: list[dict],
+    replay_from: list[dict],
+    replay_share: float,
+    pair_repeats: int,
+    seed: int,
+    own: list[dict] = (),
+    own_share: float = 0.0,
+):
     """The retraining round's mix (stage 1R; 2F trains on it again): each corrected pair
-    ``pair_repeats`` times, and replay rows drawn (seeded) from ``replay_from`` (stage 0's train
-    split) so that they are ``replay_share`` of the mix. Returns (pair rows, replay rows)."""
+    ``pair_repeats`` times, and replay rows so that they are ``replay_share`` of the mix: up to
+    ``own_share`` of them drawn from ``own`` (the student's own passing answers, :func:`own_passes`;
+    per domain in the pairs' proportions, as many as there are), the rest from ``replay_from``
+    (stage 0's train split), each drawn seeded. Returns (pair rows, replay rows)."""
     train_rows = [r for r in pairs for _ in range(pair_repeats)]
     n_replay = round(len(train_rows) * replay_share / (1 - replay_share))
-    return train_rows, sample(replay_from, n_replay, seed, key=lambda r: r["id"])
+    mine = []
+    if own and own_share > 0 and pairs:
+        want = Counter(p["domain"] for p in pairs)
+        n_own = round(n_replay * own_share)
+        for domain, k in sorted(want.items()):
+            pool = [r for r in own if r["domain"] == domain]
+            mine += sample(pool, min(len(pool), round(n_own * k / len(pairs))), seed, key=lambda r: r["id"])
+    return train_rows, mine + sample(replay_from, n_replay - len(mine), seed, key=lambda r: r["id"])
+
+
+def own_passes(answered: Iterable[dict], exclude: set[str] = frozenset()) -> list[dict]:
+    """Training rows (id, domain, instruction, input, output) of the answers 1B's judges passed,
+    the student's own (``exclude``: ids that must not be trained on): what rejection-sampling
+    fine-tuning keeps of the tasks a model already solves (STaR, Zelikman et al. 2022; RFT, Yuan et
+    al. 2023), rehearsed beside the corrections so that teaching the band's failures does not
+    unlearn its passes. An answer passed with working the judge found wrong is left out."""
+    return [
+        {k: r[k] for k in ("id", "domain", "instruction", "input")} | {"output": r["answer"]}
+        for r in answered
+        if r.get("passed") is True
+        and not r.get("wrong_working")
+        and not r.get("format_failure")
+        and r.get("answer")
+        and r["id"] not in exclude
+    ]
 
 
 def severity(score: float, confidence: float, domain_weight: float, confidence_weight: float) -> float:

@@ -37,6 +37,7 @@ from methods.failures import (
     failure_rate,
     loop_mix,
     mined_judges,
+    own_passes,
     read_jsonl,
     sample,
     task_of,
@@ -61,6 +62,14 @@ class Config(StageConfig):
     tokenizer_type: str | None = Field(None, description="axolotl tokenizer_type (None: from the student's files).")
     replay_share: float = Field(
         0.5, ge=0, lt=1, description="Share of the training mix drawn from stage 0's train split (forgetting guard)."
+    )
+    replay_own: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the replay rows that are the student's own answers 1B's judges passed (per domain in the "
+        "pairs' proportions, as many as 1B has; the rest from stage 0): rehearsal of what it already solves, as "
+        "rejection-sampling fine-tuning keeps it, against the corrections unlearning the band's passes.",
     )
     pair_repeats: int = Field(1, ge=1, description="Each corrected pair appears this many times in the mix.")
     seed: int = Field(0, description="Which replay rows are drawn.")
@@ -106,10 +115,21 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     judges = mined_judges(inputs["mined"])
 
     stage0_train = load_split(inputs["data"] / "dataset", "train")
-    train_rows, replay = loop_mix(pairs, stage0_train, cfg.replay_share, cfg.pair_repeats, cfg.seed)
+    own = []
+    if cfg.replay_own > 0:
+        answered = read_jsonl(inputs["mined"] / "answers.jsonl", "the mined input (stage 1B)")
+        own = own_passes(answered, {h["id"] for h in held})
+    train_rows, replay = loop_mix(
+        pairs, stage0_train, cfg.replay_share, cfg.pair_repeats, cfg.seed, own=own, own_share=cfg.replay_own
+    )
+    own_ids = {o["id"] for o in own}
+    n_own = sum(r["id"] in own_ids for r in replay)
     data_file = work_dir / "data" / "train.jsonl"
     write_jsonl(data_file, ({"messages": messages(r)} for r in [*train_rows, *replay]))
-    log.info(f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows")
+    log.info(
+        f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows "
+        f"({n_own:,} of them the student's own passing answers)"
+    )
     mixes = _control_mixes(cfg, inputs["mined"], pairs, held, judges, stage0_train, replay)
 
     from transformers import AutoTokenizer
@@ -142,6 +162,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "pairs": len(pairs),
         "pair_repeats": cfg.pair_repeats,
         "replay_rows": len(replay),
+        "replay_own_rows": n_own,
         "held_out": len(held),
         "before": before,
         "after": after,
@@ -184,8 +205,10 @@ def _control_mixes(
     if "random" in cfg.controls:
         drawn = _random_tasks(mined, pairs, held, judges, cfg.seed)
         mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
-    if "replay" in cfg.controls:
-        mixes["replay"] = sample(stage0_train, n_pair_rows + len(replay), cfg.seed, key=lambda r: r["id"])
+    if "replay" in cfg.controls:  # 1R's replay rows and, in place of the pairs, as many other stage-0 rows
+        drawn = {r["id"] for r in replay}
+        more = [r for r in sample(stage0_train, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in drawn]
+        mixes["replay"] = replay + more[:n_pair_rows]
     if "gold" in cfg.controls:
         mixes["gold"] = [r for r in _gold_pairs(mined, pairs) for _ in range(cfg.pair_repeats)] + replay
     for name, share in (("pairs25", 0.25), ("pairs50", 0.5)):
@@ -243,11 +266,17 @@ def _metrics(stats: dict, loss_before: dict, loss_after: dict) -> dict[str, floa
     return metrics
 
 
+def _own(stats: dict) -> str:
+    n = stats.get("replay_own_rows", 0)
+    return f", {n:,} of them its own passing answers" if n else ""
+
+
 def _summary(stats: dict) -> str:
     before, after, comparison = stats["before"], stats["after"], stats["comparison"]
     summary = (
         f"failure rate on {stats['held_out']} held-out critical failures: {before['rate']:.1%} -> {after['rate']:.1%} "
-        f"({stats['pairs']:,} corrected pairs + {stats['replay_rows']:,} replay rows); validation perplexity "
+        f"({stats['pairs']:,} corrected pairs + {stats['replay_rows']:,} replay rows{_own(stats)}); "
+        "validation perplexity "
         f"{stats['val_perplexity_before']:.2f} -> {stats['val_perplexity_after']:.2f} "
         f"({stats['val_rows']} rows: what it forgot)"
     )
@@ -417,7 +446,13 @@ def _card(s: dict) -> str:
         ),
         f"Trained on {s['pairs']:,} corrected pairs from stage 1D (x{s['pair_repeats']}; by tier: "
         + ", ".join(f"{k} {v}" for k, v in sorted(s["pair_tiers"].items()))
-        + f") and {s['replay_rows']:,} replay rows of stage 0's train split.",
+        + f") and {s['replay_rows']:,} replay rows"
+        + (
+            f": {s['replay_own_rows']:,} of them the student's own answers 1B's judges passed, the rest"
+            if s.get("replay_own_rows")
+            else ""
+        )
+        + " of stage 0's train split.",
         "",
         f"Failure rate on the {s['held_out']:,} critical failures held out by 1D (never taught, never trained on), "
         "judged by 1B's judges:",

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -383,13 +384,15 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     (pairs_dir / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     (pairs_dir / "held_out.jsonl").write_text("".join(json.dumps(h) + "\n" for h in held))
     (mined / "manifest.json").write_text(json.dumps({"config": {"judges": {"math": {"kind": "math"}}}}))
-    answered = [row(bt) | {"passed": False} for bt in tasks]  # 1B's answers: pairs, held out and 6 more
+    answered = [row(bt) | {"passed": False} for bt in tasks[:10]]  # 1B's answers: pairs, held out and 6
+    answered += [row(bt) | {"passed": True, "answer": bt.task.reference} for bt in tasks[10:]]  # it passed
     (mined / "answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answered))
     train = {"max_steps": 4, "micro_batch_size": 2, "sequence_len": 128, "learning_rate": 0.001, "warmup_steps": 1}
     train.update(logging_steps=1, save_steps=2)
     evaluation = [{"name": "ladder_math", "source": "ladder", "domain": "math", "levels": [1, 2], "size": 4}]
     cfg = Config(
         replay_share=0.5,
+        replay_own=0.5,  # half the replay rows its own passes: 6 wanted, 1B passed 6
         pair_repeats=2,
         train=train,
         max_new_tokens=24,
@@ -403,7 +406,7 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     inputs = {"student": student, "pairs": pairs_dir, "mined": mined, "data": stage0}
     result = run(cfg, inputs, out, work)
     m = result.metrics
-    assert m["pairs"] == 6 and m["replay_rows"] == 12 and m["held_out"] == 4
+    assert m["pairs"] == 6 and m["replay_rows"] == 12 and m["held_out"] == 4 and m["replay_own_rows"] == 6
     assert 0 <= m["failure_rate_after"] <= 1 and m["failure_rate_before"] == 1.0  # a story model gets no sum right
     assert m["val_perplexity_before"] > 1 and m["val_perplexity_after"] > 1  # the forgetting guard is measured
     trained = (work / "data" / "train.jsonl").read_text()
@@ -417,7 +420,10 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     assert len(random_mix) == len(replay_mix) == len(mix) == 24 and random_mix[12:] == mix[12:]
     taught = {m["content"] for line in random_mix for m in json.loads(line)["messages"]}
     assert not any(h["prompt"] in taught for h in held)
-    assert any(bt.task.prompt in taught for bt in tasks[10:])  # not only the failures: drawn blindly
+    drawn = {m["content"] for line in random_mix[:12] for m in json.loads(line)["messages"]}
+    assert any(bt.task.prompt in drawn for bt in tasks[10:])  # not only the failures: drawn blindly
+    rehearsed = {m["content"] for line in mix[12:] for m in json.loads(line)["messages"]}
+    assert sum(bt.task.prompt in rehearsed for bt in tasks[10:]) == 6  # its own passes, in the replay rows
     assert (out / "logs" / "random.log").is_file() and (out / "logs" / "replay.log").is_file()
     verdicts = [json.loads(line) for line in (out / "evaluation.jsonl").read_text().splitlines()]
     assert len(verdicts) == 4 and all(set(v["passed"]) == {"1A", "1R", "random", "replay"} for v in verdicts)
@@ -444,6 +450,34 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     first = {v["id"]: v["passed"]["1R"] for v in map(json.loads, (out / "evaluation.jsonl").read_text().splitlines())}
     assert {v["id"]: v["passed"]["1R"] for v in verdicts} == first  # the same model, the same answers
     assert 0 <= studied.metrics["mcnemar/1R_vs_gold/p"] <= 1
+
+
+def test_the_students_own_passes_are_rehearsed_in_the_replay_share():
+    """1R's replay share may hold the student's own passing answers (STaR's rehearsal): per domain in
+    the pairs' proportions and as many as 1B passed, the rest from stage 0; never a failure, an
+    excluded (held-out) id, a right number reached by wrong working or a format failure."""
+    from methods.failures import loop_mix, own_passes
+
+    def answer(i, domain, **kw):
+        row = {"id": i, "domain": domain, "instruction": f"q {i}", "input": "", "answer": f"a {i}", "passed": True}
+        return row | kw
+
+    answered = [answer(f"m{i}", "math") for i in range(10)] + [answer(f"c{i}", "code") for i in range(2)]
+    answered += [answer("f", "math", passed=False), answer("w", "math", wrong_working=True)]
+    answered += [answer("x", "code", format_failure=True), answer("h", "math")]
+    own = own_passes(answered, exclude={"h"})
+    assert sorted(r["id"] for r in own) == sorted([*(f"m{i}" for i in range(10)), "c0", "c1"])
+    assert own[0] == {"id": "m0", "domain": "math", "instruction": "q m0", "input": "", "output": "a m0"}
+
+    pairs = [{"id": f"p{i}", "domain": d} for i, d in enumerate(["math"] * 6 + ["code"] * 6)]
+    stage0 = [{"id": f"s{i}", "domain": "general"} for i in range(50)]
+    rows, replay = loop_mix(pairs, stage0, 0.5, 1, 3, own=own, own_share=1.0)
+    kinds = Counter(r["id"][0] for r in replay)
+    assert rows == pairs and len(replay) == 12  # math: 6 of its 10; code: 6 wanted, 2 passed; stage 0 the rest
+    assert kinds == {"m": 6, "c": 2, "s": 4}
+    _, half = loop_mix(pairs, stage0, 0.5, 1, 3, own=own, own_share=0.5)
+    assert Counter(r["id"][0] for r in half) == {"m": 3, "c": 2, "s": 7}
+    assert loop_mix(pairs, stage0, 0.5, 1, 3, own=own)[1] == loop_mix(pairs, stage0, 0.5, 1, 3)[1]  # share 0
 
 
 def test_an_answer_that_cannot_start_has_no_confidence(student):
