@@ -246,6 +246,7 @@ def _metrics(stats: dict, loss_before: dict, loss_after: dict) -> dict[str, floa
     metrics = {
         "pairs": stats["pairs"],
         "replay_rows": stats["replay_rows"],
+        "replay_own_rows": stats["replay_own_rows"],
         "held_out": stats["held_out"],
         "failure_rate_before": before["rate"],
         "failure_rate_after": after["rate"],
