@@ -69,7 +69,8 @@ class Config(StageConfig):
         le=1,
         description="Share of the replay rows that are the student's own answers 1B's judges passed (per domain in the "
         "pairs' proportions, as many as 1B has; the rest from stage 0): rehearsal of what it already solves, as "
-        "rejection-sampling fine-tuning keeps it, against the corrections unlearning the band's passes.",
+        "rejection-sampling fine-tuning keeps it, against the corrections unlearning the band's passes (2F's "
+        "recovery mix keeps stage 0's rows).",
     )
     pair_repeats: int = Field(1, ge=1, description="Each corrected pair appears this many times in the mix.")
     seed: int = Field(0, description="Which replay rows are drawn.")
@@ -127,8 +128,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     data_file = work_dir / "data" / "train.jsonl"
     write_jsonl(data_file, ({"messages": messages(r)} for r in [*train_rows, *replay]))
     log.info(
-        f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows "
-        f"({n_own:,} of them the student's own passing answers)"
+        f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows"
+        + (f" ({n_own:,} of them the student's own passing answers)" if n_own else "")
     )
     mixes = _control_mixes(cfg, inputs["mined"], pairs, held, judges, stage0_train, replay)
 
@@ -206,8 +207,8 @@ def _control_mixes(
         drawn = _random_tasks(mined, pairs, held, judges, cfg.seed)
         mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
     if "replay" in cfg.controls:  # 1R's replay rows and, in place of the pairs, as many other stage-0 rows
-        drawn = {r["id"] for r in replay}
-        more = [r for r in sample(stage0_train, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in drawn]
+        in_replay = {r["id"] for r in replay}
+        more = [r for r in sample(stage0_train, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in in_replay]
         mixes["replay"] = replay + more[:n_pair_rows]
     if "gold" in cfg.controls:
         mixes["gold"] = [r for r in _gold_pairs(mined, pairs) for _ in range(cfg.pair_repeats)] + replay
