@@ -116,10 +116,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     judges = mined_judges(inputs["mined"])
 
     stage0_train = load_split(inputs["data"] / "dataset", "train")
-    own = []
-    if cfg.replay_own > 0:
-        answered = read_jsonl(inputs["mined"] / "answers.jsonl", "the mined input (stage 1B)")
-        own = own_passes(answered, {h["id"] for h in held})
+    answered = read_jsonl(inputs["mined"] / "answers.jsonl", "the mined input (stage 1B)")
+    own = own_passes(answered, {h["id"] for h in held}) if cfg.replay_own > 0 else []
     train_rows, replay = loop_mix(
         pairs, stage0_train, cfg.replay_share, cfg.pair_repeats, cfg.seed, own=own, own_share=cfg.replay_own
     )
@@ -129,9 +127,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     write_jsonl(data_file, ({"messages": messages(r)} for r in [*train_rows, *replay]))
     log.info(
         f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows"
-        + (f" ({n_own:,} of them the student's own passing answers)" if n_own else "")
+        + _own(n_own)
     )
-    mixes = _control_mixes(cfg, inputs["mined"], pairs, held, judges, stage0_train, replay)
+    mixes = _control_mixes(cfg, answered, pairs, held, judges, stage0_train, replay)
 
     from transformers import AutoTokenizer
 
@@ -198,20 +196,27 @@ def _pairs_and_held_out(pairs_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _control_mixes(
-    cfg: Config, mined: Path, pairs: list[dict], held: list[dict], judges: dict, stage0_train: list[dict], replay
+    cfg: Config,
+    answered: list[dict],
+    pairs: list[dict],
+    held: list[dict],
+    judges: dict,
+    stage0_train: list[dict],
+    replay: list[dict],
 ) -> dict[str, list[dict]]:
-    """Control -> its training rows: the same count and the same replay rows as 1R's mix."""
+    """Control -> its training rows (``answered``: 1B's answers): the same count and the same replay
+    rows as 1R's mix."""
     mixes = {}
     n_pair_rows = len(pairs) * cfg.pair_repeats
     if "random" in cfg.controls:
-        drawn = _random_tasks(mined, pairs, held, judges, cfg.seed)
+        drawn = _random_tasks(answered, pairs, held, judges, cfg.seed)
         mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
     if "replay" in cfg.controls:  # 1R's replay rows and, in place of the pairs, as many other stage-0 rows
         in_replay = {r["id"] for r in replay}
         more = [r for r in sample(stage0_train, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in in_replay]
         mixes["replay"] = replay + more[:n_pair_rows]
     if "gold" in cfg.controls:
-        mixes["gold"] = [r for r in _gold_pairs(mined, pairs) for _ in range(cfg.pair_repeats)] + replay
+        mixes["gold"] = [r for r in _gold_pairs(answered, pairs) for _ in range(cfg.pair_repeats)] + replay
     for name, share in (("pairs25", 0.25), ("pairs50", 0.5)):
         if name in cfg.controls:
             some = sample(pairs, max(1, round(share * len(pairs))), cfg.seed, key=lambda r: r["id"])
@@ -268,8 +273,7 @@ def _metrics(stats: dict, loss_before: dict, loss_after: dict) -> dict[str, floa
     return metrics
 
 
-def _own(stats: dict) -> str:
-    n = stats.get("replay_own_rows", 0)
+def _own(n: int) -> str:
     return f", {n:,} of them its own passing answers" if n else ""
 
 
@@ -277,7 +281,7 @@ def _summary(stats: dict) -> str:
     before, after, comparison = stats["before"], stats["after"], stats["comparison"]
     summary = (
         f"failure rate on {stats['held_out']} held-out critical failures: {before['rate']:.1%} -> {after['rate']:.1%} "
-        f"({stats['pairs']:,} corrected pairs + {stats['replay_rows']:,} replay rows{_own(stats)}); "
+        f"({stats['pairs']:,} corrected pairs + {stats['replay_rows']:,} replay rows{_own(stats['replay_own_rows'])}); "
         "validation perplexity "
         f"{stats['val_perplexity_before']:.2f} -> {stats['val_perplexity_after']:.2f} "
         f"({stats['val_rows']} rows: what it forgot)"
@@ -293,11 +297,10 @@ def _summary(stats: dict) -> str:
     return summary
 
 
-def _random_tasks(mined: Path, pairs: list[dict], held: list[dict], judges: dict, seed: int) -> list[dict]:
+def _random_tasks(answered: list[dict], pairs: list[dict], held: list[dict], judges: dict, seed: int) -> list[dict]:
     """The ``random`` control's rows: per domain, as many tasks as the pairs have, drawn in a seeded
     order from every task 1B answered (failed or not; 1D's held-out failures excepted), each with its
     gold answer, kept when the domain's judge passes it (as the gold tier's answers are)."""
-    answered = read_jsonl(mined / "answers.jsonl", "the mined input (stage 1B)")
     held_ids = {h["id"] for h in held}
     want = Counter(p["domain"] for p in pairs)
     rows = []
@@ -317,13 +320,13 @@ def _random_tasks(mined: Path, pairs: list[dict], held: list[dict], judges: dict
     return rows
 
 
-def _gold_pairs(mined: Path, pairs: list[dict]) -> list[dict]:
+def _gold_pairs(answered: list[dict], pairs: list[dict]) -> list[dict]:
     """The ``gold`` control's rows: the same failures as the pairs, each with the dataset's gold
     answer (what the top tier alone would have taught)."""
-    answered = {r["id"]: r for r in read_jsonl(mined / "answers.jsonl", "the mined input (stage 1B)")}
+    by_id = {r["id"]: r for r in answered}
     rows = []
     for p in pairs:
-        reference = answered.get(p["id"], {}).get("reference")
+        reference = by_id.get(p["id"], {}).get("reference")
         if reference:
             rows.append({"instruction": p["instruction"], "input": p["input"], "output": reference})
     if len(rows) < len(pairs):
@@ -451,7 +454,7 @@ def _card(s: dict) -> str:
         + f") and {s['replay_rows']:,} replay rows"
         + (
             f": {s['replay_own_rows']:,} of them the student's own answers 1B's judges passed, the rest"
-            if s.get("replay_own_rows")
+            if s["replay_own_rows"]
             else ""
         )
         + " of stage 0's train split.",
