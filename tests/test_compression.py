@@ -406,6 +406,7 @@ def test_gguf_fidelity_config_names_what_is_missing(family, data, tmp_path):
     assert mix.label("target") == "target Q4_0 +imatrix blk.(0,1).ffn_(gate,up) Q8_0 attn_v Q8_0"  # a markdown cell
     assert mix.file_type() == "Q4_0-mix" and s2d.Candidate(quant="Q4_0", embedding="Q5_0").file_type() == "Q4_0-mix"
     assert s2d.Candidate(quant="Q4_0", imatrix=True).file_type() == "Q4_0"  # the shipped file's name
+    assert s2d.Candidate(quant="IQ4_XS", embedding="IQ4_XS").file_type() == "IQ4_XS-mix"  # tiny's 4.35 bits
     # what 2D's card, 2F and the bundle read back from that name
     assert [gguf_type(Path(f"target-{q}.gguf")) for q in ("Q5_0", "Q4_0-mix")] == ["Q5_0", "Q4_0-mix"]
     with pytest.raises(KibidangoError, match="named <tier>-<type>.gguf"):

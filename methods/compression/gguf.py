@@ -62,7 +62,22 @@ QUANT_TYPES = (
 )
 
 
-TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_NL", "Q3_K", "Q2_K")
+TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "Q8_0",
+    "Q6_K",
+    "Q5_K",
+    "Q5_1",
+    "Q5_0",
+    "Q4_K",
+    "Q4_1",
+    "Q4_0",
+    "IQ4_NL",
+    "IQ4_XS",
+    "Q3_K",
+    "Q2_K",
+)
 """llama.cpp tensor types one tensor (the embedding) may be stored in (``GGML_TYPE_<name>``)."""
 
 
