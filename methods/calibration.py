@@ -9,7 +9,9 @@ scaling of answer-level features, and the measures that say whether either helpe
   equal-width bins;
 - :func:`fit_logistic`: logistic regression from answer features to P(the judge passes) (Platt
   scaling; 6B's detector too), fitted with L-BFGS and a small L2 penalty on standardised
-  features, returned as the runtime's :class:`kibidango.addons.confidence.Logistic`;
+  features (features named free go unpenalised), returned as the runtime's
+  :class:`kibidango.addons.confidence.Logistic`; :func:`choose_l2`, its penalty by stratified
+  k-fold cross-validation;
 - :func:`brier`, :func:`auroc`, :func:`precision_at_recall`, :func:`reliability_plot`.
 
 Everything here is numpy/torch: the parameters are small JSON the runtime can read without the
@@ -27,6 +29,7 @@ from kibidango.addons.confidence import Logistic
 __all__ = [
     "auroc",
     "brier",
+    "choose_l2",
     "ece",
     "fit_logistic",
     "fit_temperature",
@@ -140,9 +143,13 @@ def paired_auroc_difference(a, b, outcome, rounds: int = 2000, seed: int = 0) ->
     return {"difference": point_a - point_b, "ci": ci}
 
 
-def fit_logistic(x: np.ndarray, y: np.ndarray, features: list[str], l2: float = 1e-3) -> Logistic:
+def fit_logistic(
+    x: np.ndarray, y: np.ndarray, features: list[str], l2: float = 1e-3, free: tuple[int, ...] = ()
+) -> Logistic:
     """Logistic regression on standardised features, fitted with L-BFGS and an L2 penalty: the
-    runtime's :class:`kibidango.addons.confidence.Logistic` (Platt scaling is the one-feature case)."""
+    runtime's :class:`kibidango.addons.confidence.Logistic` (Platt scaling is the one-feature case).
+    ``free``: indices of features whose weights are not penalised (a large ``l2`` then leaves a model
+    of those features alone, not a constant)."""
     import torch
 
     x = np.asarray(x, dtype=np.float64)
@@ -150,18 +157,58 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, features: list[str], l2: float = 
     std = np.where(std > 1e-12, std, 1.0)
     xs = torch.as_tensor((x - mean) / std)
     ys = torch.as_tensor(np.asarray(y, dtype=np.float64))
+    penalised = torch.ones(x.shape[1], dtype=torch.float64)
+    penalised[list(free)] = 0.0
     w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
     b = torch.zeros((), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
 
     def closure():
         opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(xs @ w + b, ys) + l2 * (w**2).sum()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(xs @ w + b, ys) + l2 * (penalised * w**2).sum()
         loss.backward()
         return loss
 
     opt.step(closure)
     return Logistic(list(features), w.detach().tolist(), float(b.detach()), mean.tolist(), std.tolist())
+
+
+def choose_l2(
+    x: np.ndarray,
+    y: np.ndarray,
+    grid: list[float],
+    folds: int = 5,
+    free: tuple[int, ...] = (),
+    seed: int = 0,
+) -> tuple[float, dict[float, float]]:
+    """The penalty of ``grid`` whose :func:`fit_logistic` has the lowest mean held-out log loss over
+    stratified ``folds``-fold cross-validation of ``(x, y)`` (each class dealt round-robin over the
+    folds after a seeded shuffle), and that loss per penalty. Fewer folds when the smaller class
+    has fewer rows than ``folds``; with under 2 rows in it, no fold can hold both classes out and
+    the largest penalty is taken (no losses)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    grid = sorted(float(v) for v in grid)
+    minority = int(min(y.sum(), len(y) - y.sum()))
+    k = min(folds, minority)
+    if k < 2:
+        return grid[-1], {}
+    rng = np.random.default_rng(seed)
+    fold = np.empty(len(y), dtype=int)
+    for label in (0.0, 1.0):
+        rows = rng.permutation(np.flatnonzero(y == label))
+        fold[rows] = np.arange(len(rows)) % k
+    names = [f"x{i}" for i in range(x.shape[1])]
+    losses = {}
+    for l2 in grid:
+        total = 0.0
+        for f in range(k):
+            train, test = fold != f, fold == f
+            p = fit_logistic(x[train], y[train], names, l2, free).predict(x[test])
+            p = np.clip(p, 1e-9, 1 - 1e-9)
+            total -= float((y[test] * np.log(p) + (1 - y[test]) * np.log(1 - p)).sum())
+        losses[l2] = total / len(y)
+    best = min(grid, key=lambda v: (losses[v], -v))  # a tie goes to the larger penalty
+    return best, losses
 
 
 def precision_at_recall(score: np.ndarray, outcome: np.ndarray, recall: float) -> tuple[float, float] | None:

@@ -24,11 +24,11 @@ import logging
 from pathlib import Path
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from core.contract import KibidangoError, StageConfig, StageResult
 from kibidango.addons.confidence import Calibrator, EscalationDetector, Logistic
-from methods.calibration import auroc, fit_logistic, paired_auroc_difference, precision_at_recall
+from methods.calibration import auroc, choose_l2, fit_logistic, paired_auroc_difference, precision_at_recall
 from methods.failures import read_jsonl
 
 LIBRARIES = ("torch", "numpy")
@@ -40,7 +40,20 @@ class Config(StageConfig):
     recall: float = Field(0.9, gt=0, le=1, description="Share of failing answers the detector must flag.")
     dim: int = Field(128, gt=0, description="Hashed query feature dimensions.")
     salt: str = Field("kibidango-router-v1", description="Feature hash salt (the router's, so features are shared).")
-    l2: float = Field(0.05, ge=0, description="L2 penalty (129 features, a few hundred answers).")
+    l2: list[float] = Field(
+        [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0],
+        min_length=1,
+        description="L2 penalties on the query features (standardised; the confidence's weight is not penalised) "
+        "tried by cross-validation on the fitting half; the lowest mean held-out log loss is fitted.",
+    )
+    folds: int = Field(5, ge=2, description="Cross-validation folds for the penalty (stratified by outcome).")
+
+    @field_validator("l2")
+    @classmethod
+    def _non_negative(cls, v: list[float]) -> list[float]:
+        if any(p < 0 for p in v):
+            raise ValueError(f"L2 penalties must be >= 0, got {v}")
+        return v
 
 
 def examples(rows: list[dict], calibrator: Calibrator) -> list[dict]:
@@ -82,8 +95,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     fx, fy = matrix(fit)
     ex, ey = matrix(held)
     fitted = bool(0 < fy.sum() < len(fy))
+    confidence = (len(names) - 1,)  # the last feature: never penalised
+    l2, cv_loss = max(cfg.l2), {}
     if fitted:
-        model = fit_logistic(fx, fy, names, cfg.l2)
+        l2, cv_loss = choose_l2(fx, fy, cfg.l2, cfg.folds, free=confidence)
+        log.info(
+            "6B: L2 penalty %g on the query features (%d-fold cross-validation on %d answers)", l2, cfg.folds, len(fy)
+        )
+        model = fit_logistic(fx, fy, names, l2, free=confidence)
     else:  # one class: a constant (the fitting half's failure rate)
         rate = min(max(float(fy.mean()), 1e-6), 1 - 1e-6)
         model = Logistic(
@@ -102,6 +121,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         "fitted": fitted,
         "fit_answers": len(fit),
         "fit_failures": int(fy.sum()),
+        "l2": l2,
+        "l2_cv_log_loss": {f"{k:g}": v for k, v in cv_loss.items()},
+        "folds": cfg.folds,
         "eval_answers": len(held),
         "eval_failures": int(ey.sum()),
         "recall_asked": cfg.recall,
@@ -124,7 +146,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     (out_dir / "escalation.json").write_text(json.dumps(detector.to_dict()))
     (out_dir / "escalation_eval.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     (out_dir / "ESCALATION_CARD.md").write_text(_card(report))
-    metrics = {k: float(v) for k, v in report.items() if isinstance(v, int | float) and not isinstance(v, str)}
+    metrics = {k: float(v) for k, v in report.items() if isinstance(v, int | float)}
     summary = (
         f"AUROC {_f(report['auroc'])} on {len(held)} held-out answers ({int(ey.sum())} failures; confidence alone "
         f"{_f(report['auroc_confidence_only'])}); at threshold {threshold:.3f} (recall {cfg.recall:.0%} on the fit "
@@ -137,6 +159,21 @@ def _f(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _penalty(r: dict) -> str:
+    losses = r.get("l2_cv_log_loss") or {}
+    if not losses:
+        return (
+            f"L2 penalty on the query features: {r['l2']:g} (the largest asked: too few answers of one outcome "
+            "to cross-validate)."
+        )
+    curve = ", ".join(f"{k}: {v:.3f}" for k, v in losses.items())
+    return (
+        f"L2 penalty on the query features: **{r['l2']:g}**, the lowest mean held-out log loss of "
+        f"{r['folds']}-fold cross-validation on the fitting half ({curve}); the confidence's weight is not "
+        "penalised, so the largest penalty is close to confidence alone."
+    )
+
+
 def _card(r: dict) -> str:
     lines = [
         "# Escalation detector (stage 6B)",
@@ -146,6 +183,8 @@ def _card(r: dict) -> str:
         f"Trained on {r['fit_answers']} judged answers of stage 2G's fitting half ({r['fit_failures']} failures), "
         f"measured on {r['eval_answers']} answers of its evaluation half ({r['eval_failures']} failures, "
         f"{r['eval_failure_rate']:.1%}).",
+        "",
+        _penalty(r),
         "",
         "| detector | AUROC | precision at recall " + f"{r['recall_asked']:.0%} |",
         "|---|---:|---:|",

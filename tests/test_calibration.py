@@ -9,6 +9,7 @@ from kibidango.addons.confidence import Logistic
 from methods.calibration import (
     auroc,
     brier,
+    choose_l2,
     ece,
     fit_logistic,
     fit_temperature,
@@ -63,6 +64,39 @@ def test_platt_scaling_learns_a_monotone_map_and_the_scores():
     assert ece(p, y[2000:]) < 0.06
     again = Logistic.from_dict(model.to_dict(), "round trip")
     assert again.predict(x[:3]).tolist() == model.predict(x[:3]).tolist()
+
+
+def test_the_penalty_is_cross_validated_and_spares_the_free_feature():
+    """6B's case: one informative free feature (the confidence) beside many side features (query
+    n-grams). When the side features are noise, cross-validation picks a large penalty and the fit
+    ranks as the free feature does, where a small fixed penalty fits the noise; when they carry the
+    signal, a small penalty wins and beats the free feature alone."""
+    rng = np.random.default_rng(3)
+    n, side = 400, 60
+    free = rng.normal(size=n)
+    noise = rng.normal(size=(n, side))
+    y = (rng.random(n) < 1 / (1 + np.exp(-1.5 * free))).astype(float)
+    x = np.column_stack([noise, free])
+    fit, held = slice(0, 120), slice(120, None)
+    names = [f"x{i}" for i in range(side + 1)]
+    grid = [0.001, 0.01, 0.1, 1.0, 100.0]
+    l2, losses = choose_l2(x[fit], y[fit], grid, folds=5, free=(side,))
+    assert set(losses) == set(grid) and l2 >= 0.1 and losses[l2] == min(losses.values())
+    chosen = fit_logistic(x[fit], y[fit], names, l2, free=(side,))
+    loose = fit_logistic(x[fit], y[fit], names, 0.001, free=(side,))
+    assert abs(chosen.weights[side]) > 0.5  # the free feature keeps its weight under the large penalty
+    assert auroc(chosen.predict(x[held]), y[held]) > auroc(loose.predict(x[held]), y[held])
+    assert auroc(chosen.predict(x[held]), y[held]) > auroc(free[held], y[held]) - 0.05
+    # the side features carry the signal: a small penalty wins and beats the free feature alone
+    y2 = (rng.random(n) < 1 / (1 + np.exp(-(1.5 * free + 2.0 * noise[:, 0] - 2.0 * noise[:, 1])))).astype(float)
+    l2, _ = choose_l2(x[fit], y2[fit], grid, folds=5, free=(side,))
+    assert l2 <= 0.1
+    model = fit_logistic(x[fit], y2[fit], names, l2, free=(side,))
+    assert auroc(model.predict(x[held]), y2[held]) > auroc(free[held], y2[held]) + 0.05
+    # one row of the smaller class: no fold can hold it out, the largest penalty is taken
+    one = np.zeros(20)
+    one[3] = 1
+    assert choose_l2(x[:20], one, grid, free=(side,)) == (100.0, {})
 
 
 def test_precision_at_recall():

@@ -102,6 +102,10 @@ def test_the_detector_learns_what_the_query_says_about_failure(tmp_path):
     assert result.metrics["eval_recall_at_threshold"] >= 0.7
     # it beats confidence alone by a paired bootstrap: it earns its place (6C may use it, X ships it)
     assert result.metrics["earns_its_place"] == 1.0 and "earns its place" in (out / "ESCALATION_CARD.md").read_text()
+    # its penalty on the query features was cross-validated on the fitting half; the card shows the curve
+    report = json.loads((out / "escalation_eval.json").read_text())
+    assert report["l2"] in escalation.Config().l2 and len(report["l2_cv_log_loss"]) == len(escalation.Config().l2)
+    assert f"L2 penalty on the query features: **{report['l2']:g}**" in (out / "ESCALATION_CARD.md").read_text()
 
 
 def test_a_detector_no_better_than_confidence_is_never_switched_on_nor_shipped(tmp_path):
