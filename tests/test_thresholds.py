@@ -108,6 +108,22 @@ def test_the_detector_learns_what_the_query_says_about_failure(tmp_path):
     assert f"L2 penalty on the query features: **{report['l2']:g}**" in (out / "ESCALATION_CARD.md").read_text()
 
 
+def test_the_penalty_comparison_reads_a_2g_artifact(tmp_path, capsys):
+    """`python -m eval.escalation_penalty`: both rules on the same 2G answers, whole and subsampled."""
+    from eval.escalation_penalty import main
+
+    rng = np.random.default_rng(0)
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    (cal / "calibration.json").write_text(json.dumps(Calibrator({"torch": 1.0}, None).to_dict()))
+    (cal / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(200, rng)))
+    main([str(cal), "--sizes", "40", "--draws", "2"])
+    out = capsys.readouterr().out
+    assert "100 fitting answers, 100 evaluation answers" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 100 |") or line.startswith("| 40 |")]
+    assert len(rows) == 3 and all(float(r.split("|")[5]) > 0.8 for r in rows)  # the query says it: both see it
+
+
 def test_a_detector_no_better_than_confidence_is_never_switched_on_nor_shipped(tmp_path):
     """Queries that say nothing about failure: the detector's AUROC does not beat confidence alone
     by a paired bootstrap, so 6B says so, 6C sweeps only with it off, and X would ship none."""
