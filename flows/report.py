@@ -811,7 +811,7 @@ def _bundle_claims(artifacts: dict) -> list[Claim]:
             continue
         claim = (f"{domain} ladder kept: the bundle against the uncompressed 1R", "within 2 points (interval above -2)")
         diff, ci, words = _paired_claim(pairs, "bundle", "1R")
-        met = "yes" if ci[0] > -0.02 else "no" if diff < -0.02 else "not shown"
+        met = _shown(diff, ci[0], -0.02)
         if met != "yes" and domain in mining:
             words += f"; 2D's mining part: {mining[domain]}"
         rows.append((*claim, words, met))
