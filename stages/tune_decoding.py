@@ -76,6 +76,14 @@ class Config(StageConfig):
     max_ppl_increase: float = Field(
         0.02, ge=0, description="Quality bound of the lossy variants: the target's perplexity of their text vs ar's."
     )
+    tier_gain: float = Field(
+        0.05,
+        ge=0,
+        description="Share by which a mode on more tiers (sd: the draft; pyramid: and the qualifier) must beat the "
+        "fastest on fewer to become the defaults: the default profile ships a tier only for the mode that runs it, "
+        "so it has to pay for its bytes and memory by more than one timing's noise (tiny's 1F chose sd k=2 at 1.05x "
+        "one run, lookup k=3 adaptive at 1.06x the run before, on the same bundle).",
+    )
     threads: int | None = Field(None, gt=0, description="CPU threads per model (default: the runtime's).")
     grid: Grid = Field(default_factory=Grid, description="The settings tried.")
 
@@ -125,6 +133,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             cfg.max_ppl_increase,
             grid,
             progress=lambda n, total, row, p=progress: p.update(n),
+            tier_gain=cfg.tier_gain,
         )
         progress.finish(len(result.rows))
         bad = [r for r in result.rows if r.get("note") and "near_tie_gap" not in r]
@@ -149,6 +158,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "prompts": len(prompts),
             "max_new_tokens": cfg.max_new_tokens,
             "max_ppl_increase": cfg.max_ppl_increase,
+            "tier_gain": cfg.tier_gain,
+            "passed_over": r.passed_over,
             "source": "stage 1F",
         }
         for b, r in results.items()
@@ -202,6 +213,18 @@ def _card(results: dict, tuned: dict, prompts: int, cfg: Config) -> str:
             f"| {b} | {describe(tuned[b])} | {r.chosen_speed:.2f}x | {best['sd']} | {best['lookup']} | "
             f"{best['pyramid']} |"
         )
+    lines += [
+        "",
+        f"A mode on more tiers (sd: the draft; pyramid: the draft and the qualifier) becomes the defaults only "
+        f"when it beats the fastest on fewer (ar: 1.0x) by more than {cfg.tier_gain:.0%}: the default profile ships "
+        "a tier only for the mode that runs it.",
+    ]
+    for b, r in results.items():
+        if r.passed_over is not None:
+            lines.append(
+                f"- {b}: passed over {describe(r.passed_over)} at {r.passed_over['speed_vs_ar']:.2f}x for "
+                f"{describe(tuned[b])} at {r.chosen_speed:.2f}x."
+            )
     lines += [
         "",
         "The bundle ships these as `tuned_defaults` per backend; `kibidango generate --bundle B --backend ...` "

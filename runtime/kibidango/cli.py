@@ -214,13 +214,21 @@ def _tune(args: argparse.Namespace) -> None:
     def progress(n: int, total: int, row: dict) -> None:
         print(f"  {n}/{total} candidates", file=sys.stderr, flush=True)
 
-    result = tune(pipe, read_prompts(args.prompts), args.max_new_tokens, args.max_ppl_increase, progress=progress)
+    result = tune(
+        pipe,
+        read_prompts(args.prompts),
+        args.max_new_tokens,
+        args.max_ppl_increase,
+        progress=progress,
+        tier_gain=args.tier_gain,
+    )
     print(format_tune(result))
     if args.write and result.chosen:
         report = {
             "best": result.best,
             "chosen_speed_vs_ar": result.chosen_speed,
             "max_ppl_increase": args.max_ppl_increase,
+            "tier_gain": args.tier_gain,
             "prompts": args.prompts,
         }
         print(f"written: {write_tuned(args.bundle, args.write, args.backend, result.chosen, report)}")
@@ -400,6 +408,12 @@ def _tune_command(sub) -> None:
     tun.add_argument("--max-new-tokens", type=int, default=48)
     tun.add_argument(
         "--max-ppl-increase", type=float, default=0.02, help="lossy variants: largest rise of the target's perplexity"
+    )
+    tun.add_argument(
+        "--tier-gain",
+        type=float,
+        default=0.0,
+        help="share by which a mode on more tiers (sd: a draft; pyramid: and a qualifier) must beat those on fewer",
     )
     tun.add_argument("--threads", type=int)
     tun.add_argument("--kv-cache", dest="kv_cache", choices=list(KV_CACHE_TYPES))

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kibidango import Pipeline, write_bundle
-from kibidango.tools.tune import candidates, format_tune, tune, write_tuned
+from kibidango.tools.tune import candidates, choose, format_tune, tune, write_tuned
 from tests.conftest import STORIES, needs_stories
 
 GRID = {"k": (2, 4), "lengths": ((2, 4),), "taus": ((0.3, 0.2),), "p_min": (), "lookup_k": ()}
@@ -38,6 +38,23 @@ def test_the_grid_covers_every_mode_and_variant():
     assert {"mode": "lookup", "k": 3, "ngram_table": True} in tabled
     assert {"mode": "sd", "k": 4, "lookup": True, "ngram_table": True} in tabled
     assert len(tabled) == len(candidates({**GRID, "lookup_k": (3,)})) + 2
+
+
+def test_a_mode_on_more_tiers_must_pay_for_them():
+    """The defaults' mode: ar unless a row beats 1.0x; a mode on more tiers (sd: a draft, pyramid: a
+    draft and a qualifier) replaces one on fewer only when faster by more than the tier gain."""
+    lookup = {"mode": "lookup", "k": 3, "speed_vs_ar": 1.06}
+    sd = {"mode": "sd", "k": 2, "speed_vs_ar": 1.12}
+    pyramid = {"mode": "pyramid", "variant": "exact", "l_D": 2, "l_Q": 4, "speed_vs_ar": 1.30}
+    assert choose([lookup, sd, pyramid]) is pyramid  # no gain asked: the fastest
+    assert choose([lookup, sd], 0.05) is sd  # 1.12 > 1.06 * 1.05
+    assert choose([lookup, {**sd, "speed_vs_ar": 1.08}], 0.05) is lookup  # not faster by more than 5%
+    assert choose([{**sd, "speed_vs_ar": 1.04}], 0.05)["mode"] == "ar"  # the draft does not pay against ar
+    assert choose([{**sd, "speed_vs_ar": 1.06}], 0.05)["mode"] == "sd"
+    assert choose([{**lookup, "speed_vs_ar": 0.97}])["mode"] == "ar"  # nothing beats the target alone
+    # the pyramid measured against the choice so far (sd), not only against the mode on fewest tiers
+    assert choose([lookup, sd, {**pyramid, "speed_vs_ar": 1.17}], 0.05) is sd
+    assert choose([lookup, sd, {**pyramid, "speed_vs_ar": 1.18}], 0.05)["mode"] == "pyramid"
 
 
 def test_tuned_defaults_are_written_and_read_per_backend(tmp_path):

@@ -20,9 +20,12 @@ otherwise it is a bug, reported, and never admissible. Lossy ones
 (fuzzy acceptance, tau > 0) must keep the target's perplexity of the generated text within
 ``max_ppl_increase`` of ``ar``'s text (the quality constraint), and their greedy agreement with
 ``ar`` (tokens before the first difference) is reported. The chosen settings are the fastest
-admissible candidate; :func:`write_tuned` writes them into a copy of the bundle as its runtime
-defaults for that backend (``tuned_defaults`` in bundle.json, which :meth:`Pipeline.from_bundle`
-reads before the plain ``runtime_defaults``)."""
+admissible candidate, except that a mode running more tiers (``sd``: a draft; ``pyramid``: a draft
+and a qualifier) must beat every admissible mode on fewer tiers (``ar``: 1.0) by more than
+``tier_gain`` (a share): a tier a bundle ships only for its default mode has to pay for its bytes and
+memory by more than a timing's noise (:func:`choose`); :func:`write_tuned` writes them into a copy
+of the bundle as its runtime defaults for that backend (``tuned_defaults`` in bundle.json, which
+:meth:`Pipeline.from_bundle` reads before the plain ``runtime_defaults``)."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from kibidango.addons.confidence import score_answer
-from kibidango.decode.speculative import REQUEST_SETTINGS, Metrics
+from kibidango.decode.speculative import REQUEST_SETTINGS, TIERS, Metrics
 from kibidango.pipeline import Pipeline
 
 __all__ = ["TuneResult", "candidates", "describe", "format_tune", "tune", "write_tuned", "write_tuned_backends"]
@@ -93,6 +96,9 @@ class TuneResult:
     """The fastest admissible candidate per mode (``sd``, ``pyramid``)."""
     chosen_speed: float = 1.0
     """The chosen settings' tokens/s against ``ar`` (1.0 when ``ar`` itself is chosen)."""
+    passed_over: dict[str, Any] | None = None
+    """The fastest admissible candidate when it was not chosen: it runs more tiers than the chosen
+    one and is not faster by more than ``tier_gain``."""
 
 
 NEAR_TIE = 0.5
@@ -142,9 +148,11 @@ def tune(
     max_ppl_increase: float = 0.02,
     grid: dict[str, Any] | None = None,
     progress=None,
+    tier_gain: float = 0.0,
 ) -> TuneResult:
     """``pipe``: a pipeline with all three tiers loaded (``mode="pyramid"``); ``prompts``: texts,
-    or token ids as they are (a pipeline stage's held-out prompts, already rendered)."""
+    or token ids as they are (a pipeline stage's held-out prompts, already rendered); ``tier_gain``:
+    the share by which a mode on more tiers must beat those on fewer (:func:`choose`)."""
     missing = {"draft", "qualifier", "target"} - set(pipe.models)
     if missing:
         raise ValueError(f"tuning needs the draft, qualifier and target tiers loaded (missing {sorted(missing)})")
@@ -200,13 +208,29 @@ def tune(
         if mine:
             result.best[mode] = max(mine, key=lambda r: r["speed_vs_ar"])
     if ok:
-        best = max(ok, key=lambda r: r["speed_vs_ar"])
+        best = choose(ok, tier_gain)
         # the candidate's own settings: a row also carries its measurements, none a decoding setting
         result.chosen = {k: best[k] for k in ("mode", *REQUEST_SETTINGS) if k in best}
         result.chosen_speed = best["speed_vs_ar"]
-        if best["speed_vs_ar"] < 1.0:  # nothing beats the target alone here
-            result.chosen, result.chosen_speed = {"mode": "ar"}, 1.0
+        fastest = max(ok, key=lambda r: r["speed_vs_ar"])
+        if fastest is not best and fastest["speed_vs_ar"] > best["speed_vs_ar"]:
+            result.passed_over = fastest
     return result
+
+
+def choose(rows: list[dict[str, Any]], tier_gain: float = 0.0) -> dict[str, Any]:
+    """Of admissible rows (each with ``mode`` and ``speed_vs_ar``), the one whose settings become
+    the defaults: target-only decoding (``{"mode": "ar", "speed_vs_ar": 1.0}``) unless a row beats it;
+    then, by the number of tiers a mode runs (:data:`kibidango.decode.speculative.TIERS`), the fastest
+    row on more tiers replaces the choice only when it is faster than it by more than ``tier_gain``
+    (``speed > chosen * (1 + tier_gain)``). With ``tier_gain`` 0 this is the fastest row (or ``ar``)."""
+    chosen: dict[str, Any] = {"mode": "ar", "speed_vs_ar": 1.0}
+    for n in sorted({len(TIERS[r["mode"]]) for r in rows}):
+        fastest = max((r for r in rows if len(TIERS[r["mode"]]) == n), key=lambda r: r["speed_vs_ar"])
+        gain = tier_gain if n > len(TIERS[chosen["mode"]]) else 0.0
+        if fastest["speed_vs_ar"] > chosen["speed_vs_ar"] * (1 + gain):
+            chosen = fastest
+    return chosen
 
 
 def describe(c: dict[str, Any]) -> str:
@@ -251,6 +275,11 @@ def format_tune(result: TuneResult, top: int = 12) -> str:
             f"best pyramid / best sd: {result.best['pyramid']['speed_vs_ar'] / result.best['sd']['speed_vs_ar']:.2f}x"
         )
     lines.append(f"chosen: {result.chosen}")
+    if result.passed_over is not None:
+        lines.append(
+            f"passed over: {describe(result.passed_over)} at {result.passed_over['speed_vs_ar']:.2f}x ar (runs more "
+            f"tiers than the choice, {result.chosen_speed:.2f}x, and is not faster by more than the tier gain)"
+        )
     return "\n".join(lines)
 
 
