@@ -42,7 +42,16 @@ from kibidango.addons.confidence import score_answer
 from kibidango.decode.speculative import REQUEST_SETTINGS, TIERS, Metrics
 from kibidango.pipeline import Pipeline
 
-__all__ = ["TuneResult", "candidates", "describe", "format_tune", "tune", "write_tuned", "write_tuned_backends"]
+__all__ = [
+    "TuneResult",
+    "candidates",
+    "choose",
+    "describe",
+    "format_tune",
+    "tune",
+    "write_tuned",
+    "write_tuned_backends",
+]
 
 GRID = {
     "k": (2, 3, 4, 6, 8),
