@@ -18,10 +18,10 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kibidango.addons.confidence import Calibrator, EscalationDetector, Logistic
-    from methods.calibration import auroc, choose_l2, fit_logistic, paired_auroc_difference
+    from kibidango.addons.confidence import Calibrator, EscalationDetector
+    from methods.calibration import auroc, fit_logistic, paired_auroc_difference
     from methods.failures import read_jsonl
-    from stages.escalation import Config, examples
+    from stages.escalation import Config, design_matrix, examples, fit_detector
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("calibration", type=Path, help="a stage 2G artifact (answers.jsonl, calibration.json)")
@@ -34,17 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     calibrator = Calibrator.load(args.calibration / "calibration.json")
     data = examples(read_jsonl(args.calibration / "answers.jsonl", "the calibration input (stage 2G)"), calibrator)
     names = EscalationDetector.feature_names(cfg.dim)
-    zero = Logistic(names, [0.0] * len(names), 0.0, [0.0] * len(names), [1.0] * len(names))
-    probe = EscalationDetector(zero, cfg.dim, cfg.salt, 0.5)
-
-    def matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        x = np.stack([probe.vector(e["query"], e["confidence"]) for e in rows])
-        return x, np.array([e["failed"] for e in rows], dtype=np.float64)
-
     fit = [e for e in data if e["split"] == "fit"]
-    ex, ey = matrix([e for e in data if e["split"] == "eval"])
+    ex, ey = design_matrix([e for e in data if e["split"] == "eval"], cfg)
     baseline = 1 - ex[:, -1]
-    free = (len(names) - 1,)
     rng = np.random.default_rng(0)
     print(f"{len(fit)} fitting answers, {len(ey)} evaluation answers ({int(ey.sum())} failures)")
     print(f"confidence alone: AUROC {auroc(baseline, ey):.3f}\n")
@@ -54,13 +46,13 @@ def main(argv: list[str] | None = None) -> None:
     for size in sizes:
         for draw in range(1 if size == len(fit) else args.draws):
             sub = [fit[i] for i in sorted(rng.choice(len(fit), size, replace=False))]
-            fx, fy = matrix(sub)
+            fx, fy = design_matrix(sub, cfg)
             if not 0 < fy.sum() < size:
                 print(f"| {size} | {draw} | one class | | | |")
                 continue
             fixed = fit_logistic(fx, fy, names, args.fixed).predict(ex)
-            l2, _ = choose_l2(fx, fy, cfg.l2, cfg.folds, free=free)
-            chosen = fit_logistic(fx, fy, names, l2, free=free).predict(ex)
+            model, l2, _ = fit_detector(fx, fy, cfg)
+            chosen = model.predict(ex)
             d = paired_auroc_difference(chosen, baseline, ey)
             ci = f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" if d["ci"] else "-"
             print(

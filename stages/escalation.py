@@ -75,6 +75,33 @@ def examples(rows: list[dict], calibrator: Calibrator) -> list[dict]:
     return out
 
 
+def design_matrix(rows: list[dict], cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    """The detector's inputs for :func:`examples` rows (the runtime's own vector: hashed query n-grams,
+    then the confidence) and whether each answer failed."""
+    names = EscalationDetector.feature_names(cfg.dim)
+    zero = Logistic(names, [0.0] * len(names), 0.0, [0.0] * len(names), [1.0] * len(names))
+    probe = EscalationDetector(zero, cfg.dim, cfg.salt, 0.5)
+    x = np.stack([probe.vector(e["query"], e["confidence"]) for e in rows])
+    return x, np.array([e["failed"] for e in rows], dtype=np.float64)
+
+
+def fit_detector(x: np.ndarray, y: np.ndarray, cfg: Config) -> tuple[Logistic, float, dict[float, float]]:
+    """The detector's logistic regression on :func:`design_matrix` rows, the L2 penalty on the query
+    features only (the confidence, the last feature, is never penalised) chosen from ``cfg.l2`` by
+    cross-validation (:func:`methods.calibration.choose_l2`); with one class, a constant (its rate) at
+    the largest penalty. Returns (model, penalty, mean held-out log loss per penalty)."""
+    names = EscalationDetector.feature_names(cfg.dim)
+    if not 0 < y.sum() < len(y):
+        rate = min(max(float(y.mean()), 1e-6), 1 - 1e-6)
+        constant = Logistic(
+            names, [0.0] * len(names), float(np.log(rate / (1 - rate))), [0.0] * len(names), [1.0] * len(names)
+        )
+        return constant, max(cfg.l2), {}
+    confidence = (len(names) - 1,)
+    l2, cv_loss = choose_l2(x, y, cfg.l2, cfg.folds, free=confidence)
+    return fit_logistic(x, y, names, l2, free=confidence), l2, cv_loss
+
+
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     calibration = inputs["calibration"]
     calibrator = Calibrator.load(calibration / "calibration.json")
@@ -83,30 +110,13 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     held = [e for e in data if e["split"] == "eval"]
     if not fit or not held:
         raise KibidangoError(f"stage 2G's answers have {len(fit)} fitting and {len(held)} evaluation rows; need both")
-    names = EscalationDetector.feature_names(cfg.dim)
-    probe = EscalationDetector(
-        Logistic(names, [0.0] * len(names), 0.0, [0.0] * len(names), [1.0] * len(names)), cfg.dim, cfg.salt, 0.5
-    )
-
-    def matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        x = np.stack([probe.vector(e["query"], e["confidence"]) for e in rows])
-        return x, np.array([e["failed"] for e in rows], dtype=np.float64)
-
-    fx, fy = matrix(fit)
-    ex, ey = matrix(held)
+    fx, fy = design_matrix(fit, cfg)
+    ex, ey = design_matrix(held, cfg)
     fitted = bool(0 < fy.sum() < len(fy))
-    confidence = (len(names) - 1,)  # the last feature: never penalised
-    l2, cv_loss = max(cfg.l2), {}
+    model, l2, cv_loss = fit_detector(fx, fy, cfg)
     if fitted:
-        l2, cv_loss = choose_l2(fx, fy, cfg.l2, cfg.folds, free=confidence)
         log.info(
             "6B: L2 penalty %g on the query features (%d-fold cross-validation on %d answers)", l2, cfg.folds, len(fy)
-        )
-        model = fit_logistic(fx, fy, names, l2, free=confidence)
-    else:  # one class: a constant (the fitting half's failure rate)
-        rate = min(max(float(fy.mean()), 1e-6), 1 - 1e-6)
-        model = Logistic(
-            names, [0.0] * len(names), float(np.log(rate / (1 - rate))), [0.0] * len(names), [1.0] * len(names)
         )
     fit_scores, eval_scores = model.predict(fx), model.predict(ex)
     at = precision_at_recall(fit_scores, fy, cfg.recall)
