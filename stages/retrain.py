@@ -12,6 +12,12 @@ same held-out **evaluation** tasks (``evaluation``: e.g. the ladder's evaluation
 stage trains or mines on), and 1R is compared with each by an exact McNemar test. The controls'
 models stay in the work directory; only their figures are published.
 
+The objective is SFT on the mix, or (``preference``) DPO with the chosen answer's NLL beside it
+(RPO, Pang et al. 2024): each corrected pair's rejected answer is the student's own failed answer
+from 1B, so the fine-tune both raises the correction and lowers the mistake it replaces; a replay
+row (and a control's task the student passed) is its own rejected answer, which leaves it an SFT
+row. The controls train with the same objective.
+
 The output is a student of the same shape as 1A's (``<tier>/``), which the presets wire into
 distillation (1E), the domain modifiers (3-5) and compression (2A, 2F).
 
@@ -47,9 +53,9 @@ from methods.failures import (
 from methods.heldout import answer_and_judge, parallel_field
 from methods.measure import lm
 from methods.training import axolotl
-from methods.training.chat import axolotl_dataset, load_split, messages, write_jsonl
-from methods.training.finetune import fine_tune
-from methods.training.recipe import TrainRecipe
+from methods.training.chat import axolotl_dataset, load_split, messages, preference_record, write_jsonl
+from methods.training.finetune import fine_tune, preference_recipe
+from methods.training.recipe import PreferenceSpec, TrainRecipe
 
 RESUMABLE = True
 LIBRARIES = ("transformers", "torch", "peft", "sacrebleu")
@@ -75,6 +81,12 @@ class Config(StageConfig):
     pair_repeats: int = Field(1, ge=1, description="Each corrected pair appears this many times in the mix.")
     seed: int = Field(0, description="Which replay rows are drawn.")
     train: TrainRecipe = Field(description="The fine-tune (axolotl): steps, learning rate, warm-up, batch.")
+    preference: PreferenceSpec | None = Field(
+        None,
+        description="None: SFT on the mix. Set: DPO + NLL (axolotl's `rl: dpo`), each taught row's rejected answer "
+        "the student's failed answer from 1B; replay rows are drawn from stage 0's prompted rows only (a lone story "
+        "has no prompt to prefer a reply to).",
+    )
     max_new_tokens: int = Field(96, gt=0, description="Tokens the student may write per held-out answer.")
     parallel: int = parallel_field()
     eval_rows: int = Field(300, gt=0, description="Stage-0 validation rows the loss is measured on (forgetting).")
@@ -96,16 +108,22 @@ class Config(StageConfig):
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     """The axolotl YAML this stage runs, with placeholders for paths known only at run time."""
+    data = "<work>/data/train.jsonl"
     return {
         "retrain": axolotl.render(
-            cfg.train,
+            _recipe(cfg, data),
             f"<stage 1A artifact>/{cfg.tier}",
-            [axolotl_dataset("<work>/data/train.jsonl")],
+            [axolotl_dataset(data)],
             "<work>/sft",
             tokenizer_type=cfg.tokenizer_type,
             cuda=cuda,
         )
     }
+
+
+def _recipe(cfg: Config, data_file: Path | str) -> TrainRecipe:
+    """The fine-tune's recipe: 1R's own, or its preference run on ``data_file``."""
+    return cfg.train if cfg.preference is None else preference_recipe(cfg.train, cfg.preference, str(data_file))
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
@@ -116,24 +134,27 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     judges = mined_judges(inputs["mined"])
 
     stage0_train = load_split(inputs["data"] / "dataset", "train")
+    if cfg.preference is not None:  # a preference row needs a prompt: lone stories stay out of the replay
+        stage0_train = [r for r in stage0_train if r["instruction"] or r["input"]]
     answered = read_jsonl(inputs["mined"] / "answers.jsonl", "the mined input (stage 1B)")
+    pairs = _with_rejected(pairs, answered)
     own = own_passes(answered, {h["id"] for h in held}) if cfg.replay_own > 0 else []
     train_rows, replay = loop_mix(
         pairs, stage0_train, cfg.replay_share, cfg.pair_repeats, cfg.seed, own=own, own_share=cfg.replay_own
     )
     own_ids = {o["id"] for o in own}
     n_own = sum(r["id"] in own_ids for r in replay)
-    data_file = work_dir / "data" / "train.jsonl"
-    write_jsonl(data_file, ({"messages": messages(r)} for r in [*train_rows, *replay]))
-    log.info(
-        f"retraining on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + {len(replay):,} replay rows"
-        + _own(n_own)
-    )
-    mixes = _control_mixes(cfg, answered, pairs, held, judges, stage0_train, replay)
-
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(student))
+    data_file = work_dir / "data" / "train.jsonl"
+    _write_mix(cfg, tokenizer, data_file, [*train_rows, *replay])
+    log.info(
+        f"retraining ({_objective(cfg)}) on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + "
+        f"{len(replay):,} replay rows" + _own(n_own)
+    )
+    mixes = _control_mixes(cfg, answered, pairs, held, judges, stage0_train, replay)
+
     val = load_split(inputs["data"] / "dataset", "validation", limit=cfg.eval_rows)
     loss_before = lm.response_loss(lm.load_causal_lm(student), tokenizer, val, cfg.eval_max_len)
     before = _failure_rate(student, held, judges, cfg, "before")
@@ -142,15 +163,16 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         (out_dir / "logs").mkdir(exist_ok=True)
         shutil.copy2(inputs["retrained"] / "axolotl.yaml", out_dir / "axolotl.yaml")
     else:
+        recipe = _recipe(cfg, data_file)
         model_dir, last = fine_tune(
-            cfg.train, student, data_file, work_dir, out_dir, cfg.tier, "1R/retrain", cfg.tokenizer_type
+            recipe, student, data_file, work_dir, out_dir, cfg.tier, "1R/retrain", cfg.tokenizer_type
         )
     after = _failure_rate(model_dir, held, judges, cfg, "after")
     loss_after = lm.response_loss(lm.load_causal_lm(model_dir), tokenizer, val, cfg.eval_max_len)
 
     models = {"1A": student}  # in the order the card reads: before, the controls, the retrained student
     for name, rows in mixes.items():
-        models[name] = _control(cfg, student, name, rows, work_dir, out_dir)
+        models[name] = _control(cfg, tokenizer, student, name, rows, work_dir, out_dir)
     models["1R"] = model_dir
     comparison = _evaluation(cfg, inputs, models, judges, out_dir, work_dir) if cfg.evaluation else {}
 
@@ -160,6 +182,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "round": json.loads(mining.read_text()).get("round", 1) if mining.is_file() else 1,
         "pairs": len(pairs),
         "pair_repeats": cfg.pair_repeats,
+        "objective": _objective(cfg),
+        "pairs_rejected": sum(p.get("rejected") is not None for p in pairs),
         "replay_rows": len(replay),
         "replay_own_rows": n_own,
         "held_out": len(held),
@@ -195,6 +219,32 @@ def _pairs_and_held_out(pairs_dir: Path) -> tuple[list[dict], list[dict]]:
     return pairs, held
 
 
+def _with_rejected(rows: list[dict], answered: list[dict]) -> list[dict]:
+    """``rows`` (taught tasks, by 1B's task id) with ``rejected``: the student's answer 1B's judges failed
+    for that task, or None where it passed or has none (the row then trains as an SFT row)."""
+    by_id = {r["id"]: r for r in answered}
+
+    def failed(row_id: str | None) -> str | None:
+        a = by_id.get(row_id) if row_id else None
+        return a["answer"] if a and a.get("passed") is False and a.get("answer") else None
+
+    return [{**r, "rejected": failed(r.get("id"))} for r in rows]
+
+
+def _objective(cfg: Config) -> str:
+    p = cfg.preference
+    return "SFT" if p is None else f"DPO beta {p.beta:g} + NLL x{p.nll_weight:g}"
+
+
+def _write_mix(cfg: Config, tokenizer, path: Path, rows: list[dict]) -> None:
+    """The training file: chat rows for SFT; prompt / chosen / rejected strings for a preference run
+    (a row without ``rejected`` is its own rejected answer)."""
+    if cfg.preference is None:
+        write_jsonl(path, ({"messages": messages(r)} for r in rows))
+    else:
+        write_jsonl(path, (preference_record(tokenizer, r, r.get("rejected")) for r in rows))
+
+
 def _control_mixes(
     cfg: Config,
     answered: list[dict],
@@ -209,14 +259,15 @@ def _control_mixes(
     mixes = {}
     n_pair_rows = len(pairs) * cfg.pair_repeats
     if "random" in cfg.controls:
-        drawn = _random_tasks(answered, pairs, held, judges, cfg.seed)
+        drawn = _with_rejected(_random_tasks(answered, pairs, held, judges, cfg.seed), answered)
         mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
     if "replay" in cfg.controls:  # 1R's replay rows and, in place of the pairs, as many other stage-0 rows
         in_replay = {r["id"] for r in replay}
         more = [r for r in sample(stage0_train, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in in_replay]
         mixes["replay"] = replay + more[:n_pair_rows]
     if "gold" in cfg.controls:
-        mixes["gold"] = [r for r in _gold_pairs(answered, pairs) for _ in range(cfg.pair_repeats)] + replay
+        gold = _with_rejected(_gold_pairs(answered, pairs), answered)
+        mixes["gold"] = [r for r in gold for _ in range(cfg.pair_repeats)] + replay
     for name, share in (("pairs25", 0.25), ("pairs50", 0.5)):
         if name in cfg.controls:
             some = sample(pairs, max(1, round(share * len(pairs))), cfg.seed, key=lambda r: r["id"])
@@ -311,7 +362,9 @@ def _random_tasks(answered: list[dict], pairs: list[dict], held: list[dict], jud
             if kept == n:
                 break
             if judges[domain](task_of(r), r["reference"]).passed:
-                rows.append({"instruction": r["instruction"], "input": r["input"], "output": r["reference"]})
+                rows.append(
+                    {"id": r["id"], "instruction": r["instruction"], "input": r["input"], "output": r["reference"]}
+                )
                 kept += 1
         if kept < n:
             log.warning(
@@ -328,25 +381,26 @@ def _gold_pairs(answered: list[dict], pairs: list[dict]) -> list[dict]:
     for p in pairs:
         reference = by_id.get(p["id"], {}).get("reference")
         if reference:
-            rows.append({"instruction": p["instruction"], "input": p["input"], "output": reference})
+            rows.append({"id": p["id"], "instruction": p["instruction"], "input": p["input"], "output": reference})
     if len(rows) < len(pairs):
         log.warning(f"control gold: {len(rows)} of {len(pairs)} pairs have a gold answer in 1B's table")
     return rows
 
 
-def _control(cfg: Config, student: Path, name: str, rows: list[dict], work_dir: Path, out_dir: Path) -> Path:
+def _control(cfg: Config, tokenizer, student: Path, name: str, rows: list[dict], work_dir: Path, out_dir: Path) -> Path:
     """The student fine-tuned on a control's rows with 1R's recipe, in the work directory (a
     finished control is not trained again on resume); its log goes to ``logs/<name>.log``."""
     where = work_dir / "controls" / name
     model_dir = where / "out" / cfg.tier
     if not (model_dir / "config.json").is_file():
         data_file = where / "train.jsonl"
-        write_jsonl(data_file, ({"messages": messages(r)} for r in rows))
+        _write_mix(cfg, tokenizer, data_file, rows)
         log.info(f"control {name}: the same fine-tune on {len(rows):,} rows")
         shutil.rmtree(where / "out", ignore_errors=True)
         (where / "out").mkdir(parents=True)
+        recipe = _recipe(cfg, data_file)
         model_dir, _ = fine_tune(
-            cfg.train, student, data_file, where / "work", where / "out", cfg.tier, f"1R/{name}", cfg.tokenizer_type
+            recipe, student, data_file, where / "work", where / "out", cfg.tier, f"1R/{name}", cfg.tokenizer_type
         )
     shutil.copy2(where / "out" / "logs" / "train.log", out_dir / "logs" / f"{name}.log")
     return model_dir
@@ -459,6 +513,7 @@ def _card(s: dict) -> str:
         )
         + " of stage 0's train split.",
         "",
+        *_objective_lines(s),
         f"Failure rate on the {s['held_out']:,} critical failures held out by 1D (never taught, never trained on), "
         "judged by 1B's judges:",
         "",
@@ -482,6 +537,18 @@ def _card(s: dict) -> str:
     if s["comparison"]:
         lines += _comparison_lines(s["comparison"], s["controls"])
     return "\n".join(lines)
+
+
+def _objective_lines(s: dict) -> list[str]:
+    objective = s.get("objective", "SFT")
+    if objective == "SFT":
+        return ["Objective: SFT on the mix (every row's reply).", ""]
+    return [
+        f"Objective: {objective} (axolotl `rl: dpo`, TRL's `sigmoid` and `sft` losses): "
+        f"{s.get('pairs_rejected', 0):,} of the {s['pairs']:,} pairs have the student's failed 1B answer as the "
+        "rejected reply; every other row is its own rejected reply, so it trains by the NLL term alone.",
+        "",
+    ]
 
 
 _CONTROL_TEXT = {

@@ -164,3 +164,31 @@ def test_a_dequantised_smollm2_converts_back_to_a_gguf_llama_cpp_tokenizes_alike
         ids = tokenizer(text).input_ids
         assert vocab.tokenize(text.encode(), add_bos=False, special=True) == ids
         assert tokenizer.decode(ids) == text
+
+
+def test_a_preference_row_tokenizes_in_trl_as_the_sft_row_does():
+    """1R's preference rows (prompt / chosen / rejected strings for TRL's DPO): TRL tokenizes the
+    prompt, then prompt + chosen, with the tokenizer's own special tokens and an EOS appended where the
+    reply lacks one; the ids must be the SFT path's (``encode``) in both chat formats — the family's
+    (its template writes a BOS the tokenizer adds again) and SmolLM2's ChatML (the newline after the end
+    of turn, which generation never reaches, aside)."""
+    from transformers import AutoTokenizer
+
+    from methods.training.chat import encode, messages, preference_record
+
+    if not (HF / "tokenizer.model").is_file():
+        pytest.skip(f"needs stories260K's tokenizer under {HF}")
+    row = {"id": "t", "instruction": "Add 2 and 3.", "input": "", "output": "5"}
+    for tokenizer, tail in ((AutoTokenizer.from_pretrained(HF), 0), (_smollm2_tokenizer(), 1)):
+        record = preference_record(tokenizer, row, "7")
+        ids, start = encode(tokenizer, messages(row), 10_000)
+        for reply, text in (("chosen", "5"), ("rejected", "7")):
+            body = record[reply] if record[reply].endswith(tokenizer.eos_token) else record[reply] + tokenizer.eos_token
+            prompt = tokenizer(record["prompt"])["input_ids"]
+            full = tokenizer(record["prompt"] + body)["input_ids"]
+            assert prompt == ids[:start] and full[: len(prompt)] == prompt
+            want = encode(tokenizer, messages(row | {"output": text}), 10_000)[0]
+            assert full == want[: len(want) - tail]
+        assert preference_record(tokenizer, row)["rejected"] == record["chosen"]  # no rejected: an SFT row
+    with pytest.raises(ValueError, match="row s: a preference row needs a prompt"):
+        preference_record(tokenizer, {"id": "s", "instruction": "", "input": "", "output": "Once upon a time"})

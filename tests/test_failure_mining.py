@@ -452,6 +452,64 @@ def test_1r_retrains_on_corrected_pairs_and_measures_the_held_out_failures(stage
     assert 0 <= studied.metrics["mcnemar/1R_vs_gold/p"] <= 1
 
 
+def test_1r_preference_objective_prefers_the_correction_to_the_students_own_mistake(stage0, student, tmp_path):
+    """1R with ``preference`` (axolotl's DPO + NLL, real, on stories260K): each pair's rejected reply is
+    the answer 1B failed it on, a replay row is its own rejected reply (an SFT row), no lone story
+    enters (it has no prompt), the gold control gets the same rejected replies, and TRL tokenizes the
+    rows as the SFT path does (its mismatch warning never appears)."""
+    from tests.test_training_resume import _needs_axolotl_and_shared
+
+    _needs_axolotl_and_shared()
+    from methods.benchmarks import load_tasks
+    from stages.retrain import Config, run
+
+    tasks = load_tasks("gsm8k", DATA / "gsm8k/test.jsonl", "mining")[:10]
+
+    def row(bt, **more):
+        instruction, input_ = bt.instruction()
+        r = {"id": bt.id, "domain": "math", "instruction": instruction, "input": input_, "prompt": bt.task.prompt}
+        return r | {"reference": bt.task.reference, "tests": [], "entry_point": "", "setup": ""} | more
+
+    pairs_dir, mined = tmp_path / "pairs", tmp_path / "mined"
+    pairs_dir.mkdir()
+    mined.mkdir()
+    pairs = [row(bt, output=bt.task.reference, tier="gold") for bt in tasks[:4]]
+    (pairs_dir / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (pairs_dir / "held_out.jsonl").write_text("".join(json.dumps(row(bt)) + "\n" for bt in tasks[4:6]))
+    (mined / "manifest.json").write_text(json.dumps({"config": {"judges": {"math": {"kind": "math"}}}}))
+    answered = [row(bt, passed=False, answer=f"It is {i + 100}.\n#### {i + 100}") for i, bt in enumerate(tasks)]
+    (mined / "answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answered))
+    train = {"max_steps": 2, "micro_batch_size": 2, "sequence_len": 192, "learning_rate": 0.001, "warmup_steps": 0}
+    train.update(logging_steps=1, save_steps=2, axolotl={"group_by_length": True})
+    cfg = Config(
+        replay_share=0.5,
+        train=train,
+        preference={"beta": 0.1, "nll_weight": 1.0},
+        controls=["gold"],
+        max_new_tokens=8,
+        tokenizer_type="LlamaTokenizer",
+    )
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    result = run(cfg, {"student": student, "pairs": pairs_dir, "mined": mined, "data": stage0}, out, work)
+    assert result.metrics["pairs"] == 4 and result.metrics["replay_rows"] == 4
+    rows = [json.loads(line) for line in (work / "data" / "train.jsonl").read_text().splitlines()]
+    assert all(set(r) == {"prompt", "chosen", "rejected"} and r["prompt"] for r in rows)
+    assert [r["rejected"] for r in rows[:4]] == [f"It is {i + 100}.\n#### {i + 100}</s>" for i in range(4)]
+    assert all(r["rejected"] == r["chosen"] for r in rows[4:])  # replay: the NLL term alone
+    assert all(r["prompt"].endswith("### Response:\n") and not r["prompt"].startswith("<s>") for r in rows)
+    gold = [json.loads(line) for line in (work / "controls" / "gold" / "train.jsonl").read_text().splitlines()]
+    assert [r["rejected"] for r in gold[:4]] == [r["rejected"] for r in rows[:4]] and gold[4:] == rows[4:]
+    spec = (out / "axolotl.yaml").read_text()
+    assert "rl: dpo" in spec and "- sft" in spec and "type: passthrough" in spec
+    assert "group_by_length: false" in spec  # TRL's preference rows have no input_ids to sort by
+    log = (out / "logs" / "train.log").read_text()
+    assert "Mismatch between tokenized prompt" not in log and "rewards/margins" in log
+    assert (out / "target" / "config.json").is_file()
+    assert "Objective: DPO beta 0.1 + NLL x1 " in (out / "RETRAIN_CARD.md").read_text()
+
+
 def test_the_students_own_passes_are_rehearsed_in_the_replay_share():
     """1R's replay share may hold the student's own passing answers (STaR's rehearsal): per domain in
     the pairs' proportions and as many as 1B passed, the rest from stage 0; never a failure, an

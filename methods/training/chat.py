@@ -32,6 +32,7 @@ __all__ = [
     "write_jsonl",
     "load_split",
     "encode",
+    "preference_record",
 ]
 
 TEMPLATE = (
@@ -161,3 +162,39 @@ def encode(tokenizer, turns: list[dict[str, str]], max_len: int) -> tuple[list[i
     other = tokenizer.apply_chat_template(empty, chat_template=chat, tokenize=True, return_dict=False)
     start = next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
     return ids[:max_len], start
+
+
+def preference_record(tokenizer, row: dict, rejected: str | None = None) -> dict[str, str]:
+    """A prompted stage-0 row as a preference run's strings (TRL's DPO format, axolotl's ``passthrough``):
+    ``prompt`` (the conversation up to the reply, the generation prompt added), ``chosen`` (the row's
+    output, through its end-of-turn token) and ``rejected`` (``rejected`` rendered the same way; None:
+    the chosen reply itself, which makes the row an SFT row). TRL tokenizes ``prompt`` and ``prompt +
+    chosen`` with the tokenizer's own special tokens, so a BOS the template writes and the tokenizer
+    adds again is left out of ``prompt``, and ``chosen`` ends at the end-of-turn token where TRL would
+    otherwise append another: the ids it trains on are :func:`encode`'s (tests/test_chat.py checks)."""
+    turns = messages(row)
+    if turns[0]["role"] != "user":
+        raise ValueError(f"row {row.get('id', '?')}: a preference row needs a prompt (instruction or input)")
+    chat = template(tokenizer)
+
+    def render(reply: list[dict[str, str]], generation: bool) -> str:
+        return tokenizer.apply_chat_template(
+            turns[:1] + reply, chat_template=chat, add_generation_prompt=generation, tokenize=False
+        )
+
+    prompt = render([], True)
+    eos = tokenizer.eos_token or ""
+
+    def reply(text: str) -> str:
+        full = render([{"role": "assistant", "content": text}], False)
+        if not full.startswith(prompt):
+            raise ValueError(f"row {row.get('id', '?')}: the template renders the reply apart from its prompt")
+        out = full[len(prompt) :]
+        return out[: out.rindex(eos) + len(eos)] if eos and eos in out else out
+
+    chosen = reply(row["output"])
+    other = chosen if rejected is None else reply(rejected)
+    bos = tokenizer.bos_token
+    if bos and prompt.startswith(bos) and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        prompt = prompt[len(bos) :]
+    return {"prompt": prompt, "chosen": chosen, "rejected": other}

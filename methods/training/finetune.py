@@ -12,9 +12,9 @@ import yaml
 from methods.training import axolotl
 from methods.training.chat import axolotl_dataset, axolotl_template
 from methods.training.models import copy_tokenizer, merge_lora, tokenizer_type
-from methods.training.recipe import TrainRecipe
+from methods.training.recipe import PreferenceSpec, TrainRecipe
 
-__all__ = ["fine_tune"]
+__all__ = ["fine_tune", "preference_recipe"]
 
 
 def fine_tune(
@@ -49,3 +49,20 @@ def fine_tune(
         axolotl.trained_files(work_dir / "sft", model_dir)
     copy_tokenizer(Path(base), model_dir)
     return model_dir, last
+
+
+def preference_recipe(recipe: TrainRecipe, spec: PreferenceSpec, data_file: str) -> TrainRecipe:
+    """``recipe`` as a preference run of :func:`fine_tune` on ``data_file`` (rows of
+    :func:`methods.training.chat.preference_record`): axolotl's ``rl: dpo`` with TRL's losses ``sigmoid``
+    and ``sft`` (weighted 1 and ``nll_weight``) and the file as an already-rendered ``passthrough``
+    dataset, through the recipe's pass-through keys (which replace the chat dataset
+    :func:`fine_tune` writes). ``group_by_length`` goes: TRL's preference rows have no ``input_ids``."""
+    keys = {
+        "datasets": [{"path": data_file, "ds_type": "json", "type": "passthrough", "split": "train"}],
+        "rl": "dpo",
+        "rl_beta": spec.beta,
+        "dpo_loss_type": ["sigmoid", "sft"],
+        "dpo_loss_weights": [1.0, spec.nll_weight],
+        "group_by_length": False,
+    }
+    return recipe.model_copy(update={"axolotl": {**recipe.axolotl, **keys}})

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from core.contract import StageConfig
 
-__all__ = ["LoraSpec", "TrainRecipe"]
+__all__ = ["LoraSpec", "PreferenceSpec", "TrainRecipe"]
 
 
 class LoraSpec(StageConfig):
@@ -20,6 +20,17 @@ class LoraSpec(StageConfig):
     target_modules: list[str] = Field(
         default_factory=list, description="Explicit modules instead of every linear layer."
     )
+
+
+class PreferenceSpec(StageConfig):
+    """A preference fine-tune in place of plain SFT: TRL's DPO loss (the ``sigmoid`` loss, Rafailov et
+    al. 2023) on (prompt, chosen, rejected) rows plus ``nll_weight`` times the negative log-likelihood of
+    the chosen answer (TRL's ``sft`` loss beside it: RPO, Pang et al. 2024, arXiv 2404.19733), run by
+    axolotl's ``rl: dpo`` with the reference model the trained one starts from. A row whose rejected
+    answer is its chosen one has a DPO term of exactly zero gradient: it trains as an SFT row."""
+
+    beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference.")
+    nll_weight: float = Field(1.0, ge=0, description="Weight of the chosen answer's NLL beside the DPO loss.")
 
 
 class TrainRecipe(StageConfig):
