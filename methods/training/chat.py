@@ -171,7 +171,7 @@ def preference_record(tokenizer, row: dict, rejected: str | None = None) -> dict
     the chosen reply itself, which makes the row an SFT row). TRL tokenizes ``prompt`` and ``prompt +
     chosen`` with the tokenizer's own special tokens, so a BOS the template writes and the tokenizer
     adds again is left out of ``prompt``, and ``chosen`` ends at the end-of-turn token where TRL would
-    otherwise append another: the ids it trains on are :func:`encode`'s (tests/test_chat.py checks)."""
+    otherwise append another: the ids it trains on are :func:`encode`'s (tests/test_base_models.py checks)."""
     turns = messages(row)
     if turns[0]["role"] != "user":
         raise ValueError(f"row {row.get('id', '?')}: a preference row needs a prompt (instruction or input)")
