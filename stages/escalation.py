@@ -78,11 +78,15 @@ def examples(rows: list[dict], calibrator: Calibrator) -> list[dict]:
 def design_matrix(rows: list[dict], cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     """The detector's inputs for :func:`examples` rows (the runtime's own vector: hashed query n-grams,
     then the confidence) and whether each answer failed."""
-    names = EscalationDetector.feature_names(cfg.dim)
-    zero = Logistic(names, [0.0] * len(names), 0.0, [0.0] * len(names), [1.0] * len(names))
-    probe = EscalationDetector(zero, cfg.dim, cfg.salt, 0.5)
+    probe = EscalationDetector(_constant(EscalationDetector.feature_names(cfg.dim)), cfg.dim, cfg.salt, 0.5)
     x = np.stack([probe.vector(e["query"], e["confidence"]) for e in rows])
     return x, np.array([e["failed"] for e in rows], dtype=np.float64)
+
+
+def _constant(names: list[str], bias: float = 0.0) -> Logistic:
+    """A logistic regression that ignores its inputs (every weight 0, the features unscaled): ``bias``."""
+    n = len(names)
+    return Logistic(names, [0.0] * n, bias, [0.0] * n, [1.0] * n)
 
 
 def fit_detector(x: np.ndarray, y: np.ndarray, cfg: Config) -> tuple[Logistic, float, dict[float, float]]:
@@ -93,10 +97,7 @@ def fit_detector(x: np.ndarray, y: np.ndarray, cfg: Config) -> tuple[Logistic, f
     names = EscalationDetector.feature_names(cfg.dim)
     if not 0 < y.sum() < len(y):
         rate = min(max(float(y.mean()), 1e-6), 1 - 1e-6)
-        constant = Logistic(
-            names, [0.0] * len(names), float(np.log(rate / (1 - rate))), [0.0] * len(names), [1.0] * len(names)
-        )
-        return constant, max(cfg.l2), {}
+        return _constant(names, float(np.log(rate / (1 - rate)))), max(cfg.l2), {}
     confidence = (len(names) - 1,)
     l2, cv_loss = choose_l2(x, y, cfg.l2, cfg.folds, free=confidence)
     return fit_logistic(x, y, names, l2, free=confidence), l2, cv_loss

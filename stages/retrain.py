@@ -137,7 +137,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
     if cfg.preference is not None:  # a preference row needs a prompt: lone stories stay out of the replay
         stage0_train = [r for r in stage0_train if r["instruction"] or r["input"]]
     answered = read_jsonl(inputs["mined"] / "answers.jsonl", "the mined input (stage 1B)")
-    pairs = _with_rejected(pairs, answered)
+    failed = _failed_answers(answered)
+    pairs = _with_rejected(cfg, pairs, failed)
     own = own_passes(answered, {h["id"] for h in held}) if cfg.replay_own > 0 else []
     train_rows, replay = loop_mix(
         pairs, stage0_train, cfg.replay_share, cfg.pair_repeats, cfg.seed, own=own, own_share=cfg.replay_own
@@ -153,7 +154,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         f"retraining ({_objective(cfg)}) on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + "
         f"{len(replay):,} replay rows" + _own(n_own)
     )
-    mixes = _control_mixes(cfg, answered, pairs, held, judges, stage0_train, replay)
+    mixes = _control_mixes(cfg, answered, failed, pairs, held, judges, stage0_train, replay)
 
     val = load_split(inputs["data"] / "dataset", "validation", limit=cfg.eval_rows)
     loss_before = lm.response_loss(lm.load_causal_lm(student), tokenizer, val, cfg.eval_max_len)
@@ -219,21 +220,29 @@ def _pairs_and_held_out(pairs_dir: Path) -> tuple[list[dict], list[dict]]:
     return pairs, held
 
 
-def _with_rejected(rows: list[dict], answered: list[dict]) -> list[dict]:
+def _failed_answers(answered: list[dict]) -> dict[str, str]:
+    """1B's task id -> the student's answer its judges failed."""
+    return {a["id"]: a["answer"] for a in answered if a.get("passed") is False and a.get("answer")}
+
+
+def _with_rejected(cfg: Config, rows: list[dict], failed: dict[str, str]) -> list[dict]:
     """``rows`` (taught tasks, by 1B's task id) with ``rejected``: the student's answer 1B's judges failed
-    for that task, or None where it passed or has none (the row then trains as an SFT row)."""
-    by_id = {r["id"]: r for r in answered}
+    for that task, or None where it passed, has none, or (``preference.tiers``) the row's tier is not
+    one that rejects (the row then trains as an SFT row)."""
+    tiers = cfg.preference.tiers if cfg.preference is not None else None
 
-    def failed(row_id: str | None) -> str | None:
-        a = by_id.get(row_id) if row_id else None
-        return a["answer"] if a and a.get("passed") is False and a.get("answer") else None
+    def rejected(row: dict) -> str | None:
+        return failed.get(row.get("id", "")) if tiers is None or row.get("tier") in tiers else None
 
-    return [{**r, "rejected": failed(r.get("id"))} for r in rows]
+    return [{**r, "rejected": rejected(r)} for r in rows]
 
 
 def _objective(cfg: Config) -> str:
     p = cfg.preference
-    return "SFT" if p is None else f"DPO beta {p.beta:g} + NLL x{p.nll_weight:g}"
+    if p is None:
+        return "SFT"
+    on = f" (rejected on {', '.join(p.tiers)} pairs)" if p.tiers else ""
+    return f"DPO beta {p.beta:g} + NLL x{p.nll_weight:g}{on}"
 
 
 def _write_mix(cfg: Config, tokenizer, path: Path, rows: list[dict]) -> None:
@@ -248,6 +257,7 @@ def _write_mix(cfg: Config, tokenizer, path: Path, rows: list[dict]) -> None:
 def _control_mixes(
     cfg: Config,
     answered: list[dict],
+    failed: dict[str, str],
     pairs: list[dict],
     held: list[dict],
     judges: dict,
@@ -259,14 +269,14 @@ def _control_mixes(
     mixes = {}
     n_pair_rows = len(pairs) * cfg.pair_repeats
     if "random" in cfg.controls:
-        drawn = _with_rejected(_random_tasks(answered, pairs, held, judges, cfg.seed), answered)
+        drawn = _with_rejected(cfg, _random_tasks(answered, pairs, held, judges, cfg.seed), failed)
         mixes["random"] = [r for r in drawn for _ in range(cfg.pair_repeats)] + replay
     if "replay" in cfg.controls:  # 1R's replay rows and, in place of the pairs, as many other stage-0 rows
         in_replay = {r["id"] for r in replay}
         more = [r for r in sample(stage0_train, None, cfg.seed, key=lambda r: r["id"]) if r["id"] not in in_replay]
         mixes["replay"] = replay + more[:n_pair_rows]
     if "gold" in cfg.controls:
-        gold = _with_rejected(_gold_pairs(answered, pairs), answered)
+        gold = _with_rejected(cfg, _gold_pairs(answered, pairs), failed)
         mixes["gold"] = [r for r in gold for _ in range(cfg.pair_repeats)] + replay
     for name, share in (("pairs25", 0.25), ("pairs50", 0.5)):
         if name in cfg.controls:

@@ -510,6 +510,31 @@ def test_1r_preference_objective_prefers_the_correction_to_the_students_own_mist
     assert "Objective: DPO beta 0.1 + NLL x1 " in (out / "RETRAIN_CARD.md").read_text()
 
 
+def test_preference_tiers_reject_only_the_on_policy_pairs():
+    """``preference.tiers``: only a pair from a listed 1D tier (the student's own sampled answer as the
+    chosen reply) takes 1B's failed answer as its rejected one; a gold pair, a control's row (no tier)
+    and a task the student passed train by the NLL term alone; without ``tiers`` every failed row does."""
+    from stages.retrain import Config, _failed_answers, _objective, _with_rejected
+
+    answered = [
+        {"id": "a", "passed": False, "answer": "wrong a"},
+        {"id": "b", "passed": False, "answer": "wrong b"},
+        {"id": "c", "passed": False, "answer": "wrong c"},
+        {"id": "d", "passed": True, "answer": "right d"},
+    ]
+    rows = [{"id": "a", "tier": "self"}, {"id": "b", "tier": "gold"}, {"id": "c"}, {"id": "d", "tier": "self"}]
+    failed = _failed_answers(answered)
+    train = {"max_steps": 1}
+    on_policy = Config(train=train, preference={"tiers": ["self", "self-hint"]})
+    assert [r["rejected"] for r in _with_rejected(on_policy, rows, failed)] == ["wrong a", None, None, None]
+    every = Config(train=train, preference={})
+    assert [r["rejected"] for r in _with_rejected(every, rows, failed)] == ["wrong a", "wrong b", "wrong c", None]
+    assert _objective(on_policy) == "DPO beta 0.1 + NLL x1 (rejected on self, self-hint pairs)"
+    assert _objective(Config(train=train)) == "SFT"
+    with pytest.raises(ValueError):
+        Config(train=train, preference={"tiers": []})
+
+
 def test_the_students_own_passes_are_rehearsed_in_the_replay_share():
     """1R's replay share may hold the student's own passing answers (STaR's rehearsal): per domain in
     the pairs' proportions and as many as 1B passed, the rest from stage 0; never a failure, an

@@ -31,6 +31,13 @@ class PreferenceSpec(StageConfig):
 
     beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference.")
     nll_weight: float = Field(1.0, ge=0, description="Weight of the chosen answer's NLL beside the DPO loss.")
+    tiers: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="1D tiers whose pairs take the student's failed answer as the rejected reply (None: every "
+        "pair). `[self, self-hint]`: the on-policy pairs only, both replies the student's own as iterative RPO "
+        "builds them; a pair from another tier (and a control's row) trains by the NLL term alone.",
+    )
 
 
 class TrainRecipe(StageConfig):

@@ -222,7 +222,7 @@ def tune(
         result.chosen = {k: best[k] for k in ("mode", *REQUEST_SETTINGS) if k in best}
         result.chosen_speed = best["speed_vs_ar"]
         fastest = max(ok, key=lambda r: r["speed_vs_ar"])
-        if fastest is not best and fastest["speed_vs_ar"] > best["speed_vs_ar"]:
+        if fastest["speed_vs_ar"] > best["speed_vs_ar"]:  # a faster row on more tiers, not worth its tier
             result.passed_over = fastest
     return result
 
