@@ -111,7 +111,7 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     data = "<work>/data/train.jsonl"
     return {
         "retrain": axolotl.render(
-            _recipe(cfg, data),
+            cfg.train if cfg.preference is None else preference_recipe(cfg.train, cfg.preference, data),
             f"<stage 1A artifact>/{cfg.tier}",
             [axolotl_dataset(data)],
             "<work>/sft",
@@ -121,9 +121,18 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     }
 
 
-def _recipe(cfg: Config, data_file: Path | str) -> TrainRecipe:
-    """The fine-tune's recipe: 1R's own, or its preference run on ``data_file``."""
-    return cfg.train if cfg.preference is None else preference_recipe(cfg.train, cfg.preference, str(data_file))
+def _training_file(cfg: Config, tokenizer, path: Path, rows: list[dict]) -> TrainRecipe:
+    """Write the fine-tune's rows to ``path`` and return its recipe: SFT on chat rows, or the
+    preference run on prompt / chosen / rejected strings (a row without ``rejected`` is its own
+    rejected answer) when ``preference`` is set and some row has a rejected answer. A mix with none
+    (a control's gold answers under ``preference.tiers``) trains by SFT: its DPO term is zero with no
+    gradient, and TRL's ``sft`` loss is the token-mean NLL that SFT minimises, at a quarter of the time
+    (no reference model, no rejected replies)."""
+    if cfg.preference is None or not any(r.get("rejected") for r in rows):
+        write_jsonl(path, ({"messages": messages(r)} for r in rows))
+        return cfg.train
+    write_jsonl(path, (preference_record(tokenizer, r, r.get("rejected")) for r in rows))
+    return preference_recipe(cfg.train, cfg.preference, str(path))
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:
@@ -149,7 +158,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
 
     tokenizer = AutoTokenizer.from_pretrained(str(student))
     data_file = work_dir / "data" / "train.jsonl"
-    _write_mix(cfg, tokenizer, data_file, [*train_rows, *replay])
+    recipe = _training_file(cfg, tokenizer, data_file, [*train_rows, *replay])
     log.info(
         f"retraining ({_objective(cfg)}) on {len(pairs):,} corrected pairs (x{cfg.pair_repeats}) + "
         f"{len(replay):,} replay rows" + _own(n_own)
@@ -164,7 +173,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         (out_dir / "logs").mkdir(exist_ok=True)
         shutil.copy2(inputs["retrained"] / "axolotl.yaml", out_dir / "axolotl.yaml")
     else:
-        recipe = _recipe(cfg, data_file)
         model_dir, last = fine_tune(
             recipe, student, data_file, work_dir, out_dir, cfg.tier, "1R/retrain", cfg.tokenizer_type
         )
@@ -243,15 +251,6 @@ def _objective(cfg: Config) -> str:
         return "SFT"
     on = f" (rejected on {', '.join(p.tiers)} pairs)" if p.tiers else ""
     return f"DPO beta {p.beta:g} + NLL x{p.nll_weight:g}{on}"
-
-
-def _write_mix(cfg: Config, tokenizer, path: Path, rows: list[dict]) -> None:
-    """The training file: chat rows for SFT; prompt / chosen / rejected strings for a preference run
-    (a row without ``rejected`` is its own rejected answer)."""
-    if cfg.preference is None:
-        write_jsonl(path, ({"messages": messages(r)} for r in rows))
-    else:
-        write_jsonl(path, (preference_record(tokenizer, r, r.get("rejected")) for r in rows))
 
 
 def _control_mixes(
@@ -404,11 +403,10 @@ def _control(cfg: Config, tokenizer, student: Path, name: str, rows: list[dict],
     model_dir = where / "out" / cfg.tier
     if not (model_dir / "config.json").is_file():
         data_file = where / "train.jsonl"
-        _write_mix(cfg, tokenizer, data_file, rows)
+        recipe = _training_file(cfg, tokenizer, data_file, rows)
         log.info(f"control {name}: the same fine-tune on {len(rows):,} rows")
         shutil.rmtree(where / "out", ignore_errors=True)
         (where / "out").mkdir(parents=True)
-        recipe = _recipe(cfg, data_file)
         model_dir, _ = fine_tune(
             recipe, student, data_file, where / "work", where / "out", cfg.tier, f"1R/{name}", cfg.tokenizer_type
         )
@@ -556,7 +554,8 @@ def _objective_lines(s: dict) -> list[str]:
     return [
         f"Objective: {objective} (axolotl `rl: dpo`, TRL's `sigmoid` and `sft` losses): "
         f"{s.get('pairs_rejected', 0):,} of the {s['pairs']:,} pairs have the student's failed 1B answer as the "
-        "rejected reply; every other row is its own rejected reply, so it trains by the NLL term alone.",
+        "rejected reply; every other row is its own rejected reply, so it trains by the NLL term alone "
+        "(a control none of whose rows has one trains by SFT: the same gradient, without the reference model).",
         "",
     ]
 

@@ -510,11 +510,12 @@ def test_1r_preference_objective_prefers_the_correction_to_the_students_own_mist
     assert "Objective: DPO beta 0.1 + NLL x1 " in (out / "RETRAIN_CARD.md").read_text()
 
 
-def test_preference_tiers_reject_only_the_on_policy_pairs():
+def test_preference_tiers_reject_only_the_on_policy_pairs(tmp_path):
     """``preference.tiers``: only a pair from a listed 1D tier (the student's own sampled answer as the
     chosen reply) takes 1B's failed answer as its rejected one; a gold pair, a control's row (no tier)
-    and a task the student passed train by the NLL term alone; without ``tiers`` every failed row does."""
-    from stages.retrain import Config, _failed_answers, _objective, _with_rejected
+    and a task the student passed train by the NLL term alone; without ``tiers`` every failed row does;
+    a mix where no row has a rejected answer trains by plain SFT."""
+    from stages.retrain import Config, _failed_answers, _objective, _training_file, _with_rejected
 
     answered = [
         {"id": "a", "passed": False, "answer": "wrong a"},
@@ -533,6 +534,11 @@ def test_preference_tiers_reject_only_the_on_policy_pairs():
     assert _objective(Config(train=train)) == "SFT"
     with pytest.raises(ValueError):
         Config(train=train, preference={"tiers": []})
+    # a mix with no rejected answer (a control's gold rows) trains by SFT: chat rows, 1R's own recipe
+    path = tmp_path / "train.jsonl"
+    row = {"id": "c", "instruction": "2 + 2?", "input": "", "output": "4", "rejected": None}
+    assert _training_file(on_policy, None, path, [row]) == on_policy.train
+    assert set(json.loads(path.read_text())) == {"messages"}
 
 
 def test_the_students_own_passes_are_rehearsed_in_the_replay_share():
