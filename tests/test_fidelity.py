@@ -119,8 +119,17 @@ def test_the_rule_takes_the_smallest_row_within_every_bound_and_says_why_not_for
     # the card's sentence names every bound the rule checks, from the same fields
     assert str(fid.Rule(1.05, 0.9, None, ladder_alpha=0.05, max_bytes=98_362_432, prefer="fastest")) == (
         "the most tokens/s with perplexity ratio <= 1.05, a ladder not worse than the reference's, in all and "
-        "in each domain (one-sided exact McNemar, p < 0.05), agreement >= 90%, at most 98.4 MB"
+        "in each domain (one-sided exact McNemar, p < 0.05), agreement not below 90% (its 95% interval's upper "
+        "end), at most 98.4 MB"
     )
+    # agreement is refused on its interval: 89.96% [88.0%, 91.8%] is not shown below 90%, [85%, 89%] is
+    edge = _row("Q4_0-mix", 96, 1.04, 26, agreement=0.8996)
+    edge.agreement_interval = (0.880, 0.918)
+    below = _row("Q4_1", 90, 1.04, 26, agreement=0.87)
+    below.agreement_interval = (0.85, 0.89)
+    ref = _row("F16", 270, 1.0, 26, None, reference=True)
+    assert fid.Rule(1.05, 0.9, 1).why_not(ref, edge) == []
+    assert fid.Rule(1.05, 0.9, 1).why_not(ref, below) == ["agreement 87.0% [85.0%, 89.0%] < 90%"]
 
 
 def test_over_the_size_cap_the_rule_takes_the_smallest_row_that_keeps_the_other_bounds():

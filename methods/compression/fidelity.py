@@ -344,10 +344,13 @@ def ladder_by_domain(ref: FidelityRow, row: FidelityRow) -> list[tuple[str, int,
 @dataclass(frozen=True)
 class Rule:
     """The rule a recipe states for choosing from a fidelity table: of the rows with perplexity ratio <=
-    ``max_ppl_ratio``, agreement >= ``min_agreement``, at most ``max_ladder_drop`` fewer ladder tasks
-    passed than the reference (None: no such bound), not fewer by a one-sided exact McNemar test at
-    p < ``ladder_alpha`` (None: no test) and at most ``max_bytes`` (None: any size), the smallest file
-    (``prefer="smallest"``) or the one that decodes the most tokens/s (``"fastest"``). When no row within
+    ``max_ppl_ratio``, agreement not shown below ``min_agreement`` (the upper end of its 95% interval
+    over prompts >= it, or the figure itself where no interval was measured: like the ladder's test, a
+    bound on a noisy measure refuses a row on evidence, not on a point estimate a rerun moves), at most
+    ``max_ladder_drop`` fewer ladder tasks passed than the reference (None: no such bound), not fewer by
+    a one-sided exact McNemar test at p < ``ladder_alpha`` (None: no test) and at most ``max_bytes``
+    (None: any size), the smallest file (``prefer="smallest"``) or the one that decodes the most tokens/s
+    (``"fastest"``). When no row within
     ``max_bytes`` keeps the other bounds, ``over_size="smallest"`` takes the smallest row that does (its
     verdict says by how much it is over); ``"fallback"`` takes none. ``str(rule)`` is the sentence the
     stage's card prints, from the same fields :meth:`choose` checks."""
@@ -375,7 +378,7 @@ class Rule:
                 "a ladder not worse than the reference's, in all and in each domain "
                 f"(one-sided exact McNemar, p < {self.ladder_alpha})"
             )
-        bounds.append(f"agreement >= {self.min_agreement:.0%}")
+        bounds.append(f"agreement not below {self.min_agreement:.0%} (its 95% interval's upper end)")
         if self.max_bytes is not None:
             bounds.append(f"at most {self.max_bytes / 1e6:.1f} MB")
         said = f"{'the smallest file' if self.prefer == 'smallest' else 'the most tokens/s'} with " + ", ".join(bounds)
@@ -399,8 +402,11 @@ class Rule:
                     out.append(
                         f"{domain} ladder worse: -{lost} +{won}, one-sided McNemar p = {p:.3f} < {self.ladder_alpha}"
                     )
-        if r.agreement is not None and r.agreement < self.min_agreement:
-            out.append(f"agreement {r.agreement:.1%} < {self.min_agreement:.0%}")
+        if r.agreement is not None:
+            lo, hi = r.agreement_interval or (r.agreement, r.agreement)
+            if hi < self.min_agreement:
+                shown = f" [{lo:.1%}, {hi:.1%}]" if r.agreement_interval else ""
+                out.append(f"agreement {r.agreement:.1%}{shown} < {self.min_agreement:.0%}")
         return out + self._over_size(r) if size else out
 
     def _over_size(self, r: FidelityRow) -> list[str]:
