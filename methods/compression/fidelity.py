@@ -350,10 +350,10 @@ class Rule:
     ``max_ladder_drop`` fewer ladder tasks passed than the reference (None: no such bound), not fewer by
     a one-sided exact McNemar test at p < ``ladder_alpha`` (None: no test) and at most ``max_bytes``
     (None: any size), the smallest file (``prefer="smallest"``) or the one that decodes the most tokens/s
-    (``"fastest"``). When no row within
-    ``max_bytes`` keeps the other bounds, ``over_size="smallest"`` takes the smallest row that does (its
-    verdict says by how much it is over); ``"fallback"`` takes none. ``str(rule)`` is the sentence the
-    stage's card prints, from the same fields :meth:`choose` checks."""
+    (``"fastest"``). When no row within ``max_bytes`` keeps the other bounds, ``over_size="smallest"``
+    takes the smallest row that does (its verdict says by how much it is over); ``"fallback"`` takes
+    none. ``str(rule)`` is the sentence the stage's card prints, from the same fields :meth:`choose`
+    checks."""
 
     max_ppl_ratio: float
     min_agreement: float
