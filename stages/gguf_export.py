@@ -4,8 +4,9 @@ Per tier: llama.cpp's pinned converter (``convert_hf_to_gguf.py``, :mod:`methods
 writes F16, llama.cpp's quantizer turns it into the recipe's type (the plan: Q5_K_M target,
 Q4_K_M draft), and the quantized file is compared with the transformers model it came from:
 greedy continuations of held-out prompts, share of positions where the GGUF picks the same token
-(:func:`methods.compression.gguf.token_agreement`). Below ``min_agreement`` (the plan: 95%) the
-stage fails with a table of where the GGUF diverges; nothing is published.
+(:func:`methods.compression.gguf.token_agreement`). Shown below ``min_agreement`` (the plan: 95%;
+the upper end of the agreement's 95% interval over prompts under it, as the fidelity table's rule
+reads it) the stage fails with a table of where the GGUF diverges; nothing is published.
 
 A tier may instead let a **fidelity table** choose its type (``quant: auto``, its ``fidelity``
 block; :mod:`methods.compression.fidelity`): each candidate (a source model, a llama.cpp type, with
@@ -603,8 +604,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "val_perplexity_gguf": gguf_ppl,
         }
         metrics.update({f"{tier}_{k}": v for k, v in m.items()})
-        verdict = "PASS" if agreement.agreement >= gate else "FAIL"
         lo, hi = agreement.interval()
+        verdict = "PASS" if hi >= gate else "FAIL"
         report += [
             f"## {tier}: {quant}, {m['gguf_bytes'] / 1e6:.2f} MB ({m['bits_per_weight']:.2f} bits/weight)  {verdict}",
             "",
@@ -614,7 +615,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             f"token agreement with {agreed_with} (HF): {agreement.agreement:.2%} "
             f"[{lo:.1%}, {hi:.1%}: 95% bootstrap over prompts] of "
             f"{agreement.positions} positions ({agreement.identical_prompts}/{agreement.prompts} prompts x "
-            f"{cfg.new_tokens} tokens identical); gate {gate:.0%}",
+            f"{cfg.new_tokens} tokens identical); gate {gate:.0%} (failed when the interval lies below it)",
             "",
             f"validation perplexity: HF {hf_loss['perplexity']:.2f}, GGUF {gguf_ppl:.2f}",
             "",
@@ -622,7 +623,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         if agreement.divergences:
             report += ["where the GGUF first differs:", "", agreement.table(), ""]
         if verdict == "FAIL":
-            failed.append(f"{tier} ({quant}): agreement {agreement.agreement:.2%} < {gate:.0%}")
+            failed.append(f"{tier} ({quant}): agreement {agreement.agreement:.2%} [{lo:.1%}, {hi:.1%}] < {gate:.0%}")
     text = "\n".join(report)
     if failed:
         raise KibidangoError(f"GGUF token-agreement gate failed: {'; '.join(failed)}\n\n{text}")
