@@ -605,7 +605,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         }
         metrics.update({f"{tier}_{k}": v for k, v in m.items()})
         lo, hi = agreement.interval()
-        verdict = "PASS" if hi >= gate else "FAIL"
+        verdict = "FAIL" if fid.agreement_below(agreement.agreement, (lo, hi), gate) else "PASS"
         report += [
             f"## {tier}: {quant}, {m['gguf_bytes'] / 1e6:.2f} MB ({m['bits_per_weight']:.2f} bits/weight)  {verdict}",
             "",

@@ -111,7 +111,7 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
     data = "<work>/data/train.jsonl"
     return {
         "retrain": axolotl.render(
-            cfg.train if cfg.preference is None else preference_recipe(cfg.train, cfg.preference, data),
+            _recipe(cfg, data),
             f"<stage 1A artifact>/{cfg.tier}",
             [axolotl_dataset(data)],
             "<work>/sft",
@@ -119,6 +119,11 @@ def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
             cuda=cuda,
         )
     }
+
+
+def _recipe(cfg: Config, data_file: Path | str) -> TrainRecipe:
+    """The fine-tune's recipe: 1R's own, or its preference run on ``data_file``."""
+    return cfg.train if cfg.preference is None else preference_recipe(cfg.train, cfg.preference, str(data_file))
 
 
 def _training_file(cfg: Config, tokenizer, path: Path, rows: list[dict]) -> TrainRecipe:
@@ -132,7 +137,7 @@ def _training_file(cfg: Config, tokenizer, path: Path, rows: list[dict]) -> Trai
         write_jsonl(path, ({"messages": messages(r)} for r in rows))
         return cfg.train
     write_jsonl(path, (preference_record(tokenizer, r, r.get("rejected")) for r in rows))
-    return preference_recipe(cfg.train, cfg.preference, str(path))
+    return _recipe(cfg, path)
 
 
 def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> StageResult:

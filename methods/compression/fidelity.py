@@ -341,6 +341,13 @@ def ladder_by_domain(ref: FidelityRow, row: FidelityRow) -> list[tuple[str, int,
     return out
 
 
+def agreement_below(agreement: float, interval: tuple[float, float] | None, bound: float) -> bool:
+    """Whether a token agreement is shown below ``bound``: the upper end of its 95% interval over
+    prompts under it (the figure itself where no interval was measured). The table's :class:`Rule` and
+    stage 2D's gate both read it, so a row the rule ships never fails the gate."""
+    return (interval[1] if interval is not None else agreement) < bound
+
+
 @dataclass(frozen=True)
 class Rule:
     """The rule a recipe states for choosing from a fidelity table: of the rows with perplexity ratio <=
@@ -402,11 +409,10 @@ class Rule:
                     out.append(
                         f"{domain} ladder worse: -{lost} +{won}, one-sided McNemar p = {p:.3f} < {self.ladder_alpha}"
                     )
-        if r.agreement is not None:
-            lo, hi = r.agreement_interval or (r.agreement, r.agreement)
-            if hi < self.min_agreement:
-                shown = f" [{lo:.1%}, {hi:.1%}]" if r.agreement_interval else ""
-                out.append(f"agreement {r.agreement:.1%}{shown} < {self.min_agreement:.0%}")
+        if r.agreement is not None and agreement_below(r.agreement, r.agreement_interval, self.min_agreement):
+            lo_hi = r.agreement_interval
+            shown = f" [{lo_hi[0]:.1%}, {lo_hi[1]:.1%}]" if lo_hi else ""
+            out.append(f"agreement {r.agreement:.1%}{shown} < {self.min_agreement:.0%}")
         return out + self._over_size(r) if size else out
 
     def _over_size(self, r: FidelityRow) -> list[str]:
