@@ -107,7 +107,10 @@ class Config(StageConfig):
 
 
 def axolotl_configs(cfg: Config, cuda: bool) -> dict[str, dict]:
-    """The axolotl YAML this stage runs, with placeholders for paths known only at run time."""
+    """The axolotl YAML this stage runs, with placeholders for paths known only at run time: the
+    preference run when ``preference`` is set, though a mix in which no pair comes from
+    ``preference.tiers`` trains by ``train``'s SFT (:func:`_training_file`; the artifact's
+    axolotl.yaml is the one that ran)."""
     data = "<work>/data/train.jsonl"
     return {
         "retrain": axolotl.render(

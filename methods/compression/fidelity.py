@@ -34,21 +34,49 @@ __all__ = [
     "Divergence",
     "FidelityRow",
     "Pass",
+    "ReferenceRows",
     "Rule",
     "divergence",
     "fidelity_pass",
     "ladder_answers",
     "ladder_pass",
-    "log_softmax",
     "table",
 ]
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64."""
-    x = np.asarray(logits, dtype=np.float64)
-    top = x.max(-1, keepdims=True)
-    return x - (np.log(np.exp(x - top).sum(-1, keepdims=True)) + top)
+def _centred(logits) -> tuple[np.ndarray, np.ndarray]:
+    """Logits less their row maximum (in their own float type: llama.cpp's float32 stays float32,
+    half the bytes of float64 over a 49K vocabulary), and the log of each row's normaliser in float64."""
+    x = np.asarray(logits)
+    if x.dtype not in (np.float32, np.float64):
+        x = x.astype(np.float64)
+    z = x - x.max(-1, keepdims=True)
+    return z, np.log(np.exp(z).sum(-1, dtype=np.float64))
+
+
+@dataclass(frozen=True)
+class ReferenceRows:
+    """What every row's divergence needs of the reference's next-token distributions p at the
+    scored positions, computed once a held-out row: p, log p of the true tokens, sum_v p log p and
+    sum_v p (1 up to rounding)."""
+
+    p: np.ndarray
+    log_p_target: np.ndarray
+    neg_entropy: np.ndarray
+    mass: np.ndarray
+
+    @classmethod
+    def of(cls, logits, targets: Sequence[int]) -> ReferenceRows:
+        z, log_norm = _centred(logits)
+        log_p = z - log_norm[:, None].astype(z.dtype)
+        p = np.exp(log_p)
+        at = np.arange(len(targets)), np.asarray(targets, dtype=np.int64)
+        return cls(
+            p,
+            log_p[at].astype(np.float64),
+            (p * log_p).sum(-1, dtype=np.float64),
+            p.sum(-1, dtype=np.float64),
+        )
 
 
 @dataclass
@@ -63,17 +91,21 @@ class Divergence:
 
     def add(self, reference_logits: np.ndarray, logits: np.ndarray, targets: Sequence[int]) -> None:
         """Score positions whose logits predict ``targets`` (one row of logits per target)."""
-        self.add_log_probs(log_softmax(reference_logits), logits, targets)
+        if len(targets):
+            self.add_reference(ReferenceRows.of(reference_logits, targets), logits, targets)
 
-    def add_log_probs(self, p_log: np.ndarray, logits: np.ndarray, targets: Sequence[int]) -> None:
-        """:meth:`add` with the reference's log-probabilities computed already (once for every row)."""
+    def add_reference(self, ref: ReferenceRows, logits: np.ndarray, targets: Sequence[int]) -> None:
+        """:meth:`add` with the reference's side computed already (once for every row). With z the
+        row's logits less their maximum and log q = z - log sum exp z:
+        KL = sum p log p - sum p z + log(sum exp z) * sum p, one product over the vocabulary."""
         if len(targets) == 0:
             return
-        q_log = log_softmax(logits)
-        at = np.arange(len(targets)), np.asarray(targets)
-        self.nll_reference -= float(p_log[at].sum())
-        self.nll -= float(q_log[at].sum())
-        self.kl += float((np.exp(p_log) * (p_log - q_log)).sum())
+        z, log_norm = _centred(logits)
+        at = np.arange(len(targets)), np.asarray(targets, dtype=np.int64)
+        self.nll -= float((z[at].astype(np.float64) - log_norm).sum())
+        cross = np.multiply(ref.p, z, out=z).sum(-1, dtype=np.float64)  # z is this call's own array
+        self.nll_reference -= float(ref.log_p_target.sum())
+        self.kl += float((ref.neg_entropy - cross + log_norm * ref.mass).sum())
         self.tokens += len(targets)
 
     @property
@@ -137,14 +169,14 @@ def fidelity_pass(
             continue
         start = max(start, 1)
         targets = ids[start:]
-        p_log = None
+        ref = None
         for name, model in [(None, reference), *models.items()]:
             session = model.new_session()
             fed = session.feed(ids, first=start - 1)
             if name is None:
-                p_log = log_softmax(fed[:-1])
+                ref = ReferenceRows.of(fed[:-1], targets)
             else:
-                out.divergence[name].add_log_probs(p_log, fed[:-1], targets)
+                out.divergence[name].add_reference(ref, fed[:-1], targets)
             if k in paths:
                 out.along[name][k] = _along(session, fed, start, ids, *paths[k]).argmax(-1)
     return out
