@@ -510,6 +510,48 @@ def test_1r_preference_objective_prefers_the_correction_to_the_students_own_mist
     assert "Objective: DPO beta 0.1 + NLL x1 " in (out / "RETRAIN_CARD.md").read_text()
 
 
+def test_a_preference_lora_starts_from_the_recipe_seed(tmp_path):
+    """Two preference runs of one recipe with a LoRA (real axolotl, DPO + NLL, stories260K) train the
+    same adapter: TRL's DPOTrainer draws the LoRA before the Trainer seeds (their A matrices were
+    uncorrelated), so ``kibidango_lora_seed.SeedLoRA`` redraws it from the recipe's seed; another seed
+    starts elsewhere."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from methods.training.finetune import fine_tune, preference_recipe
+    from methods.training.recipe import PreferenceSpec, TrainRecipe
+    from tests.test_training_resume import _needs_axolotl_and_shared
+
+    _needs_axolotl_and_shared()
+    data = tmp_path / "pref.jsonl"
+    rows = [
+        {
+            "prompt": f"### Instruction:\nAdd {i} and {i}.\n\n### Response:\n",
+            "chosen": f"{2 * i}.</s>",
+            "rejected": f"{2 * i + 1}.</s>",
+        }
+        for i in range(8)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = dict(max_steps=1, micro_batch_size=2, sequence_len=64, learning_rate=1e-3, warmup_steps=0)
+    train.update(logging_steps=1, save_steps=5, adapter="lora")
+
+    def adapter(run: str, seed: int) -> dict:
+        recipe = preference_recipe(TrainRecipe(**train, seed=seed), PreferenceSpec(beta=0.1), str(data))
+        assert recipe.axolotl["plugins"] == ["kibidango_lora_seed.SeedLoRA"]
+        work, out = tmp_path / f"w{run}", tmp_path / f"o{run}"
+        work.mkdir()
+        out.mkdir()
+        model, _ = fine_tune(recipe, STORIES, data, work, out, "target", run, tokenizer="LlamaTokenizer")
+        return load_file(str(next(model.glob("*.safetensors"))))
+
+    a, b, other = adapter("a", 5), adapter("b", 5), adapter("c", 6)
+    lora_a = sorted(k for k in a if "lora_A" in k)
+    assert lora_a and set(a) == set(b)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not any(np.array_equal(a[k], other[k]) for k in lora_a)
+
+
 def test_preference_tiers_reject_only_the_on_policy_pairs(tmp_path):
     """``preference.tiers``: only a pair from a listed 1D tier (the student's own sampled answer as the
     chosen reply) takes 1B's failed answer as its rejected one; a gold pair, a control's row (no tier)

@@ -157,9 +157,15 @@ def render(
     return cfg
 
 
+PLUGINS = Path(__file__).resolve().parent / "axolotl_plugins"
+"""Our axolotl plugins (``plugins:`` in a run's YAML, e.g. ``kibidango_lora_seed.SeedLoRA``): on the
+axolotl process's path, which imports them in its own environment."""
+
+
 def _offline_env(cfg: dict[str, Any], python: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGINS), env.get("PYTHONPATH", "")) if p)
     env |= {
         "DO_NOT_TRACK": "1",
         "AXOLOTL_DO_NOT_TRACK": "1",
