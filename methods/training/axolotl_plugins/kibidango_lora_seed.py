@@ -1,5 +1,5 @@
-"""An axolotl plugin the axolotl process loads (its own environment; :func:`methods.training.axolotl.plugin_path`
-puts this folder on its path): a LoRA's starting weights drawn from the recipe's ``seed``.
+"""An axolotl plugin the axolotl process loads (its own environment; ``methods.training.axolotl.PLUGINS``
+is this folder, on that process's path): a LoRA's starting weights drawn from the recipe's ``seed``.
 
 axolotl's preference runs (``rl: dpo``) hand the LoRA to TRL's ``DPOTrainer``, which wraps the model in
 it before the Trainer seeds, from whatever state the random generator is in by then: two runs of one
