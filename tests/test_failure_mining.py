@@ -510,11 +510,11 @@ def test_1r_preference_objective_prefers_the_correction_to_the_students_own_mist
     assert "Objective: DPO beta 0.1 + NLL x1 " in (out / "RETRAIN_CARD.md").read_text()
 
 
-def test_a_preference_lora_starts_from_the_recipe_seed(tmp_path):
-    """Two preference runs of one recipe with a LoRA (real axolotl, DPO + NLL, stories260K) train the
-    same adapter: TRL's DPOTrainer draws the LoRA before the Trainer seeds (their A matrices were
-    uncorrelated), so ``kibidango_lora_seed.SeedLoRA`` redraws it from the recipe's seed; another seed
-    starts elsewhere."""
+def test_a_lora_starts_from_the_recipe_seed(tmp_path):
+    """Two runs of one recipe with a LoRA (real axolotl on stories260K) train the same adapter, by
+    preference (DPO + NLL) and by SFT: axolotl's loader and TRL's DPOTrainer draw the LoRA before the
+    Trainer seeds (two runs' A matrices were uncorrelated), so ``kibidango_lora_seed.SeedLoRA`` redraws
+    it from the recipe's seed; another seed starts elsewhere."""
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -523,33 +523,35 @@ def test_a_preference_lora_starts_from_the_recipe_seed(tmp_path):
     from tests.test_training_resume import _needs_axolotl_and_shared
 
     _needs_axolotl_and_shared()
-    data = tmp_path / "pref.jsonl"
-    rows = [
-        {
-            "prompt": f"### Instruction:\nAdd {i} and {i}.\n\n### Response:\n",
-            "chosen": f"{2 * i}.</s>",
-            "rejected": f"{2 * i + 1}.</s>",
-        }
-        for i in range(8)
-    ]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pref, sft = tmp_path / "pref.jsonl", tmp_path / "sft.jsonl"
+    asks = [(f"Add {i} and {i}.", f"{2 * i}.", f"{2 * i + 1}.") for i in range(8)]
+    prompt = "### Instruction:\n{}\n\n### Response:\n"
+    rows = [{"prompt": prompt.format(q), "chosen": f"{a}</s>", "rejected": f"{b}</s>"} for q, a, b in asks]
+    pref.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chats = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a, _ in asks]
+    sft.write_text("".join(json.dumps(r) + "\n" for r in chats))
     train = dict(max_steps=1, micro_batch_size=2, sequence_len=64, learning_rate=1e-3, warmup_steps=0)
     train.update(logging_steps=1, save_steps=5, adapter="lora")
 
-    def adapter(run: str, seed: int) -> dict:
-        recipe = preference_recipe(TrainRecipe(**train, seed=seed), PreferenceSpec(beta=0.1), str(data))
-        assert recipe.axolotl["plugins"] == ["kibidango_lora_seed.SeedLoRA"]
+    def adapter(run: str, seed: int, preference: bool) -> dict:
+        recipe = TrainRecipe(**train, seed=seed)
+        if preference:
+            recipe = preference_recipe(recipe, PreferenceSpec(beta=0.1), str(pref))
         work, out = tmp_path / f"w{run}", tmp_path / f"o{run}"
         work.mkdir()
         out.mkdir()
+        data = pref if preference else sft
         model, _ = fine_tune(recipe, STORIES, data, work, out, "target", run, tokenizer="LlamaTokenizer")
+        assert "- kibidango_lora_seed.SeedLoRA" in (out / "axolotl.yaml").read_text()
         return load_file(str(next(model.glob("*.safetensors"))))
 
-    a, b, other = adapter("a", 5), adapter("b", 5), adapter("c", 6)
-    lora_a = sorted(k for k in a if "lora_A" in k)
-    assert lora_a and set(a) == set(b)
-    assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not any(np.array_equal(a[k], other[k]) for k in lora_a)
+    for preference in (True, False):
+        kind = "dpo" if preference else "sft"
+        a, b, other = (adapter(f"{kind}{n}", seed, preference) for n, seed in ((1, 5), (2, 5), (3, 6)))
+        lora_a = sorted(k for k in a if "lora_A" in k)
+        assert lora_a and set(a) == set(b), kind
+        assert all(np.array_equal(a[k], b[k]) for k in a), kind
+        assert not any(np.array_equal(a[k], other[k]) for k in lora_a), kind
 
 
 def test_preference_tiers_reject_only_the_on_policy_pairs(tmp_path):

@@ -154,12 +154,16 @@ def render(
         cfg["deepspeed"] = str(REPO_ROOT / cfg["deepspeed"])  # a shipped config (recipes/deepspeed/), run from anywhere
     cfg |= extra or {}
     cfg |= hardware_switches(cuda, recipe.adapter)
+    if recipe.adapter == "lora":  # the LoRA's starting weights from `seed` (axolotl and TRL draw them unseeded)
+        cfg["plugins"] = [*(p for p in cfg.get("plugins", []) if p != SEED_LORA), SEED_LORA]
     return cfg
 
 
 PLUGINS = Path(__file__).resolve().parent / "axolotl_plugins"
-"""Our axolotl plugins (``plugins:`` in a run's YAML, e.g. ``kibidango_lora_seed.SeedLoRA``): on the
-axolotl process's path, which imports them in its own environment."""
+"""Our axolotl plugins (``plugins:`` in a run's YAML): on the axolotl process's path, which imports
+them in its own environment."""
+SEED_LORA = "kibidango_lora_seed.SeedLoRA"
+"""Every LoRA run's: two runs of one recipe drew uncorrelated A matrices without it, SFT and DPO alike."""
 
 
 def _offline_env(cfg: dict[str, Any], python: Path) -> dict[str, str]:

@@ -56,9 +56,7 @@ def preference_recipe(recipe: TrainRecipe, spec: PreferenceSpec, data_file: str)
     :func:`methods.training.chat.preference_record`): axolotl's ``rl: dpo`` with TRL's losses ``sigmoid``
     and ``sft`` (weighted 1 and ``nll_weight``) and the file as an already-rendered ``passthrough``
     dataset, through the recipe's pass-through keys (which replace the chat dataset
-    :func:`fine_tune` writes). ``group_by_length`` goes: TRL's preference rows have no ``input_ids``.
-    A LoRA starts from the recipe's ``seed`` (``kibidango_lora_seed.SeedLoRA``: TRL draws it unseeded)."""
-    seed_lora = "kibidango_lora_seed.SeedLoRA"
+    :func:`fine_tune` writes). ``group_by_length`` goes: TRL's preference rows have no ``input_ids``."""
     keys = {
         "datasets": [{"path": data_file, "ds_type": "json", "type": "passthrough", "split": "train"}],
         "rl": "dpo",
@@ -66,6 +64,5 @@ def preference_recipe(recipe: TrainRecipe, spec: PreferenceSpec, data_file: str)
         "dpo_loss_type": ["sigmoid", "sft"],
         "dpo_loss_weights": [1.0, spec.nll_weight],
         "group_by_length": False,
-        "plugins": [*(p for p in recipe.axolotl.get("plugins", []) if p != seed_lora), seed_lora],
     }
     return recipe.model_copy(update={"axolotl": {**recipe.axolotl, **keys}})

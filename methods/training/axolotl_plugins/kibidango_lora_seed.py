@@ -1,10 +1,11 @@
 """An axolotl plugin the axolotl process loads (its own environment; ``methods.training.axolotl.PLUGINS``
 is this folder, on that process's path): a LoRA's starting weights drawn from the recipe's ``seed``.
 
-axolotl's preference runs (``rl: dpo``) hand the LoRA to TRL's ``DPOTrainer``, which wraps the model in
-it before the Trainer seeds, from whatever state the random generator is in by then: two runs of one
-config started from different A matrices (correlation 0.005 on SmolLM2-135M), and so trained different
-weights. After the trainer is built, this redraws every LoRA layer's starting weights (PEFT's own
+The LoRA is drawn before the Trainer seeds (axolotl's loader for SFT, TRL's ``DPOTrainer`` for ``rl:
+dpo``), from whatever state the random generator is in by then: two runs of one config started from
+uncorrelated A matrices (r = 0.005 on SmolLM2-135M's DPO run, 0.003 on stories260K's SFT), and so
+trained different weights. :func:`methods.training.axolotl.render` lists this plugin in every LoRA run.
+After the trainer is built, it redraws every LoRA layer's starting weights (PEFT's own
 ``reset_lora_parameters``, with the adapter's ``init_lora_weights``) from ``torch.manual_seed(seed)``,
 before the first step; a run resumed from a checkpoint loads the checkpoint's weights over them."""
 
