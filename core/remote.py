@@ -132,7 +132,7 @@ class RemoteStore:
         manifest = manifest if manifest is not None else self.manifest(stage_id, key)
         if manifest is None:
             return None
-        from core.store import content_digest, read_manifest  # the same checks as a local manifest
+        from core.store import manifest_digest_problem, read_manifest  # the same checks as a local one
 
         (staging / MANIFEST).write_text(json.dumps(manifest))
         manifest, problem = read_manifest(staging)
@@ -156,8 +156,8 @@ class RemoteStore:
                 problem = f"{f['path']} does not match its size and sha256"
                 break
             f["mtime_ns"] = dest.stat().st_mtime_ns
-        if manifest is not None and not problem and content_digest(manifest["files"]) != manifest["digest"]:
-            problem = "manifest.json's digest is not the digest of its files"
+        if manifest is not None and not problem:
+            problem = manifest_digest_problem(manifest)
         if problem:
             log.warning(f"{self.where(stage_id, key)}: {problem}; not used as a cache hit, the stage recomputes")
             return None

@@ -37,13 +37,19 @@ __all__ = [
     "Artifact",
     "ArtifactStore",
     "cache_key",
+    "manifest_digest_problem",
     "read_manifest",
     "verify_files",
     "MANIFEST",
 ]
 
 MANIFEST = "manifest.json"
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2
+# Files under these folders are diagnostics (training logs with their tokens/s, wall times): listed,
+# hashed and verified like every file, but not part of what the artifact *is*, so a forced rerun that
+# repeats a stage's outputs byte for byte keeps the same digest and leaves every stage after it
+# cached. Schema 1 manifests (stores written before) digest every file; they stay valid as written.
+DIAGNOSTIC_DIRS = ("logs",)
 _TMP_PREFIX = ".tmp-"
 _WORK_PREFIX = ".work-"
 _LOCK_PREFIX = ".lock-"
@@ -58,10 +64,22 @@ def cache_key(stage_id: str, code_version: str, config: dict, input_digests: dic
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-def content_digest(files: list[dict]) -> str:
+def content_digest(files: list[dict], schema: int = MANIFEST_SCHEMA) -> str:
     """Digest of an artifact's content: its files' paths and hashes (not the manifest, whose
-    run id and timestamp differ between two runs that produce the same bytes)."""
-    return hashlib.sha256(canonical_json([[f["path"], f["sha256"]] for f in files]).encode()).hexdigest()[:24]
+    run id and timestamp differ between two runs that produce the same bytes), diagnostics
+    (:data:`DIAGNOSTIC_DIRS`) left out from ``schema`` 2 on."""
+    kept = [f for f in files if schema < 2 or Path(f["path"]).parts[0] not in DIAGNOSTIC_DIRS]
+    return hashlib.sha256(canonical_json([[f["path"], f["sha256"]] for f in kept]).encode()).hexdigest()[:24]
+
+
+def manifest_digest_problem(manifest: dict) -> str | None:
+    """None when ``manifest``'s digest is the digest of its files under its own schema."""
+    schema = manifest.get("schema", 1)
+    if not isinstance(schema, int) or not 1 <= schema <= MANIFEST_SCHEMA:
+        return f"manifest.json has schema {json.dumps(schema)[:20]}, this code reads 1 to {MANIFEST_SCHEMA}"
+    if content_digest(manifest["files"], schema) != manifest["digest"]:
+        return "manifest.json's digest is not the digest of its files"
+    return None
 
 
 @dataclass(frozen=True)
@@ -123,8 +141,8 @@ class ArtifactStore:
         manifest, problem = read_manifest(path)
         if manifest is not None:
             problem = verify_files(path, manifest["files"], full=False)
-        if not problem and content_digest(manifest["files"]) != manifest["digest"]:
-            problem = "manifest.json's digest is not the digest of its files"
+        if not problem:
+            problem = manifest_digest_problem(manifest)
         if problem:
             log.warning(
                 f"{path}: {problem}; not used as a cache hit"

@@ -141,3 +141,41 @@ def test_forced_republish_replaces_the_artifact(tmp_path):
     assert (tmp_path / "0" / "k1" / "data" / "rows.txt").read_text() == "new"
     assert again.manifest["mlflow_run_id"] == "r2"
     assert [p.name for p in (tmp_path / "0").iterdir()] == ["k1"]  # nothing left aside
+
+
+def test_a_retrain_whose_outputs_repeat_keeps_its_digest_whatever_its_log_says(tmp_path, caplog):
+    """A forced rerun of a training stage repeats its weights byte for byte (seeded) but never its
+    logs/train.log (tokens/s, wall times): the log is listed and verified, not part of the digest,
+    so every stage after it stays cached. A store written before (schema 1) keeps its digests."""
+    from core.store import content_digest
+
+    store = ArtifactStore(tmp_path)
+
+    def trained(key: str, log: str, weights: str = "w"):
+        staging = _stage_files(store, key, weights)
+        (staging / "logs").mkdir()
+        (staging / "logs" / "train.log").write_text(log)
+        return staging
+
+    first = store.publish("0", "k1", trained("k1", "12.3 tokens/s"), {})
+    forced = store.publish("0", "k1", trained("k1", "11.9 tokens/s"), {})
+    assert forced.digest == first.digest and [f["path"] for f in forced.manifest["files"]] == [
+        "data/rows.txt",
+        "logs/train.log",
+    ]
+    assert store.publish("0", "k2", trained("k2", "12.3 tokens/s", "w2"), {}).digest != first.digest
+    # still verified: an edited log is a damaged artifact, a miss
+    log = tmp_path / "0" / "k1" / "logs" / "train.log"
+    log.write_text("edited!!!!!!!")
+    assert store.get("0", "k1") is None and "not used as a cache hit" in caplog.text
+    # a schema-1 manifest digests every file, the log included, and stays a hit as written
+    old = store.publish("0", "k3", trained("k3", "9.0 tokens/s"), {})
+    path = tmp_path / "0" / "k3" / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["schema"], manifest["digest"] = 1, content_digest(manifest["files"], schema=1)
+    assert manifest["digest"] != old.digest
+    path.write_text(json.dumps(manifest))
+    assert store.get("0", "k3").digest == manifest["digest"]
+    manifest["schema"] = 7  # written by a newer kibidango: not read as a hit
+    path.write_text(json.dumps(manifest))
+    assert store.get("0", "k3") is None and "schema 7" in caplog.text
