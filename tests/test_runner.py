@@ -77,6 +77,33 @@ def test_cache_hit_miss_force_and_lineage(workspace, source):
     assert len(table.splitlines()) == 2 + 4 and "rows_out" in table.splitlines()[0]
 
 
+def test_a_forced_stage_whose_log_alone_changes_leaves_its_downstream_cached(workspace, source, monkeypatch):
+    """A seeded retrain repeats its weights but never its logs/ (tokens/s, wall times): forced, it
+    publishes the same digest, so the next stage's cache key (and its cached artifact) stays."""
+    import uuid
+    from pathlib import Path
+
+    from flows.runner import stage_key
+
+    real = s0.run
+
+    def logged(cfg, inputs, out_dir):
+        result = real(cfg, inputs, out_dir)
+        (out_dir / "logs").mkdir()
+        (out_dir / "logs" / "curate.log").write_text(f"this run: {uuid.uuid4().hex}, 1234.5 rows/s\n")
+        return result
+
+    monkeypatch.setattr(s0, "run", logged)
+    cfg = s0.Config(sources=[{"name": "src", "path": str(source), "format": "alpaca", "license": "MIT"}])
+    first = execute_stage("0", cfg, {}, _ctx(workspace, None))
+    log_first = (Path(first.path) / "logs" / "curate.log").read_text()
+    forced = execute_stage("0", cfg, {}, _ctx(workspace, None, force=["0"]))
+    assert (Path(forced.path) / "logs" / "curate.log").read_text() != log_first
+    assert forced.digest == first.digest
+    downstream = load_stage("1A").Config.model_construct()
+    assert stage_key("1A", downstream, {"data": forced}).key == stage_key("1A", downstream, {"data": first}).key
+
+
 def test_a_failing_stage_publishes_nothing_and_marks_the_run_failed(workspace, tmp_path):
     bad = tmp_path / "src.json"
     bad.write_text('[{"instruction": "a", "output": "b"} {"oops"}]')
