@@ -161,6 +161,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path, work_dir: Path) -> 
         "quality": quality,
         "size": _size(pipe.bundle),
         "peak_rss_mb": _peak_rss_mb(bundle_dir, cfg.backend, rows[0]["task"].prompt),
+        "kv_cache": pipe.bundle.kv_cache(cfg.backend),
         "speed": _speed(bundle_dir, cfg, _speed_prompts(pipe, rows, cfg)),
     }
     if beside is not None:
@@ -377,11 +378,16 @@ def _beside(cfg: Config, beside, where: Path, pipe, rows: list[dict]) -> dict:
     probe = [sys.executable, "-c", _INPUT_RSS_PROBE, cfg.backend, str(where), str(pipe.bundle.root), prompt, "32"]
     probe += sampling
     files = [where] if where.is_file() else sorted(where.glob("*.safetensors"))
+    # the bundle's memory with the input's K/V cache (llama.cpp's default, f16) beside its own type
+    # (1F's, plan row 1H): how much of the difference the cache makes, not the weights
+    own_kv = pipe.bundle.kv_cache(cfg.backend)
+    at_input_kv = None if own_kv == "f16" else _peak_rss_mb(pipe.bundle.root, cfg.backend, prompt, kv_cache="f16")
     return {
         "name": spec.path or f"{spec.input}/{spec.tier}",
         "file": where.name,
         "bytes": sum(f.stat().st_size for f in files),
         "peak_rss_mb": _probe_rss(probe),
+        "bundle_peak_rss_mb_at_input_kv_cache": at_input_kv,
         "speed": {
             "ratio": ratio,
             "ci": [lo, hi],
@@ -507,7 +513,8 @@ _RSS_PROBE = (
     """
 import sys
 from kibidango import Pipeline
-pipe = Pipeline.from_bundle(sys.argv[1], backend=sys.argv[2])
+kv_cache = sys.argv[5] if len(sys.argv) > 5 else None
+pipe = Pipeline.from_bundle(sys.argv[1], backend=sys.argv[2], kv_cache=kv_cache)
 pipe.generate(sys.argv[3], max_new_tokens=int(sys.argv[4]))
 """
     + _HIGH_WATER
@@ -533,10 +540,14 @@ pipe.generate(prompt, max_new_tokens=int(new))
 )
 
 
-def _peak_rss_mb(bundle_dir: Path, backend: str, prompt: str, new_tokens: int = 32) -> float | None:
+def _peak_rss_mb(
+    bundle_dir: Path, backend: str, prompt: str, new_tokens: int = 32, kv_cache: str | None = None
+) -> float | None:
     """Peak resident memory (MB) of a fresh process that loads the bundle and generates: what a
-    user's process needs, without this flow's own memory."""
-    return _probe_rss([sys.executable, "-c", _RSS_PROBE, str(bundle_dir), backend, prompt[:2000], str(new_tokens)])
+    user's process needs, without this flow's own memory. ``kv_cache``: a K/V cache type other than
+    the bundle's own."""
+    command = [sys.executable, "-c", _RSS_PROBE, str(bundle_dir), backend, prompt[:2000], str(new_tokens)]
+    return _probe_rss(command + ([kv_cache] if kv_cache else []))
 
 
 def _probe_rss(command: list[str]) -> float | None:
@@ -648,6 +659,14 @@ def _card(r: dict) -> str:
             )
         target = size["tiers"].get("target/gguf") or size["tiers"].get("target/hf")
         rss = "-" if m["peak_rss_mb"] is None else f"{m['peak_rss_mb']:.0f} MB"
+        kv = r.get("kv_cache", "f16")
+        at_f16 = m.get("bundle_peak_rss_mb_at_input_kv_cache")
+        if kv != "f16":
+            ran_with += (
+                f" The bundle runs its K/V cache at {kv} (stage 1F's choice, plan row 1H), the input at llama.cpp's "
+                "default f16: both speed rows and the peak RSS are the bundle as it runs"
+                + (f"; with an f16 cache its peak RSS is {at_f16:.0f} MB." if at_f16 is not None else ".")
+            )
         lines += [
             "",
             "### Beside the input model",
@@ -721,10 +740,14 @@ def report_headline(artifact: Path) -> list[tuple[str, str]]:
                 f"{q['all']['reference_perplexity']:.1f}",
             )
         )
+    kv = ""  # the K/V cache the bundle runs with, where it is not llama.cpp's default
+    if ev.get("kv_cache", "f16") != "f16":
+        at_f16 = (ev.get("input_model") or {}).get("bundle_peak_rss_mb_at_input_kv_cache")
+        kv = f" with its K/V cache at {ev['kv_cache']} (1F)" + (f"; {at_f16:.0f} MB at f16" if at_f16 else "")
     rows.append(
         (
             "the bundle stage 9 evaluated (every part) on disk; peak RSS loading it and generating",
-            f"{ev['size']['bytes'] / 1e6:.2f} MB; {ev['peak_rss_mb']:.0f} MB",
+            f"{ev['size']['bytes'] / 1e6:.2f} MB; {ev['peak_rss_mb']:.0f} MB{kv}",
         )
     )
     if beside := ev.get("input_model"):

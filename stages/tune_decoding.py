@@ -26,6 +26,12 @@ hard-linked) with ``tuned_defaults`` and the figures (``tuning``) in its bundle.
 ratios measured side by side in one process; the settings are chosen for greedy decoding
 (sampling changes acceptance, not correctness: speculative sampling stays lossless).
 
+On llama.cpp the chosen mode then runs with each K/V cache type of ``kv_caches`` beside the bundle's
+own (plan row 1H; :func:`kibidango.tools.tune.tune_kv_cache`): the type with the fewest bytes per token
+whose text keeps ``max_ppl_increase`` and whose speed keeps ``1 - kv_max_slowdown`` of the reference's
+ships as that backend's ``kv_cache`` (on SmolLM2's 8,192-token context an f16 cache is 189 MB, more
+than the Q4 weights; q8_0 is 100 MB).
+
 Outputs: ``bundle/`` (the tuned bundle, read by stages 9 and 9A), ``tuning.json``,
 ``candidates.jsonl`` (every candidate, every backend; an MLflow table), ``speedup_vs_tau.png``,
 ``TUNING_CARD.md``.
@@ -84,6 +90,19 @@ class Config(StageConfig):
         "so it has to pay for its bytes and memory by more than one timing's noise (tiny's 1F chose sd k=2 at 1.05x "
         "one run, lookup k=3 adaptive at 1.06x the run before, on the same bundle).",
     )
+    kv_caches: list[Literal["f16", "q8_0", "q4_0"]] = Field(
+        ["q8_0", "q4_0"],
+        description="llama.cpp K/V cache types timed against the bundle's own (f16) in the chosen mode (plan row "
+        "1H); the one with the fewest bytes per token whose text keeps max_ppl_increase and whose speed keeps "
+        "1 - kv_max_slowdown of the reference's ships as the backend's kv_cache (empty: the bundle's own).",
+    )
+    kv_max_slowdown: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of tokens/s a smaller K/V cache may lose to the reference's and still ship: what it "
+        "buys is memory, and a timing on a few prompts moves by about this much.",
+    )
     threads: int | None = Field(None, gt=0, description="CPU threads per model (default: the runtime's).")
     grid: Grid = Field(default_factory=Grid, description="The settings tried.")
 
@@ -114,6 +133,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     grid = cfg.grid.model_dump()
 
     results, candidates, prompts = {}, [], []
+    kv = None  # the K/V cache types measured on llama.cpp (plan row 1H)
     for backend in cfg.backends:
         pipe = Pipeline.from_bundle(
             src, backend=backend, mode="pyramid", adapter="none", threads=cfg.threads, verify=False
@@ -148,9 +168,13 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             )
         results[backend] = result
         candidates += [{"backend": backend, **r} for r in result.rows]
+        if backend == "llamacpp":
+            kv = _kv_cache(cfg, src, pipe, prompts, result.chosen or {"mode": "ar"})
         del pipe
 
     tuned = {b: r.chosen or {"mode": "ar"} for b, r in results.items()}
+    if kv is not None and kv.chosen != kv.reference:
+        tuned["llamacpp"] = {**tuned["llamacpp"], "kv_cache": kv.chosen}
     tuning = {
         b: {
             "best": r.best,
@@ -164,6 +188,14 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         }
         for b, r in results.items()
     }
+    if kv is not None:
+        tuning["llamacpp"]["kv_cache"] = {
+            "reference": kv.reference,
+            "chosen": kv.chosen,
+            "rows": kv.rows,
+            "refused": kv.refused,
+            "max_slowdown": cfg.kv_max_slowdown,
+        }
     write_tuned_backends(src, out_dir / "bundle", tuned, tuning)
 
     (out_dir / "tuning.json").write_text(json.dumps({"tuned_defaults": tuned, "tuning": tuning}, indent=2))
@@ -171,7 +203,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         for row in candidates:
             f.write(json.dumps(row) + "\n")
     _plot(results, out_dir / "speedup_vs_tau.png")
-    (out_dir / "TUNING_CARD.md").write_text(_card(results, tuned, len(prompts), cfg))
+    (out_dir / "TUNING_CARD.md").write_text(_card(results, tuned, len(prompts), cfg, kv))
 
     metrics: dict[str, float] = {"prompts": float(len(prompts))}
     for b, r in results.items():
@@ -183,6 +215,9 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             metrics[f"{b}/best_{mode}_speed_vs_ar"] = row["speed_vs_ar"]
         if "sd" in r.best and "pyramid" in r.best:
             metrics[f"{b}/pyramid_over_sd"] = r.best["pyramid"]["speed_vs_ar"] / r.best["sd"]["speed_vs_ar"]
+    for row in kv.rows if kv is not None else []:
+        for key in ("speed_vs_reference", "ppl_increase", "context_mb"):
+            metrics[f"llamacpp/kv_{row['kv_cache']}/{key}"] = row[key]
     summary = "; ".join(f"{b}: {describe(tuned[b])} at {r.chosen_speed:.2f}x ar" for b, r in results.items())
     return StageResult(
         metrics,
@@ -192,7 +227,30 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     )
 
 
-def _card(results: dict, tuned: dict, prompts: int, cfg: Config) -> str:
+def _kv_cache(cfg: Config, src: Path, pipe, prompts: list[list[int]], chosen: dict):
+    """The bundle's llama.cpp K/V cache (plan row 1H): each type of ``kv_caches`` loaded beside the
+    reference ``pipe`` and timed in the chosen mode (:func:`kibidango.tools.tune.tune_kv_cache`); None
+    when the recipe tries none."""
+    from kibidango.tools.tune import kv_cache_pipelines, tune_kv_cache
+
+    reference = pipe.models["target"].kv_cache
+    if not [t for t in cfg.kv_caches if t != reference]:
+        return None
+    others, refused = kv_cache_pipelines(src, cfg.kv_caches, chosen["mode"], reference, cfg.threads)
+    for kv, why in refused.items():
+        log.warning(f"llamacpp K/V cache {kv} not tried: {why}")
+    result = tune_kv_cache(
+        pipe, others, prompts, chosen, cfg.max_new_tokens, cfg.max_ppl_increase, cfg.kv_max_slowdown, refused=refused
+    )
+    for row in result.rows:
+        log.info(
+            f"llamacpp K/V cache {row['kv_cache']}: {row['context_mb']:.1f} MB for the whole context, "
+            f"{row['speed_vs_reference']:.2f}x the reference's tokens/s, perplexity {row['ppl_increase']:+.2%}"
+        )
+    return result
+
+
+def _card(results: dict, tuned: dict, prompts: int, cfg: Config, kv=None) -> str:
     from kibidango.tools.tune import describe, format_tune
 
     lines = [
@@ -230,6 +288,20 @@ def _card(results: dict, tuned: dict, prompts: int, cfg: Config) -> str:
         "The bundle ships these as `tuned_defaults` per backend; `kibidango generate --bundle B --backend ...` "
         "starts from them (any `--mode`/`--k`/... flag still wins). Speed against tau: `speedup_vs_tau.png`.",
     ]
+    if kv is not None:
+        from kibidango.tools.tune import format_kv_cache
+
+        lines += [
+            "",
+            "## llamacpp: the K/V cache (plan row 1H)",
+            "",
+            f"The chosen mode decoded with each K/V cache type beside the bundle's own ({kv.reference}), each timed "
+            "right after it; a type ships when its text keeps the perplexity bound and its speed keeps "
+            f"{1 - cfg.kv_max_slowdown:.0%} of the reference's, the fewest bytes per token first. Chosen: "
+            f"**{kv.chosen}**.",
+            "",
+            format_kv_cache(kv),
+        ]
     for b, r in results.items():
         lines += ["", f"## {b}: the fastest candidates", "", format_tune(r, top=10)]
     return "\n".join(lines) + "\n"

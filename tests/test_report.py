@@ -519,5 +519,17 @@ def test_the_report_says_per_goal_whether_the_bundle_beats_its_input(tmp_path):
     assert rows[as_run] == ("0.97x [0.90, 1.04] (the same prompts and rounds)", "no")
     assert _shown(1.10, 1.01, 1.0) == "yes" and _shown(1.0, 1.0, 1.0) == "yes"
     assert rows["peak RSS loading and generating, against the input's"] == ("379.0 MB against 380.0 MB (-0.3%)", "yes")
+    # a bundle whose K/V cache 1F quantized: both rows say so, and the RSS row gives the bundle at f16 too
+    input_model["bundle_peak_rss_mb_at_input_kv_cache"] = 383.8
+    (tmp_path / "9" / "evaluation.json").write_text(
+        json.dumps({**evaluation, "kv_cache": "q8_0", "peak_rss_mb": 296.4, "input_model": input_model})
+    )
+    rows = {claim: (measured, met) for claim, _, measured, met in _bundle_claims(artifacts)}
+    assert rows["peak RSS loading and generating, against the input's"] == (
+        "296.4 MB against 380.0 MB (-22.0%); the bundle's K/V cache at q8_0 (1F), the input's at llama.cpp's f16; "
+        "the bundle at f16: 383.8 MB (+1.0%)",
+        "yes",
+    )
+    assert rows[weights][0].endswith("3 rounds; the bundle's K/V cache at q8_0)")
     assert "## Does the bundle beat its input?" in _bundle_section(artifacts)
     assert _bundle_section({}) == []  # a run without these stages has no such section

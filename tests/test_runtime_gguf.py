@@ -303,6 +303,75 @@ def test_the_kv_cache_option_changes_the_cache_type(head32_bundle, gguf_bundle, 
         Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar", kv_cache="q2")
 
 
+def test_the_kv_cache_is_chosen_by_measurement_and_shipped_per_backend(head32_bundle, gguf_bundle, tmp_path):
+    """1F's K/V cache choice (plan row 1H): every type decodes the same prompts beside the bundle's
+    own; the one with the fewest bytes per token within the perplexity and speed bounds is chosen
+    (none within them: the bundle's own); written as llama.cpp's ``kv_cache`` in tuned_defaults it is
+    what a plain llama.cpp load uses, while torch stays f16."""
+    from kibidango import Pipeline, load_bundle
+    from kibidango.tools.tune import format_kv_cache, tune_kv_cache, write_tuned
+    from stages.tune_decoding import Config, _card, _kv_cache
+
+    reference = Pipeline.from_bundle(head32_bundle, backend="llamacpp")
+    others = {kv: Pipeline.from_bundle(head32_bundle, backend="llamacpp", kv_cache=kv) for kv in ("q8_0", "q4_0")}
+    prompts = [reference.encode("Once upon a time"), reference.encode("The little dog")]
+    loose = tune_kv_cache(reference, others, prompts, {"mode": "ar"}, 12, max_ppl_increase=10.0, max_slowdown=0.99)
+    # 2 layers x (K + V) x 2 KV heads x 32 wide, at 2 bytes (f16) and ggml's 34 / 18 bytes per 32 values
+    assert [(r["kv_cache"], r["bytes_per_token"]) for r in loose.rows] == [("f16", 512), ("q8_0", 272), ("q4_0", 144)]
+    assert loose.rows[0]["context_mb"] == pytest.approx(512 * 256 / 1e6)
+    assert loose.reference == "f16" and loose.chosen == "q4_0"
+    assert all(r["admissible"] and r["speed_vs_reference"] > 0 for r in loose.rows)
+    assert "q4_0 (chosen)" in format_kv_cache(loose)
+    strict = tune_kv_cache(reference, others, prompts, {"mode": "ar"}, 12, max_ppl_increase=-1.0, max_slowdown=0.99)
+    assert strict.chosen == "f16"  # nothing else keeps the bound: the bundle's own cache stays
+    assert not any(r["admissible"] for r in strict.rows[1:])
+
+    # the stage's own step: the recipe's types, the reference left out, the chosen one in the card
+    cfg = Config(kv_caches=["f16", "q8_0"], kv_max_slowdown=0.99, max_ppl_increase=10.0, max_new_tokens=8)
+    staged = _kv_cache(cfg, head32_bundle, reference, prompts, {"mode": "ar"})
+    assert [r["kv_cache"] for r in staged.rows] == ["f16", "q8_0"] and staged.chosen == "q8_0"
+    assert "**q8_0**" in _card({}, {}, len(prompts), cfg, staged)
+    assert _kv_cache(Config(kv_caches=[]), head32_bundle, reference, prompts, {"mode": "ar"}) is None
+    # stories260K's 8-wide heads: llama.cpp makes no quantized cache; the type is refused, not measured
+    narrow = Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar")
+    kept = _kv_cache(Config(kv_caches=["q8_0"]), gguf_bundle, narrow, [narrow.encode("Once")], {"mode": "ar"})
+    assert kept.chosen == "f16" and [r["kv_cache"] for r in kept.rows] == ["f16"]
+    assert "multiple of 32" in kept.refused["q8_0"] and "refused by llama.cpp" in format_kv_cache(kept)
+
+    tuned = write_tuned(head32_bundle, tmp_path / "tuned", "llamacpp", {"mode": "ar", "kv_cache": "q8_0"}, {})
+    bundle = load_bundle(tuned)
+    assert (bundle.kv_cache("llamacpp"), bundle.kv_cache("torch")) == ("q8_0", "f16")
+    assert Pipeline.from_bundle(tuned, backend="llamacpp").models["target"].kv_cache == "q8_0"
+    assert Pipeline.from_bundle(tuned, backend="llamacpp", kv_cache="f16").models["target"].kv_cache == "f16"
+    assert Pipeline.from_bundle(tuned, backend="torch").config().mode == "ar"  # torch reads no cache type
+
+
+def test_kibidango_tune_tries_a_kv_cache_and_writes_the_chosen_one(head32_bundle, tmp_path, capsys):
+    """``kibidango tune --try-kv-cache``: after the mode search, the type is timed in the chosen mode
+    and, within the bounds, written with it as llama.cpp's ``kv_cache``."""
+    import json
+    from pathlib import Path
+
+    from kibidango import load_bundle, write_bundle
+    from kibidango.cli import main
+
+    target = Path(head32_bundle) / "tiers" / "target"
+    forms = {"hf": target / "hf", "gguf": next((target / "gguf").glob("*.gguf"))}
+    three = write_bundle(tmp_path / "three", {t: forms for t in ("draft", "qualifier", "target")}, {"mode": "ar"})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe little dog\n")
+    argv = ["tune", "--bundle", str(three), "--prompts", str(prompts), "--backend", "llamacpp"]
+    argv += ["--max-new-tokens", "6", "--max-ppl-increase", "10", "--try-kv-cache", "q8_0"]
+    assert main([*argv, "--write", str(tmp_path / "tuned")]) == 0
+    assert "q8_0 (chosen)" in capsys.readouterr().out
+    written = json.loads((tmp_path / "tuned" / "bundle.json").read_text())["tuned_defaults"]["llamacpp"]
+    assert written["kv_cache"] == "q8_0" and load_bundle(tmp_path / "tuned").kv_cache("llamacpp") == "q8_0"
+    with pytest.raises(SystemExit, match="llama.cpp option"):
+        main(
+            ["tune", "--bundle", str(three), "--prompts", str(prompts), "--backend", "torch", "--try-kv-cache", "q8_0"]
+        )
+
+
 def test_selection_prompts_are_held_out_openings_the_bench_does_not_use():
     """Settings are chosen on the held-out story openings that the bench family's prompts.txt leaves
     out: none of them is a benchmark prompt, and the split is the family's own."""

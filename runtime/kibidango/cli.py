@@ -199,7 +199,14 @@ def _bench(args: argparse.Namespace) -> None:
 def _tune(args: argparse.Namespace) -> None:
     from kibidango.pipeline import Pipeline
     from kibidango.tools.bench import read_prompts
-    from kibidango.tools.tune import format_tune, tune, write_tuned
+    from kibidango.tools.tune import (
+        format_kv_cache,
+        format_tune,
+        kv_cache_pipelines,
+        tune,
+        tune_kv_cache,
+        write_tuned,
+    )
 
     pipe = Pipeline.from_bundle(
         args.bundle,
@@ -210,6 +217,8 @@ def _tune(args: argparse.Namespace) -> None:
         kv_cache=args.kv_cache,
         compile=args.compile,
     )
+    if args.try_kv_cache and pipe.backend != "llamacpp":
+        raise SystemExit("--try-kv-cache: K/V cache types are a llama.cpp option (--backend llamacpp)")
 
     def progress(n: int, total: int, row: dict) -> None:
         print(f"  {n}/{total} candidates", file=sys.stderr, flush=True)
@@ -223,6 +232,15 @@ def _tune(args: argparse.Namespace) -> None:
         tier_gain=args.tier_gain,
     )
     print(format_tune(result))
+    chosen = result.chosen or {"mode": "ar"}
+    if args.try_kv_cache:
+        reference = pipe.models["target"].kv_cache
+        others, refused = kv_cache_pipelines(args.bundle, args.try_kv_cache, chosen["mode"], reference, args.threads)
+        prompts = [pipe.encode(p) for p in read_prompts(args.prompts)]
+        kv = tune_kv_cache(pipe, others, prompts, chosen, args.max_new_tokens, args.max_ppl_increase, refused=refused)
+        print(format_kv_cache(kv))
+        if kv.chosen != kv.reference:
+            result.chosen = {**chosen, "kv_cache": kv.chosen}
     if args.write and result.chosen:
         report = {
             "best": result.best,
@@ -231,7 +249,7 @@ def _tune(args: argparse.Namespace) -> None:
             "tier_gain": args.tier_gain,
             "prompts": args.prompts,
         }
-        print(f"written: {write_tuned(args.bundle, args.write, args.backend, result.chosen, report)}")
+        print(f"written: {write_tuned(args.bundle, args.write, pipe.backend, result.chosen, report)}")
 
 
 def _ngram_table(args: argparse.Namespace) -> None:
@@ -417,6 +435,14 @@ def _tune_command(sub) -> None:
     )
     tun.add_argument("--threads", type=int)
     tun.add_argument("--kv-cache", dest="kv_cache", choices=list(KV_CACHE_TYPES))
+    tun.add_argument(
+        "--try-kv-cache",
+        action="append",
+        default=[],
+        choices=list(KV_CACHE_TYPES),
+        help="llama.cpp: after the search, time this K/V cache type against the loaded one in the chosen mode; the "
+        "smallest within --max-ppl-increase and 5%% of the speed is chosen (repeatable)",
+    )
     tun.add_argument("--compile", action="store_true", help="torch: compiled draft and qualifier steps")
     tun.add_argument(
         "--write", metavar="DIR", help="write a copy of the bundle with the chosen settings as its defaults"

@@ -103,8 +103,8 @@ class Pipeline:
         kept loaded besides the default one (which stays loaded);
         ``threads``: CPU threads per model (llama.cpp; torch's process-wide pool), default
         :func:`kibidango.backends.llamacpp_backend.thread_counts` / torch's own; ``kv_cache``: the
-        llama.cpp K/V cache type (``f16``, ``q8_0``, ``q4_0``; default: the bundle's ``kv_cache``
-        runtime default on llama.cpp, else f16); ``compile`` (torch): the draft's and qualifier's
+        llama.cpp K/V cache type (``f16``, ``q8_0``, ``q4_0``; default: the bundle's own,
+        :meth:`kibidango.bundle.Bundle.kv_cache`); ``compile`` (torch): the draft's and qualifier's
         single-token steps compiled with ``torch.compile`` on a static cache (the target stays
         eager, so lossless modes output what they did; the first steps pay the compilation)."""
         bundle = load_bundle(path, verify=verify, expect_sha256=expect_sha256)
@@ -113,7 +113,7 @@ class Pipeline:
         cfg = dataclasses.replace(cfg, **{**overrides, **({"mode": mode} if mode is not None else {})})
         tokenizer = load_tokenizer(bundle.tokenizer_dir)
         if kv_cache is None:
-            kv_cache = str(bundle.defaults.get("kv_cache", "f16")) if backend == "llamacpp" else "f16"
+            kv_cache = bundle.kv_cache(backend)
         steps = compile and backend == "torch"
         models = {
             name: load_model(

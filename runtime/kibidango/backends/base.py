@@ -6,10 +6,21 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["KV_CACHE_TYPES", "ContextLengthError", "Model", "Session", "check_feed", "sync_and_feed"]
+__all__ = [
+    "KV_BYTES_PER_ELEMENT",
+    "KV_CACHE_TYPES",
+    "ContextLengthError",
+    "Model",
+    "Session",
+    "check_feed",
+    "sync_and_feed",
+]
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 """llama.cpp K/V cache types (a bundle's ``kv_cache`` default, ``--kv-cache``)."""
+KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+"""Bytes per cached element of each type: f16's two; ggml's q8_0 and q4_0 blocks of 32 values with
+one f16 scale (34 and 18 bytes)."""
 
 
 class ContextLengthError(ValueError):

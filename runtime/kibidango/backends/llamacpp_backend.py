@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kibidango.backends.base import KV_CACHE_TYPES, check_feed, sync_and_feed
+from kibidango.backends.base import KV_BYTES_PER_ELEMENT, KV_CACHE_TYPES, check_feed, sync_and_feed
 
 __all__ = ["KV_CACHE_TYPES", "LlamaCppModel", "LlamaCppSession", "DraftModelHook", "thread_counts"]
 # KV_CACHE_TYPES (backends/base.py): the K/V cache types the runtime offers (plan row 1H): f16 (2
@@ -227,6 +227,14 @@ class LlamaCppModel:
         self.vocab_size = self.llm.n_vocab()
         self.active: LlamaCppSession | None = None
         self._loras: dict[str, object] = {}
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of K/V cache one token of context takes at this model's cache type: a K and a V row
+        of the KV heads' width per layer (what llama.cpp allocates for each of the context's cells)."""
+        llama_cpp, model = _llama_cpp(), self.llm._model.model
+        head_dim = llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)
+        width = llama_cpp.llama_model_n_head_kv(model) * head_dim
+        return 2 * llama_cpp.llama_model_n_layer(model) * width * KV_BYTES_PER_ELEMENT[self.kv_cache]
 
     def set_threads(self, threads: int, threads_batch: int) -> None:
         """llama.cpp's thread counts for one-token steps and for batches from now on (the context's

@@ -129,6 +129,15 @@ class Bundle:
         except ValueError as e:
             raise BundleError(str(e)) from None
 
+    def kv_cache(self, backend: str) -> str:
+        """The K/V cache type the bundle ships for ``backend``: ``tuned_defaults.<backend>.kv_cache``
+        (``kibidango tune`` / stage 1F) over ``runtime_defaults.kv_cache``; f16 where neither says
+        one, and always on torch (a llama.cpp option)."""
+        if backend != "llamacpp":
+            return "f16"
+        tuned = self.manifest.tuned_defaults.get(backend, {})
+        return str(tuned.get("kv_cache", self.defaults.get("kv_cache", "f16")))
+
     def _part(self, key: str) -> Path | None:
         """The listed file bundle.json names under ``key``, or None when it names none."""
         rel = self.manifest.part(key)

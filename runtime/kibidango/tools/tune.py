@@ -25,7 +25,9 @@ and a qualifier) must beat every admissible mode on fewer tiers (``ar``: 1.0) by
 ``tier_gain`` (a share): a tier a bundle ships only for its default mode has to pay for its bytes and
 memory by more than a timing's noise (:func:`choose`); :func:`write_tuned` writes them into a copy
 of the bundle as its runtime defaults for that backend (``tuned_defaults`` in bundle.json, which
-:meth:`Pipeline.from_bundle` reads before the plain ``runtime_defaults``)."""
+:meth:`Pipeline.from_bundle` reads before the plain ``runtime_defaults``). On llama.cpp,
+:func:`tune_kv_cache` then chooses the K/V cache type the tuned mode runs with (plan row 1H), which
+ships as that backend's ``kv_cache``."""
 
 from __future__ import annotations
 
@@ -43,12 +45,16 @@ from kibidango.decode.speculative import REQUEST_SETTINGS, TIERS, Metrics
 from kibidango.pipeline import Pipeline
 
 __all__ = [
+    "KvCacheResult",
     "TuneResult",
     "candidates",
     "choose",
     "describe",
+    "format_kv_cache",
     "format_tune",
+    "kv_cache_pipelines",
     "tune",
+    "tune_kv_cache",
     "write_tuned",
     "write_tuned_backends",
 ]
@@ -227,6 +233,108 @@ def tune(
     return result
 
 
+@dataclass
+class KvCacheResult:
+    reference: str
+    """The K/V cache type the others are measured against (the bundle's own, f16 by default)."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """One per type, the reference's first: ``kv_cache``, ``bytes_per_token``, ``context_mb`` (the
+    target's whole context), ``speed_vs_reference``, ``agreement``, ``ppl_increase``, ``admissible``."""
+    chosen: str = "f16"
+    refused: dict[str, str] = field(default_factory=dict)
+    """Types llama.cpp would not make for the bundle's tiers, with its reason (not measured)."""
+
+
+def kv_cache_pipelines(
+    bundle: str | Path, types: list[str], mode: str, reference: str = "f16", threads: int | None = None
+) -> tuple[dict[str, Pipeline], dict[str, str]]:
+    """The bundle on llama.cpp, loaded for ``mode`` once per K/V cache type of ``types`` other than
+    ``reference``, for :func:`tune_kv_cache`; and the types llama.cpp refuses for its tiers (attention
+    heads narrower than a quantized block), each with the reason."""
+    loaded, refused = {}, {}
+    for kv in dict.fromkeys(types):
+        if kv == reference:
+            continue
+        try:
+            loaded[kv] = Pipeline.from_bundle(
+                bundle, backend="llamacpp", mode=mode, adapter="none", threads=threads, kv_cache=kv, verify=False
+            )
+        except ValueError as e:
+            refused[kv] = str(e)
+    return loaded, refused
+
+
+def tune_kv_cache(
+    reference: Pipeline,
+    others: dict[str, Pipeline],
+    prompts: list[list[int]],
+    settings: dict[str, Any],
+    max_new_tokens: int = 48,
+    max_ppl_increase: float = 0.02,
+    max_slowdown: float = 0.05,
+    rounds: int = 2,
+    refused: dict[str, str] | None = None,
+) -> KvCacheResult:
+    """Plan row 1H on llama.cpp: the K/V cache type a bundle ships. ``reference``: the bundle as
+    loaded (its target's cache type is the reference); ``others``: the same bundle loaded with each
+    other type (``Pipeline.from_bundle(..., kv_cache=...)``); ``settings``: the decoding settings
+    every pipeline runs, greedily (the tuned mode). Per type: the reference target's perplexity of
+    its text against the reference's text (a quantized cache changes what the target computes, so
+    it is judged like a lossy mode), greedy agreement (tokens before the first difference), tokens/s
+    over the reference's (each timed right after the reference, ``rounds`` times) and the cache's
+    bytes per token of context. The chosen type is the one with the fewest bytes per token whose
+    text is within ``max_ppl_increase`` and whose speed is at least ``1 - max_slowdown`` of the
+    reference's (the saving is memory: a timing's noise is not a reason to refuse it); the
+    reference's own where no other qualifies. ``refused``: types that could not be loaded
+    (:func:`kv_cache_pipelines`), kept in the result with their reasons."""
+    base = {"max_new_tokens": max_new_tokens, "stop_ids": (), "temperature": 0.0}
+    ref_model = reference.models["target"]
+    ref_type = getattr(ref_model, "kv_cache", "f16")
+    ref_cfg = reference.config(**base, **settings)
+    _decode(reference, prompts[:1], ref_cfg)  # warm-up
+    _, ref_out, _ = _decode(reference, prompts, ref_cfg)
+    ref_nll = float(np.mean([_target_nll(reference, p, o) for p, o in zip(prompts, ref_out)]))
+    ref_tokens = max(1, sum(len(o) for o in ref_out))
+
+    def row(kv: str, model) -> dict[str, Any]:
+        per_token = model.kv_bytes_per_token()
+        return {"kv_cache": kv, "bytes_per_token": per_token, "context_mb": per_token * model.context_length / 1e6}
+
+    result = KvCacheResult(ref_type, chosen=ref_type, refused=dict(refused or {}))
+    result.rows.append(
+        {
+            **row(ref_type, ref_model),
+            "speed_vs_reference": 1.0,
+            "agreement": 1.0,
+            "ppl_increase": 0.0,
+            "admissible": True,
+        }
+    )
+    for kv, pipe in others.items():
+        cfg = pipe.config(**base, **settings)
+        _decode(pipe, prompts[:1], cfg)  # warm-up
+        seconds = ref_seconds = 0.0
+        for _ in range(max(1, rounds)):
+            took, outs, _ = _decode(pipe, prompts, cfg)
+            ref_took, _, _ = _decode(reference, prompts, ref_cfg)  # right after: the same machine state
+            seconds, ref_seconds = seconds + took, ref_seconds + ref_took
+        firsts = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in zip(ref_out, outs)]
+        nll = float(np.mean([_target_nll(reference, p, o) for p, o in zip(prompts, outs)]))
+        ppl_increase = 0.0 if outs == ref_out else math.exp(nll - ref_nll) - 1
+        speed = (ref_seconds / seconds) * (sum(len(o) for o in outs) / ref_tokens)
+        result.rows.append(
+            {
+                **row(kv, pipe.models["target"]),
+                "speed_vs_reference": speed,
+                "agreement": sum(firsts) / ref_tokens,
+                "ppl_increase": ppl_increase,
+                "admissible": ppl_increase <= max_ppl_increase and speed >= 1 - max_slowdown,
+            }
+        )
+    result.chosen = min((r for r in result.rows if r["admissible"]), key=lambda r: r["bytes_per_token"])["kv_cache"]
+    return result
+
+
 def choose(rows: list[dict[str, Any]], tier_gain: float = 0.0) -> dict[str, Any]:
     """Of admissible rows (each with ``mode`` and ``speed_vs_ar``), the one whose settings become
     the defaults: target-only decoding (``{"mode": "ar", "speed_vs_ar": 1.0}``) unless a row beats it;
@@ -244,16 +352,17 @@ def choose(rows: list[dict[str, Any]], tier_gain: float = 0.0) -> dict[str, Any]
 
 def describe(c: dict[str, Any]) -> str:
     """A candidate (or chosen settings) in words: ``sd k=4``, ``pyramid-fuzzy l_D=3 l_Q=6 tau=0.3/0.2``."""
+    kv = f" kv={c['kv_cache']}" if c.get("kv_cache", "f16") != "f16" else ""
     if c.get("mode", "ar") == "ar":
-        return "ar (target only)"
+        return "ar (target only)" + kv
     extra = f" adaptive<={c['k_max']}" if c.get("adaptive") else ""
     extra += f" p_min={c['p_min']}" if c.get("p_min") else ""
     extra += " +lookup" if c.get("lookup") else ""
     extra += " +table" if c.get("ngram_table") else ""
     if c["mode"] in ("sd", "lookup"):
-        return f"{c['mode']} k={c['k']}{extra}"
+        return f"{c['mode']} k={c['k']}{extra}{kv}"
     tau = f" tau={c['tau_Q']}/{c['tau_T']}" if "tau_Q" in c else ""
-    return f"pyramid-{c['variant']} l_D={c['l_D']} l_Q={c['l_Q']}{tau}{extra}"
+    return f"pyramid-{c['variant']} l_D={c['l_D']} l_Q={c['l_Q']}{tau}{extra}{kv}"
 
 
 def format_tune(result: TuneResult, top: int = 12) -> str:
@@ -289,6 +398,25 @@ def format_tune(result: TuneResult, top: int = 12) -> str:
             f"passed over: {describe(result.passed_over)} at {result.passed_over['speed_vs_ar']:.2f}x ar (runs more "
             f"tiers than the choice, {result.chosen_speed:.2f}x, and is not faster by more than the tier gain)"
         )
+    return "\n".join(lines)
+
+
+def format_kv_cache(result: KvCacheResult) -> str:
+    """The K/V cache types measured (:func:`tune_kv_cache`), as a markdown table."""
+    lines = [
+        f"K/V cache types against {result.reference}, in the chosen mode, greedy:",
+        "",
+        "| K/V cache | bytes per token | whole context | tokens/s vs reference | agreement | target perplexity "
+        "vs reference | admissible |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result.rows:
+        lines.append(
+            f"| {r['kv_cache']}{' (chosen)' if r['kv_cache'] == result.chosen else ''} | {r['bytes_per_token']:,.0f} | "
+            f"{r['context_mb']:.1f} MB | {r['speed_vs_reference']:.2f}x | {r['agreement']:.1%} | "
+            f"{r['ppl_increase']:+.2%} | {'yes' if r['admissible'] else 'no'} |"
+        )
+    lines += [f"| {kv} | refused by llama.cpp: {why} | | | | | no |" for kv, why in result.refused.items()]
     return "\n".join(lines)
 
 
