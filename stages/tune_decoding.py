@@ -28,9 +28,10 @@ ratios measured side by side in one process; the settings are chosen for greedy 
 
 On llama.cpp the chosen mode then runs with each K/V cache type of ``kv_caches`` beside the bundle's
 own (plan row 1H; :func:`kibidango.tools.tune.tune_kv_cache`): the type with the fewest bytes per token
-whose text keeps ``max_ppl_increase`` and whose speed keeps ``1 - kv_max_slowdown`` of the reference's
-ships as that backend's ``kv_cache`` (on SmolLM2's 8,192-token context an f16 cache is 189 MB, more
-than the Q4 weights; q8_0 is 100 MB).
+whose perplexity of the reference's own sequences (prompt and greedy text, teacher-forced) keeps
+``max_ppl_increase`` and whose speed keeps ``1 - kv_max_slowdown`` of the reference's ships as that
+backend's ``kv_cache`` (on SmolLM2's 8,192-token context an f16 cache is 189 MB, more than the Q4
+weights; q8_0 is 100 MB).
 
 Outputs: ``bundle/`` (the tuned bundle, read by stages 9 and 9A), ``tuning.json``,
 ``candidates.jsonl`` (every candidate, every backend; an MLflow table), ``speedup_vs_tau.png``,
@@ -93,7 +94,8 @@ class Config(StageConfig):
     kv_caches: list[Literal["f16", "q8_0", "q4_0"]] = Field(
         ["q8_0", "q4_0"],
         description="llama.cpp K/V cache types timed against the bundle's own (f16) in the chosen mode (plan row "
-        "1H); the one with the fewest bytes per token whose text keeps max_ppl_increase and whose speed keeps "
+        "1H); the one with the fewest bytes per token whose perplexity of the reference's sequences keeps "
+        "max_ppl_increase and whose speed keeps "
         "1 - kv_max_slowdown of the reference's ships as the backend's kv_cache (empty: the bundle's own).",
     )
     kv_max_slowdown: float = Field(
@@ -296,7 +298,8 @@ def _card(results: dict, tuned: dict, prompts: int, cfg: Config, kv=None) -> str
             "## llamacpp: the K/V cache (plan row 1H)",
             "",
             f"The chosen mode decoded with each K/V cache type beside the bundle's own ({kv.reference}), each timed "
-            "right after it; a type ships when its text keeps the perplexity bound and its speed keeps "
+            "right after it; a type ships when its perplexity of the reference's own sequences (prompts and "
+            "greedy text, teacher-forced) keeps the bound and its speed keeps "
             f"{1 - cfg.kv_max_slowdown:.0%} of the reference's, the fewest bytes per token first. Chosen: "
             f"**{kv.chosen}**.",
             "",
