@@ -845,24 +845,30 @@ def _bundle_claims(artifacts: dict) -> list[Claim]:
                     _shown(run["ratio"], run["ci"][0], 1.0),
                 )
             )
-        if beside.get("peak_rss_mb") is not None and ev.get("peak_rss_mb") is not None:
-            mine, theirs = ev["peak_rss_mb"], beside["peak_rss_mb"]
-            kv, at_f16 = ev.get("kv_cache", "f16"), beside.get("bundle_peak_rss_mb_at_input_kv_cache")
-            cache = (
-                f"; the bundle's K/V cache at {kv} (1F), the input's at llama.cpp's f16"
-                + (f"; the bundle at f16: {at_f16:.1f} MB ({at_f16 / theirs - 1:+.1%})" if at_f16 else "")
-                if kv != "f16"
-                else ""
-            )
-            rows.append(
-                (
-                    "peak RSS loading and generating, against the input's",
-                    "no higher (within 1%: pages)",
-                    f"{mine:.1f} MB against {theirs:.1f} MB ({mine / theirs - 1:+.1%}){cache}",
-                    _yes(mine <= 1.01 * theirs),
-                )
-            )
+        rows += _rss_claim(ev, beside)
     return rows
+
+
+def _rss_claim(ev: dict, beside: dict) -> list[Claim]:
+    """Stage 9's peak RSS against the input model's, with the K/V cache each ran with (none measured: no row)."""
+    if beside.get("peak_rss_mb") is None or ev.get("peak_rss_mb") is None:
+        return []
+    mine, theirs = ev["peak_rss_mb"], beside["peak_rss_mb"]
+    kv, at_f16 = ev.get("kv_cache", "f16"), beside.get("bundle_peak_rss_mb_at_input_kv_cache")
+    cache = (
+        f"; the bundle's K/V cache at {kv} (1F), the input's at llama.cpp's f16"
+        + (f"; the bundle at f16: {at_f16:.1f} MB ({at_f16 / theirs - 1:+.1%})" if at_f16 else "")
+        if kv != "f16"
+        else ""
+    )
+    return [
+        (
+            "peak RSS loading and generating, against the input's",
+            "no higher (within 1%: pages)",
+            f"{mine:.1f} MB against {theirs:.1f} MB ({mine / theirs - 1:+.1%}){cache}",
+            _yes(mine <= 1.01 * theirs),
+        )
+    ]
 
 
 def _shown(estimate: float, low: float, goal: float) -> str:

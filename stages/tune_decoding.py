@@ -233,17 +233,23 @@ def _kv_cache(cfg: Config, src: Path, pipe, prompts: list[list[int]], chosen: di
     """The bundle's llama.cpp K/V cache (plan row 1H): each type of ``kv_caches`` loaded beside the
     reference ``pipe`` and timed in the chosen mode (:func:`kibidango.tools.tune.tune_kv_cache`); None
     when the recipe tries none."""
-    from kibidango.tools.tune import kv_cache_pipelines, tune_kv_cache
+    from kibidango.tools.tune import tune_kv_cache
 
-    reference = pipe.models["target"].kv_cache
-    if not [t for t in cfg.kv_caches if t != reference]:
+    if not [t for t in cfg.kv_caches if t != pipe.models["target"].kv_cache]:
         return None
-    others, refused = kv_cache_pipelines(src, cfg.kv_caches, chosen["mode"], reference, cfg.threads)
-    for kv, why in refused.items():
-        log.warning(f"llamacpp K/V cache {kv} not tried: {why}")
     result = tune_kv_cache(
-        pipe, others, prompts, chosen, cfg.max_new_tokens, cfg.max_ppl_increase, cfg.kv_max_slowdown, refused=refused
+        pipe,
+        src,
+        cfg.kv_caches,
+        prompts,
+        chosen,
+        cfg.max_new_tokens,
+        cfg.max_ppl_increase,
+        cfg.kv_max_slowdown,
+        threads=cfg.threads,
     )
+    for kv, why in result.refused.items():
+        log.warning(f"llamacpp K/V cache {kv} not tried: {why}")
     for row in result.rows:
         log.info(
             f"llamacpp K/V cache {row['kv_cache']}: {row['context_mb']:.1f} MB for the whole context, "

@@ -313,16 +313,20 @@ def test_the_kv_cache_is_chosen_by_measurement_and_shipped_per_backend(head32_bu
     from stages.tune_decoding import Config, _card, _kv_cache
 
     reference = Pipeline.from_bundle(head32_bundle, backend="llamacpp")
-    others = {kv: Pipeline.from_bundle(head32_bundle, backend="llamacpp", kv_cache=kv) for kv in ("q8_0", "q4_0")}
+    types = ["f16", "q8_0", "q4_0"]
     prompts = [reference.encode("Once upon a time"), reference.encode("The little dog")]
-    loose = tune_kv_cache(reference, others, prompts, {"mode": "ar"}, 12, max_ppl_increase=10.0, max_slowdown=0.99)
+    loose = tune_kv_cache(
+        reference, head32_bundle, types, prompts, {"mode": "ar"}, 12, max_ppl_increase=10.0, max_slowdown=0.99
+    )
     # 2 layers x (K + V) x 2 KV heads x 32 wide, at 2 bytes (f16) and ggml's 34 / 18 bytes per 32 values
     assert [(r["kv_cache"], r["bytes_per_token"]) for r in loose.rows] == [("f16", 512), ("q8_0", 272), ("q4_0", 144)]
     assert loose.rows[0]["context_mb"] == pytest.approx(512 * 256 / 1e6)
     assert loose.reference == "f16" and loose.chosen == "q4_0"
     assert all(r["admissible"] and r["speed_vs_reference"] > 0 for r in loose.rows)
     assert "q4_0 (chosen)" in format_kv_cache(loose)
-    strict = tune_kv_cache(reference, others, prompts, {"mode": "ar"}, 12, max_ppl_increase=-1.0, max_slowdown=0.99)
+    strict = tune_kv_cache(
+        reference, head32_bundle, types, prompts, {"mode": "ar"}, 12, max_ppl_increase=-1.0, max_slowdown=0.99
+    )
     assert strict.chosen == "f16"  # nothing else keeps the bound: the bundle's own cache stays
     assert not any(r["admissible"] for r in strict.rows[1:])
 

@@ -202,7 +202,6 @@ def _tune(args: argparse.Namespace) -> None:
     from kibidango.tools.tune import (
         format_kv_cache,
         format_tune,
-        kv_cache_pipelines,
         tune,
         tune_kv_cache,
         write_tuned,
@@ -234,10 +233,17 @@ def _tune(args: argparse.Namespace) -> None:
     print(format_tune(result))
     chosen = result.chosen or {"mode": "ar"}
     if args.try_kv_cache:
-        reference = pipe.models["target"].kv_cache
-        others, refused = kv_cache_pipelines(args.bundle, args.try_kv_cache, chosen["mode"], reference, args.threads)
         prompts = [pipe.encode(p) for p in read_prompts(args.prompts)]
-        kv = tune_kv_cache(pipe, others, prompts, chosen, args.max_new_tokens, args.max_ppl_increase, refused=refused)
+        kv = tune_kv_cache(
+            pipe,
+            args.bundle,
+            args.try_kv_cache,
+            prompts,
+            chosen,
+            args.max_new_tokens,
+            args.max_ppl_increase,
+            threads=args.threads,
+        )
         print(format_kv_cache(kv))
         if kv.chosen != kv.reference:
             result.chosen = {**chosen, "kv_cache": kv.chosen}

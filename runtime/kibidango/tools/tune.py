@@ -52,7 +52,6 @@ __all__ = [
     "describe",
     "format_kv_cache",
     "format_tune",
-    "kv_cache_pipelines",
     "tune",
     "tune_kv_cache",
     "write_tuned",
@@ -256,51 +255,33 @@ class KvCacheResult:
     """Types llama.cpp would not make for the bundle's tiers, with its reason (not measured)."""
 
 
-def kv_cache_pipelines(
-    bundle: str | Path, types: list[str], mode: str, reference: str = "f16", threads: int | None = None
-) -> tuple[dict[str, Pipeline], dict[str, str]]:
-    """The bundle on llama.cpp, loaded for ``mode`` once per K/V cache type of ``types`` other than
-    ``reference``, for :func:`tune_kv_cache`; and the types llama.cpp refuses for its tiers (attention
-    heads narrower than a quantized block), each with the reason."""
-    loaded, refused = {}, {}
-    for kv in dict.fromkeys(types):
-        if kv == reference:
-            continue
-        try:
-            loaded[kv] = Pipeline.from_bundle(
-                bundle, backend="llamacpp", mode=mode, adapter="none", threads=threads, kv_cache=kv, verify=False
-            )
-        except ValueError as e:
-            refused[kv] = str(e)
-    return loaded, refused
-
-
 def tune_kv_cache(
     reference: Pipeline,
-    others: dict[str, Pipeline],
+    bundle: str | Path,
+    types: list[str],
     prompts: list[list[int]],
     settings: dict[str, Any],
     max_new_tokens: int = 48,
     max_ppl_increase: float = 0.02,
     max_slowdown: float = 0.05,
     rounds: int = 2,
-    refused: dict[str, str] | None = None,
+    threads: int | None = None,
 ) -> KvCacheResult:
-    """Plan row 1H on llama.cpp: the K/V cache type a bundle ships. ``reference``: the bundle as
-    loaded (its target's cache type is the reference); ``others``: the same bundle loaded with each
-    other type (``Pipeline.from_bundle(..., kv_cache=...)``); ``settings``: the decoding settings
-    every pipeline runs, greedily (the tuned mode). Per type: its target's perplexity of the
-    reference's own sequences (each prompt and the reference's greedy text, teacher-forced through
-    that type's cache) against the reference target's, greedy agreement (tokens before the first
-    difference: reported, not judged; free-running texts part at near-ties and a parted text's
-    perplexity is a lottery, which once admitted q4_0 at -3% and refused q8_0 at +14% on the small
-    bundle's 2 prompts), tokens/s
-    over the reference's (each timed right after the reference, ``rounds`` times) and the cache's
-    bytes per token of context. The chosen type is the one with the fewest bytes per token whose
-    text is within ``max_ppl_increase`` and whose speed is at least ``1 - max_slowdown`` of the
-    reference's (the saving is memory: a timing's noise is not a reason to refuse it); the
-    reference's own where no other qualifies. ``refused``: types that could not be loaded
-    (:func:`kv_cache_pipelines`), kept in the result with their reasons."""
+    """Plan row 1H on llama.cpp: the K/V cache type a bundle ships. ``reference``: the bundle at
+    ``bundle`` as loaded (its target's cache type is the reference); each other type of ``types`` is
+    loaded beside it for ``settings``' mode (a type llama.cpp refuses for the bundle's tiers, whose
+    attention heads are narrower than a quantized block, is kept in ``refused`` with the reason);
+    ``settings``: the decoding settings every pipeline runs, greedily (the tuned mode). Per type: its
+    target's perplexity of the reference's own sequences (each prompt and the reference's greedy
+    text, teacher-forced through that type's cache) against the reference target's; greedy
+    agreement (tokens before the first difference: reported, not judged; free-running texts part at
+    near-ties and a parted text's perplexity is a lottery, which once admitted q4_0 at -3% and
+    refused q8_0 at +14% on the small bundle's 2 prompts); tokens/s over the reference's (each timed
+    right after the reference, ``rounds`` times); and the cache's bytes per token of context. The
+    chosen type is the one with the fewest bytes per token whose perplexity is within
+    ``max_ppl_increase`` and whose speed is at least ``1 - max_slowdown`` of the reference's (the
+    saving is memory: a timing's noise is not a reason to refuse it); the reference's own where no
+    other qualifies."""
     base = {"max_new_tokens": max_new_tokens, "stop_ids": (), "temperature": 0.0}
     ref_model = reference.models["target"]
     ref_type = getattr(ref_model, "kv_cache", "f16")
@@ -315,7 +296,23 @@ def tune_kv_cache(
         per_token = model.kv_bytes_per_token()
         return {"kv_cache": kv, "bytes_per_token": per_token, "context_mb": per_token * model.context_length / 1e6}
 
-    result = KvCacheResult(ref_type, chosen=ref_type, refused=dict(refused or {}))
+    others, refused = {}, {}
+    for kv in dict.fromkeys(types):
+        if kv == ref_type:
+            continue
+        try:
+            others[kv] = Pipeline.from_bundle(
+                bundle,
+                backend="llamacpp",
+                mode=settings["mode"],
+                adapter="none",
+                threads=threads,
+                kv_cache=kv,
+                verify=False,
+            )
+        except ValueError as e:
+            refused[kv] = str(e)
+    result = KvCacheResult(ref_type, chosen=ref_type, refused=refused)
     result.rows.append(
         {
             **row(ref_type, ref_model),
