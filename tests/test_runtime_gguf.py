@@ -329,16 +329,22 @@ def test_the_kv_cache_is_chosen_by_measurement_and_shipped_per_backend(head32_bu
     )
     assert strict.chosen == "f16"  # nothing else keeps the bound: the bundle's own cache stays
     assert not any(r["admissible"] for r in strict.rows[1:])
+    # held-out texts are scored beside the reference's own sequences (a one-token text has nothing to score)
+    text = reference.encode("The cat sat on the mat and looked at the little dog in the garden all day long")
+    texts = tune_kv_cache(
+        reference, head32_bundle, ["q4_0"], prompts, {"mode": "ar"}, 12, max_slowdown=0.99, texts=[text, text[:1]]
+    )
+    assert texts.rows[1]["ppl_increase"] != pytest.approx(loose.rows[2]["ppl_increase"], abs=1e-9)
 
     # the stage's own step: the recipe's types, the reference left out, the chosen one in the card
     cfg = Config(kv_caches=["f16", "q8_0"], kv_max_slowdown=0.99, max_ppl_increase=10.0, max_new_tokens=8)
-    staged = _kv_cache(cfg, head32_bundle, reference, prompts, {"mode": "ar"})
+    staged = _kv_cache(cfg, head32_bundle, reference, prompts, [text], {"mode": "ar"})
     assert [r["kv_cache"] for r in staged.rows] == ["f16", "q8_0"] and staged.chosen == "q8_0"
     assert "**q8_0**" in _card({}, {}, len(prompts), cfg, staged)
-    assert _kv_cache(Config(kv_caches=[]), head32_bundle, reference, prompts, {"mode": "ar"}) is None
+    assert _kv_cache(Config(kv_caches=[]), head32_bundle, reference, prompts, [], {"mode": "ar"}) is None
     # stories260K's 8-wide heads: llama.cpp makes no quantized cache; the type is refused, not measured
     narrow = Pipeline.from_bundle(gguf_bundle, backend="llamacpp", mode="ar")
-    kept = _kv_cache(Config(kv_caches=["q8_0"]), gguf_bundle, narrow, [narrow.encode("Once")], {"mode": "ar"})
+    kept = _kv_cache(Config(kv_caches=["q8_0"]), gguf_bundle, narrow, [narrow.encode("Once")], [], {"mode": "ar"})
     assert kept.chosen == "f16" and [r["kv_cache"] for r in kept.rows] == ["f16"]
     assert "multiple of 32" in kept.refused["q8_0"] and "refused by llama.cpp" in format_kv_cache(kept)
 

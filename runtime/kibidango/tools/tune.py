@@ -266,6 +266,7 @@ def tune_kv_cache(
     max_slowdown: float = 0.05,
     rounds: int = 2,
     threads: int | None = None,
+    texts: list[list[int]] = (),
 ) -> KvCacheResult:
     """Plan row 1H on llama.cpp: the K/V cache type a bundle ships. ``reference``: the bundle at
     ``bundle`` as loaded (its target's cache type is the reference); each other type of ``types`` is
@@ -276,7 +277,9 @@ def tune_kv_cache(
     text, teacher-forced through that type's cache) against the reference target's; greedy
     agreement (tokens before the first difference: reported, not judged; free-running texts part at
     near-ties and a parted text's perplexity is a lottery, which once admitted q4_0 at -3% and
-    refused q8_0 at +14% on the small bundle's 2 prompts); tokens/s over the reference's (each timed
+    refused q8_0 at +14% on the small bundle's 2 prompts); ``texts``, further token sequences
+    scored the same way beside them (held-out text: a few hundred tokens of it steady a perplexity
+    that 32 generated tokens leave to chance); tokens/s over the reference's (each timed
     right after the reference, ``rounds`` times); and the cache's bytes per token of context. The
     chosen type is the one with the fewest bytes per token whose perplexity is within
     ``max_ppl_increase`` and whose speed is at least ``1 - max_slowdown`` of the reference's (the
@@ -289,6 +292,7 @@ def tune_kv_cache(
     _decode(reference, prompts[:1], ref_cfg)  # warm-up
     _, ref_out, _ = _decode(reference, prompts, ref_cfg)
     sequences = [list(p) + list(o) for p, o in zip(prompts, ref_out)]  # every token after the first scored
+    sequences += [list(t) for t in texts if len(t) > 1]
     ref_nll = _sequences_nll(reference, sequences)
     ref_tokens = max(1, sum(len(o) for o in ref_out))
 
