@@ -207,7 +207,7 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
             "rows": kv.rows,
             "refused": kv.refused,
             "max_slowdown": cfg.kv_max_slowdown,
-            "texts": cfg.kv_texts,
+            "texts": len(texts),  # the rows scored (the split may hold fewer than kv_texts)
             "text_tokens": cfg.kv_text_tokens,
         }
     write_tuned_backends(src, out_dir / "bundle", tuned, tuning)
