@@ -121,7 +121,6 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
     from kibidango.bundle import load_bundle
     from kibidango.pipeline import Pipeline
     from kibidango.tools.tune import describe, tune, write_tuned_backends
-    from methods.measure.lm import held_out_prompts
 
     for name in (cfg.bundle_input, cfg.data_input):
         if name not in inputs:
@@ -148,15 +147,8 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         pipe = Pipeline.from_bundle(
             src, backend=backend, mode="pyramid", adapter="none", threads=cfg.threads, verify=False
         )
-        if not prompts:  # room for the generated tokens in every tier's context
-            lookahead = max([*cfg.grid.k, cfg.grid.k_max, *cfg.grid.lookup_k, *(q for _, q in cfg.grid.lengths)]) + 1
-            room = min(m.context_length for m in pipe.models.values()) - cfg.max_new_tokens - lookahead
-            held_out = [p.ids for p in held_out_prompts(tokenizer, rows, max_len=room)]
-            prompts = list({tuple(ids): ids for ids in held_out}.values())[: cfg.prompts]  # stories may open alike
-            if not prompts:
-                raise KibidangoError(f"{inputs[cfg.data_input]}: no validation row gives a prompt under {room} tokens")
-            width = min(cfg.kv_text_tokens, room)
-            texts = [encode(tokenizer, messages(r), width)[0] for r in rows[: cfg.kv_texts]]
+        if not prompts:
+            prompts, texts = _held_out(cfg, tokenizer, rows, pipe, inputs[cfg.data_input])
         progress = Progress(f"1F {backend} candidates", None, log)
         result = tune(
             pipe,
@@ -239,6 +231,22 @@ def run(cfg: Config, inputs: dict[str, Path], out_dir: Path) -> StageResult:
         f"tuned defaults {summary} (bundle/ with tuned_defaults)",
         tables={"candidates.json": "candidates.jsonl"},
     )
+
+
+def _held_out(cfg: Config, tokenizer, rows: list[dict], pipe, data: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """The timed prompts (``cfg.prompts`` distinct openings of the validation rows) and the K/V cache's
+    held-out texts (``cfg.kv_texts`` rows rendered whole), each with room for the generated tokens in
+    every tier's context."""
+    from methods.measure.lm import held_out_prompts
+
+    lookahead = max([*cfg.grid.k, cfg.grid.k_max, *cfg.grid.lookup_k, *(q for _, q in cfg.grid.lengths)]) + 1
+    room = min(m.context_length for m in pipe.models.values()) - cfg.max_new_tokens - lookahead
+    held_out = [p.ids for p in held_out_prompts(tokenizer, rows, max_len=room)]
+    prompts = list({tuple(ids): ids for ids in held_out}.values())[: cfg.prompts]  # stories may open alike
+    if not prompts:
+        raise KibidangoError(f"{data}: no validation row gives a prompt under {room} tokens")
+    width = min(cfg.kv_text_tokens, room)
+    return prompts, [encode(tokenizer, messages(r), width)[0] for r in rows[: cfg.kv_texts]]
 
 
 def _kv_cache(cfg: Config, src: Path, pipe, prompts: list[list[int]], texts: list[list[int]], chosen: dict):
